@@ -1,0 +1,132 @@
+"""Run scenarios: analytic gradients against central differences, then the invariants.
+Returns frozen results; never prints and never exits."""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from . import numeric
+from .ops import FAULTS, OPS
+from .result import Check, ControlCell, ScenarioResult
+from .scenario import Scenario
+from .tolerance import machine_epsilon, passes, relative_error
+
+#: Default bytes of perturbed copies evaluated in one vectorised call.
+DEFAULT_MEMORY_BUDGET = 64 * 2**20
+
+#: A fault is applicable to a scenario when it changes the output or a gradient by more than this
+#: many tolerances (relative to the larger magnitude).
+APPLICABLE_FACTOR = 10.0
+
+Progress = Callable[[int], None]
+
+
+def work_units(sc: Scenario) -> int:
+    """Number of perturbed elements / directions a scenario's gradient checks evaluate (for progress)."""
+    op = OPS[sc.op]
+    sizes = {"q": sc.batch * sc.heads_q * sc.n_q * sc.d_head, "k": sc.batch * sc.heads_kv * sc.n_k * sc.d_head,
+             "v": sc.batch * sc.heads_kv * sc.n_k * sc.d_value}
+    per = {"full": lambda n: n, "sample": lambda n: min(sc.samples, n), "directional": lambda n: sc.directions}[sc.mode]
+    return sum(per(sizes[t]) for t in op.tensors)
+
+
+def _forward_faults(faults: Iterable[str]) -> frozenset[str]:
+    return frozenset(f for f in faults if FAULTS[f].forward)
+
+
+def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int = DEFAULT_MEMORY_BUDGET,
+                 progress: Progress | None = None, numeric_cache: dict | None = None) -> ScenarioResult:
+    """Check one scenario with the given faults injected (faults of other ops are ignored).
+
+    ``numeric_cache`` lets several runs of the same scenario share finite differences when their
+    faults leave the forward unchanged (negative controls use it).
+    """
+    start = time.perf_counter()
+    op = OPS[sc.op]
+    active = tuple(f for f in faults if f in op.faults)
+    problem = op.build(sc, active)
+    rng = np.random.default_rng([sc.seed, 2])
+    chunk = numeric.chunk_size(problem.copy_bytes, memory_budget)
+    eps_m = machine_epsilon(sc.dtype)
+    checks: list[Check] = []
+    arrays = dict(problem.arrays)
+    for name, x in problem.inputs.items():
+        grad = problem.gradients[name]
+        key = (sc, name, _forward_faults(active))
+        if numeric_cache is not None and key in numeric_cache:
+            num, sites, step = numeric_cache[key]
+            if progress:
+                progress(len(sites) if sc.mode != "directional" else sc.directions)
+        else:
+            num, sites, step = _differences(sc, problem, name, x, rng, chunk, progress)
+            if numeric_cache is not None:
+                numeric_cache[key] = (num, sites, step)
+        if sc.mode == "directional":
+            ana = np.tensordot(sites, grad.astype(np.float64), axes=x.ndim)
+        else:
+            ana = grad.ravel()[sites].astype(np.float64)
+        max_abs, rel, worst = relative_error(ana, num)
+        noise = eps_m * problem.loss_abs / step
+        ok = passes(max_abs, ana, num, sc.tolerance, noise)
+        if sc.mode == "directional":
+            index = (worst,)
+            where = f"direction {worst}"
+        else:
+            index = tuple(int(i) for i in np.unravel_index(int(sites[worst]), x.shape))
+            where = f"{name}[{', '.join(map(str, index))}]"
+        detail = (f"worst at {where}: analytic {ana[worst]:.9g}, numeric {num[worst]:.9g}; "
+                  f"{len(num)} {'directions' if sc.mode == 'directional' else 'elements'} checked")
+        checks.append(Check("gradient", f"gradient {name}", name, tuple(x.shape), max_abs, rel, sc.tolerance,
+                            noise, index, ok, detail))
+        if sc.mode == "full":
+            arrays[f"numeric_{name}"] = num.reshape(x.shape)
+    checks.extend(problem.invariants())
+    return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
+                          mode=sc.mode, faults=active, checks=tuple(checks),
+                          elapsed_s=time.perf_counter() - start, arrays=arrays)
+
+
+def _differences(sc: Scenario, problem, name: str, x: np.ndarray, rng: np.random.Generator, chunk: int,
+                 progress: Progress | None):
+    """(numeric values, sites, smallest step): sites are flat indices, or the directions taken."""
+    def loss(copies):
+        return problem.loss(name, copies)
+
+    if sc.mode == "directional":
+        units = numeric.unit_directions(rng, sc.directions, x.shape)
+        num, taken = numeric.directions(loss, x, units, sc.epsilon, chunk, progress)
+        return num, taken, sc.epsilon * max(1.0, float(np.max(np.abs(x))))
+    if sc.mode == "full":
+        sites = np.arange(x.size)
+    else:
+        sites = np.sort(rng.choice(x.size, size=min(sc.samples, x.size), replace=False))
+    return numeric.elements(loss, x, sites, sc.epsilon, chunk, progress), sites, sc.epsilon
+
+
+def fault_effect(sc: Scenario, fault: str) -> float:
+    """Largest relative change the fault makes to the output or to an analytic gradient."""
+    op = OPS[sc.op]
+    clean, broken = op.build(sc, ()), op.build(sc, (fault,))
+    pairs = [(clean.output, broken.output)] + [(clean.gradients[t], broken.gradients[t]) for t in op.tensors]
+    return max(relative_error(a, b)[1] for a, b in pairs)
+
+
+def negative_controls(scenarios: Sequence[Scenario], *, memory_budget: int = DEFAULT_MEMORY_BUDGET,
+                      progress: Progress | None = None, numeric_cache: dict | None = None) -> list[ControlCell]:
+    """Every fault of each scenario's op, injected alone: detected, missed or not applicable."""
+    cache = {} if numeric_cache is None else numeric_cache
+    cells = []
+    for sc in scenarios:
+        for fault in OPS[sc.op].faults:
+            effect = fault_effect(sc, fault)
+            if effect <= APPLICABLE_FACTOR * sc.tolerance:
+                cells.append(ControlCell(fault, sc.name, "not applicable", effect, ()))
+                if progress:
+                    progress(work_units(sc))
+                continue
+            res = run_scenario(sc, (fault,), memory_budget=memory_budget, progress=progress, numeric_cache=cache)
+            failed = tuple(dict.fromkeys(c.name for c in res.checks if not c.passed))
+            cells.append(ControlCell(fault, sc.name, "detected" if failed else "missed", effect, failed))
+    return cells

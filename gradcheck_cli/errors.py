@@ -1,0 +1,30 @@
+"""Errors the tool reports to people. Only the CLI turns them into exit codes."""
+from __future__ import annotations
+
+
+class GradcheckError(Exception):
+    """Any error that is the user's input, not a bug: the CLI prints it and exits 2."""
+
+
+class ScenarioError(GradcheckError):
+    """A scenario file is wrong: names the file, the line and the key, and suggests a fix.
+
+    ``key`` is a dotted path such as ``scenarios[0].mask.window``; ``line`` is 1-based.
+    """
+
+    def __init__(self, message: str, *, file: str | None = None, line: int | None = None,
+                 key: str | None = None, hint: str | None = None):
+        self.message = message
+        self.file = file
+        self.line = line
+        self.key = key
+        self.hint = hint
+        super().__init__(self.__str__())
+
+    def __str__(self) -> str:
+        where = ""
+        if self.file:
+            where = self.file + (f":{self.line}" if self.line else "") + ": "
+        key = f"{self.key}: " if self.key else ""
+        hint = f" ({self.hint})" if self.hint else ""
+        return f"{where}{key}{self.message}{hint}"

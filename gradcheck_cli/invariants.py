@@ -1,0 +1,98 @@
+"""Semantic checks that finite differences cannot make (they only verify the derivative of the
+forward as written): a forward that ignores the mask has gradients that agree perfectly with its
+own finite differences. Each function returns ``result.Check`` records; nothing here prints.
+
+Exact identities are checked to ``INVARIANT_ULPS`` units of rounding of the values involved;
+"exactly zero" claims are checked with no slack at all.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import masks
+from .result import Check
+from .tolerance import INVARIANT_ULPS
+
+
+def _check(name: str, tensor: str, values: np.ndarray, bound: float, detail: str,
+           index_shape: tuple[int, ...] | None = None) -> Check:
+    """An invariant ``|values| <= bound`` everywhere; reports the worst element."""
+    values = np.abs(np.asarray(values, dtype=np.float64))
+    if values.size == 0:
+        return Check("invariant", name, tensor, None, 0.0, 0.0, bound, 0.0, None, True, detail + " (vacuous: nothing to check)")
+    flat = int(np.argmax(values))
+    worst = float(values.ravel()[flat])
+    index = tuple(int(i) for i in np.unravel_index(flat, index_shape or values.shape))
+    return Check("invariant", name, tensor, tuple(index_shape or values.shape), worst, worst, bound, 0.0,
+                 index, bool(worst <= bound), detail)
+
+
+def attention(fwd, bwd, inputs, visible, kv_map, a, g_s, o, rng) -> list[Check]:
+    """The attention invariants. ``fwd(q, k, v) -> (o, a)`` and ``bwd(q, k, v, grad_o) -> Gradients``
+    are the implementation under test; a, g_s, o its values at ``inputs``."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    eps = float(np.finfo(a.dtype).eps)
+    n_k = a.shape[-1]
+    heads_kv = k.shape[-3]
+    checks = []
+
+    checks.append(_check("attention is non-negative", "a", np.minimum(a, 0), 0.0,
+                         "min over all entries of A must be >= 0"))
+    checks.append(_check("attention rows sum to 1", "a", a.sum(axis=-1) - 1, INVARIANT_ULPS * eps * n_k,
+                         "|sum_j A_ij - 1| per row"))
+    checks.append(_check("attention is 0 off the visible set", "a", np.where(visible, 0, a), 0.0,
+                         "A_ij must be exactly 0 where key j is not visible to query i"))
+    row_scale = np.abs(g_s).sum(axis=-1)
+    checks.append(_check("score-gradient rows sum to 0", "g_s",
+                         g_s.sum(axis=-1) / np.maximum(row_scale, np.finfo(a.dtype).tiny),
+                         INVARIANT_ULPS * eps,
+                         "|sum_j G_S_ij| / sum_j |G_S_ij| per row (softmax is shift invariant)"))
+
+    # The seed's causal test, for any mask: upstream gradient only on query row 0; K/V rows that no
+    # query head sharing them sees from row 0 must get exactly zero gradient.
+    first = np.zeros_like(o)
+    first[..., 0, :] = np.random.default_rng(rng.integers(2**32)).standard_normal(first[..., 0, :].shape)
+    g_first = bwd(q, k, v, first)
+    row0 = visible[..., :1, :]
+    unseen = ~masks.kv_rows_seen(row0, kv_map, heads_kv)  # [B, Hkv, n_k]
+    n_unseen = int(unseen.sum())
+    for name, grad in (("k", g_first.k), ("v", g_first.v)):
+        checks.append(_check(f"unseen K/V rows get zero gradient", name,
+                             np.where(unseen[..., None], grad, 0), 0.0,
+                             f"loss on query row 0 only; {n_unseen} (batch, kv head, key) rows it cannot see "
+                             "must get exactly zero gradient"))
+
+    # Replacing K/V rows that no query sees must not change O.
+    hidden = ~masks.kv_rows_seen(visible, kv_map, heads_kv)
+    n_hidden = int(hidden.sum())
+    k2 = np.where(hidden[..., None], rng.standard_normal(k.shape).astype(k.dtype) * 10, k)
+    v2 = np.where(hidden[..., None], rng.standard_normal(v.shape).astype(v.dtype) * 10, v)
+    o2, _ = fwd(q, k2, v2)
+    checks.append(_check("hidden K/V rows do not change O", "o", o2 - o,
+                         INVARIANT_ULPS * eps * max(float(np.abs(o).max()), 1.0),
+                         f"{n_hidden} (batch, kv head, key) rows visible to no query replaced by random values"
+                         if n_hidden else "every key row is visible to some query: nothing to replace"))
+
+    # Each O row is a convex combination of its visible V rows.
+    checks.append(_check("O rows in the range of visible V rows", "o", _outside_visible_range(o, v, visible, kv_map),
+                         INVARIANT_ULPS * eps * max(float(np.abs(v).max()), 1.0),
+                         "distance of O_i outside [min, max] of the V rows visible to query i, per column"))
+    return checks
+
+
+def _outside_visible_range(o, v, visible, kv_map, block_elements: int = 1 << 22) -> np.ndarray:
+    """Per element of o [B, Hq, n_q, d_v]: how far it lies outside [min, max] over the V rows
+    visible to its query row. Evaluated in blocks of query rows to bound memory."""
+    out = np.zeros(o.shape, dtype=np.float64)
+    n_q, n_k, d_v = o.shape[-2], v.shape[-2], v.shape[-1]
+    rows = max(1, block_elements // max(1, n_k * d_v))
+    for b in range(o.shape[0]):
+        for r, kv in enumerate(kv_map):
+            vals = v[b, kv][None, :, :]                       # [1, n_k, d_v]
+            for i0 in range(0, n_q, rows):
+                vis = visible[b, r, i0:i0 + rows, :, None]    # [rows, n_k, 1]
+                lo = np.where(vis, vals, np.inf).min(axis=1)
+                hi = np.where(vis, vals, -np.inf).max(axis=1)
+                oi = o[b, r, i0:i0 + rows]
+                out[b, r, i0:i0 + rows] = np.maximum(lo - oi, 0) + np.maximum(oi - hi, 0)
+    return out

@@ -1,0 +1,72 @@
+"""Visible sets: True at [b, h, i, j] means key j is visible to query i of batch b, query head h.
+
+The visible set of a row is the AND of every constraint given (causal alignment, window, key
+padding, an explicit array). Rows whose visible set is empty are not defined (A.10.2) and are
+rejected by the scenario loader using :func:`first_empty_row`.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+CAUSAL = ("none", "upper-left", "lower-right")
+
+
+def diagonal(n_q: int, n_k: int, causal: str) -> np.ndarray:
+    """Key index on the diagonal of each query row: i (upper-left) or i + n_k - n_q (otherwise).
+
+    ``none`` uses the lower-right diagonal, as FlashAttention's ``window_size`` does.
+    """
+    i = np.arange(n_q)
+    return i if causal == "upper-left" else i + (n_k - n_q)
+
+
+def build_visible(batch: int, heads_q: int, n_q: int, n_k: int, *, causal: str = "none",
+                  window: tuple[int | None, int | None] | None = None,
+                  key_lengths: Sequence[int] | None = None,
+                  explicit: np.ndarray | None = None) -> np.ndarray:
+    """The visible set, bool [batch, heads_q, n_q, n_k].
+
+    causal: ``upper-left`` (j <= i), ``lower-right`` (j <= i + n_k - n_q) or ``none``.
+    window: (left, right) around the diagonal; None on a side means unbounded.
+    key_lengths: per batch element, keys j >= key_lengths[b] are padding.
+    explicit: any bool array that broadcasts to [batch, heads_q, n_q, n_k].
+    """
+    j = np.arange(n_k)[None, :]
+    diag = diagonal(n_q, n_k, causal)[:, None]
+    rows = np.ones((n_q, n_k), dtype=bool)
+    if causal != "none":
+        rows &= j <= diag
+    if window is not None:
+        left, right = window
+        if left is not None:
+            rows &= j >= diag - left
+        if right is not None:
+            rows &= j <= diag + right
+    visible = np.broadcast_to(rows, (batch, heads_q, n_q, n_k)).copy()
+    if key_lengths is not None:
+        lengths = np.asarray(key_lengths).reshape(batch, 1, 1, 1)
+        visible &= np.arange(n_k).reshape(1, 1, 1, n_k) < lengths
+    if explicit is not None:
+        visible &= np.broadcast_to(explicit.astype(bool), visible.shape)
+    return visible
+
+
+def first_empty_row(visible: np.ndarray) -> tuple[int, int, int] | None:
+    """(batch, head, row) of the first query row with no visible key, or None."""
+    empty = ~visible.any(axis=-1)
+    if not empty.any():
+        return None
+    b, h, i = np.argwhere(empty)[0]
+    return int(b), int(h), int(i)
+
+
+def kv_rows_seen(visible: np.ndarray, kv_map: np.ndarray, heads_kv: int) -> np.ndarray:
+    """bool [batch, heads_kv, n_k]: key row j of KV head g is visible to some query of some head r
+    with kv_map[r] == g."""
+    seen_by_head = visible.any(axis=-2)  # [B, Hq, n_k]
+    out = np.zeros(seen_by_head.shape[:1] + (heads_kv,) + seen_by_head.shape[2:], dtype=bool)
+    for r, g in enumerate(kv_map):
+        out[:, g] |= seen_by_head[:, r]
+    return out

@@ -1,0 +1,166 @@
+"""Scaled dot-product attention with visible sets and grouped KV heads: forward, backward, faults.
+
+Shapes (any extra leading axes broadcast, so finite differences can stack perturbed copies):
+  q [B, Hq, n_q, d_head]   k [B, Hkv, n_k, d_head]   v [B, Hkv, n_k, d_value]
+  visible bool [B, Hq, n_q, n_k]   kv_map int [Hq] (query head r reads KV head kv_map[r])
+  o [B, Hq, n_q, d_value]  a [B, Hq, n_q, n_k]
+
+Forward (A.10.1-A.10.3):  S = scale * Q K^T on the visible set, A = softmax with max-subtraction,
+O = A V. Backward (A.10.5-A.10.9): G_V = A^T G_O, G_A = G_O V^T, G_S = A * (G_A - rowsum(A * G_A)),
+G_Q = scale * G_S K, G_K = scale * G_S^T Q; K and V gradients summed over the query heads that
+share a KV head. The n x n softmax Jacobian is never built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Collection
+
+import numpy as np
+
+from .. import invariants
+from .registry import Fault, Op, Problem
+
+FAULTS: dict[str, Fault] = {f.name: f for f in (
+    Fault("softmax-term", "G_S = A * G_A: drops the row-sum subtraction c_i of the softmax backward",
+          ("gradient q", "gradient k", "score-gradient rows sum to 0")),
+    Fault("mask", "forward and backward ignore the visible set (finite differences agree with it)",
+          ("attention is 0 off the visible set", "unseen K/V rows get zero gradient",
+           "hidden K/V rows do not change O", "O rows in the range of visible V rows"), forward=True),
+    Fault("mask-backward", "only the backward ignores the visible set: it recomputes A without it",
+          ("gradient q", "gradient k", "gradient v", "unseen K/V rows get zero gradient")),
+    Fault("scale", "G_Q and G_K lose the scale factor (no effect when scale = 1)",
+          ("gradient q", "gradient k")),
+    Fault("gqa-sum", "K/V gradients: the last query head of a group overwrites instead of summing "
+                     "(no effect without shared KV heads)",
+          ("gradient k", "gradient v")),
+)}
+
+
+def repeat_kv(x: np.ndarray, kv_map: np.ndarray) -> np.ndarray:
+    """[..., Hkv, n, d] -> [..., Hq, n, d]: query head r gets KV head kv_map[r]."""
+    return np.take(x, kv_map, axis=-3)
+
+
+def sum_groups(g: np.ndarray, kv_map: np.ndarray, heads_kv: int, *, overwrite: bool = False) -> np.ndarray:
+    """The one reduction of :func:`repeat_kv`: [..., Hq, n, d] -> [..., Hkv, n, d], summing the query
+    heads that share a KV head. ``overwrite`` is the ``gqa-sum`` fault (the last head wins)."""
+    out = np.zeros(g.shape[:-3] + (heads_kv,) + g.shape[-2:], dtype=g.dtype)
+    for r, kv in enumerate(kv_map):
+        if overwrite:
+            out[..., kv, :, :] = g[..., r, :, :]
+        else:
+            out[..., kv, :, :] += g[..., r, :, :]
+    return out
+
+
+def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a [..., m, p] @ b [..., p, n], broadcasting leading axes like ``np.matmul``.
+
+    When one operand carries extra leading axes of perturbed copies and the other is shared, the
+    copy axes are folded into the rows of the perturbed operand, so BLAS runs one large GEMM per
+    (batch, head) instead of one small GEMM per copy. The arithmetic per copy is unchanged.
+    """
+    if a.ndim < b.ndim:
+        return np.swapaxes(_matmul(np.swapaxes(b, -1, -2), np.swapaxes(a, -1, -2)), -1, -2)
+    extra = a.ndim - b.ndim
+    if extra == 0 or a.shape[extra:-2] != b.shape[:-2]:
+        return np.matmul(a, b)
+    copies, common, (m, p), n = a.shape[:extra], a.shape[extra:-2], a.shape[-2:], b.shape[-1]
+    c = int(np.prod(copies))
+    folded = np.moveaxis(a.reshape((c,) + common + (m, p)), 0, -3).reshape(common + (c * m, p))
+    out = np.matmul(folded, b).reshape(common + (c, m, n))
+    return np.moveaxis(out, -3, 0).reshape(copies + common + (m, n))
+
+
+def _probabilities(q: np.ndarray, k_rep: np.ndarray, scale: float, visible: np.ndarray | None) -> np.ndarray:
+    """A = softmax over the visible set of scale * q k^T, with the row max subtracted (A.10.2)."""
+    s = _matmul(q * np.asarray(scale, dtype=q.dtype), np.swapaxes(k_rep, -1, -2))
+    if visible is not None:
+        s = np.where(visible, s, -np.inf)
+    s -= s.max(axis=-1, keepdims=True)
+    a = np.exp(s, out=s)
+    a /= a.sum(axis=-1, keepdims=True)
+    return a
+
+
+def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = ()):
+    """Returns (o [..., B, Hq, n_q, d_value], a [..., B, Hq, n_q, n_k])."""
+    mask = None if "mask" in faults else visible
+    a = _probabilities(q, repeat_kv(k, kv_map), scale, mask)
+    return _matmul(a, repeat_kv(v, kv_map)), a
+
+
+@dataclass(frozen=True)
+class Gradients:
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    s: np.ndarray  # G_S [B, Hq, n_q, n_k], the score gradient (for the row-sum invariant)
+
+
+def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = ()) -> Gradients:
+    """VJP of :func:`forward` at (q, k, v) for upstream gradient grad_o [B, Hq, n_q, d_value]."""
+    k_rep, v_rep = repeat_kv(k, kv_map), repeat_kv(v, kv_map)
+    if "mask-backward" in faults:
+        a = _probabilities(q, k_rep, scale, None)
+    else:
+        a = forward(q, k, v, visible, scale, kv_map, faults)[1]
+    g_v = np.swapaxes(a, -1, -2) @ grad_o
+    g_a = grad_o @ np.swapaxes(v_rep, -1, -2)
+    if "softmax-term" in faults:
+        g_s = a * g_a
+    else:
+        g_s = a * (g_a - (a * g_a).sum(axis=-1, keepdims=True))
+    s = 1.0 if "scale" in faults else scale
+    g_q = (g_s @ k_rep) * s
+    g_k = (np.swapaxes(g_s, -1, -2) @ q) * s
+    heads_kv, overwrite = k.shape[-3], "gqa-sum" in faults
+    return Gradients(q=g_q, k=sum_groups(g_k, kv_map, heads_kv, overwrite=overwrite),
+                     v=sum_groups(g_v, kv_map, heads_kv, overwrite=overwrite), s=g_s)
+
+
+def build(sc, faults: Collection[str] = ()) -> Problem:
+    """Seeded inputs for scenario ``sc``, the loss L = sum(O * G), analytic gradients and invariants."""
+    rng = np.random.default_rng(sc.seed)
+    dt = np.dtype(sc.dtype)
+    q = rng.standard_normal((sc.batch, sc.heads_q, sc.n_q, sc.d_head)).astype(dt)
+    k = rng.standard_normal((sc.batch, sc.heads_kv, sc.n_k, sc.d_head)).astype(dt)
+    v = rng.standard_normal((sc.batch, sc.heads_kv, sc.n_k, sc.d_value)).astype(dt)
+    g = rng.standard_normal((sc.batch, sc.heads_q, sc.n_q, sc.d_value)).astype(dt)
+    if sc.loss_rows is not None:
+        keep = np.zeros(sc.n_q, dtype=bool)
+        keep[list(sc.loss_rows)] = True
+        g[..., ~keep, :] = 0
+    kv_map = np.asarray(sc.kv_map, dtype=np.intp)
+    visible, scale = sc.visible, sc.scale
+    inputs = {"q": q, "k": k, "v": v}
+
+    def fwd(q, k, v):
+        return forward(q, k, v, visible, scale, kv_map, faults)
+
+    def bwd(q, k, v, grad_o):
+        return backward(q, k, v, visible, scale, kv_map, grad_o, faults)
+
+    def loss(name: str, x: np.ndarray) -> np.ndarray:
+        o, _ = fwd(**{**inputs, name: x})
+        return np.sum(o * g, axis=(-4, -3, -2, -1))
+
+    o, a = fwd(q, k, v)
+    grads = bwd(q, k, v, g)
+    rng_inv = np.random.default_rng([sc.seed, 1])
+    return Problem(
+        inputs=inputs,
+        loss=loss,
+        gradients={"q": grads.q, "k": grads.k, "v": grads.v},
+        loss_abs=float(np.sum(np.abs(o * g), dtype=np.float64)),
+        copy_bytes=3 * a.size * dt.itemsize + o.size * dt.itemsize,
+        invariants=lambda: invariants.attention(fwd, bwd, inputs, visible, kv_map, a, grads.s, o, rng_inv),
+        arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
+                "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
+                "analytic_q": grads.q, "analytic_k": grads.k, "analytic_v": grads.v},
+        output=o,
+    )
+
+
+OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradients of q, k, v",
+        tensors=("q", "k", "v"), faults=FAULTS, build=build)

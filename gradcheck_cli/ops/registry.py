@@ -1,0 +1,49 @@
+"""The op record and the one registry of ops. Each op module builds its ``Op``; ``OPS`` lists them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A deliberately wrong variant of an op's forward and/or backward (a negative control)."""
+    name: str
+    breaks: str                 # what the fault changes, in one line
+    caught_by: tuple[str, ...]  # names of the checks expected to catch it
+    forward: bool = False       # True when the fault changes the forward (finite differences change too)
+
+
+@dataclass
+class Problem:
+    """Everything the checker needs for one scenario of one op, with faults already applied.
+
+    inputs: the differentiable tensors, in report order.
+    loss: ``loss(name, x)`` is L evaluated with input ``name`` replaced by ``x``, where ``x`` may
+      carry extra leading axes of perturbed copies; returns L per copy (shape ``x.shape[:-ndim]``).
+    gradients: the analytic dL/d(input) of the implementation under test.
+    loss_abs: sum |terms of L| at the unperturbed inputs, which bounds the rounding error of L.
+    copy_bytes: bytes of work memory one perturbed copy needs in ``loss`` (for chunking).
+    invariants: computes the semantic checks (list of ``result.Check``).
+    arrays: what ``--save-arrays`` writes.
+    reference: clean output and gradients (for the applicability of faults).
+    """
+    inputs: dict[str, np.ndarray]
+    loss: Callable[[str, np.ndarray], np.ndarray]
+    gradients: dict[str, np.ndarray]
+    loss_abs: float
+    copy_bytes: int
+    invariants: Callable[[], list]
+    arrays: dict[str, Any] = field(default_factory=dict)
+    output: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    summary: str
+    tensors: tuple[str, ...]
+    faults: Mapping[str, Fault]
+    build: Callable[..., Problem]  # build(scenario, faults) -> Problem

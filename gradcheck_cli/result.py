@@ -1,0 +1,91 @@
+"""Frozen result records: what the checker returns and the reports render. Imports nothing of ours."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Check:
+    """One gradient check (analytic vs finite differences) or one invariant.
+
+    ``kind`` is ``gradient`` or ``invariant``. For a gradient check ``tensor`` names the input and
+    ``worst_index`` is the index of the worst element (in directional mode: ``[direction]``).
+    """
+    kind: str
+    name: str
+    tensor: str | None
+    shape: tuple[int, ...] | None
+    max_abs_error: float
+    relative_error: float
+    tolerance: float
+    noise_floor: float
+    worst_index: tuple[int, ...] | None
+    passed: bool
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "tensor": self.tensor,
+            "shape": list(self.shape) if self.shape is not None else None,
+            "max_abs_error": self.max_abs_error,
+            "relative_error": self.relative_error,
+            "tolerance": self.tolerance,
+            "noise_floor": self.noise_floor,
+            "worst_index": list(self.worst_index) if self.worst_index is not None else None,
+            "passed": self.passed,
+            "detail": self.detail,
+        }
+
+
+@dataclass(frozen=True)
+class ScenarioResult:
+    name: str
+    op: str
+    dtype: str
+    epsilon: float
+    tolerance: float
+    mode: str
+    faults: tuple[str, ...]
+    checks: tuple[Check, ...]
+    elapsed_s: float
+    arrays: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "op": self.op,
+            "dtype": self.dtype,
+            "epsilon": self.epsilon,
+            "tolerance": self.tolerance,
+            "mode": self.mode,
+            "faults": list(self.faults),
+            "passed": self.passed,
+            "elapsed_s": round(self.elapsed_s, 6),
+            "checks": [c.to_json() for c in self.checks],
+        }
+
+
+@dataclass(frozen=True)
+class ControlCell:
+    """One (fault, scenario) cell of the negative-control matrix.
+
+    status: ``detected`` (the run failed), ``missed`` (applicable but every check passed) or
+    ``not applicable`` (the fault changes neither the output nor a gradient by more than 10x the
+    tolerance on this scenario). ``effect`` is that largest relative change.
+    """
+    fault: str
+    scenario: str
+    status: str
+    effect: float
+    caught_by: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fault": self.fault, "scenario": self.scenario, "status": self.status,
+                "effect": self.effect, "caught_by": list(self.caught_by)}

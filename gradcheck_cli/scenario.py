@@ -1,0 +1,424 @@
+"""YAML scenario files -> frozen ``Scenario`` records. Every error names the file, line and key.
+
+Format (the key names are the contract):
+
+    defaults: {...}          # optional: any scenario key except name; scenarios inherit them
+    scenarios:
+      - name: ...            # unique, [A-Za-z0-9._-]
+        op: attention
+        batch, heads_q, heads_kv, kv_map, n_q, n_k, d_head, d_value, scale
+        mask: {causal, window, key_lengths, visible}
+        loss_rows: [...]
+        check: {mode, samples, directions}
+        dtype, epsilon, tolerance, seed
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from . import masks
+from .errors import ScenarioError
+from .ops import OPS
+from .tolerance import DTYPES, defaults_for
+
+MODES = ("full", "sample", "directional")
+SCENARIO_KEYS = ("name", "op", "batch", "heads_q", "heads_kv", "kv_map", "n_q", "n_k", "d_head",
+                 "d_value", "scale", "mask", "loss_rows", "check", "dtype", "epsilon", "tolerance", "seed")
+MASK_KEYS = ("causal", "window", "key_lengths", "visible")
+CHECK_KEYS = ("mode", "samples", "directions")
+NESTED = {"mask": MASK_KEYS, "check": CHECK_KEYS}
+TOP_KEYS = ("defaults", "scenarios")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    op: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    kv_map: tuple[int, ...]
+    n_q: int
+    n_k: int
+    d_head: int
+    d_value: int
+    scale: float
+    causal: str
+    window: tuple[int | None, int | None] | None
+    key_lengths: tuple[int, ...] | None
+    visible_source: str | None
+    loss_rows: tuple[int, ...] | None
+    mode: str
+    samples: int
+    directions: int
+    dtype: str
+    epsilon: float
+    tolerance: float
+    seed: int
+    file: str = ""
+    line: int = 0
+    visible: np.ndarray = field(default=None, repr=False, compare=False)
+
+    def describe(self) -> str:
+        kv = f"{self.heads_kv}" + ("" if self.kv_map == default_kv_map(self.heads_q, self.heads_kv) else f" map={list(self.kv_map)}")
+        return (f"B={self.batch} Hq={self.heads_q} Hkv={kv} n_q={self.n_q} n_k={self.n_k} "
+                f"d={self.d_head}/{self.d_value} {self.dtype} {self.mode}")
+
+
+def default_kv_map(heads_q: int, heads_kv: int) -> tuple[int, ...]:
+    """Contiguous groups: query head r reads KV head r // (heads_q / heads_kv)."""
+    group = heads_q // heads_kv
+    return tuple(r // group for r in range(heads_q))
+
+
+# --------------------------------------------------------------------------------------------------
+# YAML with line numbers
+
+def _key(path: tuple) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+class _Doc:
+    """A parsed YAML document and the line of every key and item in it."""
+
+    def __init__(self, text: str, file: str):
+        self.file = file
+        self.lines: dict[tuple, int] = {}
+        try:
+            node = yaml.compose(text, Loader=yaml.SafeLoader)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ScenarioError(f"not valid YAML: {problem}", file=file,
+                                line=mark.line + 1 if mark else None) from None
+        self._constructor = yaml.SafeLoader("")
+        self.value = self._convert(node, ()) if node is not None else None
+
+    def _convert(self, node, path: tuple) -> Any:
+        self.lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            out = {}
+            for k_node, v_node in node.value:
+                key = self._constructor.construct_object(k_node)
+                if not isinstance(key, str):
+                    raise ScenarioError(f"keys must be names, got {key!r}", file=self.file,
+                                        line=k_node.start_mark.line + 1, key=_key(path) or None)
+                if key in out:
+                    raise ScenarioError(f"duplicate key '{key}'", file=self.file,
+                                        line=k_node.start_mark.line + 1, key=_key(path + (key,)),
+                                        hint="give each key once")
+                self.lines[path + (key,)] = k_node.start_mark.line + 1
+                out[key] = self._convert(v_node, path + (key,))
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            return [self._convert(item, path + (i,)) for i, item in enumerate(node.value)]
+        return self._constructor.construct_object(node)
+
+    def line(self, path: tuple) -> int | None:
+        while path and path not in self.lines:
+            path = path[:-1]
+        return self.lines.get(path)
+
+    def error(self, path: tuple, message: str, hint: str | None = None) -> ScenarioError:
+        return ScenarioError(message, file=self.file, line=self.line(path), key=_key(path) or None, hint=hint)
+
+
+# --------------------------------------------------------------------------------------------------
+# Typed readers: each returns the value or raises with the file, line and key.
+
+class _Fields:
+    """One scenario's keys merged over the defaults, each remembering the path it came from."""
+
+    def __init__(self, doc: _Doc, values: dict[str, tuple[Any, tuple]], path: tuple):
+        self.doc, self.values, self.path = doc, values, path
+
+    def has(self, key: str) -> bool:
+        return key in self.values and self.values[key][0] is not None
+
+    def where(self, key: str) -> tuple:
+        return self.values[key][1] if key in self.values else self.path + tuple(key.split("."))
+
+    def error(self, key: str, message: str, hint: str | None = None) -> ScenarioError:
+        return self.doc.error(self.where(key), message, hint)
+
+    def raw(self, key: str, default: Any = None) -> Any:
+        return self.values[key][0] if self.has(key) else default
+
+    def int(self, key: str, default: Any = None, minimum: int = 1) -> int:
+        if not self.has(key):
+            if default is None:
+                raise self.error(key, "is required", hint=f"add '{key.split('.')[-1]}: <integer >= {minimum}>'")
+            return default
+        v = self.raw(key)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self.error(key, f"expected an integer, got {v!r}")
+        if v < minimum:
+            raise self.error(key, f"must be >= {minimum}, got {v}")
+        return v
+
+    def float(self, key: str, default: float, positive: bool = True) -> float:
+        if not self.has(key):
+            return default
+        v = self.raw(key)
+        if isinstance(v, str):
+            try:
+                v = float(v)
+            except ValueError:
+                raise self.error(key, f"expected a number, got {v!r}") from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise self.error(key, f"expected a finite number, got {v!r}")
+        if positive and v <= 0:
+            raise self.error(key, f"must be > 0, got {v}")
+        return float(v)
+
+    def choice(self, key: str, choices: tuple[str, ...], default: str) -> str:
+        if not self.has(key):
+            return default
+        v = self.raw(key)
+        if v not in choices:
+            raise self.error(key, f"expected one of {', '.join(choices)}; got {v!r}")
+        return v
+
+    def int_list(self, key: str, lo: int, hi: int, what: str) -> tuple[int, ...] | None:
+        if not self.has(key):
+            return None
+        v = self.raw(key)
+        if not isinstance(v, list) or not v:
+            raise self.error(key, f"expected a non-empty list of integers, got {v!r}")
+        for i, x in enumerate(v):
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise self.doc.error(self.where(key) + (i,), f"expected an integer, got {x!r}")
+            if not lo <= x <= hi:
+                raise self.doc.error(self.where(key) + (i,), f"{x} is out of range: {what} must be in [{lo}, {hi}]")
+        return tuple(v)
+
+
+def _merge(doc: _Doc, defaults: dict, scenario: dict, index: int) -> dict[str, tuple[Any, tuple]]:
+    """Flatten defaults then the scenario into {'key' or 'mask.causal': (value, path)}."""
+    out: dict[str, tuple[Any, tuple]] = {}
+    for source, base in ((defaults, ("defaults",)), (scenario, ("scenarios", index))):
+        for key, value in source.items():
+            path = base + (key,)
+            allowed = SCENARIO_KEYS if source is scenario else tuple(k for k in SCENARIO_KEYS if k != "name")
+            if key not in allowed:
+                raise doc.error(path, f"unknown key '{key}'", hint=_suggest(key, allowed))
+            if key in NESTED:
+                if value is None:
+                    continue
+                if not isinstance(value, dict):
+                    raise doc.error(path, f"expected a mapping with keys {', '.join(NESTED[key])}, got {value!r}")
+                for sub, subvalue in value.items():
+                    if sub not in NESTED[key]:
+                        raise doc.error(path + (sub,), f"unknown key '{sub}'", hint=_suggest(sub, NESTED[key]))
+                    out[f"{key}.{sub}"] = (subvalue, path + (sub,))
+            else:
+                out[key] = (value, path)
+    return out
+
+
+def _suggest(key: str, allowed: tuple[str, ...]) -> str:
+    import difflib
+    close = difflib.get_close_matches(key, allowed, n=1)
+    return f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(allowed)}"
+
+
+# --------------------------------------------------------------------------------------------------
+
+def available_memory() -> int:
+    """Bytes of memory this process may use: MemAvailable where /proc/meminfo has it."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) -> Scenario:
+    name = f.raw("name")
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise f.error("name", f"expected a name of letters, digits, '.', '_' or '-', got {name!r}"
+                      if name is not None else "is required", hint="e.g. 'name: causal-gqa'")
+    op = f.choice("op", tuple(OPS), "attention")
+    batch = f.int("batch", 1)
+    heads_q = f.int("heads_q", 1)
+    n_q = f.int("n_q")
+    n_k = f.int("n_k", n_q)
+    d_head = f.int("d_head")
+    d_value = f.int("d_value", d_head)
+
+    if f.has("kv_map"):
+        kv_map = f.int_list("kv_map", 0, 10**6, "a KV head index")
+        if len(kv_map) != heads_q:
+            raise f.error("kv_map", f"has {len(kv_map)} entries but heads_q is {heads_q}",
+                          hint="give one KV head index per query head")
+        heads_kv = f.int("heads_kv", max(kv_map) + 1)
+        bad = [g for g in kv_map if g >= heads_kv]
+        if bad:
+            raise f.error("kv_map", f"KV head {bad[0]} is out of range for heads_kv={heads_kv}",
+                          hint=f"use indices 0..{heads_kv - 1} or raise heads_kv")
+    else:
+        heads_kv = f.int("heads_kv", heads_q)
+        if heads_q % heads_kv:
+            raise f.error("heads_kv", f"{heads_kv} does not divide heads_q={heads_q}",
+                          hint="use a divisor of heads_q, or give an explicit kv_map")
+        kv_map = default_kv_map(heads_q, heads_kv)
+
+    scale = f.float("scale", 1.0 / math.sqrt(d_head), positive=False)
+    if scale == 0:
+        raise f.error("scale", "must not be 0", hint="omit it for 1/sqrt(d_head)")
+
+    dtype = f.choice("dtype", DTYPES, "float64")
+    dflt = defaults_for(dtype)
+    epsilon = f.float("epsilon", dflt["epsilon"])
+    tolerance = f.float("tolerance", dflt["tolerance"])
+    seed = f.int("seed", 0, minimum=0)
+    mode = f.choice("check.mode", MODES, "full")
+    samples = f.int("check.samples", 256)
+    directions = f.int("check.directions", 16)
+
+    causal = "none" if f.raw("mask.causal") in (None, "none") else f.choice("mask.causal", masks.CAUSAL, "none")
+    window = None
+    if f.has("mask.window"):
+        w = f.raw("mask.window")
+        if not isinstance(w, list) or len(w) != 2:
+            raise f.error("mask.window", f"expected [left, right], got {w!r}",
+                          hint="e.g. window: [4, 0]; null or -1 means unbounded on that side")
+        sides = []
+        for i, x in enumerate(w):
+            if x is None or x == -1:
+                sides.append(None)
+            elif isinstance(x, bool) or not isinstance(x, int) or x < 0:
+                raise doc.error(f.where("mask.window") + (i,), f"expected an integer >= 0, null or -1, got {x!r}")
+            else:
+                sides.append(x)
+        window = (sides[0], sides[1])
+    key_lengths = f.int_list("mask.key_lengths", 0, n_k, "a key length (0..n_k)")
+    if key_lengths is not None and len(key_lengths) != batch:
+        raise f.error("mask.key_lengths", f"has {len(key_lengths)} entries but batch is {batch}",
+                      hint="give one valid-key count per batch element")
+    loss_rows = f.int_list("loss_rows", 0, n_q - 1, "a query row (0..n_q-1)")
+
+    # Estimate memory before allocating anything of size n_q x n_k.
+    itemsize = np.dtype(dtype).itemsize
+    scores = batch * heads_q * n_q * n_k
+    need = scores * (6 * itemsize + 2)
+    if need > memory_limit:
+        raise doc.error(f.path, f"scenario '{name}' needs about {need / 2**30:.1f} GiB for its "
+                        f"{batch}x{heads_q}x{n_q}x{n_k} score blocks, more than the "
+                        f"{memory_limit / 2**30:.1f} GiB available",
+                        hint="reduce batch, heads_q, n_q or n_k")
+
+    explicit, source = None, None
+    if f.has("mask.visible"):
+        explicit, source = _load_visible(f, base_dir, (batch, heads_q, n_q, n_k))
+    visible = masks.build_visible(batch, heads_q, n_q, n_k, causal=causal, window=window,
+                                  key_lengths=key_lengths, explicit=explicit)
+    empty = masks.first_empty_row(visible)
+    if empty is not None:
+        b, h, i = empty
+        constraints = [c for c, on in (("causal", causal != "none"), ("window", window is not None),
+                                       ("key_lengths", key_lengths is not None), ("visible", explicit is not None)) if on]
+        raise doc.error(f.where("mask") if any(k.startswith("mask.") for k in f.values) else f.path,
+                        f"query row {i} of batch {b}, head {h} sees no key (mask: {', '.join(constraints)})",
+                        hint="every query row needs at least one visible key; widen the window, raise "
+                             "key_lengths, or check the causal alignment for n_q != n_k")
+
+    return Scenario(name=name, op=op, batch=batch, heads_q=heads_q, heads_kv=heads_kv, kv_map=tuple(kv_map),
+                    n_q=n_q, n_k=n_k, d_head=d_head, d_value=d_value, scale=scale, causal=causal,
+                    window=window, key_lengths=key_lengths, visible_source=source, loss_rows=loss_rows,
+                    mode=mode, samples=samples, directions=directions, dtype=dtype, epsilon=epsilon,
+                    tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
+                    visible=visible)
+
+
+def _load_visible(f: _Fields, base_dir: Path, shape: tuple[int, ...]) -> tuple[np.ndarray, str]:
+    raw = f.raw("mask.visible")
+    if isinstance(raw, str):
+        path = base_dir / raw
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise f.error("mask.visible", f"cannot read {path}: {exc}",
+                          hint="give a .npy file of booleans, relative to the YAML file") from None
+        source = raw
+    elif isinstance(raw, list):
+        try:
+            arr = np.array(raw)
+        except ValueError:
+            raise f.error("mask.visible", "inline mask rows must all have the same length") from None
+        source = "inline"
+    else:
+        raise f.error("mask.visible", f"expected a .npy path or a nested list of booleans, got {raw!r}")
+    if arr.dtype != bool:
+        if arr.dtype.kind in "iu" and arr.size and np.isin(arr, (0, 1)).all():
+            arr = arr.astype(bool)
+        else:
+            raise f.error("mask.visible", f"expected booleans (True = visible), got dtype {arr.dtype}")
+    try:
+        np.broadcast_shapes(arr.shape, shape)
+        if np.broadcast_shapes(arr.shape, shape) != shape:
+            raise ValueError
+    except ValueError:
+        raise f.error("mask.visible", f"shape {list(arr.shape)} does not broadcast to "
+                      f"[batch, heads_q, n_q, n_k] = {list(shape)}",
+                      hint="use [n_q, n_k] or a shape broadcastable to [batch, heads_q, n_q, n_k]") from None
+    return arr, source
+
+
+def load(path: str | os.PathLike, *, memory_limit: int | None = None) -> list[Scenario]:
+    """Read and validate every scenario of a YAML file; raises ``ScenarioError`` on the first problem."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ScenarioError(f"cannot read the file: {getattr(exc, 'strerror', None) or exc}", file=str(path)) from None
+    return loads(text, file=str(path), base_dir=path.parent, memory_limit=memory_limit)
+
+
+def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".",
+          memory_limit: int | None = None) -> list[Scenario]:
+    """Like :func:`load`, from a string."""
+    doc = _Doc(text, file)
+    top = doc.value
+    if not isinstance(top, dict):
+        raise doc.error((), "expected a mapping with a 'scenarios' list at the top level",
+                        hint="see configs/quickstart.yaml")
+    for key in top:
+        if key not in TOP_KEYS:
+            raise doc.error((key,), f"unknown top-level key '{key}'", hint=_suggest(key, TOP_KEYS))
+    defaults = top.get("defaults") or {}
+    if not isinstance(defaults, dict):
+        raise doc.error(("defaults",), f"expected a mapping, got {defaults!r}")
+    items = top.get("scenarios")
+    if not isinstance(items, list) or not items:
+        raise doc.error(("scenarios",), "expected a non-empty list of scenarios",
+                        hint="add 'scenarios:' with at least one '- name: ...' item")
+    limit = available_memory() if memory_limit is None else memory_limit
+    seen: dict[str, int] = {}
+    out = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise doc.error(("scenarios", i), f"expected a mapping, got {item!r}")
+        sc = _parse_scenario(doc, _Fields(doc, _merge(doc, defaults, item, i), ("scenarios", i)),
+                             Path(base_dir), limit)
+        if sc.name in seen:
+            raise doc.error(("scenarios", i, "name"), f"duplicate scenario name '{sc.name}' "
+                            f"(first at scenarios[{seen[sc.name]}])", hint="names must be unique")
+        seen[sc.name] = i
+        out.append(sc)
+    return out
