@@ -5,9 +5,12 @@ evaluated in one vectorised call per chunk, each chunk bounded by a memory budge
 """
 from __future__ import annotations
 
-from typing import Callable
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 Loss = Callable[[np.ndarray], np.ndarray]
 Progress = Callable[[int], None]
@@ -23,9 +26,28 @@ def perturb(x: np.ndarray, epsilon: float) -> tuple[np.ndarray, np.ndarray]:
     return x + h, x - h
 
 
+#: Chunks evaluated concurrently. NumPy's elementwise passes (the softmax) run on one core and
+#: release the GIL, so two chunks in flight keep both cores of a small machine busy.
+WORKERS = max(1, min(4, os.cpu_count() or 1))
+
+
 def chunk_size(copy_bytes: int, budget_bytes: int) -> int:
-    """How many perturbed copies fit in the memory budget (at least one)."""
-    return max(1, int(budget_bytes // max(1, copy_bytes)))
+    """How many perturbed copies fit in the memory budget (at least one), shared by the workers."""
+    return max(1, int(budget_bytes // (WORKERS * max(1, copy_bytes))))
+
+
+def _in_chunks(work: Callable[[int, int], object], total: int, per: int) -> Iterator[tuple[int, int, object]]:
+    """Yield (start, stop, work(start, stop)) over [0, total) in order, evaluated by WORKERS threads."""
+    bounds = [(a, min(a + per, total)) for a in range(0, total, per)]
+    if WORKERS == 1 or len(bounds) == 1:
+        for a, b in bounds:
+            yield a, b, work(a, b)
+        return
+    # One BLAS thread per worker: the workers already fill the cores, and nested BLAS threads would
+    # oversubscribe them.
+    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        for (a, b), value in zip(bounds, pool.map(lambda ab: work(*ab), bounds)):
+            yield a, b, value
 
 
 def elements(loss: Loss, x: np.ndarray, indices: np.ndarray, epsilon: float, chunk: int,
@@ -33,9 +55,9 @@ def elements(loss: Loss, x: np.ndarray, indices: np.ndarray, epsilon: float, chu
     """dL/dx at the given flat indices by central differences: one +h and one -h copy each."""
     flat_x = x.ravel()
     out = np.empty(len(indices), dtype=np.float64)
-    per = max(1, chunk // 2)
-    for start in range(0, len(indices), per):
-        idx = indices[start:start + per]
+
+    def work(start: int, stop: int) -> np.ndarray:
+        idx = indices[start:stop]
         c = len(idx)
         copies = np.broadcast_to(x, (2 * c,) + x.shape).copy()
         flat = copies.reshape(2 * c, -1)
@@ -44,10 +66,12 @@ def elements(loss: Loss, x: np.ndarray, indices: np.ndarray, epsilon: float, chu
         flat[rows, idx] = plus
         flat[c + rows, idx] = minus
         values = np.asarray(loss(copies), dtype=np.float64)
-        step = plus.astype(np.float64) - minus.astype(np.float64)
-        out[start:start + c] = (values[:c] - values[c:]) / step
+        return (values[:c] - values[c:]) / (plus.astype(np.float64) - minus.astype(np.float64))
+
+    for start, stop, value in _in_chunks(work, len(indices), max(1, chunk // 2)):
+        out[start:stop] = value
         if progress:
-            progress(c)
+            progress(stop - start)
     return out
 
 
@@ -59,20 +83,22 @@ def directions(loss: Loss, x: np.ndarray, units: np.ndarray, epsilon: float, chu
     ((x + h u) - (x - h u)) / 2h, so the analytic side is <grad, taken>.
     """
     h = float(epsilon * max(1.0, float(np.max(np.abs(x), initial=0.0))))
-    m = len(units)
-    numeric = np.empty(m, dtype=np.float64)
+    numeric = np.empty(len(units), dtype=np.float64)
     taken = np.empty(units.shape, dtype=np.float64)
-    per = max(1, chunk // 2)
-    for start in range(0, m, per):
-        u = units[start:start + per].astype(x.dtype)
-        c = len(u)
-        plus = x + x.dtype.type(h) * u
-        minus = x - x.dtype.type(h) * u
+    step = x.dtype.type(h)
+
+    def work(start: int, stop: int):
+        u = units[start:stop].astype(x.dtype)
+        plus, minus = x + step * u, x - step * u
         values = np.asarray(loss(np.concatenate([plus, minus])), dtype=np.float64)
-        numeric[start:start + c] = (values[:c] - values[c:]) / (2 * h)
-        taken[start:start + c] = (plus.astype(np.float64) - minus.astype(np.float64)) / (2 * h)
+        c = stop - start
+        return ((values[:c] - values[c:]) / (2 * h),
+                (plus.astype(np.float64) - minus.astype(np.float64)) / (2 * h))
+
+    for start, stop, (num, tk) in _in_chunks(work, len(units), max(1, chunk // 2)):
+        numeric[start:stop], taken[start:stop] = num, tk
         if progress:
-            progress(c)
+            progress(stop - start)
     return numeric, taken
 
 

@@ -72,22 +72,36 @@ def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.moveaxis(out, -3, 0).reshape(copies + common + (m, n))
 
 
-def _probabilities(q: np.ndarray, k_rep: np.ndarray, scale: float, visible: np.ndarray | None) -> np.ndarray:
-    """A = softmax over the visible set of scale * q k^T, with the row max subtracted (A.10.2)."""
-    s = _matmul(q * np.asarray(scale, dtype=q.dtype), np.swapaxes(k_rep, -1, -2))
-    if visible is not None:
-        s = np.where(visible, s, -np.inf)
+def _exp_scores(q, k, scale, kv_map, hidden):
+    """exp(S - m) and its row sums l, for S = scale * q k^T with the row max m over the visible set
+    subtracted (A.10.2). ``hidden`` (= ~visible) marks the entries outside the visible set, or None."""
+    s = np.ascontiguousarray(_matmul(q * np.asarray(scale, dtype=q.dtype), np.swapaxes(repeat_kv(k, kv_map), -1, -2)))
+    if hidden is not None:
+        np.copyto(s, -np.inf, where=hidden)
     s -= s.max(axis=-1, keepdims=True)
-    a = np.exp(s, out=s)
-    a /= a.sum(axis=-1, keepdims=True)
-    return a
+    e = np.exp(s, out=s)
+    return e, e.sum(axis=-1, keepdims=True)
 
 
-def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = ()):
-    """Returns (o [..., B, Hq, n_q, d_value], a [..., B, Hq, n_q, n_k])."""
-    mask = None if "mask" in faults else visible
-    a = _probabilities(q, repeat_kv(k, kv_map), scale, mask)
-    return _matmul(a, repeat_kv(v, kv_map)), a
+def attention_weights(q, k, visible, scale, kv_map, faults: Collection[str] = ()):
+    """A [..., B, Hq, n_q, n_k]: softmax of the scores over each row's visible set (A.10.2)."""
+    e, l = _exp_scores(q, k, scale, kv_map, None if "mask" in faults else ~visible)
+    e /= l
+    return e
+
+
+def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), hidden=None):
+    """O = A V [..., B, Hq, n_q, d_value] (A.10.3), evaluated as (exp(S - m) V) / l: the same product
+    with the normalisation applied to the d_value-wide result instead of the n_k-wide weights.
+    ``hidden`` may pass ~visible precomputed (finite differences call this many times)."""
+    if "mask" in faults:
+        hidden = None
+    elif hidden is None:
+        hidden = ~visible
+    e, l = _exp_scores(q, k, scale, kv_map, hidden)
+    o = _matmul(e, repeat_kv(v, kv_map))
+    o /= l
+    return o
 
 
 @dataclass(frozen=True)
@@ -101,10 +115,7 @@ class Gradients:
 def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = ()) -> Gradients:
     """VJP of :func:`forward` at (q, k, v) for upstream gradient grad_o [B, Hq, n_q, d_value]."""
     k_rep, v_rep = repeat_kv(k, kv_map), repeat_kv(v, kv_map)
-    if "mask-backward" in faults:
-        a = _probabilities(q, k_rep, scale, None)
-    else:
-        a = forward(q, k, v, visible, scale, kv_map, faults)[1]
+    a = attention_weights(q, k, visible, scale, kv_map, (*faults, "mask") if "mask-backward" in faults else faults)
     g_v = np.swapaxes(a, -1, -2) @ grad_o
     g_a = grad_o @ np.swapaxes(v_rep, -1, -2)
     if "softmax-term" in faults:
@@ -135,14 +146,17 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
     visible, scale = sc.visible, sc.scale
     inputs = {"q": q, "k": k, "v": v}
 
+    hidden = ~visible
+
     def fwd(q, k, v):
-        return forward(q, k, v, visible, scale, kv_map, faults)
+        return (forward(q, k, v, visible, scale, kv_map, faults, hidden),
+                attention_weights(q, k, visible, scale, kv_map, faults))
 
     def bwd(q, k, v, grad_o):
         return backward(q, k, v, visible, scale, kv_map, grad_o, faults)
 
     def loss(name: str, x: np.ndarray) -> np.ndarray:
-        o, _ = fwd(**{**inputs, name: x})
+        o = forward(**{**inputs, name: x}, visible=visible, scale=scale, kv_map=kv_map, faults=faults, hidden=hidden)
         return np.sum(o * g, axis=(-4, -3, -2, -1))
 
     o, a = fwd(q, k, v)
