@@ -27,10 +27,13 @@ def _check(name: str, tensor: str, values: np.ndarray, bound: float, detail: str
                  index, bool(worst <= bound), detail)
 
 
-def attention(fwd, bwd, inputs, visible, kv_map, a, g_s, o, rng) -> list[Check]:
+def attention(fwd, bwd, inputs, visible, kv_map, grads, rng) -> list[Check]:
     """The attention invariants. ``fwd(q, k, v) -> (o, a)`` and ``bwd(q, k, v, grad_o) -> Gradients``
-    are the implementation under test; a, g_s, o its values at ``inputs``."""
+    are the implementation under test; ``grads`` is its backward at ``inputs`` (with the A and G_A
+    the backward used, and G_S)."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    o, a = fwd(q, k, v)
+    g_s = grads.s
     eps = float(np.finfo(a.dtype).eps)
     n_k = a.shape[-1]
     heads_kv = k.shape[-3]
@@ -42,11 +45,13 @@ def attention(fwd, bwd, inputs, visible, kv_map, a, g_s, o, rng) -> list[Check]:
                          "|sum_j A_ij - 1| per row"))
     checks.append(_check("attention is 0 off the visible set", "a", np.where(visible, 0, a), 0.0,
                          "A_ij must be exactly 0 where key j is not visible to query i"))
-    row_scale = np.abs(g_s).sum(axis=-1)
+    # Rounding of sum_j A_ij (G_A_ij - c_i) is bounded by eps * sum_j A_ij (|G_A_ij| + |c_i|).
+    c = (grads.a * grads.ga).sum(axis=-1, keepdims=True)
+    row_scale = (grads.a * (np.abs(grads.ga) + np.abs(c))).sum(axis=-1)
     checks.append(_check("score-gradient rows sum to 0", "g_s",
                          g_s.sum(axis=-1) / np.maximum(row_scale, np.finfo(a.dtype).tiny),
                          INVARIANT_ULPS * eps,
-                         "|sum_j G_S_ij| / sum_j |G_S_ij| per row (softmax is shift invariant)"))
+                         "|sum_j G_S_ij| / sum_j A_ij (|G_A_ij| + |c_i|) per row (softmax is shift invariant)"))
 
     # The seed's causal test, for any mask: upstream gradient only on query row 0; K/V rows that no
     # query head sharing them sees from row 0 must get exactly zero gradient.

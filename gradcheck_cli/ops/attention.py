@@ -110,6 +110,8 @@ class Gradients:
     k: np.ndarray
     v: np.ndarray
     s: np.ndarray  # G_S [B, Hq, n_q, n_k], the score gradient (for the row-sum invariant)
+    a: np.ndarray  # A and G_A [B, Hq, n_q, n_k], to bound the rounding of G_S's row sums
+    ga: np.ndarray
 
 
 def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = ()) -> Gradients:
@@ -127,7 +129,7 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     g_k = (np.swapaxes(g_s, -1, -2) @ q) * s
     heads_kv, overwrite = k.shape[-3], "gqa-sum" in faults
     return Gradients(q=g_q, k=sum_groups(g_k, kv_map, heads_kv, overwrite=overwrite),
-                     v=sum_groups(g_v, kv_map, heads_kv, overwrite=overwrite), s=g_s)
+                     v=sum_groups(g_v, kv_map, heads_kv, overwrite=overwrite), s=g_s, a=a, ga=g_a)
 
 
 def build(sc, faults: Collection[str] = ()) -> Problem:
@@ -168,7 +170,7 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
         gradients={"q": grads.q, "k": grads.k, "v": grads.v},
         loss_abs=float(np.sum(np.abs(o * g), dtype=np.float64)),
         copy_bytes=3 * a.size * dt.itemsize + o.size * dt.itemsize,
-        invariants=lambda: invariants.attention(fwd, bwd, inputs, visible, kv_map, a, grads.s, o, rng_inv),
+        invariants=lambda: invariants.attention(fwd, bwd, inputs, visible, kv_map, grads, rng_inv),
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
                 "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
                 "analytic_q": grads.q, "analytic_k": grads.k, "analytic_v": grads.v},

@@ -1,0 +1,80 @@
+"""The checker proves itself: every registered fault is caught where it applies, and the seed's two
+fault exercises behave as the seed describes."""
+import pytest
+
+from gradcheck_cli import checker, scenario
+from gradcheck_cli.ops import FAULTS, OPS
+from conftest import CONFIGS
+from helpers import make
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    cells = []
+    for path in CONFIGS:
+        cells += checker.negative_controls(scenario.load(path))
+    return cells
+
+
+def test_no_applicable_fault_is_missed_on_any_shipped_config(matrix):
+    missed = [(c.fault, c.scenario) for c in matrix if c.status == "missed"]
+    assert not missed
+
+
+def test_every_fault_is_applicable_and_detected_somewhere(matrix):
+    detected = {c.fault for c in matrix if c.status == "detected"}
+    assert detected == set(FAULTS)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_config_passes_clean(path):
+    for sc in scenario.load(path):
+        result = checker.run_scenario(sc)
+        assert result.passed, [(c.name, c.tensor, c.detail) for c in result.checks if not c.passed]
+
+
+def _failed(result):
+    return {(c.kind, c.name, c.tensor) for c in result.checks if not c.passed}
+
+
+def test_seed_exercise_softmax_term_fails_the_gradient_check():
+    sc = make(n_q=5, d_head=4, mask={"causal": "lower-right"})
+    failed = _failed(checker.run_scenario(sc, ("softmax-term",)))
+    assert ("gradient", "gradient q", "q") in failed and ("gradient", "gradient k", "k") in failed
+    assert ("gradient", "gradient v", "v") not in failed  # G_V does not go through the softmax backward
+
+
+def test_seed_exercise_mask_passes_gradients_but_fails_invariants():
+    sc = make(n_q=6, d_head=4, loss_rows=[0], mask={"causal": "upper-left"})
+    result = checker.run_scenario(sc, ("mask",))
+    failed = _failed(result)
+    assert all(c.passed for c in result.checks if c.kind == "gradient")  # finite differences agree
+    assert ("invariant", "unseen K/V rows get zero gradient", "k") in failed
+    assert ("invariant", "attention is 0 off the visible set", "a") in failed
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_each_fault_fails_only_the_checks_its_record_names(fault):
+    sc = make(batch=2, heads_q=4, heads_kv=2, n_q=3, n_k=8, d_head=4, scale=0.3,
+              mask={"causal": "lower-right", "key_lengths": [8, 6]})
+    failed_names = {name for _, name, _ in _failed(checker.run_scenario(sc, (fault,)))}
+    assert failed_names and failed_names <= set(FAULTS[fault].caught_by), failed_names
+
+
+def test_not_applicable_faults_are_reported_as_such():
+    sc = make(n_q=4, d_head=4, scale=1.0)  # no mask, no shared KV heads, scale 1
+    status = {c.fault: c.status for c in checker.negative_controls([sc])}
+    assert status["scale"] == status["gqa-sum"] == status["mask"] == status["mask-backward"] == "not applicable"
+    assert status["softmax-term"] == "detected"
+
+
+def test_a_check_without_power_is_reported_missed():
+    # float32 with a step far below its rounding: the noise floor swamps the scale fault
+    sc = make(n_q=8, d_head=8, scale=0.25, dtype="float32", epsilon=1e-7)
+    status = {c.fault: c.status for c in checker.negative_controls([sc])}
+    assert status["scale"] == "missed"
+
+
+def test_faults_of_other_ops_are_ignored_and_names_are_registered_once():
+    names = [name for op in OPS.values() for name in op.faults]
+    assert len(names) == len(set(names)) == len(FAULTS)

@@ -1,0 +1,58 @@
+"""Central differences and the error measures on functions whose derivatives are known exactly."""
+import numpy as np
+import pytest
+
+from gradcheck_cli import numeric
+from gradcheck_cli.tolerance import passes, relative_error
+
+
+def cubic_loss(c):
+    def loss(x):
+        return np.sum(c * x**3, axis=(-2, -1))
+    return loss
+
+
+def test_elements_recover_a_known_gradient():
+    rng = np.random.default_rng(0)
+    x, c = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    got = numeric.elements(cubic_loss(c), x, np.arange(x.size), 1e-6, chunk=5)
+    np.testing.assert_allclose(got, (3 * c * x**2).ravel(), rtol=1e-8, atol=1e-9)
+
+
+def test_elements_at_selected_indices_and_any_chunk():
+    rng = np.random.default_rng(1)
+    x, c = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    idx = np.array([11, 0, 5])
+    for chunk in (1, 2, 3, 100):
+        got = numeric.elements(cubic_loss(c), x, idx, 1e-6, chunk=chunk)
+        np.testing.assert_allclose(got, (3 * c * x**2).ravel()[idx], rtol=1e-8, atol=1e-9)
+
+
+def test_directions_recover_the_directional_derivative():
+    rng = np.random.default_rng(2)
+    x, c = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    units = numeric.unit_directions(rng, 5, x.shape)
+    assert np.allclose(np.sqrt((units**2).sum(axis=(1, 2))), 1.0)
+    num, taken = numeric.directions(cubic_loss(c), x, units, 1e-6, chunk=4)
+    expected = np.tensordot(taken, 3 * c * x**2, axes=2)
+    np.testing.assert_allclose(num, expected, rtol=1e-7, atol=1e-9)
+
+
+def test_step_scales_with_x_and_is_taken_exactly():
+    x = np.array([0.0, 1e-3, 1.0, 1e6])
+    plus, minus = numeric.perturb(x, 1e-6)
+    h = (plus - minus) / 2
+    np.testing.assert_allclose(h, 1e-6 * np.maximum(1.0, np.abs(x)), rtol=1e-9)
+
+
+def test_relative_error_definition():
+    assert relative_error(np.zeros(3), np.zeros(3)) == (0.0, 0.0, 0)
+    max_abs, rel, worst = relative_error(np.array([1.0, 2.0, 4.0]), np.array([1.0, 2.5, 4.0]))
+    assert (max_abs, worst) == (0.5, 1)
+    assert rel == pytest.approx(0.5 / 4.0)
+
+
+def test_noise_floor_absorbs_rounding_but_not_errors():
+    a, n = np.array([1.0, 2.0]), np.array([1.0, 2.0 + 1e-7])
+    assert not passes(1e-7, a, n, tolerance=1e-9, noise_floor=0.0)
+    assert passes(1e-7, a, n, tolerance=1e-9, noise_floor=2e-7)

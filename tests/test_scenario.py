@@ -1,0 +1,136 @@
+"""Bad input: every class is rejected before anything runs, naming the file, line and key."""
+import textwrap
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from gradcheck_cli import scenario
+from gradcheck_cli.cli import main
+from gradcheck_cli.errors import ScenarioError
+
+BASE = """\
+scenarios:
+  - name: s
+    n_q: 4
+    d_head: 4
+"""
+
+# (extra lines appended to the scenario at line 5 on, expected line, key, words in the message)
+BAD = [
+    ("    bogus: 1\n", 5, "scenarios[0].bogus", "unknown key"),
+    ("    batch: -1\n", 5, "scenarios[0].batch", "must be >= 1"),
+    ("    batch: two\n", 5, "scenarios[0].batch", "expected an integer"),
+    ("    heads_q: 1.5\n", 5, "scenarios[0].heads_q", "expected an integer"),
+    ("    heads_q: 8\n    heads_kv: 3\n", 6, "scenarios[0].heads_kv", "does not divide"),
+    ("    heads_q: 2\n    kv_map: [0, 2]\n    heads_kv: 2\n", 6, "scenarios[0].kv_map", "out of range"),
+    ("    heads_q: 2\n    kv_map: [0]\n", 6, "scenarios[0].kv_map", "has 1 entries"),
+    ("    batch: 2\n    mask:\n      key_lengths: [4, 4, 4]\n", 7, "scenarios[0].mask.key_lengths", "batch is 2"),
+    ("    mask:\n      key_lengths: [5]\n", 6, "scenarios[0].mask.key_lengths[0]", "out of range"),
+    ("    mask:\n      key_lengths: [0]\n", 5, "scenarios[0].mask", "query row 0 of batch 0, head 0 sees no key"),
+    ("    mask:\n      visible: [[true, false], [true, true]]\n", 6, "scenarios[0].mask.visible", "does not broadcast"),
+    ("    mask:\n      causal: sideways\n", 6, "scenarios[0].mask.causal", "expected one of"),
+    ("    mask:\n      window: [1]\n", 6, "scenarios[0].mask.window", "expected [left, right]"),
+    ("    mask:\n      wnidow: [1, 1]\n", 6, "scenarios[0].mask.wnidow", "did you mean 'window'"),
+    ("    epsilon: 0\n", 5, "scenarios[0].epsilon", "must be > 0"),
+    ("    tolerance: -1.0e-6\n", 5, "scenarios[0].tolerance", "must be > 0"),
+    ("    epsilon: .nan\n", 5, "scenarios[0].epsilon", "finite number"),
+    ("    dtype: float16\n", 5, "scenarios[0].dtype", "expected one of"),
+    ("    loss_rows: [4]\n", 5, "scenarios[0].loss_rows[0]", "out of range"),
+    ("    check:\n      mode: everything\n", 6, "scenarios[0].check.mode", "expected one of"),
+    ("    check:\n      samples: 0\n", 6, "scenarios[0].check.samples", "must be >= 1"),
+    ("    op: convolution\n", 5, "scenarios[0].op", "expected one of"),
+    ("    n_k: 4000000\n    batch: 4000000\n", 2, "scenarios[0]", "GiB"),
+    ("  - name: s\n    n_q: 2\n    d_head: 2\n", 5, "scenarios[1].name", "duplicate scenario name"),
+    ("    scale: 0\n", 5, "scenarios[0].scale", "must not be 0"),
+]
+
+
+@pytest.mark.parametrize("extra,line,key,words", BAD, ids=[b[2] + ":" + b[3] for b in BAD])
+def test_bad_input_names_file_line_and_key(tmp_path, extra, line, key, words):
+    path = tmp_path / "bad.yaml"
+    path.write_text(BASE + extra)
+    with pytest.raises(ScenarioError) as err:
+        scenario.load(path)
+    e = err.value
+    assert (e.file, e.line, e.key) == (str(path), line, key), str(e)
+    assert words in str(e)
+    # the CLI: exit 2, one message on stderr with file:line and key, no traceback, nothing on stdout
+    result = CliRunner().invoke(main, ["run", str(path)])
+    assert result.exit_code == 2
+    assert f"{path}:{line}: {key}: " in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("text,line,words", [
+    ("scenarios: [\n", 2, "not valid YAML"),
+    ("- a\n- b\n", 1, "expected a mapping"),
+    ("scenarios: []\n", 1, "non-empty list"),
+    ("defaults: {name: x}\nscenarios: [{name: a, n_q: 2, d_head: 2}]\n", 1, "unknown key 'name'"),
+    ("scenario: []\n", 1, "unknown top-level key"),
+    ("scenarios:\n  - {name: a, n_q: 2}\n", 2, "is required"),
+    ("scenarios:\n  - {name: 'a b', n_q: 2, d_head: 2}\n", 2, "expected a name"),
+    ("scenarios:\n  - {name: a, n_q: 2, d_head: 2, n_q: 3}\n", 2, "duplicate key"),
+])
+def test_document_level_errors(text, line, words):
+    with pytest.raises(ScenarioError) as err:
+        scenario.loads(text, file="x.yaml")
+    assert err.value.line == line and words in str(err.value), str(err.value)
+
+
+def test_missing_file_is_exit_2(tmp_path):
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "nope.yaml")])
+    assert result.exit_code == 2 and "cannot read the file" in result.stderr
+
+
+def test_defaults_are_inherited_and_overridden(tmp_path):
+    text = textwrap.dedent("""\
+        defaults:
+          dtype: float32
+          d_head: 8
+          mask: {causal: lower-right}
+          check: {mode: sample, samples: 7}
+        scenarios:
+          - {name: a, n_q: 3}
+          - {name: b, n_q: 3, dtype: float64, check: {samples: 9}, mask: {key_lengths: [2]}}
+    """)
+    a, b = scenario.loads(text)
+    assert (a.dtype, a.d_head, a.causal, a.mode, a.samples, a.epsilon) == ("float32", 8, "lower-right", "sample", 7, 1e-2)
+    assert (b.dtype, b.mode, b.samples, b.causal, b.key_lengths, b.epsilon) == ("float64", "sample", 9, "lower-right", (2,), 1e-6)
+
+
+def test_shape_defaults():
+    (sc,) = scenario.loads("scenarios: [{name: a, heads_q: 6, kv_map: [0, 1, 2, 0, 1, 2], n_q: 3, d_head: 16}]")
+    assert (sc.heads_kv, sc.n_k, sc.d_value, sc.scale, sc.batch) == (3, 3, 16, 0.25, 1)
+    (sc,) = scenario.loads("scenarios: [{name: a, heads_q: 6, heads_kv: 2, n_q: 3, d_head: 4}]")
+    assert sc.kv_map == (0, 0, 0, 1, 1, 1)
+
+
+def test_exponent_without_dot_is_accepted():
+    # YAML 1.1 reads 1e-6 as a string; people write it anyway
+    (sc,) = scenario.loads("scenarios: [{name: a, n_q: 2, d_head: 2, epsilon: 1e-5}]")
+    assert sc.epsilon == 1e-5
+
+
+def test_visible_from_npy_relative_to_the_yaml(tmp_path):
+    (tmp_path / "m").mkdir()
+    np.save(tmp_path / "m" / "v.npy", np.tril(np.ones((3, 3), dtype=bool)))
+    (tmp_path / "c.yaml").write_text("scenarios: [{name: a, n_q: 3, d_head: 2, mask: {visible: m/v.npy}}]\n")
+    (sc,) = scenario.load(tmp_path / "c.yaml")
+    np.testing.assert_array_equal(sc.visible[0, 0], np.tril(np.ones((3, 3), dtype=bool)))
+    (tmp_path / "d.yaml").write_text("scenarios: [{name: a, n_q: 3, d_head: 2, mask: {visible: m/none.npy}}]\n")
+    with pytest.raises(ScenarioError, match="cannot read"):
+        scenario.load(tmp_path / "d.yaml")
+    np.save(tmp_path / "m" / "f.npy", np.ones((3, 3)) * 0.5)
+    (tmp_path / "e.yaml").write_text("scenarios: [{name: a, n_q: 3, d_head: 2, mask: {visible: m/f.npy}}]\n")
+    with pytest.raises(ScenarioError, match="expected booleans"):
+        scenario.load(tmp_path / "e.yaml")
+
+
+def test_memory_estimate_uses_the_limit():
+    text = "scenarios: [{name: a, n_q: 64, d_head: 4}]"
+    scenario.loads(text, memory_limit=10**9)
+    with pytest.raises(ScenarioError, match="needs about"):
+        scenario.loads(text, memory_limit=1000)
