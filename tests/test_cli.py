@@ -1,0 +1,138 @@
+"""The command line and its reports, through click's runner with stderr kept separate."""
+import json
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from gradcheck_cli.cli import main
+from gradcheck_cli.ops import FAULTS
+from reference import attention_loops
+
+
+def run(*args, env=None):
+    return CliRunner().invoke(main, [str(a) for a in args], env=env)
+
+
+def test_quickstart_passes_and_softmax_fault_fails(root):
+    ok = run("run", root / "configs/quickstart.yaml")
+    assert ok.exit_code == 0, ok.output
+    assert "all checks passed" in ok.stdout
+    bad = run("run", root / "configs/quickstart.yaml", "--break-softmax-term")
+    assert bad.exit_code == 1
+    assert "FAIL gradient q" in bad.stdout and "worst at q[" in bad.stdout
+
+
+def test_mask_fault_passes_gradients_but_fails_invariants(root):
+    result = run("run", root / "configs/seed-causal-first-row.yaml", "--fault", "mask", "--json", "/dev/null")
+    assert result.exit_code == 1
+    lines = [l for l in result.stdout.splitlines() if l.startswith("gradient ")]
+    assert lines and all(l.rstrip().endswith("pass") for l in lines)
+    assert "FAIL unseen K/V rows get zero gradient" in result.stdout
+
+
+def test_plain_output_without_a_terminal(root):
+    result = run("run", root / "configs/quickstart.yaml", env={"NO_COLOR": "1"})
+    assert "\x1b[" not in result.stdout
+
+
+def test_faults_command_lists_every_fault():
+    result = run("faults")
+    assert result.exit_code == 0
+    for name, fault in FAULTS.items():
+        assert name in result.stdout and fault.caught_by[0] in result.stdout
+
+
+@pytest.mark.parametrize("args", [[], ["run"], ["faults"], ["validate"]])
+def test_help_everywhere(args):
+    result = run(*args, "--help")
+    assert result.exit_code == 0 and "Usage:" in result.stdout
+
+
+def test_unknown_fault_is_a_usage_error(root):
+    result = run("run", root / "configs/quickstart.yaml", "--fault", "nonsense")
+    assert result.exit_code == 2 and "nonsense" in result.stderr
+
+
+def test_fault_and_negative_controls_do_not_mix(root):
+    result = run("run", root / "configs/quickstart.yaml", "--fault", "mask", "--negative-controls")
+    assert result.exit_code == 2
+
+
+def test_report_folder_must_exist_and_nothing_runs(root, tmp_path):
+    result = run("run", root / "configs/quickstart.yaml", "--json", tmp_path / "no" / "r.json")
+    assert result.exit_code == 2 and "does not exist" in result.stderr and result.stdout == ""
+
+
+def test_json_report_contract(root, tmp_path):
+    path = tmp_path / "r.json"
+    result = run("run", root / "configs/quickstart.yaml", "--fault", "scale", "--json", path)
+    assert result.exit_code == 1
+    report = json.loads(path.read_text())
+    assert set(report) == {"tool", "version", "schema_version", "config", "faults", "passed", "summary",
+                           "scenarios", "negative_controls"}
+    assert report["tool"] == "attn-gradcheck" and report["faults"] == ["scale"] and report["passed"] is False
+    assert set(report["summary"]) == {"scenarios", "checks", "passed", "failed"}
+    s = report["scenarios"][0]
+    assert set(s) == {"name", "op", "dtype", "epsilon", "tolerance", "mode", "faults", "passed", "elapsed_s", "checks"}
+    c = s["checks"][0]
+    assert set(c) == {"kind", "name", "tensor", "shape", "max_abs_error", "relative_error", "tolerance",
+                      "noise_floor", "worst_index", "passed", "detail"}
+    assert c["kind"] == "gradient" and c["tensor"] == "q" and c["passed"] is False
+    assert report["summary"]["failed"] == sum(not c["passed"] for s in report["scenarios"] for c in s["checks"])
+    assert list(tmp_path.iterdir()) == [path]  # no temp files left behind
+
+
+def test_negative_controls_json_and_junit(root, tmp_path):
+    result = run("run", root / "configs/gqa.yaml", "--negative-controls", "--json", tmp_path / "r.json",
+                 "--junit", tmp_path / "r.xml")
+    assert result.exit_code == 0, result.stdout
+    assert "negative controls" in result.stdout
+    nc = json.loads((tmp_path / "r.json").read_text())["negative_controls"]
+    assert nc["passed"] is True
+    assert {(c["fault"], c["scenario"]) for c in nc["cells"]} == {(f, s) for f in FAULTS for s in ("gqa-4x2", "mqa", "gqa-interleaved")}
+    assert {c["status"] for c in nc["cells"]} <= {"detected", "not applicable"}
+    root_el = ET.parse(tmp_path / "r.xml").getroot()
+    suites = {s.get("name"): s for s in root_el.iter("testsuite")}
+    assert set(suites) == {"gqa-4x2", "mqa", "gqa-interleaved", "negative-controls"}
+    assert suites["gqa-4x2"].get("failures") == "0" and int(suites["gqa-4x2"].get("tests")) == 11
+
+
+def test_negative_controls_exit_1_when_a_fault_is_missed(tmp_path):
+    cfg = tmp_path / "weak.yaml"
+    cfg.write_text("scenarios: [{name: weak, n_q: 8, d_head: 8, scale: 0.25, dtype: float32, epsilon: 1.0e-7}]\n")
+    result = run("run", cfg, "--negative-controls")
+    assert result.exit_code == 1
+    assert "MISSED scale on weak" in result.stdout
+
+
+def test_junit_failure_carries_the_worst_element(root, tmp_path):
+    run("run", root / "configs/quickstart.yaml", "--break-softmax-term", "--junit", tmp_path / "r.xml")
+    failures = list(ET.parse(tmp_path / "r.xml").getroot().iter("failure"))
+    assert failures and any("worst at q[" in (f.text or "") for f in failures)
+
+
+def test_saved_arrays_recompute_independently(root, tmp_path):
+    result = run("run", root / "configs/gqa.yaml", "--save-arrays", tmp_path / "arrays")
+    assert result.exit_code == 0
+    data = np.load(tmp_path / "arrays" / "gqa-4x2.npz")
+    assert set(data.files) >= {"q", "k", "v", "visible", "grad_output", "scale", "kv_map", "output",
+                               "analytic_q", "analytic_k", "analytic_v", "numeric_q", "numeric_k", "numeric_v"}
+    assert data["visible"].dtype == bool and data["visible"].shape == (2, 4, 6, 6)
+    o, gq, gk, gv = attention_loops(data["q"], data["k"], data["v"], data["visible"], float(data["scale"]),
+                                    data["kv_map"], data["grad_output"])
+    np.testing.assert_allclose(data["output"], o, rtol=1e-12, atol=1e-13)
+    for name, ref in (("q", gq), ("k", gk), ("v", gv)):
+        np.testing.assert_allclose(data[f"analytic_{name}"], ref, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(data[f"numeric_{name}"], ref, rtol=1e-6, atol=1e-8)
+
+
+def test_validate_runs_nothing(root):
+    result = run("validate", root / "configs/gqa.yaml")
+    assert result.exit_code == 0 and "3 scenario(s) valid" in result.stdout
+
+
+def test_version():
+    result = run("--version")
+    assert result.exit_code == 0 and "attn-gradcheck" in result.stdout
