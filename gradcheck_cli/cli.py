@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -47,18 +48,33 @@ def _check_output_path(option: str, path: str | None, is_dir: bool = False) -> N
         raise _fail(f"{option} {path}: folder {parent} does not exist (create it first)")
 
 
+#: Seconds a run must last before the progress bar appears (short runs print nothing extra).
+PROGRESS_DELAY_S = 1.0
+
+
 @contextlib.contextmanager
 def _progress(enabled: bool, total: int, label: str):
-    """Yields an ``advance(n)`` callback; draws an ETA bar on stderr when it is a terminal."""
+    """Yields an ``advance(n)`` callback; once a run has lasted PROGRESS_DELAY_S, draws a bar with an
+    ETA on stderr when stderr is a terminal."""
     if not enabled or not sys.stderr.isatty():
         yield None
         return
     bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                    console=_console(stderr=True), transient=True)
-    with bar:
-        task = bar.add_task(label, total=total)
-        yield lambda n: bar.advance(task, n)
+    task = bar.add_task(label, total=total)
+    start = time.monotonic()
+
+    def advance(n: int) -> None:
+        bar.advance(task, n)
+        if not bar.live.is_started and time.monotonic() - start > PROGRESS_DELAY_S:
+            bar.start()
+
+    try:
+        yield advance
+    finally:
+        if bar.live.is_started:
+            bar.stop()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)

@@ -45,13 +45,15 @@ def render_results(console: Console, results: Sequence[ScenarioResult], descript
         if r.faults:
             title += f"  faults: {', '.join(r.faults)}"
         table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD if styled else None,
-                      show_edge=False, pad_edge=False)
-        for col, justify in (("check", "left"), ("tensor", "left"), ("max abs err", "right"),
-                             ("rel err", "right"), ("tolerance", "right"), ("noise floor", "right"),
-                             ("status", "left")):
-            table.add_column(col, justify=justify, no_wrap=True)
+                      show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
+        # names wrap on a narrow terminal; numbers never do
+        table.add_column("check", ratio=1, min_width=14)
+        table.add_column("tensor", min_width=8)
+        for col in ("max abs err", "rel err", "tolerance", "noise floor"):
+            table.add_column(col, justify="right", no_wrap=True)
+        table.add_column("status", no_wrap=True, min_width=6)
         for c in r.checks:
-            tensor = f"{c.tensor} {list(c.shape)}" if c.shape else (c.tensor or "")
+            tensor = f"{c.tensor} {'x'.join(map(str, c.shape))}" if c.shape else (c.tensor or "")
             table.add_row(c.name, tensor, _fmt(c.max_abs_error),
                           _fmt(c.relative_error) if c.kind == "gradient" else "",
                           _fmt(c.tolerance), _fmt(c.noise_floor) if c.kind == "gradient" else "",
