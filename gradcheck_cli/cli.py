@@ -146,9 +146,10 @@ def faults():
     out = _console()
     for op in OPS.values():
         for f in op.faults.values():
-            out.print(f"{f.name}  [{op.name}]", style="bold" if out.is_terminal else None, highlight=False)
-            out.print(f"    breaks:    {f.breaks}", highlight=False)
-            out.print(f"    caught by: {'; '.join(f.caught_by)}", highlight=False)
+            out.print(f"{f.name}  (op {op.name}{', changes the forward' if f.forward else ''})",
+                      style="bold" if out.is_terminal else None, markup=False)
+            out.print(f"    breaks:    {f.breaks}", markup=False)
+            out.print(f"    caught by: {'; '.join(f.caught_by)}", markup=False)
 
 
 @main.command(epilog=EPILOG)
