@@ -48,7 +48,7 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     active = tuple(f for f in faults if f in op.faults)
     problem = op.build(sc, active)
     rng = np.random.default_rng([sc.seed, 2])
-    chunk = numeric.chunk_size(problem.copy_bytes, memory_budget)
+    chunking = numeric.plan(problem.copy_bytes, memory_budget)
     eps_m = machine_epsilon(sc.dtype)
     checks: list[Check] = []
     arrays = dict(problem.arrays)
@@ -60,7 +60,7 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
             if progress:
                 progress(len(sites) if sc.mode != "directional" else sc.directions)
         else:
-            num, sites, step = _differences(sc, problem, name, x, rng, chunk, progress)
+            num, sites, step = _differences(sc, problem, name, x, rng, chunking, progress)
             if numeric_cache is not None:
                 numeric_cache[key] = (num, sites, step)
         if sc.mode == "directional":
@@ -88,7 +88,7 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
                           elapsed_s=time.perf_counter() - start, arrays=arrays)
 
 
-def _differences(sc: Scenario, problem, name: str, x: np.ndarray, rng: np.random.Generator, chunk: int,
+def _differences(sc: Scenario, problem, name: str, x: np.ndarray, rng: np.random.Generator, chunking: numeric.Chunking,
                  progress: Progress | None):
     """(numeric values, sites, smallest step): sites are flat indices, or the directions taken."""
     def loss(copies):
@@ -96,13 +96,13 @@ def _differences(sc: Scenario, problem, name: str, x: np.ndarray, rng: np.random
 
     if sc.mode == "directional":
         units = numeric.unit_directions(rng, sc.directions, x.shape)
-        num, taken = numeric.directions(loss, x, units, sc.epsilon, chunk, progress)
+        num, taken = numeric.directions(loss, x, units, sc.epsilon, chunking, progress)
         return num, taken, sc.epsilon * max(1.0, float(np.max(np.abs(x))))
     if sc.mode == "full":
         sites = np.arange(x.size)
     else:
         sites = np.sort(rng.choice(x.size, size=min(sc.samples, x.size), replace=False))
-    return numeric.elements(loss, x, sites, sc.epsilon, chunk, progress), sites, sc.epsilon
+    return numeric.elements(loss, x, sites, sc.epsilon, chunking, progress), sites, sc.epsilon
 
 
 def fault_effect(sc: Scenario, fault: str) -> float:

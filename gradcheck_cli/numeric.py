@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
@@ -31,26 +32,36 @@ def perturb(x: np.ndarray, epsilon: float) -> tuple[np.ndarray, np.ndarray]:
 WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
-def chunk_size(copy_bytes: int, budget_bytes: int) -> int:
-    """How many perturbed copies fit in the memory budget (at least one), shared by the workers."""
-    return max(1, int(budget_bytes // (WORKERS * max(1, copy_bytes))))
+@dataclass(frozen=True)
+class Chunking:
+    """How finite differences are batched: ``pairs`` (+h, -h) pairs of copies per vectorised call,
+    ``workers`` calls in flight at once."""
+    pairs: int
+    workers: int = 1
 
 
-def _in_chunks(work: Callable[[int, int], object], total: int, per: int) -> Iterator[tuple[int, int, object]]:
-    """Yield (start, stop, work(start, stop)) over [0, total) in order, evaluated by WORKERS threads."""
-    bounds = [(a, min(a + per, total)) for a in range(0, total, per)]
-    if WORKERS == 1 or len(bounds) == 1:
+def plan(copy_bytes: int, budget_bytes: int) -> Chunking:
+    """Fit the calls in flight into the memory budget; at least one pair, on one worker, always runs."""
+    pair = 2 * max(1, copy_bytes)
+    workers = WORKERS if WORKERS * pair <= budget_bytes else 1
+    return Chunking(pairs=max(1, int(budget_bytes // (workers * pair))), workers=workers)
+
+
+def _in_chunks(work: Callable[[int, int], object], total: int, chunking: Chunking) -> Iterator[tuple[int, int, object]]:
+    """Yield (start, stop, work(start, stop)) over [0, total) in order, ``chunking.pairs`` at a time."""
+    bounds = [(a, min(a + chunking.pairs, total)) for a in range(0, total, chunking.pairs)]
+    if chunking.workers == 1 or len(bounds) == 1:
         for a, b in bounds:
             yield a, b, work(a, b)
         return
     # One BLAS thread per worker: the workers already fill the cores, and nested BLAS threads would
     # oversubscribe them.
-    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(max_workers=WORKERS) as pool:
+    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(max_workers=chunking.workers) as pool:
         for (a, b), value in zip(bounds, pool.map(lambda ab: work(*ab), bounds)):
             yield a, b, value
 
 
-def elements(loss: Loss, x: np.ndarray, indices: np.ndarray, epsilon: float, chunk: int,
+def elements(loss: Loss, x: np.ndarray, indices: np.ndarray, epsilon: float, chunking: Chunking,
              progress: Progress | None = None) -> np.ndarray:
     """dL/dx at the given flat indices by central differences: one +h and one -h copy each."""
     flat_x = x.ravel()
@@ -68,14 +79,14 @@ def elements(loss: Loss, x: np.ndarray, indices: np.ndarray, epsilon: float, chu
         values = np.asarray(loss(copies), dtype=np.float64)
         return (values[:c] - values[c:]) / (plus.astype(np.float64) - minus.astype(np.float64))
 
-    for start, stop, value in _in_chunks(work, len(indices), max(1, chunk // 2)):
+    for start, stop, value in _in_chunks(work, len(indices), chunking):
         out[start:stop] = value
         if progress:
             progress(stop - start)
     return out
 
 
-def directions(loss: Loss, x: np.ndarray, units: np.ndarray, epsilon: float, chunk: int,
+def directions(loss: Loss, x: np.ndarray, units: np.ndarray, epsilon: float, chunking: Chunking,
                progress: Progress | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Directional derivatives along unit directions ``units`` [m, *x.shape].
 
@@ -95,7 +106,7 @@ def directions(loss: Loss, x: np.ndarray, units: np.ndarray, epsilon: float, chu
         return ((values[:c] - values[c:]) / (2 * h),
                 (plus.astype(np.float64) - minus.astype(np.float64)) / (2 * h))
 
-    for start, stop, (num, tk) in _in_chunks(work, len(units), max(1, chunk // 2)):
+    for start, stop, (num, tk) in _in_chunks(work, len(units), chunking):
         numeric[start:stop], taken[start:stop] = num, tk
         if progress:
             progress(stop - start)

@@ -313,10 +313,11 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                       hint="give one valid-key count per batch element")
     loss_rows = f.int_list("loss_rows", 0, n_q - 1, "a query row (0..n_q-1)")
 
-    # Estimate memory before allocating anything of size n_q x n_k.
+    # Estimate memory before allocating anything of size n_q x n_k: about ten score-sized arrays for
+    # the forward, backward and invariants, plus one (+h, -h) pair of perturbed copies (see numeric.plan).
     itemsize = np.dtype(dtype).itemsize
     scores = batch * heads_q * n_q * n_k
-    need = scores * (6 * itemsize + 2)
+    need = scores * (16 * itemsize + 2)
     if need > memory_limit:
         raise doc.error(f.path, f"scenario '{name}' needs about {need / 2**30:.1f} GiB for its "
                         f"{batch}x{heads_q}x{n_q}x{n_k} score blocks, more than the "

@@ -15,7 +15,7 @@ def cubic_loss(c):
 def test_elements_recover_a_known_gradient():
     rng = np.random.default_rng(0)
     x, c = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
-    got = numeric.elements(cubic_loss(c), x, np.arange(x.size), 1e-6, chunk=5)
+    got = numeric.elements(cubic_loss(c), x, np.arange(x.size), 1e-6, numeric.Chunking(3, 2))
     np.testing.assert_allclose(got, (3 * c * x**2).ravel(), rtol=1e-8, atol=1e-9)
 
 
@@ -23,8 +23,8 @@ def test_elements_at_selected_indices_and_any_chunk():
     rng = np.random.default_rng(1)
     x, c = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
     idx = np.array([11, 0, 5])
-    for chunk in (1, 2, 3, 100):
-        got = numeric.elements(cubic_loss(c), x, idx, 1e-6, chunk=chunk)
+    for chunking in (numeric.Chunking(1), numeric.Chunking(1, 2), numeric.Chunking(2, 2), numeric.Chunking(100)):
+        got = numeric.elements(cubic_loss(c), x, idx, 1e-6, chunking)
         np.testing.assert_allclose(got, (3 * c * x**2).ravel()[idx], rtol=1e-8, atol=1e-9)
 
 
@@ -33,7 +33,7 @@ def test_directions_recover_the_directional_derivative():
     x, c = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
     units = numeric.unit_directions(rng, 5, x.shape)
     assert np.allclose(np.sqrt((units**2).sum(axis=(1, 2))), 1.0)
-    num, taken = numeric.directions(cubic_loss(c), x, units, 1e-6, chunk=4)
+    num, taken = numeric.directions(cubic_loss(c), x, units, 1e-6, numeric.Chunking(2, 2))
     expected = np.tensordot(taken, 3 * c * x**2, axes=2)
     np.testing.assert_allclose(num, expected, rtol=1e-7, atol=1e-9)
 
@@ -56,3 +56,8 @@ def test_noise_floor_absorbs_rounding_but_not_errors():
     a, n = np.array([1.0, 2.0]), np.array([1.0, 2.0 + 1e-7])
     assert not passes(1e-7, a, n, tolerance=1e-9, noise_floor=0.0)
     assert passes(1e-7, a, n, tolerance=1e-9, noise_floor=2e-7)
+
+
+def test_plan_fits_the_budget():
+    assert numeric.plan(copy_bytes=100, budget_bytes=10_000) == numeric.Chunking(50 // numeric.WORKERS, numeric.WORKERS)
+    assert numeric.plan(copy_bytes=10**9, budget_bytes=10) == numeric.Chunking(1, 1)  # always makes progress
