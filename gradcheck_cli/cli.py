@@ -85,7 +85,7 @@ def main() -> None:
 
 
 @main.command(epilog=EPILOG)
-@click.argument("config", type=click.Path(dir_okay=False, path_type=str))
+@click.argument("config", type=click.Path(path_type=str))
 @click.option("--fault", "faults", multiple=True, type=click.Choice(tuple(FAULTS)),
               help="Inject a named fault into the op (repeatable); see 'attn-gradcheck faults'.")
 @click.option("--break-softmax-term", is_flag=True, help="Same as --fault softmax-term.")
@@ -153,7 +153,7 @@ def faults():
 
 
 @main.command(epilog=EPILOG)
-@click.argument("config", type=click.Path(dir_okay=False, path_type=str))
+@click.argument("config", type=click.Path(path_type=str))
 def validate(config):
     """Check CONFIG without running it: every key, shape and mask row."""
     try:

@@ -69,7 +69,8 @@ class Scenario:
     visible: np.ndarray = field(default=None, repr=False, compare=False)
 
     def describe(self) -> str:
-        kv = f"{self.heads_kv}" + ("" if self.kv_map == default_kv_map(self.heads_q, self.heads_kv) else f" map={list(self.kv_map)}")
+        contiguous = self.heads_q % self.heads_kv == 0 and self.kv_map == default_kv_map(self.heads_q, self.heads_kv)
+        kv = f"{self.heads_kv}" + ("" if contiguous else f" map={list(self.kv_map)}")
         return (f"B={self.batch} Hq={self.heads_q} Hkv={kv} n_q={self.n_q} n_k={self.n_k} "
                 f"d={self.d_head}/{self.d_value} {self.dtype} {self.mode}")
 
@@ -82,6 +83,20 @@ def default_kv_map(heads_q: int, heads_kv: int) -> tuple[int, ...]:
 
 # --------------------------------------------------------------------------------------------------
 # YAML with line numbers
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    if isinstance(exc, yaml.reader.ReaderError):
+        return f"unacceptable character {exc.character!r} (only printable UTF-8 text is allowed)"
+    return getattr(exc, "problem", None) or str(exc).splitlines()[0]
+
+
+def _yaml_line(exc: yaml.YAMLError, text: str) -> int | None:
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    if mark is not None:
+        return mark.line + 1
+    position = getattr(exc, "position", None)
+    return text.count("\n", 0, position) + 1 if position is not None else None
+
 
 def _key(path: tuple) -> str:
     out = ""
@@ -96,21 +111,29 @@ class _Doc:
     def __init__(self, text: str, file: str):
         self.file = file
         self.lines: dict[tuple, int] = {}
+        self._constructor = yaml.SafeLoader("")
         try:
             node = yaml.compose(text, Loader=yaml.SafeLoader)
+            self.value = self._convert(node, ()) if node is not None else None
         except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-            problem = getattr(exc, "problem", None) or str(exc)
-            raise ScenarioError(f"not valid YAML: {problem}", file=file,
-                                line=mark.line + 1 if mark else None) from None
-        self._constructor = yaml.SafeLoader("")
-        self.value = self._convert(node, ()) if node is not None else None
+            raise ScenarioError(f"not valid YAML: {_yaml_problem(exc)}", file=file, line=_yaml_line(exc, text)) from None
+        except RecursionError:
+            raise ScenarioError("the YAML is nested too deeply to be a scenario file", file=file) from None
 
     def _convert(self, node, path: tuple) -> Any:
         self.lines.setdefault(path, node.start_mark.line + 1)
         if isinstance(node, yaml.MappingNode):
-            out = {}
+            out: dict = {}
+            merged: dict = {}
             for k_node, v_node in node.value:
+                if k_node.tag == "tag:yaml.org,2002:merge":  # '<<: *anchor' merges, explicit keys win
+                    sources = v_node.value if isinstance(v_node, yaml.SequenceNode) else [v_node]
+                    for source in sources:
+                        value = self._convert(source, path)
+                        if not isinstance(value, dict):
+                            raise self.error(path, "'<<' must merge a mapping")
+                        merged = {**value, **merged}
+                    continue
                 key = self._constructor.construct_object(k_node)
                 if not isinstance(key, str):
                     raise ScenarioError(f"keys must be names, got {key!r}", file=self.file,
@@ -121,7 +144,7 @@ class _Doc:
                                         hint="give each key once")
                 self.lines[path + (key,)] = k_node.start_mark.line + 1
                 out[key] = self._convert(v_node, path + (key,))
-            return out
+            return {**merged, **out}
         if isinstance(node, yaml.SequenceNode):
             return [self._convert(item, path + (i,)) for i, item in enumerate(node.value)]
         return self._constructor.construct_object(node)
@@ -191,7 +214,7 @@ class _Fields:
             raise self.error(key, f"expected one of {', '.join(choices)}; got {v!r}")
         return v
 
-    def int_list(self, key: str, lo: int, hi: int, what: str) -> tuple[int, ...] | None:
+    def int_list(self, key: str, lo: int, hi: int | None, what: str, unique: bool = False) -> tuple[int, ...] | None:
         if not self.has(key):
             return None
         v = self.raw(key)
@@ -200,8 +223,11 @@ class _Fields:
         for i, x in enumerate(v):
             if isinstance(x, bool) or not isinstance(x, int):
                 raise self.doc.error(self.where(key) + (i,), f"expected an integer, got {x!r}")
-            if not lo <= x <= hi:
-                raise self.doc.error(self.where(key) + (i,), f"{x} is out of range: {what} must be in [{lo}, {hi}]")
+            if x < lo or (hi is not None and x > hi):
+                bounds = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+                raise self.doc.error(self.where(key) + (i,), f"{x} is out of range: {what} must be {bounds}")
+            if unique and x in v[:i]:
+                raise self.doc.error(self.where(key) + (i,), f"{x} is listed twice", hint="list each once")
         return tuple(v)
 
 
@@ -262,7 +288,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     d_value = f.int("d_value", d_head)
 
     if f.has("kv_map"):
-        kv_map = f.int_list("kv_map", 0, 10**6, "a KV head index")
+        kv_map = f.int_list("kv_map", 0, None, "a KV head index")
         if len(kv_map) != heads_q:
             raise f.error("kv_map", f"has {len(kv_map)} entries but heads_q is {heads_q}",
                           hint="give one KV head index per query head")
@@ -271,6 +297,10 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
         if bad:
             raise f.error("kv_map", f"KV head {bad[0]} is out of range for heads_kv={heads_kv}",
                           hint=f"use indices 0..{heads_kv - 1} or raise heads_kv")
+        unused = sorted(set(range(heads_kv)) - set(kv_map))
+        if unused:
+            raise f.error("kv_map", f"KV head {unused[0]} of heads_kv={heads_kv} is read by no query head",
+                          hint="every KV head must serve at least one query head; lower heads_kv")
     else:
         heads_kv = f.int("heads_kv", heads_q)
         if heads_q % heads_kv:
@@ -307,22 +337,24 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
             else:
                 sides.append(x)
         window = (sides[0], sides[1])
-    key_lengths = f.int_list("mask.key_lengths", 0, n_k, "a key length (0..n_k)")
+    key_lengths = f.int_list("mask.key_lengths", 0, n_k, "a key length")
     if key_lengths is not None and len(key_lengths) != batch:
         raise f.error("mask.key_lengths", f"has {len(key_lengths)} entries but batch is {batch}",
                       hint="give one valid-key count per batch element")
-    loss_rows = f.int_list("loss_rows", 0, n_q - 1, "a query row (0..n_q-1)")
+    loss_rows = f.int_list("loss_rows", 0, n_q - 1, "a query row", unique=True)
 
     # Estimate memory before allocating anything of size n_q x n_k: about ten score-sized arrays for
     # the forward, backward and invariants, plus one (+h, -h) pair of perturbed copies (see numeric.plan).
+    # The tensors (q, k, v, o and their gradients, analytic and numeric) count about a dozen times.
     itemsize = np.dtype(dtype).itemsize
     scores = batch * heads_q * n_q * n_k
-    need = scores * (16 * itemsize + 2)
+    tensors = batch * (heads_q * n_q * (d_head + d_value) + heads_kv * n_k * (d_head + d_value))
+    need = scores * (16 * itemsize + 2) + tensors * 12 * 8
     if need > memory_limit:
-        raise doc.error(f.path, f"scenario '{name}' needs about {need / 2**30:.1f} GiB for its "
-                        f"{batch}x{heads_q}x{n_q}x{n_k} score blocks, more than the "
-                        f"{memory_limit / 2**30:.1f} GiB available",
-                        hint="reduce batch, heads_q, n_q or n_k")
+        raise doc.error(f.path, f"scenario '{name}' needs about {need / 2**30:.1f} GiB "
+                        f"({batch}x{heads_q}x{n_q}x{n_k} score blocks, d_head={d_head}, d_value={d_value}), "
+                        f"more than the {memory_limit / 2**30:.1f} GiB available",
+                        hint="reduce batch, heads, n_q, n_k or the head dimensions")
 
     explicit, source = None, None
     if f.has("mask.visible"):
@@ -353,9 +385,12 @@ def _load_visible(f: _Fields, base_dir: Path, shape: tuple[int, ...]) -> tuple[n
         path = base_dir / raw
         try:
             arr = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise f.error("mask.visible", f"cannot read {path}: {exc}",
+        except OSError as exc:
+            raise f.error("mask.visible", f"cannot read {path}: {exc.strerror or exc}",
                           hint="give a .npy file of booleans, relative to the YAML file") from None
+        except ValueError:
+            raise f.error("mask.visible", f"{path} is not a .npy file of booleans",
+                          hint="write it with numpy.save(path, mask.astype(bool))") from None
         source = raw
     elif isinstance(raw, list):
         try:
@@ -384,10 +419,17 @@ def _load_visible(f: _Fields, base_dir: Path, shape: tuple[int, ...]) -> tuple[n
 def load(path: str | os.PathLike, *, memory_limit: int | None = None) -> list[Scenario]:
     """Read and validate every scenario of a YAML file; raises ``ScenarioError`` on the first problem."""
     path = Path(path)
+    if path.is_dir():
+        raise ScenarioError("is a folder; give a YAML scenario file", file=str(path))
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ScenarioError(f"cannot read the file: {getattr(exc, 'strerror', None) or exc}", file=str(path)) from None
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ScenarioError(f"cannot read the file: {exc.strerror or exc}", file=str(path)) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ScenarioError("not UTF-8 text", file=str(path), line=data.count(b"\n", 0, exc.start) + 1,
+                            hint="save the file as UTF-8") from None
     return loads(text, file=str(path), base_dir=path.parent, memory_limit=memory_limit)
 
 
@@ -400,8 +442,9 @@ def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".
         raise doc.error((), "expected a mapping with a 'scenarios' list at the top level",
                         hint="see configs/quickstart.yaml")
     for key in top:
-        if key not in TOP_KEYS:
-            raise doc.error((key,), f"unknown top-level key '{key}'", hint=_suggest(key, TOP_KEYS))
+        if key not in TOP_KEYS and not key.startswith("x-"):
+            raise doc.error((key,), f"unknown top-level key '{key}'",
+                            hint=_suggest(key, TOP_KEYS) + "; keys starting with 'x-' are ignored (for YAML anchors)")
     defaults = top.get("defaults") or {}
     if not isinstance(defaults, dict):
         raise doc.error(("defaults",), f"expected a mapping, got {defaults!r}")

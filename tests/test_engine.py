@@ -19,11 +19,10 @@ def scenarios(draw):
     batch = draw(st.integers(1, 2))
     keys = dict(batch=batch, heads_q=heads_q, n_q=n_q, n_k=n_k, d_head=draw(st.integers(1, 5)),
                 d_value=draw(st.integers(1, 4)), seed=draw(st.integers(0, 2**16)))
-    if draw(st.booleans()):
-        keys["kv_map"] = draw(st.lists(st.integers(0, heads_kv - 1), min_size=heads_q, max_size=heads_q))
-        keys["heads_kv"] = heads_kv
-    else:
-        keys["heads_kv"] = heads_kv
+    keys["heads_kv"] = heads_kv
+    if draw(st.booleans()):  # an explicit map in which every KV head serves some query head
+        extra = draw(st.lists(st.integers(0, heads_kv - 1), min_size=heads_q - heads_kv, max_size=heads_q - heads_kv))
+        keys["kv_map"] = draw(st.permutations(list(range(heads_kv)) + extra))
     mask = {}
     causal = draw(st.sampled_from(["none", "upper-left", "lower-right"]))
     if causal == "upper-left" or (causal == "lower-right" and n_q > n_k):

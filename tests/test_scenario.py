@@ -80,6 +80,41 @@ def test_document_level_errors(text, line, words):
     assert err.value.line == line and words in str(err.value), str(err.value)
 
 
+def test_yaml_anchors_and_merge_keys(tmp_path):
+    text = textwrap.dedent("""\
+        x-shape: &shape {n_q: 4, d_head: 2, batch: 2}
+        scenarios:
+          - {name: a, <<: *shape}
+          - {name: b, <<: *shape, batch: 3}
+    """)
+    a, b = scenario.loads(text)
+    assert (a.n_q, a.batch, b.batch) == (4, 2, 3)
+
+
+@pytest.mark.parametrize("text,line,words", [
+    ("scenarios: [{name: a, n_q: !foo 4, d_head: 2}]\n", 1, "tag '!foo'"),
+    ("scenarios: [{name: a, heads_q: 2, kv_map: [0, 2], n_q: 2, d_head: 2}]\n", 1, "read by no query head"),
+    ("scenarios: [{name: a, heads_q: 2, kv_map: [0, -1], n_q: 2, d_head: 2}]\n", 1, "must be >= 0"),
+    ("scenarios: [{name: a, n_q: 4, d_head: 100000000000}]\n", 1, "GiB"),
+    ("scenarios: [{name: a, n_q: 4, d_head: 2, loss_rows: [0, 0]}]\n", 1, "listed twice"),
+    ("scenarios:\n  - name: a\x00\n", 2, "unacceptable character"),
+    ("[" * 5000, None, "nested too deeply"),
+])
+def test_more_bad_input(text, line, words):
+    with pytest.raises(ScenarioError) as err:
+        scenario.loads(text, file="x.yaml")
+    assert err.value.line == line and words in str(err.value), str(err.value)
+
+
+def test_non_utf8_and_folder(tmp_path):
+    (tmp_path / "l.yaml").write_bytes(b"scenarios:\n  - name: \xff\n")
+    with pytest.raises(ScenarioError, match="not UTF-8") as err:
+        scenario.load(tmp_path / "l.yaml")
+    assert err.value.line == 2
+    result = CliRunner().invoke(main, ["run", str(tmp_path)])
+    assert result.exit_code == 2 and "is a folder" in result.stderr
+
+
 def test_missing_file_is_exit_2(tmp_path):
     result = CliRunner().invoke(main, ["run", str(tmp_path / "nope.yaml")])
     assert result.exit_code == 2 and "cannot read the file" in result.stderr
