@@ -113,6 +113,11 @@ def fault_effect(sc: Scenario, fault: str) -> float:
     return max(relative_error(a, b)[1] for a, b in pairs)
 
 
+def fault_applies(sc: Scenario, fault: str) -> bool:
+    """True when the fault changes the output or a gradient by more than APPLICABLE_FACTOR tolerances."""
+    return fault_effect(sc, fault) > APPLICABLE_FACTOR * sc.tolerance
+
+
 def negative_controls(scenarios: Sequence[Scenario], *, memory_budget: int = DEFAULT_MEMORY_BUDGET,
                       progress: Progress | None = None, numeric_cache: dict | None = None) -> list[ControlCell]:
     """Every fault of each scenario's op, injected alone: detected, missed or not applicable."""
@@ -121,7 +126,7 @@ def negative_controls(scenarios: Sequence[Scenario], *, memory_budget: int = DEF
     for sc in scenarios:
         for fault in OPS[sc.op].faults:
             effect = fault_effect(sc, fault)
-            if effect <= APPLICABLE_FACTOR * sc.tolerance:
+            if not effect > APPLICABLE_FACTOR * sc.tolerance:
                 cells.append(ControlCell(fault, sc.name, "not applicable", effect, ()))
                 if progress:
                     progress(work_units(sc))

@@ -5,7 +5,6 @@ Exit codes: 0 every check passed, 1 a check failed (or a negative control was mi
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from pathlib import Path
@@ -19,15 +18,17 @@ from .errors import GradcheckError
 from .ops import FAULTS, OPS
 from .scenario import load
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
-EPILOG = "Exit codes: 0 all checks passed, 1 a check failed, 2 bad input or usage."
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EPILOG = "Exit codes: 0 all checks passed, 1 a check failed, 2 bad input or usage, 130 interrupted."
+EPILOG_INFO = "Exit codes: 0 ok, 2 bad input or usage."
 
 
 def _console(stderr: bool = False) -> Console:
-    """Rich console: styled on a terminal, plain text otherwise; NO_COLOR is honoured by rich."""
+    """Rich console: styled on a terminal; off a terminal plain text that never wraps, whatever COLUMNS
+    says (CI logs, pipes). NO_COLOR is honoured by rich."""
     file = sys.stderr if stderr else sys.stdout
-    width = None if file.isatty() or os.environ.get("COLUMNS") else 200
-    return Console(file=file, width=width, stderr=stderr, highlight=False)
+    tty = file.isatty()
+    return Console(file=file, stderr=stderr, highlight=False, soft_wrap=not tty, width=None if tty else 200)
 
 
 def _fail(message: str) -> "click.exceptions.Exit":
@@ -35,46 +36,42 @@ def _fail(message: str) -> "click.exceptions.Exit":
     return click.exceptions.Exit(EXIT_BAD_INPUT)
 
 
-def _check_output_path(option: str, path: str | None, is_dir: bool = False) -> None:
-    if path is None:
-        return
-    p = Path(path)
-    parent = p if is_dir else p.parent
-    if is_dir and p.exists() and not p.is_dir():
-        raise _fail(f"{option} {path}: exists and is not a folder")
-    if not is_dir and p.is_dir():
-        raise _fail(f"{option} {path}: is a folder; give a file path")
-    if not is_dir and not (parent if str(parent) else Path(".")).is_dir():
-        raise _fail(f"{option} {path}: folder {parent} does not exist (create it first)")
-
-
 #: Seconds a run must last before the progress bar appears (short runs print nothing extra).
 PROGRESS_DELAY_S = 1.0
 
 
-@contextlib.contextmanager
-def _progress(enabled: bool, total: int, label: str):
-    """Yields an ``advance(n)`` callback; once a run has lasted PROGRESS_DELAY_S, draws a bar with an
-    ETA on stderr when stderr is a terminal."""
-    if not enabled or not sys.stderr.isatty():
-        yield None
-        return
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                   console=_console(stderr=True), transient=True)
-    task = bar.add_task(label, total=total)
-    start = time.monotonic()
+class _ProgressBar:
+    """An ETA bar on stderr, shown once a run has lasted PROGRESS_DELAY_S and only on a terminal.
+    ``advance`` is the checker's progress callback; ``hidden()`` clears the bar while results print."""
 
-    def advance(n: int) -> None:
-        bar.advance(task, n)
-        if not bar.live.is_started and time.monotonic() - start > PROGRESS_DELAY_S:
-            bar.start()
+    def __init__(self, enabled: bool, total: int, label: str):
+        self.enabled = enabled and sys.stderr.isatty()
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                            console=_console(stderr=True), transient=True,
+                            redirect_stdout=False, redirect_stderr=False)
+        self.task = self.bar.add_task(label, total=total)
+        self.start = time.monotonic()
 
-    try:
-        yield advance
-    finally:
-        if bar.live.is_started:
-            bar.stop()
+    def advance(self, n: int) -> None:
+        self.bar.advance(self.task, n)
+        if self.enabled and not self.bar.live.is_started and time.monotonic() - self.start > PROGRESS_DELAY_S:
+            self.bar.start()
+
+    @contextlib.contextmanager
+    def hidden(self):
+        running = self.bar.live.is_started
+        if running:
+            self.bar.stop()
+        try:
+            yield
+        finally:
+            if running:
+                self.bar.start()
+
+    def close(self) -> None:
+        if self.bar.live.is_started:
+            self.bar.stop()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
@@ -84,7 +81,7 @@ def main() -> None:
     differences, semantic invariants, and negative controls (faults that must be caught)."""
 
 
-@main.command(epilog=EPILOG)
+@main.command(epilog=EPILOG, short_help="Check every scenario of a YAML file.")
 @click.argument("config", type=click.Path(path_type=str))
 @click.option("--fault", "faults", multiple=True, type=click.Choice(tuple(FAULTS)),
               help="Inject a named fault into the op (repeatable); see 'attn-gradcheck faults'.")
@@ -92,55 +89,69 @@ def main() -> None:
 @click.option("--negative-controls", is_flag=True,
               help="Also run every fault on every scenario and print a fault x scenario table; "
                    "exit 1 if an applicable fault goes undetected.")
-@click.option("--json", "json_path", type=click.Path(path_type=str), help="Write the JSON report here.")
+@click.option("--json", "json_path", type=click.Path(path_type=str),
+              help="Write the JSON report here (folders are created; written atomically).")
 @click.option("--junit", "junit_path", type=click.Path(path_type=str), help="Write a JUnit XML report here.")
 @click.option("--save-arrays", "arrays_dir", type=click.Path(path_type=str),
-              help="Write <scenario>.npz with inputs, output and gradients into this folder.")
+              help="Write <scenario>.npz with inputs, output and gradients into this folder (created if missing).")
 @click.option("--memory-budget", type=click.IntRange(min=1), default=checker.DEFAULT_MEMORY_BUDGET // 2**20,
               show_default=True, help="MiB of perturbed copies evaluated in one vectorised call.")
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Progress bar with ETA on stderr (only when stderr is a terminal).")
 def run(config, faults, break_softmax_term, negative_controls, json_path, junit_path, arrays_dir,
         memory_budget, progress):
-    """Check every scenario of CONFIG (a YAML file)."""
+    """Check every scenario of CONFIG (a YAML file; format in the README, 'Scenario files').
+
+    Prints a table per scenario as it finishes. Exit 0: every check passed; 1: a check failed, or
+    with --negative-controls an applicable fault went undetected; 2: bad input or usage (nothing runs);
+    130: interrupted.
+    """
     faults = tuple(dict.fromkeys(faults + (("softmax-term",) if break_softmax_term else ())))
     if faults and negative_controls:
         raise _fail("--negative-controls runs every fault itself; do not combine it with --fault")
-    _check_output_path("--json", json_path)
-    _check_output_path("--junit", junit_path)
-    _check_output_path("--save-arrays", arrays_dir, is_dir=True)
     try:
         scenarios = load(config)
+        report.prepare_outputs({"--json": json_path, "--junit": junit_path}, {"--save-arrays": arrays_dir})
     except GradcheckError as exc:
         raise _fail(str(exc)) from None
 
+    out = _console()
     budget = memory_budget * 2**20
     total = sum(checker.work_units(sc) for sc in scenarios) * (1 + (len(FAULTS) if negative_controls else 0))
-    with _progress(progress, total, "checking") as advance:
-        results = [checker.run_scenario(sc, faults, memory_budget=budget, progress=advance) for sc in scenarios]
-        cells = checker.negative_controls(scenarios, memory_budget=budget, progress=advance) if negative_controls else None
-
-    out = _console()
-    report.render_results(out, results, {sc.name: sc.describe() for sc in scenarios})
-    for fault in faults:
+    bar = _ProgressBar(progress, total, "checking")
+    results, cells = [], None
+    try:
         for sc in scenarios:
-            if fault in OPS[sc.op].faults and checker.fault_effect(sc, fault) <= checker.APPLICABLE_FACTOR * sc.tolerance:
-                out.print(f"note: fault {fault} has no effect on scenario {sc.name} (not applicable there)")
+            result = checker.run_scenario(sc, faults, memory_budget=budget, progress=bar.advance)
+            results.append(result)
+            with bar.hidden():
+                report.render_scenario(out, result, sc.describe())
+                for fault in faults:
+                    if fault in OPS[sc.op].faults and not checker.fault_applies(sc, fault):
+                        out.print(f"  note: fault {fault} has no effect on this scenario (not applicable)\n",
+                                  highlight=False)
+        if negative_controls:
+            cells = checker.negative_controls(scenarios, memory_budget=budget, progress=bar.advance)
+    except KeyboardInterrupt:
+        bar.close()
+        click.echo(f"interrupted after {len(results)} of {len(scenarios)} scenario(s); no report written", err=True)
+        raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+    bar.close()
+
+    report.render_summary(out, results)
     if cells is not None:
         out.print()
         report.render_controls(out, cells)
-
     data = report.json_report(config, faults, results, cells)
-    if json_path:
-        report.write_json(json_path, data)
-    if junit_path:
-        report.write_junit(junit_path, report.junit_xml(results, cells))
-    if arrays_dir:
-        report.save_arrays(arrays_dir, results)
+    try:
+        report.write_reports(json_path, data, junit_path, report.junit_xml(results, cells) if junit_path else None,
+                             arrays_dir, results)
+    except OSError as exc:
+        raise _fail(f"cannot write the reports: {exc}") from None
     raise click.exceptions.Exit(EXIT_OK if data["passed"] else EXIT_FAILED)
 
 
-@main.command(epilog=EPILOG)
+@main.command(epilog=EPILOG_INFO, short_help="List the named faults and the checks that catch them.")
 def faults():
     """List the named faults: what each breaks and which checks are expected to catch it."""
     out = _console()
@@ -152,7 +163,7 @@ def faults():
             out.print(f"    caught by: {'; '.join(f.caught_by)}", markup=False)
 
 
-@main.command(epilog=EPILOG)
+@main.command(epilog=EPILOG_INFO, short_help="Check a scenario file without running it.")
 @click.argument("config", type=click.Path(path_type=str))
 def validate(config):
     """Check CONFIG without running it: every key, shape and mask row."""

@@ -2,6 +2,7 @@
 Files are written atomically (temp file in the same folder, then rename): never half-written."""
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -14,8 +15,10 @@ import numpy as np
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from . import __version__
+from .errors import GradcheckError
 from .result import ControlCell, ScenarioResult
 
 #: Version of the JSON report layout (README "JSON report"). Bumped on any incompatible change.
@@ -26,46 +29,64 @@ def _fmt(x: float) -> str:
     return f"{x:.2e}"
 
 
-def _status(ok: bool, styled: bool) -> str:
-    if not styled:
-        return "pass" if ok else "FAIL"
-    return "[green]pass[/]" if ok else "[bold red]FAIL[/]"
-
-
 def summary(results: Sequence[ScenarioResult]) -> dict:
     checks = [c for r in results for c in r.checks]
     passed = sum(c.passed for c in checks)
     return {"scenarios": len(results), "checks": len(checks), "passed": passed, "failed": len(checks) - passed}
 
 
-def render_results(console: Console, results: Sequence[ScenarioResult], descriptions: dict[str, str]) -> None:
-    styled = console.is_terminal
-    for r in results:
-        title = f"{r.name} ({descriptions.get(r.name, r.op)})"
-        if r.faults:
-            title += f"  faults: {', '.join(r.faults)}"
-        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD if styled else None,
-                      show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
-        # names wrap on a narrow terminal; numbers never do
-        table.add_column("check", ratio=1, min_width=14)
-        table.add_column("tensor", min_width=8)
-        for col in ("max abs err", "rel err", "tolerance", "noise floor"):
-            table.add_column(col, justify="right", no_wrap=True)
-        table.add_column("status", no_wrap=True, min_width=6)
-        for c in r.checks:
-            tensor = f"{c.tensor} {'x'.join(map(str, c.shape))}" if c.shape else (c.tensor or "")
-            table.add_row(c.name, tensor, _fmt(c.max_abs_error),
-                          _fmt(c.relative_error) if c.kind == "gradient" else "",
-                          _fmt(c.tolerance), _fmt(c.noise_floor) if c.kind == "gradient" else "",
-                          _status(c.passed, styled))
+def _table(console: Console, title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
+           right: Sequence[bool], styles: Sequence[Sequence[str | None]] | None = None) -> None:
+    """A rich table on a terminal; plain aligned columns otherwise (no wrapping, no trailing spaces)."""
+    if console.is_terminal:
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+                      pad_edge=False, padding=(0, 1), collapse_padding=True)
+        for i, (h, r) in enumerate(zip(headers, right)):
+            # names wrap on a narrow terminal; numbers and statuses never do
+            table.add_column(h, justify="right" if r else "left", no_wrap=r or i == len(headers) - 1,
+                             ratio=1 if i == 0 else None, min_width=len(h) if r else None)
+        for i, row in enumerate(rows):
+            style_row = styles[i] if styles else [None] * len(row)
+            table.add_row(*(Text(cell, style=st or "") for cell, st in zip(row, style_row)))
         console.print(table)
-        for c in r.checks:
-            if not c.passed:
-                where = f" at {c.tensor}[{', '.join(map(str, c.worst_index))}]" if c.worst_index and c.kind == "invariant" else ""
-                console.print(f"  {'[red]' if styled else ''}FAIL{'[/]' if styled else ''} {c.name} ({c.tensor}){where}: {c.detail}",
-                              highlight=False, markup=styled)
-        console.print(f"  {r.name}: {'passed' if r.passed else 'FAILED'} in {r.elapsed_s:.2f} s", highlight=False)
-        console.print()
+        return
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)).rstrip()
+
+    console.print(title, markup=False, highlight=False, soft_wrap=True)
+    for cells in [headers] + [list(r) for r in rows]:
+        console.print(line(cells), markup=False, highlight=False, soft_wrap=True)
+
+
+def render_scenario(console: Console, r: ScenarioResult, description: str) -> None:
+    title = f"{r.name} ({description})" + (f"  faults: {', '.join(r.faults)}" if r.faults else "")
+    rows, styles = [], []
+    for c in r.checks:
+        grad = c.kind == "gradient"
+        rows.append([c.name, f"{c.tensor} {'x'.join(map(str, c.shape))}" if c.shape else (c.tensor or ""),
+                     _fmt(c.max_abs_error), _fmt(c.relative_error) if grad else "", _fmt(c.tolerance),
+                     _fmt(c.noise_floor) if grad else "", "pass" if c.passed else "FAIL"])
+        styles.append([None] * 6 + ["green" if c.passed else "bold red"])
+    _table(console, title, ["check", "tensor", "max abs err", "rel err", "tolerance", "noise floor", "status"],
+           rows, [False, False, True, True, True, True, False], styles)
+    for c in r.checks:
+        if not c.passed:
+            console.print(Text.assemble("  ", ("FAIL", "red"), f" {failure_message(c)}"), soft_wrap=True)
+    console.print(f"  {r.name}: {'passed' if r.passed else 'FAILED'} in {r.elapsed_s:.2f} s", highlight=False)
+    console.print()
+
+
+def failure_message(c) -> str:
+    """One line: the check, the tensor and where it is worst."""
+    where = ""
+    if c.worst_index is not None and c.kind == "invariant":
+        where = f" at {c.tensor}[{', '.join(map(str, c.worst_index))}] (violation {c.max_abs_error:.3g}, allowed {c.tolerance:.3g})"
+    return f"{c.name} ({c.tensor}){where}: {c.detail}"
+
+
+def render_summary(console: Console, results: Sequence[ScenarioResult]) -> None:
     s = summary(results)
     verdict = "all checks passed" if s["failed"] == 0 else f"{s['failed']} check(s) FAILED"
     console.print(f"{s['scenarios']} scenario(s), {s['checks']} checks: {s['passed']} passed, {s['failed']} failed "
@@ -73,27 +94,17 @@ def render_results(console: Console, results: Sequence[ScenarioResult], descript
 
 
 def render_controls(console: Console, cells: Sequence[ControlCell]) -> None:
-    styled = console.is_terminal
     scenarios = list(dict.fromkeys(c.scenario for c in cells))
     faults = list(dict.fromkeys(c.fault for c in cells))
-    table = Table(title="negative controls (fault x scenario)", title_justify="left",
-                  box=box.SIMPLE_HEAD if styled else None, show_edge=False, pad_edge=False)
-    table.add_column("fault", no_wrap=True)
-    for name in scenarios:
-        table.add_column(name, no_wrap=True)
     look = {(c.fault, c.scenario): c for c in cells}
     text = {"detected": ("detected", "green"), "missed": ("MISSED", "bold red"), "not applicable": ("n/a", "dim")}
-    for fault in faults:
-        row = []
-        for name in scenarios:
-            c = look[(fault, name)]
-            word, style = text[c.status]
-            row.append(f"[{style}]{word}[/]" if styled else word)
-        table.add_row(fault, *row)
-    console.print(table)
+    rows = [[fault] + [text[look[(fault, name)].status][0] for name in scenarios] for fault in faults]
+    styles = [[None] + [text[look[(fault, name)].status][1] for name in scenarios] for fault in faults]
+    _table(console, "negative controls (fault x scenario)", ["fault"] + scenarios, rows,
+           [False] * (1 + len(scenarios)), styles)
     console.print("  n/a: the fault changes neither the output nor any gradient by more than 10x the "
                   "tolerance on that scenario (e.g. scale when scale = 1, gqa-sum without shared KV heads)",
-                  highlight=False)
+                  highlight=False, soft_wrap=not console.is_terminal)
     missed = [c for c in cells if c.status == "missed"]
     for c in missed:
         console.print(f"  MISSED {c.fault} on {c.scenario}: it changes the result by {c.effect:.2e} (relative) "
@@ -139,7 +150,7 @@ def junit_xml(results: Sequence[ScenarioResult], controls: Sequence[ControlCell]
             if not c.passed:
                 msg = (f"{c.name} ({c.tensor}): max abs error {c.max_abs_error:.3e}, relative "
                        f"{c.relative_error:.3e}, tolerance {c.tolerance:.1e}, noise floor {c.noise_floor:.1e}")
-                ET.SubElement(case, "failure", message=msg).text = c.detail
+                ET.SubElement(case, "failure", message=msg).text = failure_message(c)
     if controls is not None:
         missed = sum(c.status == "missed" for c in controls)
         suite = ET.SubElement(root, "testsuite", name="negative-controls", tests=str(len(controls)),
@@ -157,36 +168,79 @@ def junit_xml(results: Sequence[ScenarioResult], controls: Sequence[ControlCell]
     return buf.getvalue()
 
 
-def write_atomic(path: str | os.PathLike, write: Callable[[io.BufferedWriter], None]) -> None:
-    """Write a file through ``write(fh)`` into a temp file beside it, then rename it into place."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
+def _probe(folder: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".attn-gradcheck-probe.", dir=folder)
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def prepare_outputs(files: dict[str, str | None], folders: dict[str, str | None]) -> None:
+    """Before anything runs: output paths are distinct, their folders exist (created if missing) and
+    can be written. ``files`` / ``folders`` map an option name to its path (or None)."""
+    given = {opt: Path(p) for opt, p in {**files, **folders}.items() if p}
+    seen: dict[Path, str] = {}
+    for opt, p in given.items():
+        key = p.resolve()
+        if key in seen:
+            raise GradcheckError(f"{opt} and {seen[key]} name the same path {p}")
+        seen[key] = opt
+    for opt, p in given.items():
+        is_folder = opt in folders
+        try:
+            if is_folder:
+                if p.exists() and not p.is_dir():
+                    raise GradcheckError(f"{opt} {p}: exists and is not a folder")
+                p.mkdir(parents=True, exist_ok=True)
+                _probe(p)
+            else:
+                if p.is_dir():
+                    raise GradcheckError(f"{opt} {p}: is a folder; give a file path")
+                p.parent.mkdir(parents=True, exist_ok=True)
+                _probe(p.parent)
+        except OSError as exc:
+            raise GradcheckError(f"{opt} {p}: cannot write there ({exc.strerror or exc})") from None
+
+
+class StagedWrites:
+    """Write every report to a temp file beside its target, then rename them all into place, so no
+    report is ever half-written and a failure leaves the old files as they were."""
+
+    def __init__(self) -> None:
+        self._staged: list[tuple[str, Path]] = []
+
+    def add(self, path: str | os.PathLike, write: Callable[[io.BufferedWriter], None]) -> None:
+        path = Path(path)
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "is a folder", str(path))
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        self._staged.append((tmp, path))
         with os.fdopen(fd, "wb") as fh:
             write(fh)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+
+    def __enter__(self) -> "StagedWrites":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            for tmp, path in self._staged:
+                os.replace(tmp, path)
+        else:
+            for tmp, _ in self._staged:
+                Path(tmp).unlink(missing_ok=True)
 
 
-def write_json(path: str | os.PathLike, report: dict) -> None:
-    data = (json.dumps(report, indent=2) + "\n").encode()
-    write_atomic(path, lambda fh: fh.write(data))
-
-
-def write_junit(path: str | os.PathLike, data: bytes) -> None:
-    write_atomic(path, lambda fh: fh.write(data))
-
-
-def save_arrays(directory: str | os.PathLike, results: Sequence[ScenarioResult]) -> list[Path]:
-    """One ``<scenario>.npz`` per scenario with the inputs, the upstream gradient, the output and the
-    analytic (and, in full mode, numeric) gradients."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for r in results:
-        target = directory / f"{r.name}.npz"
-        write_atomic(target, lambda fh, r=r: np.savez(fh, **r.arrays))
-        paths.append(target)
-    return paths
+def write_reports(json_path=None, json_data: dict | None = None, junit_path=None, junit_data: bytes | None = None,
+                  arrays_dir=None, results: Sequence[ScenarioResult] = ()) -> None:
+    """All requested reports, atomically; raises OSError when one cannot be written (then none is)."""
+    with StagedWrites() as stage:
+        if json_path:
+            data = (json.dumps(json_data, indent=2) + "\n").encode()
+            stage.add(json_path, lambda fh: fh.write(data))
+        if junit_path:
+            stage.add(junit_path, lambda fh: fh.write(junit_data))
+        if arrays_dir:
+            for r in results:
+                stage.add(Path(arrays_dir) / f"{r.name}.npz", lambda fh, r=r: np.savez(fh, **r.arrays))

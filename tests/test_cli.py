@@ -60,9 +60,52 @@ def test_fault_and_negative_controls_do_not_mix(root):
     assert result.exit_code == 2
 
 
-def test_report_folder_must_exist_and_nothing_runs(root, tmp_path):
-    result = run("run", root / "configs/quickstart.yaml", "--json", tmp_path / "no" / "r.json")
-    assert result.exit_code == 2 and "does not exist" in result.stderr and result.stdout == ""
+def test_report_folders_are_created(root, tmp_path):
+    result = run("run", root / "configs/quickstart.yaml", "--json", tmp_path / "a" / "r.json",
+                 "--junit", tmp_path / "b" / "r.xml", "--save-arrays", tmp_path / "c" / "d")
+    assert result.exit_code == 0
+    assert (tmp_path / "a" / "r.json").is_file() and (tmp_path / "b" / "r.xml").is_file()
+    assert len(list((tmp_path / "c" / "d").glob("*.npz"))) == 3
+    mode = (tmp_path / "a" / "r.json").stat().st_mode & 0o777
+    assert mode & 0o044 == 0o044 or mode == 0o644 & ~0o022  # readable by others, like any CI artifact
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--json", "/proc/no/r.json"], "cannot write there"),
+    (["--json", "{t}/same", "--junit", "{t}/same"], "name the same path"),
+    (["--json", "{t}"], "is a folder"),
+])
+def test_unwritable_or_clashing_reports_fail_before_running(root, tmp_path, args, words):
+    args = [a.format(t=tmp_path) for a in args]
+    result = run("run", root / "configs/quickstart.yaml", *args)
+    assert result.exit_code == 2 and words in result.stderr and result.stdout == ""
+
+
+def test_a_report_that_cannot_be_written_leaves_none(root, tmp_path):
+    (tmp_path / "arrays" / "cache-gqa.npz").mkdir(parents=True)  # a folder where a file must go
+    result = run("run", root / "configs/quickstart.yaml", "--json", tmp_path / "r.json", "--save-arrays", tmp_path / "arrays")
+    assert result.exit_code == 2 and "cannot write the reports" in result.stderr
+    assert not (tmp_path / "r.json").exists()
+    assert sorted(p.name for p in (tmp_path / "arrays").iterdir()) == ["cache-gqa.npz"]
+
+
+def test_interrupt_exits_130_and_writes_nothing(root, tmp_path, monkeypatch):
+    from gradcheck_cli import checker
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(checker, "run_scenario", interrupted)
+    result = run("run", root / "configs/quickstart.yaml", "--json", tmp_path / "r.json")
+    assert result.exit_code == 130 and "interrupted" in result.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_plain_output_ignores_a_narrow_columns_setting(root):
+    result = run("run", root / "configs/quickstart.yaml", "--break-softmax-term", env={"COLUMNS": "40"})
+    lines = result.stdout.splitlines()
+    assert all(line == line.rstrip() for line in lines)
+    row = next(line for line in lines if line.startswith("gradient q"))
+    assert row.split()[-1] == "FAIL" and "e+00" in row and "\u2026" not in result.stdout
 
 
 def test_json_report_contract(root, tmp_path):
