@@ -76,17 +76,24 @@ def _exp_scores(q, k, scale, kv_map, hidden):
     """exp(S - m) and its row sums l, for S = scale * q k^T with the row max m over the visible set
     subtracted (A.10.2). ``hidden`` (= ~visible) marks the entries outside the visible set, or None.
 
-    Hidden entries are set to 0 before the exponential and to exactly 0 after it: an exponential that
-    underflows to 0 (exp(-inf)) takes NumPy's slow scalar path, about 3x the cost of the others.
+    Hidden entries are overwritten with exactly 0 after the exponential rather than set to -inf
+    before it: exp(-inf) takes NumPy's slow scalar path, about 3x the cost of the others. Whatever
+    exp gives there (even inf) is discarded.
     """
-    s = np.ascontiguousarray(_matmul(q * np.asarray(scale, dtype=q.dtype), np.swapaxes(repeat_kv(k, kv_map), -1, -2)))
+    k_rep = repeat_kv(k, kv_map)
+    scale = np.asarray(scale, dtype=q.dtype)
+    if q.size <= k_rep.size:  # scale the smaller operand (the shared one when the other has copies)
+        q = q * scale
+    else:
+        k_rep = k_rep * scale
+    s = np.ascontiguousarray(_matmul(q, np.swapaxes(k_rep, -1, -2)))
     if hidden is None:
         s -= s.max(axis=-1, keepdims=True)
         e = np.exp(s, out=s)
     else:
         s -= np.max(s, axis=-1, keepdims=True, where=~hidden, initial=-np.inf)
-        np.copyto(s, 0, where=hidden)
-        e = np.exp(s, out=s)
+        with np.errstate(over="ignore", under="ignore"):
+            e = np.exp(s, out=s)
         np.copyto(e, 0, where=hidden)
     return e, e.sum(axis=-1, keepdims=True)
 
