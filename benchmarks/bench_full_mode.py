@@ -1,22 +1,31 @@
-"""Full-mode check of B=1, H=1, n_q=n_k=64, d=32, causal, float64: attn-gradcheck against a
-one-element-at-a-time NumPy loop and torch.autograd.gradcheck (when torch is installed) on the same
-function, in the same run. Prints best-of-R wall times and ratios (this machine is noisy).
+"""Full-mode checks (every element) timed against a one-element-at-a-time NumPy loop and
+torch.autograd.gradcheck (when torch is installed) on the same function, in the same run. Prints the
+best of R wall times and the ratios (this machine is noisy).
 
-    python benchmarks/bench_full_mode.py [--repeat 3] [--n 64] [--d 32] [--json out.json]
+Scenarios: the issue's B=1, H=1, n_q=n_k=64, d=32, causal, float64; and a GQA scenario with padding
+(B=2, Hq=8, Hkv=2, n=32, d=16, causal, key_lengths [32, 23]).
+
+    python benchmarks/bench_full_mode.py [--repeat 3] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
 import time
 
 import numpy as np
 import yaml
 
 from gradcheck_cli import checker, scenario
-from gradcheck_cli.numeric import perturb
+from gradcheck_cli.numeric import colours, perturb
 from gradcheck_cli.ops import attention
+
+SCENARIOS = [
+    {"name": "causal-n64-d32", "n_q": 64, "d_head": 32, "mask": {"causal": "lower-right"}},
+    {"name": "gqa-padded-n32", "batch": 2, "heads_q": 8, "heads_kv": 2, "n_q": 32, "d_head": 16,
+     "mask": {"causal": "lower-right", "key_lengths": [32, 23]}},
+]
 
 
 def best_of(repeat: int, fn) -> float:
@@ -28,60 +37,69 @@ def best_of(repeat: int, fn) -> float:
     return min(times)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--n", type=int, default=64)
-    ap.add_argument("--d", type=int, default=32)
-    ap.add_argument("--json", help="also write the figures here")
-    args = ap.parse_args()
-    n, d = args.n, args.d
+def numpy_loop(problem, epsilon):
+    """Central differences one element at a time: two forward calls per element."""
+    for name, x in problem.inputs.items():
+        flat = x.ravel()
+        for i in range(x.size):
+            plus, minus = perturb(flat[i:i + 1], epsilon)
+            xp, xm = x.copy(), x.copy()
+            xp.ravel()[i], xm.ravel()[i] = plus[0], minus[0]
+            (problem.loss(name, xp) - problem.loss(name, xm)) / (plus[0] - minus[0])
 
-    sc = scenario.loads(yaml.safe_dump({"scenarios": [
-        {"name": f"bench-n{n}-d{d}", "n_q": n, "d_head": d, "mask": {"causal": "lower-right"}}]}))[0]
-    problem = attention.build(sc)
-    elements = sum(x.size for x in problem.inputs.values())
-    figures = {"scenario": sc.describe(), "elements": elements, "forwards": 2 * elements}
 
-    result = checker.run_scenario(sc)
-    assert result.passed
-    figures["attn_gradcheck_s"] = best_of(args.repeat, lambda: checker.run_scenario(sc))
-
-    def loop():
-        for name, x in problem.inputs.items():
-            flat = x.ravel()
-            for i in range(x.size):
-                plus, minus = perturb(flat[i:i + 1], sc.epsilon)
-                xp, xm = x.copy(), x.copy()
-                xp.ravel()[i], xm.ravel()[i] = plus[0], minus[0]
-                (problem.loss(name, xp) - problem.loss(name, xm)) / (plus[0] - minus[0])
-    figures["numpy_loop_s"] = best_of(args.repeat, loop)
-
+def torch_gradcheck(sc, problem, repeat):
     try:
         import torch
     except ImportError:
-        torch = None
-    if torch is not None:
-        q, k, v = (torch.tensor(problem.inputs[t], requires_grad=True) for t in "qkv")
-        hidden = torch.tensor(~sc.visible)
+        return None
+    q, k, v = (torch.tensor(problem.inputs[t], requires_grad=True) for t in "qkv")
+    hidden = torch.tensor(~sc.visible)
+    idx = torch.tensor(sc.kv_map)
 
-        def f(q, k, v):
-            s = (q @ k.transpose(-1, -2)) / math.sqrt(d)
-            return torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1) @ v
+    def f(q, k, v):
+        s = (q @ k[:, idx].transpose(-1, -2)) * sc.scale
+        return torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1) @ v[:, idx]
 
-        assert torch.autograd.gradcheck(f, (q, k, v))
-        figures["torch_gradcheck_s"] = best_of(args.repeat, lambda: torch.autograd.gradcheck(f, (q, k, v)))
-        figures["torch_version"] = torch.__version__
+    assert torch.autograd.gradcheck(f, (q, k, v))
+    return best_of(repeat, lambda: torch.autograd.gradcheck(f, (q, k, v))), torch.__version__
 
-    print(f"full-mode check, {sc.describe()}: {elements} elements, {2 * elements} forwards, best of {args.repeat}")
-    ours = figures["attn_gradcheck_s"]
-    print(f"  attn-gradcheck (all checks)     {ours:8.3f} s")
-    print(f"  one-element NumPy loop          {figures['numpy_loop_s']:8.3f} s   ({figures['numpy_loop_s'] / ours:5.1f}x slower)")
-    if "torch_gradcheck_s" in figures:
-        t = figures["torch_gradcheck_s"]
-        print(f"  torch.autograd.gradcheck        {t:8.3f} s   ({t / ours:5.1f}x slower)")
-    else:
-        print("  torch.autograd.gradcheck        (torch not installed)")
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+    figures = []
+    for keys in SCENARIOS:
+        sc = scenario.loads(yaml.safe_dump({"scenarios": [keys]}))[0]
+        problem = attention.build(sc)
+        elements = sum(x.size for x in problem.inputs.values())
+        coloured_forwards = sum(2 * len(colours(problem.parts[t])) for t in problem.inputs)
+        fig = {"scenario": sc.name, "shape": sc.describe(), "elements": elements, "forwards": 2 * elements,
+               "coloured_forwards": coloured_forwards}
+        plain_sc = dataclasses.replace(sc, colouring=False)
+        for key, scen in (("plain_s", plain_sc), ("coloured_s", sc)):
+            assert checker.run_scenario(scen).passed
+            fig[key] = best_of(args.repeat, lambda: checker.run_scenario(scen))
+        fig["numpy_loop_s"] = best_of(args.repeat, lambda: numpy_loop(problem, sc.epsilon))
+        torch_fig = torch_gradcheck(sc, problem, args.repeat)
+        if torch_fig:
+            fig["torch_gradcheck_s"], fig["torch_version"] = torch_fig
+        figures.append(fig)
+
+        plain, col = fig["plain_s"], fig["coloured_s"]
+        print(f"{sc.name} ({sc.describe()}): {elements} elements; forwards: {2 * elements} one element at a time, "
+              f"{coloured_forwards} coloured; best of {args.repeat}")
+        print(f"  attn-gradcheck (default: coloured) {col:7.3f} s")
+        print(f"  attn-gradcheck, colouring: false  {plain:7.3f} s")
+        print(f"  one-element NumPy loop            {fig['numpy_loop_s']:7.3f} s   "
+              f"{fig['numpy_loop_s'] / col:5.1f}x default, {fig['numpy_loop_s'] / plain:5.1f}x colouring: false")
+        if torch_fig:
+            t = fig["torch_gradcheck_s"]
+            print(f"  torch.autograd.gradcheck          {t:7.3f} s   {t / col:5.1f}x default, {t / plain:5.1f}x colouring: false")
+        else:
+            print("  torch.autograd.gradcheck          (torch not installed)")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(figures, fh, indent=2)

@@ -11,7 +11,7 @@ from . import numeric
 from .ops import FAULTS, OPS
 from .result import Check, ControlCell, ScenarioResult
 from .scenario import Scenario
-from .tolerance import machine_epsilon, passes, relative_error
+from .tolerance import INVARIANT_ULPS, machine_epsilon, passes, relative_error
 
 #: Default bytes of perturbed copies evaluated in one vectorised call.
 DEFAULT_MEMORY_BUDGET = 64 * 2**20
@@ -82,10 +82,32 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
                             noise, index, ok, detail))
         if sc.mode == "full":
             arrays[f"numeric_{name}"] = num.reshape(x.shape)
+    if _coloured(sc, problem):
+        checks.extend(_independence(sc, problem, np.random.default_rng([sc.seed, 3])))
     checks.extend(problem.invariants())
     return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
                           mode=sc.mode, faults=active, checks=tuple(checks),
                           elapsed_s=time.perf_counter() - start, arrays=arrays)
+
+
+def _coloured(sc: Scenario, problem) -> bool:
+    return sc.mode == "full" and sc.colouring and problem.loss_parts is not None
+
+
+def _independence(sc: Scenario, problem, rng: np.random.Generator) -> list[Check]:
+    """The assumption colouring rests on, verified on this very forward for every block: moving the
+    elements of one block changes no other block's part of L beyond rounding."""
+    checks = []
+    for name, x in problem.inputs.items():
+        leak, scale, worst = numeric.leakage(lambda c: problem.loss_parts(name, c), x, problem.parts[name], rng)
+        bound = INVARIANT_ULPS * machine_epsilon(sc.dtype) * max(scale, 1.0)
+        index = tuple(int(i) for i in np.unravel_index(worst, x.shape))
+        checks.append(Check("invariant", "perturbations stay in their block", name, tuple(x.shape), leak, leak,
+                            bound, 0.0, index, bool(leak <= bound),
+                            f"colouring assumes each block of {name} feeds only its own block of O; "
+                            f"{int(problem.parts[name].max()) + 1} blocks, every ordered pair tested; worst: the "
+                            f"block of {name}[{', '.join(map(str, index))}] changed by {leak:.3g} while it stood still"))
+    return checks
 
 
 def _differences(sc: Scenario, problem, name: str, x: np.ndarray, rng: np.random.Generator, chunking: numeric.Chunking,
@@ -98,6 +120,10 @@ def _differences(sc: Scenario, problem, name: str, x: np.ndarray, rng: np.random
         units = numeric.unit_directions(rng, sc.directions, x.shape)
         num, taken = numeric.directions(loss, x, units, sc.epsilon, chunking, progress)
         return num, taken, sc.epsilon * max(1.0, float(np.max(np.abs(x))))
+    if _coloured(sc, problem):
+        num = numeric.coloured(lambda c: problem.loss_parts(name, c), x, problem.parts[name], sc.epsilon,
+                               chunking, progress)
+        return num, np.arange(x.size), sc.epsilon
     if sc.mode == "full":
         sites = np.arange(x.size)
     else:

@@ -5,13 +5,14 @@ evaluated in one vectorised call per chunk, each chunk bounded by a memory budge
 """
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 Loss = Callable[[np.ndarray], np.ndarray]
 Progress = Callable[[int], None]
@@ -56,9 +57,20 @@ def _in_chunks(work: Callable[[int, int], object], total: int, chunking: Chunkin
         return
     # One BLAS thread per worker: the workers already fill the cores, and nested BLAS threads would
     # oversubscribe them.
-    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(max_workers=chunking.workers) as pool:
-        for (a, b), value in zip(bounds, pool.map(lambda ab: work(*ab), bounds)):
+    with _blas_controller().limit(limits=1, user_api="blas"):
+        for (a, b), value in zip(bounds, _pool(chunking.workers).map(lambda ab: work(*ab), bounds)):
             yield a, b, value
+
+
+@functools.lru_cache(maxsize=None)
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """One long-lived pool per size: starting threads for every tensor costs more than small checks."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attn-gradcheck")
+
+
+@functools.lru_cache(maxsize=1)
+def _blas_controller() -> ThreadpoolController:
+    return ThreadpoolController()
 
 
 def elements(loss: Loss, x: np.ndarray, indices: np.ndarray, epsilon: float, chunking: Chunking,
@@ -84,6 +96,74 @@ def elements(loss: Loss, x: np.ndarray, indices: np.ndarray, epsilon: float, chu
         if progress:
             progress(stop - start)
     return out
+
+
+def colours(part_of: np.ndarray) -> list[np.ndarray]:
+    """Split the elements (flat indices) into colour classes with at most one element per block:
+    colour c holds the c-th element of every block (blocks given by ``part_of``)."""
+    flat = part_of.ravel()
+    order = np.argsort(flat, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(flat[order]) != 0])
+    sizes = np.diff(np.r_[starts, flat.size])
+    rank = np.arange(flat.size) - np.repeat(starts, sizes)
+    by_rank = np.argsort(rank, kind="stable")
+    bounds = np.searchsorted(rank[by_rank], np.arange(int(sizes.max()) + 1))
+    return [order[by_rank[bounds[c]:bounds[c + 1]]] for c in range(len(bounds) - 1)]
+
+
+def coloured(loss_parts: Callable[[np.ndarray], np.ndarray], x: np.ndarray, part_of: np.ndarray, epsilon: float,
+             chunking: Chunking, progress: Progress | None = None) -> np.ndarray:
+    """dL/dx for every element, perturbing one element of every independent block at once (a
+    Jacobian-sparsity colouring) and reading each derivative from its own block's part of L.
+    Valid only when the blocks really are independent: see :func:`leakage`."""
+    flat_x, flat_part = x.ravel(), part_of.ravel()
+    classes = colours(part_of)
+    out = np.empty(x.size, dtype=np.float64)
+
+    def work(start: int, stop: int):
+        c = stop - start
+        members = np.concatenate(classes[start:stop])
+        rows = np.repeat(np.arange(c), [len(m) for m in classes[start:stop]])
+        copies = np.broadcast_to(x, (2 * c,) + x.shape).copy()
+        flat = copies.reshape(2 * c, -1)
+        plus, minus = perturb(flat_x[members], epsilon)
+        flat[rows, members] = plus
+        flat[c + rows, members] = minus
+        values = np.asarray(loss_parts(copies), dtype=np.float64)
+        blocks = flat_part[members]
+        return members, (values[rows, blocks] - values[c + rows, blocks]) / (
+            plus.astype(np.float64) - minus.astype(np.float64))
+
+    for start, stop, (members, value) in _in_chunks(work, len(classes), chunking):
+        out[members] = value
+        if progress:
+            progress(len(members))
+    return out
+
+
+def leakage(loss_parts: Callable[[np.ndarray], np.ndarray], x: np.ndarray, part_of: np.ndarray,
+            rng: np.random.Generator) -> tuple[float, float, int]:
+    """Test the independence colouring assumes, for every ordered pair of blocks (p moves, p' must not
+    change), with 2 * ceil(log2 P) evaluations: for each bit of the block number, one copy moves the
+    blocks whose bit is 1 and another those whose bit is 0 (every element of a moved block by a random
+    amount of size max(1, |x|)). Any two blocks differ in some bit, so every p is moved while p' is
+    not in some copy. Returns (largest change of an unmoved block's part of L, largest |part|, a flat
+    index in the worst unmoved block); independence means rounding at most."""
+    flat_x, flat_part = x.ravel(), part_of.ravel()
+    blocks = int(flat_part.max()) + 1
+    if blocks == 1:
+        return 0.0, 0.0, 0
+    bits = int(np.ceil(np.log2(blocks)))
+    ids = np.arange(blocks)
+    moved = np.array([((ids >> t) & 1) == v for t in range(bits) for v in (0, 1)])   # [2 bits, P]
+    moves = (rng.standard_normal(x.size) * np.maximum(1.0, np.abs(flat_x))).astype(x.dtype)
+    copies = np.broadcast_to(x, (len(moved) + 1,) + x.shape).copy()
+    flat = copies.reshape(len(moved) + 1, -1)
+    flat[1:] += np.where(moved[:, flat_part], moves, 0).astype(x.dtype)
+    values = np.asarray(loss_parts(copies), dtype=np.float64)
+    change = np.where(moved, 0.0, np.abs(values[1:] - values[0]))                     # unmoved blocks only
+    worst_block = int(np.argmax(change.max(axis=0)))
+    return float(change.max()), float(np.max(np.abs(values[0]))), int(np.flatnonzero(flat_part == worst_block)[0])
 
 
 def directions(loss: Loss, x: np.ndarray, units: np.ndarray, epsilon: float, chunking: Chunking,

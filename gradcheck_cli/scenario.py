@@ -33,7 +33,7 @@ MODES = ("full", "sample", "directional")
 SCENARIO_KEYS = ("name", "op", "batch", "heads_q", "heads_kv", "kv_map", "n_q", "n_k", "d_head",
                  "d_value", "scale", "mask", "loss_rows", "check", "dtype", "epsilon", "tolerance", "seed")
 MASK_KEYS = ("causal", "window", "key_lengths", "visible")
-CHECK_KEYS = ("mode", "samples", "directions")
+CHECK_KEYS = ("mode", "samples", "directions", "colouring")
 NESTED = {"mask": MASK_KEYS, "check": CHECK_KEYS}
 TOP_KEYS = ("defaults", "scenarios")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -60,6 +60,7 @@ class Scenario:
     mode: str
     samples: int
     directions: int
+    colouring: bool
     dtype: str
     epsilon: float
     tolerance: float
@@ -72,7 +73,7 @@ class Scenario:
         contiguous = self.heads_q % self.heads_kv == 0 and self.kv_map == default_kv_map(self.heads_q, self.heads_kv)
         kv = f"{self.heads_kv}" + ("" if contiguous else f" map={list(self.kv_map)}")
         return (f"B={self.batch} Hq={self.heads_q} Hkv={kv} n_q={self.n_q} n_k={self.n_k} "
-                f"d={self.d_head}/{self.d_value} {self.dtype} {self.mode}")
+                f"d={self.d_head}/{self.d_value} {self.dtype} {self.mode}{' coloured' if self.colouring else ''}")
 
 
 def default_kv_map(heads_q: int, heads_kv: int) -> tuple[int, ...]:
@@ -320,6 +321,13 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     mode = f.choice("check.mode", MODES, "full")
     samples = f.int("check.samples", 256)
     directions = f.int("check.directions", 16)
+    colouring = f.raw("check.colouring", mode == "full")
+    if not isinstance(colouring, bool):
+        raise f.error("check.colouring", f"expected true or false, got {colouring!r}")
+    if colouring and mode != "full" and f.has("check.colouring"):
+        raise f.error("check.colouring", f"colouring applies to mode full only (mode is {mode})",
+                      hint="remove colouring, or use mode: full")
+    colouring = colouring and mode == "full"
 
     causal = "none" if f.raw("mask.causal") in (None, "none") else f.choice("mask.causal", masks.CAUSAL, "none")
     window = None
@@ -374,7 +382,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     return Scenario(name=name, op=op, batch=batch, heads_q=heads_q, heads_kv=heads_kv, kv_map=tuple(kv_map),
                     n_q=n_q, n_k=n_k, d_head=d_head, d_value=d_value, scale=scale, causal=causal,
                     window=window, key_lengths=key_lengths, visible_source=source, loss_rows=loss_rows,
-                    mode=mode, samples=samples, directions=directions, dtype=dtype, epsilon=epsilon,
+                    mode=mode, samples=samples, directions=directions, colouring=colouring, dtype=dtype, epsilon=epsilon,
                     tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
                     visible=visible)
 

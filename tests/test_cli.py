@@ -134,12 +134,13 @@ def test_negative_controls_json_and_junit(root, tmp_path):
     assert "negative controls" in result.stdout
     nc = json.loads((tmp_path / "r.json").read_text())["negative_controls"]
     assert nc["passed"] is True
-    assert {(c["fault"], c["scenario"]) for c in nc["cells"]} == {(f, s) for f in FAULTS for s in ("gqa-4x2", "mqa", "gqa-interleaved")}
+    names = ("gqa-4x2", "mqa", "gqa-interleaved", "gqa-plain-differences")
+    assert {(c["fault"], c["scenario"]) for c in nc["cells"]} == {(f, s) for f in FAULTS for s in names}
     assert {c["status"] for c in nc["cells"]} <= {"detected", "not applicable"}
     root_el = ET.parse(tmp_path / "r.xml").getroot()
     suites = {s.get("name"): s for s in root_el.iter("testsuite")}
-    assert set(suites) == {"gqa-4x2", "mqa", "gqa-interleaved", "negative-controls"}
-    assert suites["gqa-4x2"].get("failures") == "0" and int(suites["gqa-4x2"].get("tests")) == 11
+    assert set(suites) == set(names) | {"negative-controls"}
+    assert suites["gqa-4x2"].get("failures") == "0" and int(suites["gqa-4x2"].get("tests")) == 14  # 3 gradient checks, 3 independence checks, 8 invariants
 
 
 def test_negative_controls_exit_1_when_a_fault_is_missed(tmp_path):
@@ -173,7 +174,7 @@ def test_saved_arrays_recompute_independently(root, tmp_path):
 
 def test_validate_runs_nothing(root):
     result = run("validate", root / "configs/gqa.yaml")
-    assert result.exit_code == 0 and "3 scenario(s) valid" in result.stdout
+    assert result.exit_code == 0 and "4 scenario(s) valid" in result.stdout
 
 
 def test_version():

@@ -1,5 +1,6 @@
 """The checker proves itself: every registered fault is caught where it applies, and the seed's two
 fault exercises behave as the seed describes."""
+import numpy as np
 import pytest
 
 from gradcheck_cli import checker, scenario
@@ -78,3 +79,31 @@ def test_a_check_without_power_is_reported_missed():
 def test_faults_of_other_ops_are_ignored_and_names_are_registered_once():
     names = [name for op in OPS.values() for name in op.faults]
     assert len(names) == len(set(names)) == len(FAULTS)
+
+
+def test_colouring_gives_the_same_numbers_and_catches_the_same_faults():
+    keys = dict(batch=2, heads_q=4, heads_kv=2, n_q=5, n_k=7, d_head=4, scale=0.4,
+                mask={"causal": "lower-right", "key_lengths": [7, 5]})
+    plain, coloured = make(**keys, check={"colouring": False}), make(**keys)
+    a, b = checker.run_scenario(plain), checker.run_scenario(coloured)
+    assert a.passed and b.passed
+    for t in "qkv":
+        np.testing.assert_allclose(a.arrays[f"numeric_{t}"], b.arrays[f"numeric_{t}"], rtol=1e-6, atol=1e-8)
+    assert {c.tensor for c in b.checks if c.name == "perturbations stay in their block"} == {"q", "k", "v"}
+    status = {c.fault: c.status for c in checker.negative_controls([coloured])}
+    assert set(status.values()) == {"detected"}
+
+
+def test_colouring_catches_a_forward_that_mixes_rows(monkeypatch):
+    """If the forward leaked between query rows, colouring would be invalid: the check must say so."""
+    from gradcheck_cli.ops import attention
+
+    real = attention.forward
+
+    def mixing(q, k, v, *args, **kwargs):
+        o = real(q, k, v, *args, **kwargs)
+        return o + 0.1 * q[..., :1, : o.shape[-1]].sum(axis=-2, keepdims=True)  # row 0 of q feeds every row
+    monkeypatch.setattr(attention, "forward", mixing)
+    sc = make(n_q=4, d_head=3, check={"colouring": True})
+    failed = {(c.name, c.tensor) for c in checker.run_scenario(sc).checks if not c.passed}
+    assert ("perturbations stay in their block", "q") in failed

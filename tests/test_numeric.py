@@ -61,3 +61,55 @@ def test_noise_floor_absorbs_rounding_but_not_errors():
 def test_plan_fits_the_budget():
     assert numeric.plan(copy_bytes=100, budget_bytes=10_000) == numeric.Chunking(50 // numeric.WORKERS, numeric.WORKERS)
     assert numeric.plan(copy_bytes=10**9, budget_bytes=10) == numeric.Chunking(1, 1)  # always makes progress
+
+
+def test_colours_take_one_element_per_block_and_cover_everything():
+    part_of = np.array([[0, 0, 1], [2, 1, 1], [2, 2, 0]])
+    classes = numeric.colours(part_of)
+    flat = part_of.ravel()
+    assert sorted(np.concatenate(classes).tolist()) == list(range(part_of.size))
+    for members in classes:
+        assert len(set(flat[members].tolist())) == len(members)
+    assert len(classes) == 3  # the largest block has three elements
+
+
+def blockwise_cubic(c, part_of, blocks, coupling=0.0):
+    """L split by blocks: part p = sum over its elements of c x^3 (+ coupling * x[0] in every part)."""
+    onehot = (part_of.ravel()[:, None] == np.arange(blocks)[None, :]).astype(float)
+
+    def parts(x):
+        flat = x.reshape(x.shape[:-2] + (-1,))
+        return (c.ravel() * flat**3) @ onehot + coupling * flat[..., :1]
+    return parts
+
+
+def test_coloured_differences_match_the_known_gradient():
+    rng = np.random.default_rng(3)
+    x, c = rng.standard_normal((4, 5)), rng.standard_normal((4, 5))
+    part_of = np.repeat(np.arange(4)[:, None], 5, axis=1)  # each row is a block
+    got = numeric.coloured(blockwise_cubic(c, part_of, 4), x, part_of, 1e-6, numeric.Chunking(2, 2))
+    np.testing.assert_allclose(got, (3 * c * x**2).ravel(), rtol=1e-8, atol=1e-9)
+    assert numeric.leakage(blockwise_cubic(c, part_of, 4), x, part_of, rng)[0] == 0.0
+
+
+def test_leakage_sees_a_dependence_between_blocks():
+    rng = np.random.default_rng(4)
+    x, c = rng.standard_normal((4, 5)), rng.standard_normal((4, 5))
+    part_of = np.repeat(np.arange(4)[:, None], 5, axis=1)
+    leak, scale, worst = numeric.leakage(blockwise_cubic(c, part_of, 4, coupling=0.5), x, part_of, rng)
+    assert leak > 0.1 and worst != 0  # moving block 0 (which holds x[0, 0]) changes blocks that stood still
+
+
+@pytest.mark.parametrize("source,sink", [(0, 6), (6, 0), (3, 4), (5, 2)])
+def test_leakage_finds_a_leak_between_any_two_blocks(source, sink):
+    """Group testing: every ordered pair (moved, still) occurs in some copy."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((7, 3))
+    part_of = np.repeat(np.arange(7)[:, None], 3, axis=1)
+
+    def parts(y):
+        p = y.sum(axis=-1).copy()            # [..., 7]: each row is its own block
+        p[..., sink] += 0.3 * y[..., source, 0]
+        return p
+    leak, _, worst = numeric.leakage(parts, x, part_of, rng)
+    assert leak > 0.01 and part_of.ravel()[worst] == sink

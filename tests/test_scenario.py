@@ -39,6 +39,8 @@ BAD = [
     ("    loss_rows: [4]\n", 5, "scenarios[0].loss_rows[0]", "out of range"),
     ("    check:\n      mode: everything\n", 6, "scenarios[0].check.mode", "expected one of"),
     ("    check:\n      samples: 0\n", 6, "scenarios[0].check.samples", "must be >= 1"),
+    ("    check:\n      colouring: yes please\n", 6, "scenarios[0].check.colouring", "expected true or false"),
+    ("    check:\n      mode: sample\n      colouring: true\n", 7, "scenarios[0].check.colouring", "mode full only"),
     ("    op: convolution\n", 5, "scenarios[0].op", "expected one of"),
     ("    n_k: 4000000\n    batch: 4000000\n", 2, "scenarios[0]", "GiB"),
     ("  - name: s\n    n_q: 2\n    d_head: 2\n", 5, "scenarios[1].name", "duplicate scenario name"),

@@ -176,6 +176,27 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
         o = forward(**{**inputs, name: x}, visible=visible, scale=scale, kv_map=kv_map, faults=faults, hidden=hidden)
         return np.sum(o * g, axis=(-4, -3, -2, -1))
 
+    # Independent blocks of the output: a query row (b, r, i) feeds only row i of O[b, r]; K of KV
+    # head (b, g) feeds only the query heads of group g in batch b; column c of V[b, g] feeds only
+    # column c of O in those heads (O = A V column by column).
+    group = np.eye(sc.heads_kv, dtype=dt)[kv_map]  # [Hq, Hkv] one-hot of g(r)
+    parts = {"q": np.broadcast_to(np.arange(q[..., 0].size).reshape(q.shape[:-1] + (1,)), q.shape),
+             "k": np.broadcast_to(np.arange(sc.batch * sc.heads_kv).reshape(sc.batch, sc.heads_kv, 1, 1), k.shape),
+             "v": np.broadcast_to(np.arange(sc.batch * sc.heads_kv * sc.d_value).reshape(
+                 sc.batch, sc.heads_kv, 1, sc.d_value), v.shape)}
+
+    def loss_parts(name: str, x: np.ndarray) -> np.ndarray:
+        o = forward(**{**inputs, name: x}, visible=visible, scale=scale, kv_map=kv_map, faults=faults, hidden=hidden)
+        og = o * g                                                       # [..., B, Hq, n_q, d_v]
+        if name == "q":
+            return og.sum(axis=-1).reshape(og.shape[:-4] + (-1,))
+        if name == "k":
+            per_group = og.sum(axis=(-2, -1)) @ group                    # [..., B, Hkv]
+        else:
+            per_group = np.swapaxes(og.sum(axis=-2), -1, -2) @ group     # [..., B, d_v, Hkv]
+            per_group = np.swapaxes(per_group, -1, -2)                   # [..., B, Hkv, d_v]
+        return per_group.reshape(og.shape[:-4] + (-1,))
+
     o, a = fwd(q, k, v)
     grads = bwd(q, k, v, g)
     rng_inv = np.random.default_rng([sc.seed, 1])
@@ -190,6 +211,8 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
                 "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
                 "analytic_q": grads.q, "analytic_k": grads.k, "analytic_v": grads.v},
         output=o,
+        parts=parts,
+        loss_parts=loss_parts,
     )
 
 

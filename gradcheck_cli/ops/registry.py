@@ -28,7 +28,10 @@ class Problem:
     copy_bytes: bytes of work memory one perturbed copy needs in ``loss`` (for chunking).
     invariants: computes the semantic checks (list of ``result.Check``).
     arrays: what ``--save-arrays`` writes.
-    reference: clean output and gradients (for the applicability of faults).
+    output: the op's output (for the applicability of faults).
+    parts / loss_parts: optional, for colouring. ``parts[name]`` (shape of the input) is the id of the
+      independent block of the output each element feeds; ``loss_parts(name, x)`` is L split by those
+      blocks, shape ``[..., P]``, summing to L. Elements of different blocks can be perturbed at once.
     """
     inputs: dict[str, np.ndarray]
     loss: Callable[[str, np.ndarray], np.ndarray]
@@ -38,6 +41,8 @@ class Problem:
     invariants: Callable[[], list]
     arrays: dict[str, Any] = field(default_factory=dict)
     output: np.ndarray | None = None
+    parts: dict[str, np.ndarray] | None = None
+    loss_parts: Callable[[str, np.ndarray], np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
