@@ -14,7 +14,7 @@ from .scenario import Scenario
 from .tolerance import INVARIANT_ULPS, machine_epsilon, passes, relative_error
 
 #: Default bytes of perturbed copies evaluated in one vectorised call.
-DEFAULT_MEMORY_BUDGET = 64 * 2**20
+DEFAULT_MEMORY_BUDGET = 32 * 2**20
 
 #: A fault is applicable to a scenario when it changes the output or a gradient by more than this
 #: many tolerances (relative to the larger magnitude).

@@ -104,16 +104,6 @@ def test_forward_accepts_leading_copy_axes():
                                    A.forward(q, k, vc[i], sc.visible, sc.scale, kv_map), rtol=1e-13, atol=1e-14)
 
 
-@given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 4), st.integers(1, 5), st.integers(1, 5),
-       st.integers(1, 5), st.booleans())
-def test_folded_matmul_equals_numpy_matmul(copies, batch, heads, m, p, n, left_varies):
-    rng = np.random.default_rng(copies * 1000 + m * 100 + p * 10 + n)
-    shared = rng.standard_normal((batch, heads, p, n) if left_varies else (batch, heads, m, p))
-    varied = rng.standard_normal((copies, batch, heads, m, p) if left_varies else (copies, batch, heads, p, n))
-    a, b = (varied, shared) if left_varies else (shared, varied)
-    np.testing.assert_allclose(A._matmul(a, b), np.matmul(a, b), rtol=1e-13, atol=1e-13)
-
-
 def test_sum_groups_is_the_adjoint_of_repeat_kv():
     rng = np.random.default_rng(0)
     kv_map = np.array([0, 2, 1, 0, 2, 2])

@@ -53,25 +53,6 @@ def sum_groups(g: np.ndarray, kv_map: np.ndarray, heads_kv: int, *, overwrite: b
     return out
 
 
-def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a [..., m, p] @ b [..., p, n], broadcasting leading axes like ``np.matmul``.
-
-    When one operand carries extra leading axes of perturbed copies and the other is shared, the
-    copy axes are folded into the rows of the perturbed operand, so BLAS runs one large GEMM per
-    (batch, head) instead of one small GEMM per copy. The arithmetic per copy is unchanged.
-    """
-    if a.ndim < b.ndim:
-        return np.swapaxes(_matmul(np.swapaxes(b, -1, -2), np.swapaxes(a, -1, -2)), -1, -2)
-    extra = a.ndim - b.ndim
-    if extra == 0 or a.shape[extra:-2] != b.shape[:-2]:
-        return np.matmul(a, b)
-    copies, common, (m, p), n = a.shape[:extra], a.shape[extra:-2], a.shape[-2:], b.shape[-1]
-    c = int(np.prod(copies))
-    folded = np.moveaxis(a.reshape((c,) + common + (m, p)), 0, -3).reshape(common + (c * m, p))
-    out = np.matmul(folded, b).reshape(common + (c, m, n))
-    return np.moveaxis(out, -3, 0).reshape(copies + common + (m, n))
-
-
 def _exp_scores(q, k, scale, kv_map, hidden):
     """exp(S - m) and its row sums l, for S = scale * q k^T with the row max m over the visible set
     subtracted (A.10.2). ``hidden`` (= ~visible) marks the entries outside the visible set, or None.
@@ -86,7 +67,7 @@ def _exp_scores(q, k, scale, kv_map, hidden):
         q = q * scale
     else:
         k_rep = k_rep * scale
-    s = np.ascontiguousarray(_matmul(q, np.swapaxes(k_rep, -1, -2)))
+    s = np.matmul(q, np.swapaxes(k_rep, -1, -2))
     if hidden is None:
         s -= s.max(axis=-1, keepdims=True)
         e = np.exp(s, out=s)
@@ -114,7 +95,7 @@ def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), hidde
     elif hidden is None:
         hidden = ~visible
     e, l = _exp_scores(q, k, scale, kv_map, hidden)
-    o = _matmul(e, repeat_kv(v, kv_map))
+    o = np.matmul(e, repeat_kv(v, kv_map))
     o /= l
     return o
 
