@@ -119,10 +119,10 @@ def run(config, faults, break_softmax_term, negative_controls, json_path, junit_
     budget = memory_budget * 2**20
     total = sum(checker.work_units(sc) for sc in scenarios) * (1 + (len(FAULTS) if negative_controls else 0))
     bar = _ProgressBar(progress, total, "checking")
-    results, cells = [], None
+    results, cells, cache = [], None, {}  # negative controls reuse the clean finite differences
     try:
         for sc in scenarios:
-            result = checker.run_scenario(sc, faults, memory_budget=budget, progress=bar.advance)
+            result = checker.run_scenario(sc, faults, memory_budget=budget, progress=bar.advance, numeric_cache=cache)
             results.append(result)
             with bar.hidden():
                 report.render_scenario(out, result, sc.describe())
@@ -131,7 +131,8 @@ def run(config, faults, break_softmax_term, negative_controls, json_path, junit_
                         out.print(f"  note: fault {fault} has no effect on this scenario (not applicable)\n",
                                   highlight=False)
         if negative_controls:
-            cells = checker.negative_controls(scenarios, memory_budget=budget, progress=bar.advance)
+            cells = checker.negative_controls(scenarios, memory_budget=budget, progress=bar.advance,
+                                              numeric_cache=cache)
     except KeyboardInterrupt:
         bar.close()
         click.echo(f"interrupted after {len(results)} of {len(scenarios)} scenario(s); no report written", err=True)
