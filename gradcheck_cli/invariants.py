@@ -28,23 +28,30 @@ def _check(name: str, tensor: str, values: np.ndarray, bound: float, detail: str
 
 
 def attention(fwd, bwd, inputs, visible, kv_map, grads, rng) -> list[Check]:
-    """The attention invariants. ``fwd(q, k, v) -> (o, a)`` and ``bwd(q, k, v, grad_o) -> Gradients``
-    are the implementation under test; ``grads`` is its backward at ``inputs`` (with the A and G_A
-    the backward used, and G_S)."""
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    o, a = fwd(q, k, v)
+    """All attention invariants for the engine. ``fwd(q, k, v) -> (o, a)`` and
+    ``bwd(q, k, v, grad_o) -> Gradients`` are the implementation under test; ``grads`` is its backward
+    at ``inputs`` (with the A and G_A the backward used, and G_S)."""
+    o, a = fwd(inputs["q"], inputs["k"], inputs["v"])
+
+    def backward_kv(q, k, v, grad_o):
+        g = bwd(q, k, v, grad_o)
+        return g.k, g.v
+
+    return (attention_weights(a, visible, grads)
+            + attention_outputs(lambda q, k, v: fwd(q, k, v)[0], backward_kv, inputs, visible, kv_map, o, rng))
+
+
+def attention_weights(a, visible, grads) -> list[Check]:
+    """Invariants of the attention matrix A and of the score gradient G_S."""
     g_s = grads.s
     eps = float(np.finfo(a.dtype).eps)
-    n_k = a.shape[-1]
-    heads_kv = k.shape[-3]
-    checks = []
-
-    checks.append(_check("attention is non-negative", "a", np.minimum(a, 0), 0.0,
-                         "min over all entries of A must be >= 0"))
-    checks.append(_check("attention rows sum to 1", "a", a.sum(axis=-1) - 1, INVARIANT_ULPS * eps * n_k,
-                         "|sum_j A_ij - 1| per row"))
-    checks.append(_check("attention is 0 off the visible set", "a", np.where(visible, 0, a), 0.0,
-                         "A_ij must be exactly 0 where key j is not visible to query i"))
+    checks = [
+        _check("attention is non-negative", "a", np.minimum(a, 0), 0.0, "min over all entries of A must be >= 0"),
+        _check("attention rows sum to 1", "a", a.sum(axis=-1) - 1, INVARIANT_ULPS * eps * a.shape[-1],
+               "|sum_j A_ij - 1| per row"),
+        _check("attention is 0 off the visible set", "a", np.where(visible, 0, a), 0.0,
+               "A_ij must be exactly 0 where key j is not visible to query i"),
+    ]
     # Rounding of sum_j A_ij (G_A_ij - c_i) is bounded by eps * sum_j A_ij (|G_A_ij| + |c_i|).
     c = (grads.a * grads.ga).sum(axis=-1, keepdims=True)
     row_scale = (grads.a * (np.abs(grads.ga) + np.abs(c))).sum(axis=-1)
@@ -52,17 +59,27 @@ def attention(fwd, bwd, inputs, visible, kv_map, grads, rng) -> list[Check]:
                          g_s.sum(axis=-1) / np.maximum(row_scale, np.finfo(a.dtype).tiny),
                          INVARIANT_ULPS * eps,
                          "|sum_j G_S_ij| / sum_j A_ij (|G_A_ij| + |c_i|) per row (softmax is shift invariant)"))
+    return checks
+
+
+def attention_outputs(forward, backward_kv, inputs, visible, kv_map, o, rng) -> list[Check]:
+    """Invariants that need only the output and the K/V gradients, so they apply to any
+    implementation: ``forward(q, k, v) -> o``, ``backward_kv(q, k, v, grad_o) -> (g_k, g_v)``."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    eps = float(np.finfo(o.dtype).eps)
+    heads_kv = k.shape[-3]
+    checks = []
 
     # The seed's causal test, for any mask: upstream gradient only on query row 0; K/V rows that no
     # query head sharing them sees from row 0 must get exactly zero gradient.
     first = np.zeros_like(o)
     first[..., 0, :] = np.random.default_rng(rng.integers(2**32)).standard_normal(first[..., 0, :].shape)
-    g_first = bwd(q, k, v, first)
+    first_k, first_v = backward_kv(q, k, v, first)
     row0 = visible[..., :1, :]
     unseen = ~masks.kv_rows_seen(row0, kv_map, heads_kv)  # [B, Hkv, n_k]
     n_unseen = int(unseen.sum())
-    for name, grad in (("k", g_first.k), ("v", g_first.v)):
-        checks.append(_check(f"unseen K/V rows get zero gradient", name,
+    for name, grad in (("k", first_k), ("v", first_v)):
+        checks.append(_check("unseen K/V rows get zero gradient", name,
                              np.where(unseen[..., None], grad, 0), 0.0,
                              f"loss on query row 0 only; {n_unseen} (batch, kv head, key) rows it cannot see "
                              "must get exactly zero gradient"))
@@ -72,7 +89,7 @@ def attention(fwd, bwd, inputs, visible, kv_map, grads, rng) -> list[Check]:
     n_hidden = int(hidden.sum())
     k2 = np.where(hidden[..., None], rng.standard_normal(k.shape).astype(k.dtype) * 10, k)
     v2 = np.where(hidden[..., None], rng.standard_normal(v.shape).astype(v.dtype) * 10, v)
-    o2, _ = fwd(q, k2, v2)
+    o2 = forward(q, k2, v2)
     checks.append(_check("hidden K/V rows do not change O", "o", o2 - o,
                          INVARIANT_ULPS * eps * max(float(np.abs(o).max()), 1.0),
                          f"{n_hidden} (batch, kv head, key) rows visible to no query replaced by random values"
