@@ -11,7 +11,7 @@ from . import numeric
 from .ops import FAULTS, OPS
 from .result import Check, ControlCell, ScenarioResult
 from .scenario import Scenario
-from .tolerance import INVARIANT_ULPS, machine_epsilon, passes, relative_error
+from .tolerance import EPS64, INVARIANT_ULPS, machine_epsilon, passes, relative_error
 
 #: Default bytes of perturbed copies evaluated in one vectorised call.
 DEFAULT_MEMORY_BUDGET = 32 * 2**20
@@ -67,9 +67,13 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
             ana = np.tensordot(sites, grad.astype(np.float64), axes=x.ndim)
         else:
             ana = grad.ravel()[sites].astype(np.float64)
+        # Noise floor per element: the rounding of the terms that move, and of the float64 sum of L.
+        if sc.mode == "directional":
+            floor = np.full(len(num), (eps_m + EPS64) * problem.rounding_total / step)
+        else:
+            floor = (eps_m * problem.rounding[name].ravel()[sites] + EPS64 * problem.rounding_total) / step
         max_abs, rel, worst = relative_error(ana, num)
-        noise = eps_m * problem.loss_abs / step
-        ok = passes(max_abs, ana, num, sc.tolerance, noise)
+        ok, noise = passes(ana, num, sc.tolerance, floor)
         if sc.mode == "directional":
             index = (worst,)
             where = f"direction {worst}"
@@ -112,7 +116,8 @@ def _independence(sc: Scenario, problem, rng: np.random.Generator) -> list[Check
 
 def _differences(sc: Scenario, problem, name: str, x: np.ndarray, rng: np.random.Generator, chunking: numeric.Chunking,
                  progress: Progress | None):
-    """(numeric values, sites, smallest step): sites are flat indices, or the directions taken."""
+    """(numeric values, sites, steps): sites are flat indices (steps per site), or the directions
+    taken (one step)."""
     def loss(copies):
         return problem.loss(name, copies)
 
@@ -120,15 +125,16 @@ def _differences(sc: Scenario, problem, name: str, x: np.ndarray, rng: np.random
         units = numeric.unit_directions(rng, sc.directions, x.shape)
         num, taken = numeric.directions(loss, x, units, sc.epsilon, chunking, progress)
         return num, taken, sc.epsilon * max(1.0, float(np.max(np.abs(x))))
-    if _coloured(sc, problem):
-        num = numeric.coloured(lambda c: problem.loss_parts(name, c), x, problem.parts[name], sc.epsilon,
-                               chunking, progress)
-        return num, np.arange(x.size), sc.epsilon
     if sc.mode == "full":
         sites = np.arange(x.size)
     else:
         sites = np.sort(rng.choice(x.size, size=min(sc.samples, x.size), replace=False))
-    return numeric.elements(loss, x, sites, sc.epsilon, chunking, progress), sites, sc.epsilon
+    steps = sc.epsilon * np.maximum(1.0, np.abs(x.ravel()[sites]).astype(np.float64))
+    if _coloured(sc, problem):
+        num = numeric.coloured(lambda c: problem.loss_parts(name, c), x, problem.parts[name], sc.epsilon,
+                               chunking, progress)
+        return num, sites, steps
+    return numeric.elements(loss, x, sites, sc.epsilon, chunking, progress), sites, steps
 
 
 def fault_effect(sc: Scenario, fault: str) -> float:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 
-#: Defaults per compute dtype. float64: the issue's figures. float32: measured on the shipped
-#: configs (README "float32"): central differences with a 1e-2 step have truncation error ~1e-5 and
-#: rounding error ~eps32 * sum|O*G| / h; correct gradients then agree to ~1e-4 relative while every
-#: registered fault is off by more than 1e-1, so 2e-3 separates them with margin on both sides.
+#: Defaults per compute dtype. float64: the issue's figures. float32: measured (README "Tolerances,
+#: float32 and the noise floor"): with a 3e-3 step correct gradients agree to <= 4e-4 relative on
+#: the shipped shapes and on peaked rows (scale 5), while every registered fault is off by >= 0.58;
+#: a 1e-2 step is 10x worse on peaked rows (truncation), a 1e-3 step 3x worse on the others (rounding).
 DEFAULTS: dict[str, dict[str, float]] = {
     "float64": {"epsilon": 1e-6, "tolerance": 1e-6},
-    "float32": {"epsilon": 1e-2, "tolerance": 2e-3},
+    "float32": {"epsilon": 3e-3, "tolerance": 2e-3},
 }
 
 #: Invariants that hold exactly in real arithmetic are checked to this many ulps of the values involved.
@@ -26,6 +26,10 @@ def defaults_for(dtype: str) -> dict[str, float]:
     return dict(DEFAULTS[dtype])
 
 
+#: Unit roundoff of the float64 accumulation of L.
+EPS64 = float(np.finfo(np.float64).eps)
+
+
 def machine_epsilon(dtype: str) -> float:
     return float(np.finfo(np.dtype(dtype)).eps)
 
@@ -33,12 +37,16 @@ def machine_epsilon(dtype: str) -> float:
 def relative_error(analytic: np.ndarray, numeric: np.ndarray) -> tuple[float, float, int]:
     """(max |a - n|, max|a - n| / max(max|a|, max|n|), flat index of the worst element).
 
-    The relative error is 0 when both arrays are identically 0.
+    The relative error is 0 when both arrays are identically 0; both errors are inf, at the first
+    such element, when either array holds a NaN or an infinity.
     """
     a = np.asarray(analytic, dtype=np.float64).ravel()
     n = np.asarray(numeric, dtype=np.float64).ravel()
     if a.size == 0:
         return 0.0, 0.0, 0
+    bad = ~(np.isfinite(a) & np.isfinite(n))
+    if bad.any():
+        return float("inf"), float("inf"), int(np.argmax(bad))
     diff = np.abs(a - n)
     worst = int(np.argmax(diff))
     max_abs = float(diff[worst])
@@ -47,8 +55,18 @@ def relative_error(analytic: np.ndarray, numeric: np.ndarray) -> tuple[float, fl
     return max_abs, rel, worst
 
 
-def passes(max_abs: float, analytic: np.ndarray, numeric: np.ndarray, tolerance: float,
-           noise_floor: float) -> bool:
-    """max|a - n| <= tolerance * max(max|a|, max|n|) + noise_floor."""
-    scale = max(float(np.max(np.abs(analytic), initial=0.0)), float(np.max(np.abs(numeric), initial=0.0)))
-    return bool(max_abs <= tolerance * scale + noise_floor)
+def passes(analytic: np.ndarray, numeric: np.ndarray, tolerance: float,
+           noise_floor: np.ndarray | float) -> tuple[bool, float]:
+    """Every element: |a - n| <= tolerance * max(max|a|, max|n|) + its noise floor. Non-finite values
+    never pass. Returns (passed, the noise floor at the element that is closest to failing)."""
+    a = np.asarray(analytic, dtype=np.float64).ravel()
+    n = np.asarray(numeric, dtype=np.float64).ravel()
+    floor = np.broadcast_to(np.asarray(noise_floor, dtype=np.float64), a.shape)
+    if a.size == 0:
+        return True, 0.0
+    if not (np.isfinite(a).all() and np.isfinite(n).all()):
+        return False, float(floor.max())
+    allowed = tolerance * max(float(np.abs(a).max()), float(np.abs(n).max())) + floor
+    margin = allowed - np.abs(a - n)
+    tightest = int(np.argmin(margin))
+    return bool(margin[tightest] >= 0), float(floor[tightest])

@@ -107,3 +107,22 @@ def test_colouring_catches_a_forward_that_mixes_rows(monkeypatch):
     sc = make(n_q=4, d_head=3, check={"colouring": True})
     failed = {(c.name, c.tensor) for c in checker.run_scenario(sc).checks if not c.passed}
     assert ("perturbations stay in their block", "q") in failed
+
+
+def test_float32_noise_floor_is_per_block_and_keeps_power_on_large_outputs():
+    """The floor bounds the rounding of the terms of L that move (the element's block), not of all
+    of L: a 10% wrong backward on a large float32 output is still caught."""
+    sc = make(dtype="float32", batch=2, heads_q=8, heads_kv=2, n_q=64, d_head=32, scale=0.9,
+              mask={"causal": "lower-right"}, check={"mode": "sample", "samples": 64})
+    clean = checker.run_scenario(sc)
+    assert clean.passed
+    q_check = next(c for c in clean.checks if c.name == "gradient q")
+    assert q_check.noise_floor < 1e-2
+    assert not checker.run_scenario(sc, ("scale",)).passed
+
+
+def test_float32_peaked_rows_pass_on_a_correct_engine():
+    for seed in range(3):
+        sc = make(dtype="float32", heads_q=2, n_q=16, d_head=16, scale=5.0, seed=seed, mask={"causal": "lower-right"})
+        result = checker.run_scenario(sc)
+        assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]

@@ -155,12 +155,12 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
 
     def loss(name: str, x: np.ndarray) -> np.ndarray:
         o = forward(**{**inputs, name: x}, visible=visible, scale=scale, kv_map=kv_map, faults=faults, hidden=hidden)
-        return np.sum(o * g, axis=(-4, -3, -2, -1))
+        return np.sum(o * g, axis=(-4, -3, -2, -1), dtype=np.float64)  # accumulated in float64
 
     # Independent blocks of the output: a query row (b, r, i) feeds only row i of O[b, r]; K of KV
     # head (b, g) feeds only the query heads of group g in batch b; column c of V[b, g] feeds only
     # column c of O in those heads (O = A V column by column).
-    group = np.eye(sc.heads_kv, dtype=dt)[kv_map]  # [Hq, Hkv] one-hot of g(r)
+    group = np.eye(sc.heads_kv)[kv_map]  # [Hq, Hkv] one-hot of g(r)
     parts = {"q": np.broadcast_to(np.arange(q[..., 0].size).reshape(q.shape[:-1] + (1,)), q.shape),
              "k": np.broadcast_to(np.arange(sc.batch * sc.heads_kv).reshape(sc.batch, sc.heads_kv, 1, 1), k.shape),
              "v": np.broadcast_to(np.arange(sc.batch * sc.heads_kv * sc.d_value).reshape(
@@ -168,24 +168,35 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
 
     def loss_parts(name: str, x: np.ndarray) -> np.ndarray:
         o = forward(**{**inputs, name: x}, visible=visible, scale=scale, kv_map=kv_map, faults=faults, hidden=hidden)
-        og = o * g                                                       # [..., B, Hq, n_q, d_v]
+        return by_block(name, o * g)
+
+    def by_block(name: str, terms: np.ndarray) -> np.ndarray:
+        """Sum terms [..., B, Hq, n_q, d_v] of L by the blocks of input ``name`` -> [..., P], in float64."""
         if name == "q":
-            return og.sum(axis=-1).reshape(og.shape[:-4] + (-1,))
+            return terms.sum(axis=-1, dtype=np.float64).reshape(terms.shape[:-4] + (-1,))
         if name == "k":
-            per_group = og.sum(axis=(-2, -1)) @ group                    # [..., B, Hkv]
+            per_group = terms.sum(axis=(-2, -1), dtype=np.float64) @ group              # [..., B, Hkv]
         else:
-            per_group = np.swapaxes(og.sum(axis=-2), -1, -2) @ group     # [..., B, d_v, Hkv]
-            per_group = np.swapaxes(per_group, -1, -2)                   # [..., B, Hkv, d_v]
-        return per_group.reshape(og.shape[:-4] + (-1,))
+            per_group = np.swapaxes(terms.sum(axis=-2, dtype=np.float64), -1, -2) @ group  # [..., B, d_v, Hkv]
+            per_group = np.swapaxes(per_group, -1, -2)                                  # [..., B, Hkv, d_v]
+        return per_group.reshape(terms.shape[:-4] + (-1,))
 
     o, a = fwd(q, k, v)
     grads = bwd(q, k, v, g)
+    # Rounding model of one forward, per term of L: a logit carries an error of about
+    # eps * scale * sum_c |q_ic k_jc|, which the softmax passes on relative to A_ij; O_ic then sums
+    # A_ij V_jc. So |error of O_ic| <~ eps * sum_j A_ij (1 + scale |q_i|.|k_j|) |V_jc|, times |G_ic|.
+    qa, ka, va = (np.abs(t).astype(np.float64) for t in (q, repeat_kv(k, kv_map), repeat_kv(v, kv_map)))
+    logit_error = 1.0 + abs(scale) * (qa @ np.swapaxes(ka, -1, -2))
+    terms = np.abs(g).astype(np.float64) * ((a.astype(np.float64) * logit_error) @ va)
+    rounding = {name: by_block(name, terms)[parts[name]] for name in inputs}
     rng_inv = np.random.default_rng([sc.seed, 1])
     return Problem(
         inputs=inputs,
         loss=loss,
         gradients={"q": grads.q, "k": grads.k, "v": grads.v},
-        loss_abs=float(np.sum(np.abs(o * g), dtype=np.float64)),
+        rounding=rounding,
+        rounding_total=float(terms.sum()),
         copy_bytes=3 * a.size * dt.itemsize + o.size * dt.itemsize,
         invariants=lambda: invariants.attention(fwd, bwd, inputs, visible, kv_map, grads, rng_inv),
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,

@@ -24,7 +24,11 @@ class Problem:
     loss: ``loss(name, x)`` is L evaluated with input ``name`` replaced by ``x``, where ``x`` may
       carry extra leading axes of perturbed copies; returns L per copy (shape ``x.shape[:-ndim]``).
     gradients: the analytic dL/d(input) of the implementation under test.
-    loss_abs: sum |terms of L| at the unperturbed inputs, which bounds the rounding error of L.
+    rounding: per input, for each element, the size of the terms of L that move when it moves,
+      weighted by how much rounding one forward puts in them: eps * rounding / step bounds the
+      rounding error of that element's difference quotient (the other terms of L are computed
+      identically in both evaluations, and L is accumulated in float64).
+    rounding_total: the same over every term of L (a direction moves every element).
     copy_bytes: bytes of work memory one perturbed copy needs in ``loss`` (for chunking).
     invariants: computes the semantic checks (list of ``result.Check``).
     arrays: what ``--save-arrays`` writes.
@@ -36,7 +40,8 @@ class Problem:
     inputs: dict[str, np.ndarray]
     loss: Callable[[str, np.ndarray], np.ndarray]
     gradients: dict[str, np.ndarray]
-    loss_abs: float
+    rounding: dict[str, np.ndarray]
+    rounding_total: float
     copy_bytes: int
     invariants: Callable[[], list]
     arrays: dict[str, Any] = field(default_factory=dict)
