@@ -55,17 +55,19 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     for name, x in problem.inputs.items():
         grad = problem.gradients[name]
         key = (sc, name, _forward_faults(active))
-        if numeric_cache is not None and key in numeric_cache:
+        if sc.mode == "directional":  # the analytic side depends on the gradient: never cached
+            num, ana = numeric.directions(lambda c: problem.loss(name, c), x, grad, sc.directions,
+                                          int(rng.integers(2**32)), sc.epsilon, chunking, progress)
+            sites, step = None, sc.epsilon * max(1.0, float(np.max(np.abs(x))))
+        elif numeric_cache is not None and key in numeric_cache:
             num, sites, step = numeric_cache[key]
             if progress:
-                progress(len(sites) if sc.mode != "directional" else sc.directions)
+                progress(len(sites))
         else:
             num, sites, step = _differences(sc, problem, name, x, rng, chunking, progress)
             if numeric_cache is not None:
                 numeric_cache[key] = (num, sites, step)
-        if sc.mode == "directional":
-            ana = np.tensordot(sites, grad.astype(np.float64), axes=x.ndim)
-        else:
+        if sc.mode != "directional":
             ana = grad.ravel()[sites].astype(np.float64)
         # Noise floor per element: the rounding of the terms that move, and of the float64 sum of L.
         if sc.mode == "directional":
@@ -87,7 +89,7 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
         if sc.mode == "full":
             arrays[f"numeric_{name}"] = num.reshape(x.shape)
     if _coloured(sc, problem):
-        checks.extend(_independence(sc, problem, np.random.default_rng([sc.seed, 3])))
+        checks.extend(_independence(sc, problem, np.random.default_rng([sc.seed, 3]), chunking))
     checks.extend(problem.invariants())
     return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
                           mode=sc.mode, faults=active, checks=tuple(checks),
@@ -98,12 +100,13 @@ def _coloured(sc: Scenario, problem) -> bool:
     return sc.mode == "full" and sc.colouring and problem.loss_parts is not None
 
 
-def _independence(sc: Scenario, problem, rng: np.random.Generator) -> list[Check]:
+def _independence(sc: Scenario, problem, rng: np.random.Generator, chunking: numeric.Chunking) -> list[Check]:
     """The assumption colouring rests on, verified on this very forward for every block: moving the
     elements of one block changes no other block's part of L beyond rounding."""
     checks = []
     for name, x in problem.inputs.items():
-        leak, scale, worst = numeric.leakage(lambda c: problem.loss_parts(name, c), x, problem.parts[name], rng)
+        leak, scale, worst = numeric.leakage(lambda c: problem.loss_parts(name, c), x, problem.parts[name], rng,
+                                             chunking)
         bound = INVARIANT_ULPS * machine_epsilon(sc.dtype) * max(scale, 1.0)
         index = tuple(int(i) for i in np.unravel_index(worst, x.shape))
         checks.append(Check("invariant", "perturbations stay in their block", name, tuple(x.shape), leak, leak,
@@ -116,15 +119,10 @@ def _independence(sc: Scenario, problem, rng: np.random.Generator) -> list[Check
 
 def _differences(sc: Scenario, problem, name: str, x: np.ndarray, rng: np.random.Generator, chunking: numeric.Chunking,
                  progress: Progress | None):
-    """(numeric values, sites, steps): sites are flat indices (steps per site), or the directions
-    taken (one step)."""
+    """(numeric values, sites, steps) for full and sample mode: sites are flat indices."""
     def loss(copies):
         return problem.loss(name, copies)
 
-    if sc.mode == "directional":
-        units = numeric.unit_directions(rng, sc.directions, x.shape)
-        num, taken = numeric.directions(loss, x, units, sc.epsilon, chunking, progress)
-        return num, taken, sc.epsilon * max(1.0, float(np.max(np.abs(x))))
     if sc.mode == "full":
         sites = np.arange(x.size)
     else:

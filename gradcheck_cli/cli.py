@@ -111,7 +111,8 @@ def run(config, faults, break_softmax_term, negative_controls, json_path, junit_
         raise _fail("--negative-controls runs every fault itself; do not combine it with --fault")
     try:
         scenarios = load(config)
-        report.prepare_outputs({"--json": json_path, "--junit": junit_path}, {"--save-arrays": arrays_dir})
+        report.prepare_outputs({"--json": json_path, "--junit": junit_path}, {"--save-arrays": arrays_dir},
+                               {"--save-arrays": [f"{sc.name}.npz" for sc in scenarios]}, inputs=[config])
     except GradcheckError as exc:
         raise _fail(str(exc)) from None
 
@@ -137,6 +138,11 @@ def run(config, faults, break_softmax_term, negative_controls, json_path, junit_
         bar.close()
         click.echo(f"interrupted after {len(results)} of {len(scenarios)} scenario(s); no report written", err=True)
         raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+    except MemoryError:
+        bar.close()
+        name = scenarios[len(results)].name if len(results) < len(scenarios) else "negative controls"
+        raise _fail(f"{config}: scenario '{name}' ran out of memory; lower --memory-budget "
+                    f"(now {memory_budget} MiB) or the scenario's shapes; no report written") from None
     bar.close()
 
     report.render_summary(out, results)

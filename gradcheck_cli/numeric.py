@@ -142,7 +142,7 @@ def coloured(loss_parts: Callable[[np.ndarray], np.ndarray], x: np.ndarray, part
 
 
 def leakage(loss_parts: Callable[[np.ndarray], np.ndarray], x: np.ndarray, part_of: np.ndarray,
-            rng: np.random.Generator) -> tuple[float, float, int]:
+            rng: np.random.Generator, chunking: Chunking = Chunking(8)) -> tuple[float, float, int]:
     """Test the independence colouring assumes, for every ordered pair of blocks (p moves, p' must not
     change), with 2 * ceil(log2 P) evaluations: for each bit of the block number, one copy moves the
     blocks whose bit is 1 and another those whose bit is 0 (every element of a moved block by a random
@@ -157,44 +157,50 @@ def leakage(loss_parts: Callable[[np.ndarray], np.ndarray], x: np.ndarray, part_
     ids = np.arange(blocks)
     moved = np.array([((ids >> t) & 1) == v for t in range(bits) for v in (0, 1)])   # [2 bits, P]
     moves = (rng.standard_normal(x.size) * np.maximum(1.0, np.abs(flat_x))).astype(x.dtype)
-    copies = np.broadcast_to(x, (len(moved) + 1,) + x.shape).copy()
-    flat = copies.reshape(len(moved) + 1, -1)
-    flat[1:] += np.where(moved[:, flat_part], moves, 0).astype(x.dtype)
-    values = np.asarray(loss_parts(copies), dtype=np.float64)
-    change = np.where(moved, 0.0, np.abs(values[1:] - values[0]))                     # unmoved blocks only
+    base = np.asarray(loss_parts(x[None]), dtype=np.float64)[0]
+
+    def work(start: int, stop: int) -> np.ndarray:
+        copies = np.broadcast_to(x, (stop - start,) + x.shape).copy()
+        copies.reshape(stop - start, -1)[...] += np.where(moved[start:stop][:, flat_part], moves, 0).astype(x.dtype)
+        values = np.asarray(loss_parts(copies), dtype=np.float64)
+        return np.where(moved[start:stop], 0.0, np.abs(values - base))                 # unmoved blocks only
+
+    change = np.concatenate([c for _, _, c in _in_chunks(work, len(moved), Chunking(2 * chunking.pairs))])
     worst_block = int(np.argmax(change.max(axis=0)))
-    return float(change.max()), float(np.max(np.abs(values[0]))), int(np.flatnonzero(flat_part == worst_block)[0])
+    return float(change.max()), float(np.max(np.abs(base))), int(np.flatnonzero(flat_part == worst_block)[0])
 
 
-def directions(loss: Loss, x: np.ndarray, units: np.ndarray, epsilon: float, chunking: Chunking,
-               progress: Progress | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Directional derivatives along unit directions ``units`` [m, *x.shape].
+def directions(loss: Loss, x: np.ndarray, grad: np.ndarray, count: int, seed: int, epsilon: float,
+               chunking: Chunking, progress: Progress | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Directional derivatives along ``count`` random unit directions (direction i drawn from
+    ``unit_direction(seed, i, x.shape)``, so the numbers do not depend on chunking).
 
-    Returns (numeric [m], taken [m, *x.shape]) where ``taken`` is the direction actually stepped
-    ((x + h u) - (x - h u)) / 2h, so the analytic side is <grad, taken>.
+    Returns (numeric [count], analytic [count]): the difference quotient and <grad, taken>, where
+    ``taken`` = ((x + h u) - (x - h u)) / 2h is the direction actually stepped in floating point.
+    Memory stays within one chunk: directions are drawn where they are used.
     """
     h = float(epsilon * max(1.0, float(np.max(np.abs(x), initial=0.0))))
-    numeric = np.empty(len(units), dtype=np.float64)
-    taken = np.empty(units.shape, dtype=np.float64)
+    numeric = np.empty(count, dtype=np.float64)
+    analytic = np.empty(count, dtype=np.float64)
     step = x.dtype.type(h)
+    g = np.asarray(grad, dtype=np.float64)
 
     def work(start: int, stop: int):
-        u = units[start:stop].astype(x.dtype)
+        u = np.stack([unit_direction(seed, i, x.shape) for i in range(start, stop)]).astype(x.dtype)
         plus, minus = x + step * u, x - step * u
         values = np.asarray(loss(np.concatenate([plus, minus])), dtype=np.float64)
         c = stop - start
-        return ((values[:c] - values[c:]) / (2 * h),
-                (plus.astype(np.float64) - minus.astype(np.float64)) / (2 * h))
+        taken = (plus.astype(np.float64) - minus.astype(np.float64)) / (2 * h)
+        return (values[:c] - values[c:]) / (2 * h), np.tensordot(taken, g, axes=x.ndim)
 
-    for start, stop, (num, tk) in _in_chunks(work, len(units), chunking):
-        numeric[start:stop], taken[start:stop] = num, tk
+    for start, stop, (num, ana) in _in_chunks(work, count, chunking):
+        numeric[start:stop], analytic[start:stop] = num, ana
         if progress:
             progress(stop - start)
-    return numeric, taken
+    return numeric, analytic
 
 
-def unit_directions(rng: np.random.Generator, count: int, shape: tuple[int, ...]) -> np.ndarray:
-    """``count`` random unit vectors (Frobenius norm 1) of the given shape, float64."""
-    u = rng.standard_normal((count,) + tuple(shape))
-    norms = np.sqrt(np.sum(u * u, axis=tuple(range(1, u.ndim)), keepdims=True))
-    return u / norms
+def unit_direction(seed: int, index: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Random unit vector number ``index`` (Frobenius norm 1) of the given shape, float64."""
+    u = np.random.default_rng([seed, index]).standard_normal(tuple(shape))
+    return u / np.sqrt(np.sum(u * u))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import math
 import os
 import tempfile
 import xml.etree.ElementTree as ET
@@ -134,7 +135,18 @@ def json_report(config: str, faults: Sequence[str], results: Sequence[ScenarioRe
         ok = not any(c.status == "missed" for c in controls)
         out["negative_controls"] = {"passed": ok, "cells": [c.to_json() for c in controls]}
         out["passed"] = passed and ok
-    return out
+    return _json_safe(out)
+
+
+def _json_safe(value):
+    """JSON has no NaN or Infinity: non-finite numbers are written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def junit_xml(results: Sequence[ScenarioResult], controls: Sequence[ControlCell] | None = None) -> bytes:
@@ -174,17 +186,21 @@ def _probe(folder: Path) -> None:
     os.unlink(tmp)
 
 
-def prepare_outputs(files: dict[str, str | None], folders: dict[str, str | None]) -> None:
-    """Before anything runs: output paths are distinct, their folders exist (created if missing) and
-    can be written. ``files`` / ``folders`` map an option name to its path (or None)."""
-    given = {opt: Path(p) for opt, p in {**files, **folders}.items() if p}
-    seen: dict[Path, str] = {}
-    for opt, p in given.items():
+def prepare_outputs(files: dict[str, str | None], folders: dict[str, str | None],
+                    folder_files: dict[str, Sequence[str]] = {}, inputs: Sequence[str] = ()) -> None:
+    """Before anything runs: every file a run will write (``files``, and ``folder_files[opt]`` inside
+    ``folders[opt]``) is distinct and is none of ``inputs``; folders exist (created if missing) and
+    can be written."""
+    targets: dict[Path, str] = {Path(p).resolve(): f"the input {p}" for p in inputs}
+    wanted = [(opt, Path(p)) for opt, p in files.items() if p]
+    wanted += [(f"{opt} ({name})", Path(folders[opt]) / name)
+               for opt, names in folder_files.items() if folders.get(opt) for name in names]
+    for what, p in wanted:
         key = p.resolve()
-        if key in seen:
-            raise GradcheckError(f"{opt} and {seen[key]} name the same path {p}")
-        seen[key] = opt
-    for opt, p in given.items():
+        if key in targets:
+            raise GradcheckError(f"{what} would overwrite {targets[key]} ({p}); give another path")
+        targets[key] = what
+    for opt, p in [(o, Path(p)) for o, p in {**files, **folders}.items() if p]:
         is_folder = opt in folders
         try:
             if is_folder:
@@ -237,7 +253,7 @@ def write_reports(json_path=None, json_data: dict | None = None, junit_path=None
     """All requested reports, atomically; raises OSError when one cannot be written (then none is)."""
     with StagedWrites() as stage:
         if json_path:
-            data = (json.dumps(json_data, indent=2) + "\n").encode()
+            data = (json.dumps(json_data, indent=2, allow_nan=False) + "\n").encode()
             stage.add(json_path, lambda fh: fh.write(data))
         if junit_path:
             stage.add(junit_path, lambda fh: fh.write(junit_data))

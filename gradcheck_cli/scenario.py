@@ -36,6 +36,10 @@ MASK_KEYS = ("causal", "window", "key_lengths", "visible")
 CHECK_KEYS = ("mode", "samples", "directions", "colouring")
 NESTED = {"mask": MASK_KEYS, "check": CHECK_KEYS}
 TOP_KEYS = ("defaults", "scenarios")
+#: Larger scales only saturate the softmax (and overflow the logits near 1e300).
+MAX_SCALE = 1e6
+#: A document may hold at most this many values once YAML aliases are expanded.
+MAX_VALUES = 1_000_000
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -112,6 +116,7 @@ class _Doc:
     def __init__(self, text: str, file: str):
         self.file = file
         self.lines: dict[tuple, int] = {}
+        self.values = 0
         self._constructor = yaml.SafeLoader("")
         try:
             node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -122,6 +127,10 @@ class _Doc:
             raise ScenarioError("the YAML is nested too deeply to be a scenario file", file=file) from None
 
     def _convert(self, node, path: tuple) -> Any:
+        self.values += 1
+        if self.values > MAX_VALUES:
+            raise ScenarioError(f"the document expands to more than {MAX_VALUES:,} values (YAML aliases?)",
+                                file=self.file, line=node.start_mark.line + 1)
         self.lines.setdefault(path, node.start_mark.line + 1)
         if isinstance(node, yaml.MappingNode):
             out: dict = {}
@@ -264,15 +273,31 @@ def _suggest(key: str, allowed: tuple[str, ...]) -> str:
 # --------------------------------------------------------------------------------------------------
 
 def available_memory() -> int:
-    """Bytes of memory this process may use: MemAvailable where /proc/meminfo has it."""
+    """Bytes this process may still use: the least of MemAvailable, the cgroup's memory.max minus
+    what the cgroup uses, and the address-space rlimit (where each is known)."""
+    limits = []
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    limits.append(int(line.split()[1]) * 1024)
     except OSError:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    try:
+        cap = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if cap != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            limits.append(int(cap) - used)
+    except (OSError, ValueError):
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            limits.append(soft)
+    except (ImportError, OSError, ValueError):
+        pass
+    return max(0, min(limits))
 
 
 def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) -> Scenario:
@@ -310,8 +335,9 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
         kv_map = default_kv_map(heads_q, heads_kv)
 
     scale = f.float("scale", 1.0 / math.sqrt(d_head), positive=False)
-    if scale == 0:
-        raise f.error("scale", "must not be 0", hint="omit it for 1/sqrt(d_head)")
+    if scale == 0 or abs(scale) > MAX_SCALE:
+        raise f.error("scale", f"must be non-zero and within +-{MAX_SCALE:g}, got {scale:g}",
+                      hint="omit it for 1/sqrt(d_head)")
 
     dtype = f.choice("dtype", DTYPES, "float64")
     dflt = defaults_for(dtype)

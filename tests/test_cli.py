@@ -72,11 +72,13 @@ def test_report_folders_are_created(root, tmp_path):
 
 @pytest.mark.parametrize("args,words", [
     (["--json", "/proc/no/r.json"], "cannot write there"),
-    (["--json", "{t}/same", "--junit", "{t}/same"], "name the same path"),
+    (["--json", "{t}/same", "--junit", "{t}/same"], "would overwrite"),
+    (["--json", "{t}/a/causal-self.npz", "--save-arrays", "{t}/a"], "would overwrite"),
+    (["--json", "{root}/configs/quickstart.yaml"], "would overwrite the input"),
     (["--json", "{t}"], "is a folder"),
 ])
 def test_unwritable_or_clashing_reports_fail_before_running(root, tmp_path, args, words):
-    args = [a.format(t=tmp_path) for a in args]
+    args = [a.format(t=tmp_path, root=root) for a in args]
     result = run("run", root / "configs/quickstart.yaml", *args)
     assert result.exit_code == 2 and words in result.stderr and result.stdout == ""
 
@@ -180,3 +182,13 @@ def test_validate_runs_nothing(root):
 def test_version():
     result = run("--version")
     assert result.exit_code == 0 and "attn-gradcheck" in result.stdout
+
+
+def test_out_of_memory_is_exit_2_without_a_traceback(root, monkeypatch):
+    from gradcheck_cli import checker
+
+    def exhausted(*args, **kwargs):
+        raise MemoryError
+    monkeypatch.setattr(checker, "run_scenario", exhausted)
+    result = run("run", root / "configs/quickstart.yaml")
+    assert result.exit_code == 2 and "ran out of memory" in result.stderr and "Traceback" not in result.stderr

@@ -31,11 +31,15 @@ def test_elements_at_selected_indices_and_any_chunk():
 def test_directions_recover_the_directional_derivative():
     rng = np.random.default_rng(2)
     x, c = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
-    units = numeric.unit_directions(rng, 5, x.shape)
-    assert np.allclose(np.sqrt((units**2).sum(axis=(1, 2))), 1.0)
-    num, taken = numeric.directions(cubic_loss(c), x, units, 1e-6, numeric.Chunking(2, 2))
-    expected = np.tensordot(taken, 3 * c * x**2, axes=2)
-    np.testing.assert_allclose(num, expected, rtol=1e-7, atol=1e-9)
+    u = numeric.unit_direction(7, 0, x.shape)
+    assert np.sqrt((u**2).sum()) == pytest.approx(1.0)
+    grad = 3 * c * x**2
+    num, ana = numeric.directions(cubic_loss(c), x, grad, 5, 7, 1e-6, numeric.Chunking(2, 2))
+    np.testing.assert_allclose(num, ana, rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(ana[0], np.sum(u * grad), rtol=1e-6)
+    # the same directions whatever the chunking
+    num1, _ = numeric.directions(cubic_loss(c), x, grad, 5, 7, 1e-6, numeric.Chunking(1))
+    np.testing.assert_allclose(num, num1, rtol=1e-12)
 
 
 def test_step_scales_with_x_and_is_taken_exactly():

@@ -44,7 +44,8 @@ BAD = [
     ("    op: convolution\n", 5, "scenarios[0].op", "expected one of"),
     ("    n_k: 4000000\n    batch: 4000000\n", 2, "scenarios[0]", "GiB"),
     ("  - name: s\n    n_q: 2\n    d_head: 2\n", 5, "scenarios[1].name", "duplicate scenario name"),
-    ("    scale: 0\n", 5, "scenarios[0].scale", "must not be 0"),
+    ("    scale: 0\n", 5, "scenarios[0].scale", "must be non-zero"),
+    ("    scale: 1.7e308\n", 5, "scenarios[0].scale", "within +-1e+06"),
 ]
 
 
@@ -101,6 +102,10 @@ def test_yaml_anchors_and_merge_keys(tmp_path):
     ("scenarios: [{name: a, n_q: 4, d_head: 2, loss_rows: [0, 0]}]\n", 1, "listed twice"),
     ("scenarios:\n  - name: a\x00\n", 2, "unacceptable character"),
     ("[" * 5000, None, "nested too deeply"),
+    ("x-a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\nx-b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+     "x-c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nx-d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+     "x-e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\nx-f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]\n"
+     "x-g: [*f, *f, *f, *f, *f, *f, *f, *f, *f, *f]\nscenarios: []\n", 1, "more than 1,000,000 values"),
 ])
 def test_more_bad_input(text, line, words):
     with pytest.raises(ScenarioError) as err:
