@@ -1,6 +1,8 @@
 """Full-mode checks (every element) timed against a one-element-at-a-time NumPy loop and
 torch.autograd.gradcheck (when torch is installed) on the same function, in the same run. Prints the
-best of R wall times and the ratios (this machine is noisy).
+best of R wall times and the ratios (this machine is noisy). gradcheck runs twice: on the attention
+function itself (its whole Jacobian, what people usually call) and on the scalar L = sum(O * G) that
+attn-gradcheck differentiates (the like-for-like comparison).
 
 Scenarios: the issue's B=1, H=1, n_q=n_k=64, d=32, causal, float64; and a GQA scenario with padding
 (B=2, Hq=8, Hkv=2, n=32, d=16, causal, key_lengths [32, 23]).
@@ -61,8 +63,14 @@ def torch_gradcheck(sc, problem, repeat):
         s = (q @ k[:, idx].transpose(-1, -2)) * sc.scale
         return torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1) @ v[:, idx]
 
-    assert torch.autograd.gradcheck(f, (q, k, v))
-    return best_of(repeat, lambda: torch.autograd.gradcheck(f, (q, k, v))), torch.__version__
+    grad_out = torch.tensor(problem.arrays["grad_output"])
+
+    def scalar(q, k, v):  # the same scalar L = sum(O * G) that attn-gradcheck differentiates
+        return (f(q, k, v) * grad_out).sum()
+
+    assert torch.autograd.gradcheck(f, (q, k, v)) and torch.autograd.gradcheck(scalar, (q, k, v))
+    return (best_of(repeat, lambda: torch.autograd.gradcheck(f, (q, k, v))),
+            best_of(repeat, lambda: torch.autograd.gradcheck(scalar, (q, k, v))), torch.__version__)
 
 
 def main() -> None:
@@ -85,7 +93,7 @@ def main() -> None:
         fig["numpy_loop_s"] = best_of(args.repeat, lambda: numpy_loop(problem, sc.epsilon))
         torch_fig = torch_gradcheck(sc, problem, args.repeat)
         if torch_fig:
-            fig["torch_gradcheck_s"], fig["torch_version"] = torch_fig
+            fig["torch_gradcheck_s"], fig["torch_gradcheck_scalar_s"], fig["torch_version"] = torch_fig
         figures.append(fig)
 
         plain, col = fig["plain_s"], fig["coloured_s"]
@@ -98,6 +106,8 @@ def main() -> None:
         if torch_fig:
             t = fig["torch_gradcheck_s"]
             print(f"  torch.autograd.gradcheck          {t:7.3f} s   {t / col:5.1f}x default, {t / plain:5.1f}x colouring: false")
+            t = fig["torch_gradcheck_scalar_s"]
+            print(f"  torch gradcheck of L = sum(O*G)   {t:7.3f} s   {t / col:5.1f}x default, {t / plain:5.1f}x colouring: false")
         else:
             print("  torch.autograd.gradcheck          (torch not installed)")
     if args.json:
