@@ -16,7 +16,6 @@ import dataclasses
 import json
 import time
 
-import numpy as np
 import yaml
 
 from gradcheck_cli import checker, scenario
@@ -89,8 +88,8 @@ def main() -> None:
         plain_sc = dataclasses.replace(sc, colouring=False)
         for key, scen in (("plain_s", plain_sc), ("coloured_s", sc)):
             assert checker.run_scenario(scen).passed
-            fig[key] = best_of(args.repeat, lambda: checker.run_scenario(scen))
-        fig["numpy_loop_s"] = best_of(args.repeat, lambda: numpy_loop(problem, sc.epsilon))
+            fig[key] = best_of(args.repeat, lambda scen=scen: checker.run_scenario(scen))
+        fig["numpy_loop_s"] = best_of(args.repeat, lambda problem=problem, sc=sc: numpy_loop(problem, sc.epsilon))
         torch_fig = torch_gradcheck(sc, problem, args.repeat)
         if torch_fig:
             fig["torch_gradcheck_s"], fig["torch_gradcheck_scalar_s"], fig["torch_version"] = torch_fig

@@ -56,7 +56,7 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
         grad = problem.gradients[name]
         key = (sc, name, _forward_faults(active))
         if sc.mode == "directional":  # the analytic side depends on the gradient: never cached
-            num, ana = numeric.directions(lambda c: problem.loss(name, c), x, grad, sc.directions,
+            num, ana = numeric.directions(lambda c, name=name: problem.loss(name, c), x, grad, sc.directions,
                                           int(rng.integers(2**32)), sc.epsilon, chunking, progress)
             sites, step = None, sc.epsilon * max(1.0, float(np.max(np.abs(x))))
         elif numeric_cache is not None and key in numeric_cache:
@@ -105,7 +105,7 @@ def _independence(sc: Scenario, problem, rng: np.random.Generator, chunking: num
     elements of one block changes no other block's part of L beyond rounding."""
     checks = []
     for name, x in problem.inputs.items():
-        leak, scale, worst = numeric.leakage(lambda c: problem.loss_parts(name, c), x, problem.parts[name], rng,
+        leak, scale, worst = numeric.leakage(lambda c, name=name: problem.loss_parts(name, c), x, problem.parts[name], rng,
                                              chunking)
         bound = INVARIANT_ULPS * machine_epsilon(sc.dtype) * max(scale, 1.0)
         index = tuple(int(i) for i in np.unravel_index(worst, x.shape))

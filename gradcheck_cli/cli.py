@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from pathlib import Path
 
 import click
 from rich.console import Console

@@ -134,7 +134,7 @@ def coloured(loss_parts: Callable[[np.ndarray], np.ndarray], x: np.ndarray, part
         return members, (values[rows, blocks] - values[c + rows, blocks]) / (
             plus.astype(np.float64) - minus.astype(np.float64))
 
-    for start, stop, (members, value) in _in_chunks(work, len(classes), chunking):
+    for _, _, (members, value) in _in_chunks(work, len(classes), chunking):
         out[members] = value
         if progress:
             progress(len(members))

@@ -187,14 +187,14 @@ def _probe(folder: Path) -> None:
 
 
 def prepare_outputs(files: dict[str, str | None], folders: dict[str, str | None],
-                    folder_files: dict[str, Sequence[str]] = {}, inputs: Sequence[str] = ()) -> None:
+                    folder_files: dict[str, Sequence[str]] | None = None, inputs: Sequence[str] = ()) -> None:
     """Before anything runs: every file a run will write (``files``, and ``folder_files[opt]`` inside
     ``folders[opt]``) is distinct and is none of ``inputs``; folders exist (created if missing) and
     can be written."""
     targets: dict[Path, str] = {Path(p).resolve(): f"the input {p}" for p in inputs}
     wanted = [(opt, Path(p)) for opt, p in files.items() if p]
     wanted += [(f"{opt} ({name})", Path(folders[opt]) / name)
-               for opt, names in folder_files.items() if folders.get(opt) for name in names]
+               for opt, names in (folder_files or {}).items() if folders.get(opt) for name in names]
     for what, p in wanted:
         key = p.resolve()
         if key in targets:

@@ -1,6 +1,5 @@
 """Visible sets against the element-by-element rules, and the empty-row rejection."""
 import numpy as np
-import pytest
 from hypothesis import given, strategies as st
 
 from gradcheck_cli import masks
