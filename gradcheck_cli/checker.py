@@ -8,6 +8,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from . import numeric
+from .implementation import ImplementationFailure
 from .ops import FAULTS, OPS
 from .result import Check, ControlCell, ScenarioResult
 from .scenario import Scenario
@@ -45,55 +46,81 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     """
     start = time.perf_counter()
     op = OPS[sc.op]
-    active = tuple(f for f in faults if f in op.faults)
-    problem = op.build(sc, active)
+    active = tuple(f for f in faults if f in op.faults and sc.implementation is None)
+    try:
+        problem = op.build(sc, active)
+    except ImplementationFailure as exc:
+        return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
+                              mode=sc.mode, faults=active, checks=(_failure("implementation runs", exc),),
+                              elapsed_s=time.perf_counter() - start)
     rng = np.random.default_rng([sc.seed, 2])
     chunking = numeric.plan(problem.copy_bytes, memory_budget)
-    eps_m = machine_epsilon(sc.dtype)
     checks: list[Check] = []
     arrays = dict(problem.arrays)
     for name, x in problem.inputs.items():
-        grad = problem.gradients[name]
-        key = (sc, name, _forward_faults(active))
-        if sc.mode == "directional":  # the analytic side depends on the gradient: never cached
-            num, ana = numeric.directions(lambda c, name=name: problem.loss(name, c), x, grad, sc.directions,
-                                          int(rng.integers(2**32)), sc.epsilon, chunking, progress)
-            sites, step = None, sc.epsilon * max(1.0, float(np.max(np.abs(x))))
-        elif numeric_cache is not None and key in numeric_cache:
-            num, sites, step = numeric_cache[key]
-            if progress:
-                progress(len(sites))
-        else:
-            num, sites, step = _differences(sc, problem, name, x, rng, chunking, progress)
-            if numeric_cache is not None:
-                numeric_cache[key] = (num, sites, step)
-        if sc.mode != "directional":
-            ana = grad.ravel()[sites].astype(np.float64)
-        # Noise floor per element: the rounding of the terms that move, and of the float64 sum of L.
-        if sc.mode == "directional":
-            floor = np.full(len(num), (eps_m + EPS64) * problem.rounding_total / step)
-        else:
-            floor = (eps_m * problem.rounding[name].ravel()[sites] + EPS64 * problem.rounding_total) / step
-        max_abs, rel, worst = relative_error(ana, num)
-        ok, noise = passes(ana, num, sc.tolerance, floor)
-        if sc.mode == "directional":
-            index = (worst,)
-            where = f"direction {worst}"
-        else:
-            index = tuple(int(i) for i in np.unravel_index(int(sites[worst]), x.shape))
-            where = f"{name}[{', '.join(map(str, index))}]"
-        detail = (f"worst at {where}: analytic {ana[worst]:.9g}, numeric {num[worst]:.9g}; "
-                  f"{len(num)} {'directions' if sc.mode == 'directional' else 'elements'} checked")
-        checks.append(Check("gradient", f"gradient {name}", name, tuple(x.shape), max_abs, rel, sc.tolerance,
-                            noise, index, ok, detail))
+        try:
+            check, numeric_values = _gradient_check(sc, problem, name, x, active, rng, chunking, progress,
+                                                    numeric_cache)
+        except ImplementationFailure as exc:
+            checks.append(_failure(f"gradient {name}", exc, name, "while differencing its forward: "))
+            continue
+        checks.append(check)
         if sc.mode == "full":
-            arrays[f"numeric_{name}"] = num.reshape(x.shape)
-    if _coloured(sc, problem):
-        checks.extend(_independence(sc, problem, np.random.default_rng([sc.seed, 3]), chunking))
-    checks.extend(problem.invariants())
+            arrays[f"numeric_{name}"] = numeric_values.reshape(x.shape)
+    try:
+        if _coloured(sc, problem):
+            checks.extend(_independence(sc, problem, np.random.default_rng([sc.seed, 3]), chunking))
+        checks.extend(problem.invariants())
+    except ImplementationFailure as exc:
+        checks.append(_failure("invariants", exc))
     return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
                           mode=sc.mode, faults=active, checks=tuple(checks),
                           elapsed_s=time.perf_counter() - start, arrays=arrays)
+
+
+def _failure(name: str, exc: ImplementationFailure, tensor: str | None = None, prefix: str = "") -> Check:
+    """A check that failed because the implementation under test misbehaved."""
+    return Check("implementation", name, exc.tensor or tensor, None, float("inf"), float("inf"), 0.0, 0.0,
+                 exc.index, False, prefix + exc.message)
+
+
+def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng, chunking, progress,
+                    numeric_cache) -> tuple[Check, np.ndarray]:
+    """The analytic gradient of input ``name`` against central differences: (check, numeric values)."""
+    eps_m = machine_epsilon(sc.dtype)
+    grad = problem.gradients[name]
+    key = (sc, name, _forward_faults(active))
+    if sc.mode == "directional":  # the analytic side depends on the gradient: never cached
+        num, ana = numeric.directions(lambda c, name=name: problem.loss(name, c), x, grad, sc.directions,
+                                      int(rng.integers(2**32)), sc.epsilon, chunking, progress)
+        sites, step = None, sc.epsilon * max(1.0, float(np.max(np.abs(x))))
+    elif numeric_cache is not None and key in numeric_cache:
+        num, sites, step = numeric_cache[key]
+        if progress:
+            progress(len(sites))
+    else:
+        num, sites, step = _differences(sc, problem, name, x, rng, chunking, progress)
+        if numeric_cache is not None:
+            numeric_cache[key] = (num, sites, step)
+    if sc.mode != "directional":
+        ana = grad.ravel()[sites].astype(np.float64)
+    # Noise floor per element: the rounding of the terms that move, and of the float64 sum of L.
+    if sc.mode == "directional":
+        floor = np.full(len(num), (eps_m + EPS64) * problem.rounding_total / step)
+    else:
+        floor = (eps_m * problem.rounding[name].ravel()[sites] + EPS64 * problem.rounding_total) / step
+    max_abs, rel, worst = relative_error(ana, num)
+    ok, noise = passes(ana, num, sc.tolerance, floor)
+    if sc.mode == "directional":
+        index = (worst,)
+        where = f"direction {worst}"
+    else:
+        index = tuple(int(i) for i in np.unravel_index(int(sites[worst]), x.shape))
+        where = f"{name}[{', '.join(map(str, index))}]"
+    detail = (f"worst at {where}: analytic {ana[worst]:.9g}, numeric {num[worst]:.9g}; "
+              f"{len(num)} {'directions' if sc.mode == 'directional' else 'elements'} checked")
+    return Check("gradient", f"gradient {name}", name, tuple(x.shape), max_abs, rel, sc.tolerance,
+                 noise, index, ok, detail), num
 
 
 def _coloured(sc: Scenario, problem) -> bool:

@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 import yaml
 
-from . import masks
+from . import implementation, masks
 from .errors import ScenarioError
 from .ops import OPS
 from .tolerance import DTYPES, defaults_for
 
 MODES = ("full", "sample", "directional")
-SCENARIO_KEYS = ("name", "op", "batch", "heads_q", "heads_kv", "kv_map", "n_q", "n_k", "d_head",
+SCENARIO_KEYS = ("name", "op", "implementation", "batch", "heads_q", "heads_kv", "kv_map", "n_q", "n_k", "d_head",
                  "d_value", "scale", "mask", "loss_rows", "check", "dtype", "epsilon", "tolerance", "seed")
 MASK_KEYS = ("causal", "window", "key_lengths", "visible")
 CHECK_KEYS = ("mode", "samples", "directions", "colouring")
@@ -71,7 +71,9 @@ class Scenario:
     seed: int
     file: str = ""
     line: int = 0
+    implementation: str | None = None
     visible: np.ndarray = field(default=None, repr=False, compare=False)
+    implementation_object: object = field(default=None, repr=False, compare=False)
 
     def describe(self) -> str:
         contiguous = self.heads_q % self.heads_kv == 0 and self.kv_map == default_kv_map(self.heads_q, self.heads_kv)
@@ -390,6 +392,17 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                         f"more than the {memory_limit / 2**30:.1f} GiB available",
                         hint="reduce batch, heads, n_q, n_k or the head dimensions")
 
+    spec, impl = None, None
+    if f.has("implementation"):
+        spec = f.raw("implementation")
+        if not isinstance(spec, str):
+            raise f.error("implementation", f"expected 'module:attribute', got {spec!r}")
+        try:
+            impl = implementation.load(spec, base_dir)
+        except ValueError as exc:
+            raise f.error("implementation", str(exc),
+                          hint="the module must be importable from the YAML's folder or PYTHONPATH") from None
+
     explicit, source = None, None
     if f.has("mask.visible"):
         explicit, source = _load_visible(f, base_dir, (batch, heads_q, n_q, n_k))
@@ -410,7 +423,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                     window=window, key_lengths=key_lengths, visible_source=source, loss_rows=loss_rows,
                     mode=mode, samples=samples, directions=directions, colouring=colouring, dtype=dtype, epsilon=epsilon,
                     tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
-                    visible=visible)
+                    implementation=spec, visible=visible, implementation_object=impl)
 
 
 def _load_visible(f: _Fields, base_dir: Path, shape: tuple[int, ...]) -> tuple[np.ndarray, str]:

@@ -17,7 +17,7 @@ from typing import Collection
 
 import numpy as np
 
-from .. import invariants
+from .. import implementation, invariants
 from .registry import Fault, Op, Problem
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
@@ -128,8 +128,8 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
                      v=sum_groups(g_v, kv_map, heads_kv, overwrite=overwrite), s=g_s, a=a, ga=g_a)
 
 
-def build(sc, faults: Collection[str] = ()) -> Problem:
-    """Seeded inputs for scenario ``sc``, the loss L = sum(O * G), analytic gradients and invariants."""
+def _inputs(sc):
+    """Seeded q, k, v and upstream gradient g (zero outside ``loss_rows``) in the scenario's dtype."""
     rng = np.random.default_rng(sc.seed)
     dt = np.dtype(sc.dtype)
     q = rng.standard_normal((sc.batch, sc.heads_q, sc.n_q, sc.d_head)).astype(dt)
@@ -140,11 +140,59 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
         keep = np.zeros(sc.n_q, dtype=bool)
         keep[list(sc.loss_rows)] = True
         g[..., ~keep, :] = 0
+    return {"q": q, "k": k, "v": v}, g
+
+
+class _Blocks:
+    """Independent blocks of the output: a query row (b, r, i) feeds only row i of O[b, r]; K of KV
+    head (b, g) feeds only the query heads of group g in batch b; column c of V[b, g] feeds only
+    column c of O in those heads (O = A V column by column)."""
+
+    def __init__(self, sc, kv_map):
+        self.group = np.eye(sc.heads_kv)[kv_map]  # [Hq, Hkv] one-hot of g(r)
+        b, hq, hkv = sc.batch, sc.heads_q, sc.heads_kv
+        self.parts = {
+            "q": np.broadcast_to(np.arange(b * hq * sc.n_q).reshape(b, hq, sc.n_q, 1), (b, hq, sc.n_q, sc.d_head)),
+            "k": np.broadcast_to(np.arange(b * hkv).reshape(b, hkv, 1, 1), (b, hkv, sc.n_k, sc.d_head)),
+            "v": np.broadcast_to(np.arange(b * hkv * sc.d_value).reshape(b, hkv, 1, sc.d_value),
+                                 (b, hkv, sc.n_k, sc.d_value)),
+        }
+
+    def sums(self, name: str, terms: np.ndarray) -> np.ndarray:
+        """Sum terms [..., B, Hq, n_q, d_v] of L by the blocks of input ``name`` -> [..., P], in float64."""
+        if name == "q":
+            return terms.sum(axis=-1, dtype=np.float64).reshape(terms.shape[:-4] + (-1,))
+        if name == "k":
+            per_group = terms.sum(axis=(-2, -1), dtype=np.float64) @ self.group             # [..., B, Hkv]
+        else:
+            per_group = np.swapaxes(terms.sum(axis=-2, dtype=np.float64), -1, -2) @ self.group  # [..., B, d_v, Hkv]
+            per_group = np.swapaxes(per_group, -1, -2)                                       # [..., B, Hkv, d_v]
+        return per_group.reshape(terms.shape[:-4] + (-1,))
+
+    def rounding(self, inputs, g, a, scale, kv_map) -> tuple[dict[str, np.ndarray], float]:
+        """Rounding model of one forward, per term of L: a logit carries an error of about
+        eps * scale * sum_c |q_ic k_jc|, which the softmax passes on relative to A_ij; O_ic then sums
+        A_ij V_jc. So |error of O_ic| <~ eps * sum_j A_ij (1 + scale |q_i|.|k_j|) |V_jc|, times |G_ic|.
+        Returns the per-element size of the terms that move with it (by block), and the total."""
+        qa, ka, va = (np.abs(t).astype(np.float64) for t in
+                      (inputs["q"], repeat_kv(inputs["k"], kv_map), repeat_kv(inputs["v"], kv_map)))
+        logit_error = 1.0 + abs(scale) * (qa @ np.swapaxes(ka, -1, -2))
+        terms = np.abs(g).astype(np.float64) * ((a.astype(np.float64) * logit_error) @ va)
+        return {name: self.sums(name, terms)[self.parts[name]] for name in inputs}, float(terms.sum())
+
+
+def build(sc, faults: Collection[str] = ()) -> Problem:
+    """Inputs for scenario ``sc``, the loss L = sum(O * G), analytic gradients and invariants: of the
+    built-in engine with ``faults`` injected, or of the user's implementation when the scenario names one."""
+    if sc.implementation is not None:
+        return _build_user(sc)
+    inputs, g = _inputs(sc)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    dt = np.dtype(sc.dtype)
     kv_map = np.asarray(sc.kv_map, dtype=np.intp)
     visible, scale = sc.visible, sc.scale
-    inputs = {"q": q, "k": k, "v": v}
-
     hidden = ~visible
+    blocks = _Blocks(sc, kv_map)
 
     def fwd(q, k, v):
         return (forward(q, k, v, visible, scale, kv_map, faults, hidden),
@@ -153,58 +201,91 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
     def bwd(q, k, v, grad_o):
         return backward(q, k, v, visible, scale, kv_map, grad_o, faults)
 
-    def loss(name: str, x: np.ndarray) -> np.ndarray:
-        o = forward(**{**inputs, name: x}, visible=visible, scale=scale, kv_map=kv_map, faults=faults, hidden=hidden)
-        return np.sum(o * g, axis=(-4, -3, -2, -1), dtype=np.float64)  # accumulated in float64
-
-    # Independent blocks of the output: a query row (b, r, i) feeds only row i of O[b, r]; K of KV
-    # head (b, g) feeds only the query heads of group g in batch b; column c of V[b, g] feeds only
-    # column c of O in those heads (O = A V column by column).
-    group = np.eye(sc.heads_kv)[kv_map]  # [Hq, Hkv] one-hot of g(r)
-    parts = {"q": np.broadcast_to(np.arange(q[..., 0].size).reshape(q.shape[:-1] + (1,)), q.shape),
-             "k": np.broadcast_to(np.arange(sc.batch * sc.heads_kv).reshape(sc.batch, sc.heads_kv, 1, 1), k.shape),
-             "v": np.broadcast_to(np.arange(sc.batch * sc.heads_kv * sc.d_value).reshape(
-                 sc.batch, sc.heads_kv, 1, sc.d_value), v.shape)}
-
-    def loss_parts(name: str, x: np.ndarray) -> np.ndarray:
-        o = forward(**{**inputs, name: x}, visible=visible, scale=scale, kv_map=kv_map, faults=faults, hidden=hidden)
-        return by_block(name, o * g)
-
-    def by_block(name: str, terms: np.ndarray) -> np.ndarray:
-        """Sum terms [..., B, Hq, n_q, d_v] of L by the blocks of input ``name`` -> [..., P], in float64."""
-        if name == "q":
-            return terms.sum(axis=-1, dtype=np.float64).reshape(terms.shape[:-4] + (-1,))
-        if name == "k":
-            per_group = terms.sum(axis=(-2, -1), dtype=np.float64) @ group              # [..., B, Hkv]
-        else:
-            per_group = np.swapaxes(terms.sum(axis=-2, dtype=np.float64), -1, -2) @ group  # [..., B, d_v, Hkv]
-            per_group = np.swapaxes(per_group, -1, -2)                                  # [..., B, Hkv, d_v]
-        return per_group.reshape(terms.shape[:-4] + (-1,))
+    def copies_forward(name: str, x: np.ndarray) -> np.ndarray:
+        return forward(**{**inputs, name: x}, visible=visible, scale=scale, kv_map=kv_map, faults=faults, hidden=hidden)
 
     o, a = fwd(q, k, v)
     grads = bwd(q, k, v, g)
-    # Rounding model of one forward, per term of L: a logit carries an error of about
-    # eps * scale * sum_c |q_ic k_jc|, which the softmax passes on relative to A_ij; O_ic then sums
-    # A_ij V_jc. So |error of O_ic| <~ eps * sum_j A_ij (1 + scale |q_i|.|k_j|) |V_jc|, times |G_ic|.
-    qa, ka, va = (np.abs(t).astype(np.float64) for t in (q, repeat_kv(k, kv_map), repeat_kv(v, kv_map)))
-    logit_error = 1.0 + abs(scale) * (qa @ np.swapaxes(ka, -1, -2))
-    terms = np.abs(g).astype(np.float64) * ((a.astype(np.float64) * logit_error) @ va)
-    rounding = {name: by_block(name, terms)[parts[name]] for name in inputs}
+    rounding, rounding_total = blocks.rounding(inputs, g, a, scale, kv_map)
     rng_inv = np.random.default_rng([sc.seed, 1])
     return Problem(
         inputs=inputs,
-        loss=loss,
+        loss=lambda name, x: np.sum(copies_forward(name, x) * g, axis=(-4, -3, -2, -1), dtype=np.float64),
         gradients={"q": grads.q, "k": grads.k, "v": grads.v},
         rounding=rounding,
-        rounding_total=float(terms.sum()),
+        rounding_total=rounding_total,
         copy_bytes=3 * a.size * dt.itemsize + o.size * dt.itemsize,
         invariants=lambda: invariants.attention(fwd, bwd, inputs, visible, kv_map, grads, rng_inv),
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
                 "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
                 "analytic_q": grads.q, "analytic_k": grads.k, "analytic_v": grads.v},
         output=o,
-        parts=parts,
-        loss_parts=loss_parts,
+        parts=blocks.parts,
+        loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
+    )
+
+
+def _build_user(sc) -> Problem:
+    """The same problem for the user's implementation (README "Checking your own implementation"):
+    its forward and backward are called through ``implementation.call`` (so misbehaviour is a failed
+    check), perturbed copies are stacked along the batch axis, and the built-in engine in float64 is
+    the reference its output and gradients must agree with."""
+    impl = sc.implementation_object
+    inputs, g = _inputs(sc)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    dt = np.dtype(sc.dtype)
+    kv_map = np.asarray(sc.kv_map, dtype=np.intp)
+    visible, scale, batch = sc.visible, sc.scale, sc.batch
+    blocks = _Blocks(sc, kv_map)
+
+    def user_forward(q, k, v, visible):
+        shape = (q.shape[0], sc.heads_q, sc.n_q, sc.d_value)
+        return implementation.call(impl.forward, "forward", (q, k, v, visible, scale, kv_map), {"o": (shape, dt)})["o"]
+
+    def user_backward(q, k, v, grad_o):
+        out = implementation.call(impl.backward, "backward", (q, k, v, visible, scale, kv_map, grad_o),
+                                  {"dq": (q.shape, dt), "dk": (k.shape, dt), "dv": (v.shape, dt)})
+        return out["dq"], out["dk"], out["dv"]
+
+    def copies_forward(name: str, x: np.ndarray) -> np.ndarray:
+        """x [C, B, ...]: C perturbed copies of input ``name``, stacked along the batch axis."""
+        c = x.shape[0]
+        args = {t: (x if t == name else np.broadcast_to(val, (c,) + val.shape)).reshape((c * batch,) + val.shape[1:])
+                for t, val in inputs.items()}
+        vis = np.broadcast_to(visible, (c,) + visible.shape).reshape((c * batch,) + visible.shape[1:])
+        return user_forward(args["q"], args["k"], args["v"], vis).reshape((c,) + g.shape)
+
+    o = user_forward(q, k, v, visible)
+    dq, dk, dv = user_backward(q, k, v, g)
+    ref_inputs = {t: val.astype(np.float64) for t, val in inputs.items()}
+    ref_o = forward(**ref_inputs, visible=visible, scale=scale, kv_map=kv_map)
+    ref = backward(**ref_inputs, visible=visible, scale=scale, kv_map=kv_map, grad_o=g.astype(np.float64))
+    rounding, rounding_total = blocks.rounding(inputs, g, ref.a, scale, kv_map)
+    rng_inv = np.random.default_rng([sc.seed, 1])
+
+    def checks() -> list:
+        agree = [invariants.agreement("forward agrees with the reference", "o", o, ref_o, sc.tolerance)]
+        agree += [invariants.agreement("backward agrees with the reference", t, mine, theirs, sc.tolerance)
+                  for t, mine, theirs in (("q", dq, ref.q), ("k", dk, ref.k), ("v", dv, ref.v))]
+        return agree + invariants.attention_outputs(
+            lambda q, k, v: user_forward(q, k, v, visible), lambda q, k, v, go: user_backward(q, k, v, go)[1:],
+            inputs, visible, kv_map, o, rng_inv)
+
+    tiled = (k.size + v.size + q.size) * dt.itemsize + visible.size
+    return Problem(
+        inputs=inputs,
+        loss=lambda name, x: np.sum(copies_forward(name, x) * g, axis=(-4, -3, -2, -1), dtype=np.float64),
+        gradients={"q": dq, "k": dk, "v": dv},
+        rounding=rounding,
+        rounding_total=rounding_total,
+        copy_bytes=3 * ref.a.size * dt.itemsize + o.size * dt.itemsize + tiled,
+        invariants=checks,
+        arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
+                "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
+                "analytic_q": dq, "analytic_k": dk, "analytic_v": dv, "reference_output": ref_o},
+        output=o,
+        parts=blocks.parts,
+        loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
     )
 
 
