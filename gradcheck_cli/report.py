@@ -66,8 +66,9 @@ def render_scenario(console: Console, r: ScenarioResult, description: str) -> No
     rows, styles = [], []
     for c in r.checks:
         grad = c.kind == "gradient"
+        relative = c.kind in ("gradient", "reference", "implementation")
         rows.append([c.name, f"{c.tensor} {'x'.join(map(str, c.shape))}" if c.shape else (c.tensor or ""),
-                     _fmt(c.max_abs_error), _fmt(c.relative_error) if grad else "", _fmt(c.tolerance),
+                     _fmt(c.max_abs_error), _fmt(c.relative_error) if relative else "", _fmt(c.tolerance),
                      _fmt(c.noise_floor) if grad else "", "pass" if c.passed else "FAIL"])
         styles.append([None] * 6 + ["green" if c.passed else "bold red"])
     _table(console, title, ["check", "tensor", "max abs err", "rel err", "tolerance", "noise floor", "status"],

@@ -1,0 +1,157 @@
+"""Checking a user's own NumPy implementation: the shipped examples, and every way it can misbehave."""
+import textwrap
+
+import pytest
+from click.testing import CliRunner
+
+from gradcheck_cli import checker, scenario
+from gradcheck_cli.cli import main
+from gradcheck_cli.errors import ScenarioError
+
+SHAPES = """\
+defaults:
+  batch: 2
+  heads_q: 4
+  heads_kv: 2
+  n_q: 5
+  n_k: 7
+  d_head: 4
+  mask: {causal: lower-right, key_lengths: [7, 6]}
+scenarios:
+"""
+
+
+def failed(result):
+    return {(c.kind, c.name, c.tensor) for c in result.checks if not c.passed}
+
+
+def write_impl(tmp_path, body, name="impl"):
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
+
+
+def run_yaml(tmp_path, scenarios_text):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(SHAPES + textwrap.indent(textwrap.dedent(scenarios_text), "  "))
+    return [checker.run_scenario(sc) for sc in scenario.load(cfg)], cfg
+
+
+def test_the_shipped_correct_example_passes(root):
+    result = CliRunner().invoke(main, ["run", str(root / "examples/attention.yaml")])
+    assert result.exit_code == 0, result.stdout
+    assert "forward agrees with the reference" in result.stdout
+
+
+def test_the_shipped_broken_examples_fail_where_they_should(root):
+    results = {r.name: r for r in (checker.run_scenario(sc) for sc in scenario.load(root / "examples/broken.yaml"))}
+    gqa = failed(results["gqa-overwrite"])
+    assert ("gradient", "gradient v", "v") in gqa and ("reference", "backward agrees with the reference", "v") in gqa
+    assert not any(kind == "gradient" and t in "qk" for kind, _, t in gqa)
+    padding = failed(results["ignores-padding"])
+    assert not any(kind == "gradient" for kind, _, _ in padding)  # its gradients match its own forward
+    assert ("reference", "forward agrees with the reference", "o") in padding
+    assert ("invariant", "hidden K/V rows do not change O", "o") in padding
+    result = CliRunner().invoke(main, ["run", str(root / "examples/broken.yaml")])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+
+
+CORRECT = "from my_attention import Attention, attention\n"
+
+
+@pytest.mark.parametrize("body,check,words", [
+    ("""
+     class Impl:
+         def forward(self, q, k, v, visible, scale, kv_map):
+             raise RuntimeError("kernel not compiled")
+         def backward(self, *args):
+             raise RuntimeError("no")
+     impl = Impl()
+     """, "implementation runs", "forward raised RuntimeError: kernel not compiled"),
+    ("""
+     from my_attention import Attention
+     class Impl(Attention):
+         @staticmethod
+         def forward(q, k, v, visible, scale, kv_map):
+             return Attention.forward(q, k, v, visible, scale, kv_map)[..., :-1]
+     impl = Impl()
+     """, "implementation runs", "returned o of shape"),
+    ("""
+     from my_attention import Attention
+     class Impl(Attention):
+         @staticmethod
+         def forward(q, k, v, visible, scale, kv_map):
+             return Attention.forward(q, k, v, visible, scale, kv_map).astype("float32")
+     impl = Impl()
+     """, "implementation runs", "dtype float32, expected float64"),
+    ("""
+     import numpy as np
+     from my_attention import Attention
+     class Impl(Attention):
+         @staticmethod
+         def backward(q, k, v, visible, scale, kv_map, grad_o):
+             dq, dk, dv = Attention.backward(q, k, v, visible, scale, kv_map, grad_o)
+             dk[0, 1, 2, 3] = np.nan
+             return dq, dk, dv
+     impl = Impl()
+     """, "implementation runs", "non-finite dk: nan at dk[0, 1, 2, 3]"),
+    ("""
+     from my_attention import Attention
+     class Impl(Attention):
+         @staticmethod
+         def backward(q, k, v, visible, scale, kv_map, grad_o):
+             return Attention.backward(q, k, v, visible, scale, kv_map, grad_o)[:2]
+     impl = Impl()
+     """, "implementation runs", "must return (dq, dk, dv)"),
+    ("""
+     from my_attention import Attention
+     class Impl(Attention):
+         @staticmethod
+         def forward(q, k, v, visible, scale, kv_map):
+             if q.shape[0] > 2:
+                 raise ValueError("batch too large for my kernel")
+             return Attention.forward(q, k, v, visible, scale, kv_map)
+     impl = Impl()
+     """, "gradient q", "while differencing its forward: forward raised ValueError: batch too large"),
+    ("""
+     from my_attention import Attention
+     class Impl(Attention):
+         @staticmethod
+         def forward(q, k, v, visible, scale, kv_map):
+             o = Attention.forward(q, k, v, visible, scale, kv_map)
+             return o + 1e-3 * o.mean(axis=0, keepdims=True)   # batch elements interact
+     impl = Impl()
+     """, "perturbations stay in their block", "changed by"),
+])
+def test_misbehaving_implementations_fail_with_a_message(root, tmp_path, monkeypatch, body, check, words):
+    monkeypatch.syspath_prepend(str(root / "examples"))
+    write_impl(tmp_path, body, name=f"impl_{abs(hash(body)) % 10**8}")
+    module = next(tmp_path.glob("impl_*.py")).stem
+    (result,), cfg = run_yaml(tmp_path, f"- {{name: t, implementation: '{module}:impl'}}\n")
+    bad = [c for c in result.checks if not c.passed]
+    assert any(c.name == check and words in c.detail for c in bad), [(c.name, c.detail) for c in bad]
+    cli = CliRunner().invoke(main, ["run", str(cfg), "--json", str(tmp_path / "r.json")])
+    assert cli.exit_code == 1 and "Traceback" not in cli.output and words in cli.stdout
+
+
+@pytest.mark.parametrize("spec,words", [
+    ("not a spec", "expected 'module:attribute'"),
+    ("no_such_module_xyz:impl", "cannot import 'no_such_module_xyz'"),
+    ("my_attention:nothing_here", "has no attribute 'nothing_here'"),
+    ("my_attention:_probabilities", "needs callable forward and backward"),
+])
+def test_bad_implementation_specs_are_input_errors(root, tmp_path, spec, words):
+    cfg = root / "examples" / f".tmp-{abs(hash(spec)) % 10**8}.yaml"
+    cfg.write_text(SHAPES + f"  - name: t\n    implementation: '{spec}'\n")
+    try:
+        with pytest.raises(ScenarioError) as err:
+            scenario.load(cfg)
+        assert err.value.key == "scenarios[0].implementation" and err.value.line == 11 and words in str(err.value)
+        result = CliRunner().invoke(main, ["run", str(cfg)])
+        assert result.exit_code == 2 and words in result.stderr and "Traceback" not in result.stderr
+    finally:
+        cfg.unlink()
+
+
+def test_faults_do_not_apply_to_a_user_implementation(root):
+    scs = scenario.load(root / "examples/attention.yaml")
+    assert {c.status for c in checker.negative_controls(scs[:1])} == {"not applicable"}
+    assert checker.run_scenario(scs[0], ("softmax-term",)).passed
