@@ -30,14 +30,19 @@ from .ops import OPS
 from .tolerance import DTYPES, defaults_for
 
 MODES = ("full", "sample", "directional")
-SCENARIO_KEYS = ("name", "op", "implementation", "batch", "heads_q", "heads_kv", "kv_map", "n_q", "n_k", "d_head",
+SCENARIO_KEYS = ("name", "op", "implementation", "backend", "device", "batch", "heads_q", "heads_kv", "kv_map", "n_q", "n_k", "d_head",
                  "d_value", "scale", "mask", "loss_rows", "check", "dtype", "epsilon", "tolerance", "seed")
 MASK_KEYS = ("causal", "window", "key_lengths", "visible")
-CHECK_KEYS = ("mode", "samples", "directions", "colouring")
+CHECK_KEYS = ("mode", "samples", "directions", "colouring", "factor", "slack")
+BACKENDS = ("numpy", "torch")
+DEVICES = ("cpu", "cuda")
+LOW_PRECISION = ("float16", "bfloat16")
 NESTED = {"mask": MASK_KEYS, "check": CHECK_KEYS}
 TOP_KEYS = ("defaults", "scenarios")
 #: Larger scales only saturate the softmax (and overflow the logits near 1e300).
 MAX_SCALE = 1e6
+#: More random directions than this cost more than checking every element would.
+MAX_DIRECTIONS = 100_000
 #: A document may hold at most this many values once YAML aliases are expanded.
 MAX_VALUES = 1_000_000
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -72,14 +77,23 @@ class Scenario:
     file: str = ""
     line: int = 0
     implementation: str | None = None
+    backend: str = "numpy"
+    device: str = "cpu"
+    factor: float = 2.0
+    slack: float = 1e-5
     visible: np.ndarray = field(default=None, repr=False, compare=False)
     implementation_object: object = field(default=None, repr=False, compare=False)
 
     def describe(self) -> str:
         contiguous = self.heads_q % self.heads_kv == 0 and self.kv_map == default_kv_map(self.heads_q, self.heads_kv)
         kv = f"{self.heads_kv}" + ("" if contiguous else f" map={list(self.kv_map)}")
+        if self.dtype in LOW_PRECISION:
+            how = f"factor {self.factor:g} policy"
+        else:
+            how = f"{self.mode}{' coloured' if self.colouring else ''}"
+        where = f" torch/{self.device}" if self.backend == "torch" else ""
         return (f"B={self.batch} Hq={self.heads_q} Hkv={kv} n_q={self.n_q} n_k={self.n_k} "
-                f"d={self.d_head}/{self.d_value} {self.dtype} {self.mode}{' coloured' if self.colouring else ''}")
+                f"d={self.d_head}/{self.d_value} {self.dtype}{where} {how}")
 
 
 def default_kv_map(heads_q: int, heads_kv: int) -> tuple[int, ...]:
@@ -341,7 +355,15 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
         raise f.error("scale", f"must be non-zero and within +-{MAX_SCALE:g}, got {scale:g}",
                       hint="omit it for 1/sqrt(d_head)")
 
-    dtype = f.choice("dtype", DTYPES, "float64")
+    backend = f.choice("backend", BACKENDS, "numpy")
+    device = f.choice("device", DEVICES, "cpu")
+    dtype = f.choice("dtype", DTYPES + LOW_PRECISION, "float64")
+    if backend == "torch" or device != "cpu" or dtype in LOW_PRECISION:
+        _require_torch(f, backend, device, dtype)
+    factor = f.float("check.factor", 2.0)
+    slack = f.float("check.slack", 1e-5, positive=False)
+    if slack < 0:
+        raise f.error("check.slack", f"must be >= 0, got {slack}")
     dflt = defaults_for(dtype)
     epsilon = f.float("epsilon", dflt["epsilon"])
     tolerance = f.float("tolerance", dflt["tolerance"])
@@ -349,6 +371,9 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     mode = f.choice("check.mode", MODES, "full")
     samples = f.int("check.samples", 256)
     directions = f.int("check.directions", 16)
+    if directions > MAX_DIRECTIONS:
+        raise f.error("check.directions", f"at most {MAX_DIRECTIONS:,} directions, got {directions:,}",
+                      hint="use mode: full to check every element")
     colouring = f.raw("check.colouring", mode == "full")
     if not isinstance(colouring, bool):
         raise f.error("check.colouring", f"expected true or false, got {colouring!r}")
@@ -382,7 +407,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     # Estimate memory before allocating anything of size n_q x n_k: about ten score-sized arrays for
     # the forward, backward and invariants, plus one (+h, -h) pair of perturbed copies (see numeric.plan).
     # The tensors (q, k, v, o and their gradients, analytic and numeric) count about a dozen times.
-    itemsize = np.dtype(dtype).itemsize
+    itemsize = {"float16": 2, "bfloat16": 2}.get(dtype) or np.dtype(dtype).itemsize
     scores = batch * heads_q * n_q * n_k
     tensors = batch * (heads_q * n_q * (d_head + d_value) + heads_kv * n_k * (d_head + d_value))
     need = scores * (16 * itemsize + 2) + tensors * 12 * 8
@@ -393,6 +418,9 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                         hint="reduce batch, heads, n_q, n_k or the head dimensions")
 
     spec, impl = None, None
+    if f.has("implementation") and backend == "torch":
+        raise f.error("implementation", "torch implementations are not supported yet (NumPy ones are)",
+                      hint="use backend: numpy with a NumPy forward/backward")
     if f.has("implementation"):
         spec = f.raw("implementation")
         if not isinstance(spec, str):
@@ -423,7 +451,24 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                     window=window, key_lengths=key_lengths, visible_source=source, loss_rows=loss_rows,
                     mode=mode, samples=samples, directions=directions, colouring=colouring, dtype=dtype, epsilon=epsilon,
                     tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
-                    implementation=spec, visible=visible, implementation_object=impl)
+                    implementation=spec, backend=backend, device=device, factor=factor, slack=slack,
+                    visible=visible, implementation_object=impl)
+
+
+def _require_torch(f: _Fields, backend: str, device: str, dtype: str) -> None:
+    """Torch scenarios need torch (and cuda a GPU): say how to get it before anything runs."""
+    key = "backend" if f.has("backend") else ("device" if f.has("device") else "dtype")
+    if backend != "torch":
+        what = f"device {device}" if device != "cpu" else f"dtype {dtype}"
+        raise f.error(key, f"{what} needs backend: torch", hint="add 'backend: torch'")
+    try:
+        import torch
+    except ImportError:
+        raise f.error(key, "this scenario needs torch, which is not installed",
+                      hint="pip install 'attn-gradcheck[torch]' (or: pip install torch)") from None
+    if device == "cuda" and not torch.cuda.is_available():
+        raise f.error("device", "device cuda was asked for but torch sees no CUDA device",
+                      hint="use device: cpu, or run on a machine with a GPU and a CUDA build of torch")
 
 
 def _load_visible(f: _Fields, base_dir: Path, shape: tuple[int, ...]) -> tuple[np.ndarray, str]:

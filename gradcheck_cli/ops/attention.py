@@ -128,10 +128,11 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
                      v=sum_groups(g_v, kv_map, heads_kv, overwrite=overwrite), s=g_s, a=a, ga=g_a)
 
 
-def _inputs(sc):
-    """Seeded q, k, v and upstream gradient g (zero outside ``loss_rows``) in the scenario's dtype."""
+def _inputs(sc, dtype=None):
+    """Seeded q, k, v and upstream gradient g (zero outside ``loss_rows``) in the scenario's dtype
+    (or ``dtype``; the draws are the same)."""
     rng = np.random.default_rng(sc.seed)
-    dt = np.dtype(sc.dtype)
+    dt = np.dtype(dtype or sc.dtype)
     q = rng.standard_normal((sc.batch, sc.heads_q, sc.n_q, sc.d_head)).astype(dt)
     k = rng.standard_normal((sc.batch, sc.heads_kv, sc.n_k, sc.d_head)).astype(dt)
     v = rng.standard_normal((sc.batch, sc.heads_kv, sc.n_k, sc.d_value)).astype(dt)
@@ -184,6 +185,9 @@ class _Blocks:
 def build(sc, faults: Collection[str] = ()) -> Problem:
     """Inputs for scenario ``sc``, the loss L = sum(O * G), analytic gradients and invariants: of the
     built-in engine with ``faults`` injected, or of the user's implementation when the scenario names one."""
+    if sc.backend == "torch":
+        from ..backends import torch_backend  # torch is imported only when a scenario asks for it
+        return torch_backend.build(sc, faults)
     if sc.implementation is not None:
         return _build_user(sc)
     inputs, g = _inputs(sc)

@@ -1,0 +1,83 @@
+"""backend: torch: the engine's formulas on torch tensors, autograd and SDPA as second and third
+opinions, and the low-precision policy. Skips cleanly where torch is not installed."""
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hypothesis import assume, given, settings
+
+from gradcheck_cli import checker
+from gradcheck_cli.cli import main
+from gradcheck_cli.errors import ScenarioError
+from gradcheck_cli.ops import FAULTS
+from gradcheck_cli.ops import attention as engine
+from helpers import make
+from test_engine import _valid, scenarios
+
+torch = pytest.importorskip("torch")
+from gradcheck_cli.backends import torch_backend  # noqa: E402
+
+GQA = dict(batch=2, heads_q=4, heads_kv=2, n_q=5, n_k=8, d_head=8, scale=0.4,
+           mask={"causal": "lower-right", "key_lengths": [8, 6]})
+
+
+@settings(max_examples=25)
+@given(scenarios())
+def test_torch_formulas_match_the_numpy_engine_and_every_check_passes(keys):
+    sc = _valid({**keys, "backend": "torch"})
+    assume(sc is not None)
+    inputs, g = engine._inputs(sc)
+    kv = np.array(sc.kv_map)
+    ref = engine.backward(*(inputs[t] for t in "qkv"), sc.visible, sc.scale, kv, g)
+    t = [torch.from_numpy(inputs[n]) for n in "qkv"]
+    got = torch_backend.backward(*t, torch.from_numpy(sc.visible), sc.scale, torch.tensor(sc.kv_map), torch.from_numpy(g))
+    for mine, theirs in zip(got, (ref.q, ref.k, ref.v)):
+        np.testing.assert_allclose(mine.numpy(), theirs, rtol=1e-10, atol=1e-12)
+    result = checker.run_scenario(sc)
+    names = {c.name for c in result.checks}
+    assert {"autograd agrees", "SDPA agrees"} <= names
+    assert result.passed, [(c.name, c.tensor, c.detail) for c in result.checks if not c.passed]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_every_fault_is_caught_in_every_precision(dtype):
+    sc = make(**GQA, backend="torch", dtype=dtype)
+    assert checker.run_scenario(sc).passed
+    cells = checker.negative_controls([sc])
+    assert {c.status for c in cells} == {"detected"}, [(c.fault, c.status) for c in cells]
+    assert {c.fault for c in cells} == set(FAULTS)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_policy_reports_both_errors_and_the_factor(dtype):
+    sc = make(**GQA, backend="torch", dtype=dtype, check={"factor": 2.0})
+    checks = checker.run_scenario(sc).checks
+    assert [c.tensor for c in checks] == ["o", "q", "k", "v"]
+    for c in checks:
+        assert c.name == "low-precision error within factor of plain" and c.passed
+        assert "plain" in c.detail and "2 x plain" in c.detail
+    # a factor below 1 demands beating the plain implementation: some tensor then fails
+    strict = make(**GQA, backend="torch", dtype=dtype, check={"factor": 0.01, "slack": 0.0})
+    assert not checker.run_scenario(strict).passed
+
+
+def test_torch_missing_is_input_error_with_the_install_command(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch now raises ImportError
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text("scenarios:\n  - {name: a, n_q: 3, d_head: 2, backend: torch}\n")
+    with pytest.raises(ScenarioError, match="pip install 'attn-gradcheck\\[torch\\]'"):
+        make(n_q=3, d_head=2, backend="torch")
+    result = CliRunner().invoke(main, ["run", str(cfg)])
+    assert result.exit_code == 2 and "not installed" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_is_a_clear_error():
+    with pytest.raises(ScenarioError, match="no CUDA device"):
+        make(n_q=3, d_head=2, backend="torch", device="cuda")
+
+
+def test_torch_implementations_are_not_supported_yet():
+    with pytest.raises(ScenarioError, match="not supported yet"):
+        make(n_q=3, d_head=2, backend="torch", implementation="x:y")
