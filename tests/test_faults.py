@@ -5,7 +5,7 @@ import pytest
 
 from gradcheck_cli import checker, scenario
 from gradcheck_cli.ops import FAULTS, OPS
-from conftest import CONFIGS
+from conftest import CONFIGS, load_config
 from helpers import make
 
 
@@ -13,7 +13,10 @@ from helpers import make
 def matrix():
     cells = []
     for path in CONFIGS:
-        cells += checker.negative_controls(scenario.load(path))
+        try:
+            cells += checker.negative_controls(load_config(path))
+        except pytest.skip.Exception:
+            continue
     return cells
 
 
@@ -29,7 +32,7 @@ def test_every_fault_is_applicable_and_detected_somewhere(matrix):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_config_passes_clean(path):
-    for sc in scenario.load(path):
+    for sc in load_config(path):
         result = checker.run_scenario(sc)
         assert result.passed, [(c.name, c.tensor, c.detail) for c in result.checks if not c.passed]
 
