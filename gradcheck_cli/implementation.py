@@ -2,7 +2,8 @@
 whatever it does (raise, return the wrong shape or dtype, return NaN) becomes a failed check with a
 message, never a traceback.
 
-NumPy interface (README "Checking your own implementation"):
+NumPy interface (README "Checking your own implementation"; the torch interface is one callable
+``f(q, k, v, visible, scale, kv_map) -> o`` on torch tensors, differentiated by autograd):
   forward(q, k, v, visible, scale, kv_map) -> o
   backward(q, k, v, visible, scale, kv_map, grad_o) -> (dq, dk, dv)
 with q [B, Hq, n_q, d_head], k [B, Hkv, n_k, d_head], v [B, Hkv, n_k, d_value], visible bool
@@ -30,9 +31,10 @@ class ImplementationFailure(Exception):
         self.message, self.tensor, self.index = message, tensor, index
 
 
-def load(spec: str, base_dir: Path) -> Any:
-    """Import ``module:attribute`` with the YAML's folder first on sys.path. Raises ValueError with a
-    message for the scenario loader to place (file, line, key)."""
+def load(spec: str, base_dir: Path, flavour: str = "numpy") -> Any:
+    """Import ``module:attribute`` with the YAML's folder first on sys.path. ``flavour`` numpy needs
+    ``forward``/``backward`` callables; torch needs the attribute itself to be callable. Raises
+    ValueError with a message for the scenario loader to place (file, line, key)."""
     if not SPEC_RE.match(spec):
         raise ValueError(f"expected 'module:attribute', got {spec!r}")
     module_name, attr_path = spec.split(":", 1)
@@ -49,6 +51,11 @@ def load(spec: str, base_dir: Path) -> Any:
         if not hasattr(obj, part):
             raise ValueError(f"module {module_name!r} has no attribute {attr_path!r}")
         obj = getattr(obj, part)
+    if flavour == "torch":
+        if not callable(obj):
+            raise ValueError(f"{spec} must be callable as f(q, k, v, visible, scale, kv_map) -> o "
+                             "(see the README: the torch interface)")
+        return obj
     missing = [name for name in ("forward", "backward") if not callable(getattr(obj, name, None))]
     if missing:
         raise ValueError(f"{spec} needs callable {' and '.join(missing)} (see the README: the NumPy interface)")

@@ -418,15 +418,12 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                         hint="reduce batch, heads, n_q, n_k or the head dimensions")
 
     spec, impl = None, None
-    if f.has("implementation") and backend == "torch":
-        raise f.error("implementation", "torch implementations are not supported yet (NumPy ones are)",
-                      hint="use backend: numpy with a NumPy forward/backward")
     if f.has("implementation"):
         spec = f.raw("implementation")
         if not isinstance(spec, str):
             raise f.error("implementation", f"expected 'module:attribute', got {spec!r}")
         try:
-            impl = implementation.load(spec, base_dir)
+            impl = implementation.load(spec, base_dir, flavour=backend)
         except ValueError as exc:
             raise f.error("implementation", str(exc),
                           hint="the module must be importable from the YAML's folder or PYTHONPATH") from None

@@ -3,7 +3,7 @@ fault exercises behave as the seed describes."""
 import numpy as np
 import pytest
 
-from gradcheck_cli import checker, scenario
+from gradcheck_cli import checker
 from gradcheck_cli.ops import FAULTS, OPS
 from conftest import CONFIGS, load_config
 from helpers import make

@@ -78,6 +78,53 @@ def test_cuda_without_a_gpu_is_a_clear_error():
         make(n_q=3, d_head=2, backend="torch", device="cuda")
 
 
-def test_torch_implementations_are_not_supported_yet():
-    with pytest.raises(ScenarioError, match="not supported yet"):
-        make(n_q=3, d_head=2, backend="torch", implementation="x:y")
+
+
+def test_the_shipped_torch_examples(root):
+    from gradcheck_cli import scenario
+    results = {r.name: r for r in (checker.run_scenario(sc) for sc in scenario.load(root / "examples/torch.yaml"))}
+    for name in ("torch-mine-float64", "torch-mine-float32", "torch-mine-bfloat16"):
+        assert results[name].passed, [(c.name, c.detail) for c in results[name].checks if not c.passed]
+    broken64 = {(c.name, c.tensor) for c in results["torch-broken-float64"].checks if not c.passed}
+    assert {("gradient q", "q"), ("gradient k", "k")} <= broken64 and ("gradient v", "v") not in broken64
+    broken16 = {(c.name, c.tensor) for c in results["torch-broken-float16"].checks if not c.passed}
+    assert ("low-precision error within factor of plain", "q") in broken16
+
+
+@pytest.mark.parametrize("body,words", [
+    ("def f(q, k, v, visible, scale, kv_map):\n    raise RuntimeError('no kernel')\n", "forward raised RuntimeError: no kernel"),
+    ("def f(q, k, v, visible, scale, kv_map):\n    return attention(q, k, v, visible, scale, kv_map)[..., :1]\n",
+     "of shape"),
+    ("def f(q, k, v, visible, scale, kv_map):\n    return attention(q, k, v, visible, scale, kv_map).float()\n",
+     "dtype torch.float32, expected torch.float64"),
+    ("def f(q, k, v, visible, scale, kv_map):\n    return attention(q, k, v, visible, scale, kv_map).detach()\n",
+     "does not require grad"),
+    ("def f(q, k, v, visible, scale, kv_map):\n    o = attention(q, k, v, visible, scale, kv_map)\n"
+     "    return o * float('nan') if o.shape[0] > 2 else o\n",
+     "while differencing its forward: forward returned a non-finite o"),  # NaN only on stacked copies
+    ("def f(q, k, v, visible, scale, kv_map):\n    o = attention(q, k, v, visible, scale, kv_map).clone()\n"
+     "    o[0, 0, 0, 0] = float('inf')\n    return o\n", "non-finite o: inf at o[0, 0, 0, 0]"),
+    ("def f(q, k, v, visible, scale, kv_map):\n    return [attention(q, k, v, visible, scale, kv_map)]\n",
+     "must return a torch.Tensor"),
+])
+def test_misbehaving_torch_implementations(root, tmp_path, monkeypatch, body, words):
+    monkeypatch.syspath_prepend(str(root / "examples"))
+    module = f"timpl_{abs(hash(body)) % 10**8}"
+    (tmp_path / f"{module}.py").write_text("from torch_attention import attention\n" + body)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"scenarios:\n  - {{name: t, backend: torch, n_q: 4, d_head: 3, batch: 2, "
+                   f"implementation: '{module}:f'}}\n")
+    result = CliRunner().invoke(main, ["run", str(cfg)])
+    assert "Traceback" not in result.output
+    assert result.exit_code == 1 and words in result.stdout, result.stdout
+
+
+def test_a_torch_implementation_must_be_callable(root, tmp_path):
+    cfg = root / "examples" / ".tmp-torch-spec.yaml"
+    cfg.write_text("scenarios:\n  - name: t\n    backend: torch\n    n_q: 3\n    d_head: 2\n"
+                   "    implementation: my_attention:attention\n")
+    try:
+        result = CliRunner().invoke(main, ["run", str(cfg)])
+        assert result.exit_code == 2 and "must be callable" in result.stderr and ":6:" in result.stderr
+    finally:
+        cfg.unlink()

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .. import invariants
 from ..ops import attention as engine
+from ..implementation import ImplementationFailure
 from ..ops.registry import Problem
 from ..result import Check
 
@@ -101,11 +102,21 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
     kv_map = torch.as_tensor(sc.kv_map, dtype=torch.long, device=device)
     scale = sc.scale
 
-    def fwd(q_, k_, v_):
-        return forward(q_, k_, v_, vis, scale, kv_map, faults)
+    user = sc.implementation_object
+
+    def fwd(q_, k_, v_, vis_=vis):
+        if user is not None:
+            with torch.no_grad():
+                return _call_user(user, (q_, k_, v_, vis_, scale, kv_map), (q_.shape[0],) + tuple(g.shape[1:]), dt)
+        return forward(q_, k_, v_, vis_, scale, kv_map, faults)
+
+    def bwd(q_, k_, v_, grad_o):
+        if user is not None:
+            return _user_gradients(user, (q_, k_, v_), (vis, scale, kv_map), grad_o, tuple(g.shape), dt)
+        return backward(q_, k_, v_, vis, scale, kv_map, grad_o, faults)
 
     o = fwd(q, k, v)
-    dq, dk, dv = backward(q, k, v, vis, scale, kv_map, g, faults)
+    dq, dk, dv = bwd(q, k, v, g)
     grads = {"q": dq, "k": dk, "v": dv}
     np_ = lambda t: t.detach().to("cpu", torch.float64).numpy()  # noqa: E731
     if low:
@@ -119,7 +130,13 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
     def copies_forward(name, x):
         args = {"q": q, "k": k, "v": v}
         args[name] = torch.from_numpy(np.ascontiguousarray(x)).to(device=device, dtype=dt)
-        return fwd(args["q"], args["k"], args["v"])
+        if user is None:
+            return fwd(args["q"], args["k"], args["v"])
+        c = x.shape[0]  # a user's forward gets the copies stacked along the batch axis
+        stacked = [a.expand((c,) + tuple(val.shape)).reshape((c * sc.batch,) + tuple(val.shape[1:]))
+                   for a, val in ((args[t], (q, k, v)["qkv".index(t)]) for t in "qkv")]
+        vis_c = vis.expand((c,) + tuple(vis.shape)).reshape((c * sc.batch,) + tuple(vis.shape[1:]))
+        return fwd(*stacked, vis_c).reshape((c,) + tuple(g.shape))
 
     def loss(name, x):
         return np_((copies_forward(name, x) * g).to(torch.float64).sum(dim=(-4, -3, -2, -1)))
@@ -128,15 +145,17 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
         return blocks.sums(name, np_(copies_forward(name, x) * g))
 
     def checks():
-        out = _opinions(sc, q, k, v, g, vis, kv_map, o, grads, np_)
-        a = np_(probabilities(q, k, None if "mask" in faults else vis, scale, kv_map))
-        backward_kv = lambda q_, k_, v_, go: [np_(t) for t in backward(  # noqa: E731
-            to(q_), to(k_), to(v_), vis, scale, kv_map, to(go), faults)[1:]]
+        if user is None:
+            out = _opinions(sc, q, k, v, g, vis, kv_map, o, grads, np_)
+            a = np_(probabilities(q, k, None if "mask" in faults else vis, scale, kv_map))
+            out.insert(0, invariants._check("attention is 0 off the visible set", "a", np.where(sc.visible, 0, a),
+                                            0.0, "A_ij must be exactly 0 where key j is not visible to query i"))
+        else:
+            out = _reference(sc, inputs64, g64, o, grads, np_)
+        backward_kv = lambda q_, k_, v_, go: [np_(t) for t in bwd(to(q_), to(k_), to(v_), to(go))[1:]]  # noqa: E731
         out += invariants.attention_outputs(lambda q_, k_, v_: np_(fwd(to(q_), to(k_), to(v_))), backward_kv,
                                             inputs, sc.visible, np.asarray(sc.kv_map), np_(o),
                                             np.random.default_rng([sc.seed, 1]))
-        out.insert(0, invariants._check("attention is 0 off the visible set", "a", np.where(sc.visible, 0, a), 0.0,
-                                        "A_ij must be exactly 0 where key j is not visible to query i"))
         return out
 
     itemsize = torch.finfo(dt).bits // 8
@@ -149,6 +168,62 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
                 "kv_map": np.asarray(sc.kv_map), "output": np_(o), **{f"analytic_{t}": np_(grads[t]) for t in "qkv"}},
         output=np_(o), parts=blocks.parts, loss_parts=loss_parts,
     )
+
+
+def _call_user(user, args, shape, dtype):
+    """The user's torch forward, so that misbehaviour is a failed check naming the tensor."""
+    try:
+        o = user(*args)
+    except Exception as exc:  # whatever the implementation raises is a failed check
+        raise ImplementationFailure(f"forward raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(o, torch.Tensor):
+        raise ImplementationFailure(f"forward must return a torch.Tensor, got {type(o).__name__}", "o")
+    if tuple(o.shape) != tuple(shape):
+        raise ImplementationFailure(f"forward returned o of shape {list(o.shape)}, expected {list(shape)}", "o")
+    if o.dtype != dtype:
+        raise ImplementationFailure(f"forward returned o of dtype {o.dtype}, expected {dtype}", "o")
+    _finite("forward", "o", o)
+    return o
+
+
+def _finite(what, name, t):
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        index = tuple(int(i) for i in torch.nonzero(bad)[0])
+        raise ImplementationFailure(f"{what} returned a non-finite {name}: {t[index].item()} at {name}"
+                                    f"[{', '.join(map(str, index))}]", name, index)
+
+
+def _user_gradients(user, qkv, rest, grad_o, shape, dtype):
+    """dq, dk, dv of the user's forward by autograd (so a custom autograd.Function's backward is what
+    gets checked)."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in qkv]
+    with torch.enable_grad():
+        o = _call_user(user, (*leaves, *rest), shape, dtype)
+        if not o.requires_grad:
+            raise ImplementationFailure("forward's output does not require grad: autograd cannot reach q, k, v", "o")
+        try:
+            grads = torch.autograd.grad(o, leaves, grad_o, allow_unused=True)
+        except Exception as exc:
+            raise ImplementationFailure(f"backward raised {type(exc).__name__}: {exc}") from None
+    out = []
+    for name, leaf, grad in zip(("dq", "dk", "dv"), leaves, grads):
+        grad = torch.zeros_like(leaf) if grad is None else grad.detach()
+        _finite("backward", name, grad)
+        out.append(grad)
+    return tuple(out)
+
+
+def _reference(sc, inputs64, g64, o, grads, np_) -> list[Check]:
+    """A user's implementation against the NumPy engine in float64 on the same inputs."""
+    kv = np.asarray(sc.kv_map)
+    rounded = {t: np_(torch.from_numpy(inputs64[t]).to(DTYPES[sc.dtype])) for t in "qkv"}
+    ref_o = engine.forward(rounded["q"], rounded["k"], rounded["v"], sc.visible, sc.scale, kv)
+    ref = engine.backward(rounded["q"], rounded["k"], rounded["v"], sc.visible, sc.scale, kv, g64)
+    out = [invariants.agreement("forward agrees with the reference", "o", np_(o), ref_o, sc.tolerance)]
+    out += [invariants.agreement("backward agrees with the reference", t, np_(grads[t]), theirs, sc.tolerance)
+            for t, theirs in (("q", ref.q), ("k", ref.k), ("v", ref.v))]
+    return out
 
 
 def _opinions(sc, q, k, v, g, vis, kv_map, o, grads, np_) -> list[Check]:
