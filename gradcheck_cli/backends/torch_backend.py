@@ -84,14 +84,10 @@ def _autograd(fn, inputs, grad_o):
     return out.detach(), [g.detach() for g in grads]
 
 
-def device_for(name: str) -> torch.device:
-    return torch.device(name)
-
-
 def build(sc, faults: Collection[str] = ()) -> Problem:
     """The torch problem: numeric checks as the NumPy engine (float64/float32), plus autograd and SDPA
     agreement; for float16/bfloat16 the low-precision policy instead of finite differences."""
-    device = device_for(sc.device)
+    device = torch.device(sc.device)
     dt = DTYPES[sc.dtype]
     low = sc.dtype in LOW_PRECISION
     inputs64, g64 = engine._inputs(sc, dtype=np.float64)  # the same draws the NumPy engine makes
@@ -133,10 +129,12 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
         if user is None:
             return fwd(args["q"], args["k"], args["v"])
         c = x.shape[0]  # a user's forward gets the copies stacked along the batch axis
-        stacked = [a.expand((c,) + tuple(val.shape)).reshape((c * sc.batch,) + tuple(val.shape[1:]))
-                   for a, val in ((args[t], (q, k, v)["qkv".index(t)]) for t in "qkv")]
-        vis_c = vis.expand((c,) + tuple(vis.shape)).reshape((c * sc.batch,) + tuple(vis.shape[1:]))
-        return fwd(*stacked, vis_c).reshape((c,) + tuple(g.shape))
+
+        def stack(t):
+            t = t.expand((c,) + tuple(t.shape)) if t.dim() == 4 else t
+            return t.reshape((c * sc.batch,) + tuple(t.shape[2:]))
+
+        return fwd(*(stack(args[t]) for t in "qkv"), stack(vis)).reshape((c,) + tuple(g.shape))
 
     def loss(name, x):
         return np_((copies_forward(name, x) * g).to(torch.float64).sum(dim=(-4, -3, -2, -1)))
