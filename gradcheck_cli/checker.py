@@ -8,7 +8,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from . import numeric
-from .implementation import ImplementationFailure
+from .implementation import ImplementationFailure, failure_check
 from .ops import FAULTS, OPS
 from .result import Check, ControlCell, ScenarioResult
 from .scenario import Scenario
@@ -51,7 +51,7 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
         problem = op.build(sc, active)
     except ImplementationFailure as exc:
         return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
-                              mode=sc.mode, faults=active, checks=(_failure("implementation runs", exc),),
+                              mode=sc.mode, faults=active, checks=(failure_check("implementation runs", exc),),
                               elapsed_s=time.perf_counter() - start)
     rng = np.random.default_rng([sc.seed, 2])
     chunking = numeric.plan(problem.copy_bytes, memory_budget)
@@ -62,7 +62,7 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
             check, numeric_values = _gradient_check(sc, problem, name, x, active, rng, chunking, progress,
                                                     numeric_cache)
         except ImplementationFailure as exc:
-            checks.append(_failure(f"gradient {name}", exc, name, "while differencing its forward: "))
+            checks.append(failure_check(f"gradient {name}", exc, name, "while differencing its forward: "))
             continue
         checks.append(check)
         if sc.mode == "full":
@@ -72,16 +72,10 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
             checks.extend(_independence(sc, problem, np.random.default_rng([sc.seed, 3]), chunking))
         checks.extend(problem.invariants())
     except ImplementationFailure as exc:
-        checks.append(_failure("invariants", exc))
+        checks.append(failure_check("invariants", exc))
     return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
                           mode=sc.mode, faults=active, checks=tuple(checks),
                           elapsed_s=time.perf_counter() - start, arrays=arrays)
-
-
-def _failure(name: str, exc: ImplementationFailure, tensor: str | None = None, prefix: str = "") -> Check:
-    """A check that failed because the implementation under test misbehaved."""
-    return Check("implementation", name, exc.tensor or tensor, None, float("inf"), float("inf"), 0.0, 0.0,
-                 exc.index, False, prefix + exc.message)
 
 
 def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng, chunking, progress,

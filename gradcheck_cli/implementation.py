@@ -44,8 +44,11 @@ def load(spec: str, base_dir: Path, flavour: str = "numpy") -> Any:
         sys.path.insert(0, folder)
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # the user's module may raise anything while importing
-        raise ValueError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # the user's module may raise anything while importing, SystemExit too
+        raise ValueError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc} (the module must be "
+                         "importable from the YAML's folder or PYTHONPATH)") from None
     obj: Any = module
     for part in attr_path.split("."):
         if not hasattr(obj, part):
@@ -62,21 +65,36 @@ def load(spec: str, base_dir: Path, flavour: str = "numpy") -> Any:
     return obj
 
 
-def call(fn, what: str, args: tuple, expected: dict[str, tuple[tuple[int, ...], np.dtype]]) -> dict[str, np.ndarray]:
-    """Call ``fn(*args)`` and check each returned array against ``expected`` (name -> (shape, dtype), in
-    the order returned: one name means a single array, several a tuple)."""
+def guarded(what: str, fn, *args):
+    """``fn(*args)``, with anything it raises (SystemExit included, Ctrl-C excepted) turned into an
+    ImplementationFailure."""
     try:
-        out = fn(*args)
-    except Exception as exc:  # whatever the implementation raises is a failed check
+        return fn(*args)
+    except KeyboardInterrupt:
+        raise
+    except ImplementationFailure:
+        raise
+    except BaseException as exc:  # whatever the implementation raises is a failed check
         raise ImplementationFailure(f"{what} raised {type(exc).__name__}: {exc}") from None
+
+
+def call(fn, what: str, args: tuple, expected: dict[str, tuple[tuple[int, ...], np.dtype]]) -> dict[str, np.ndarray]:
+    """Call ``fn`` on copies of ``args`` (so changing them in place cannot affect the check) and check
+    each returned array against ``expected`` (name -> (shape, dtype), in the order returned: one name
+    means a single array, several a tuple)."""
+    args = tuple(a.copy() if isinstance(a, np.ndarray) else a for a in args)
+    out = guarded(what, fn, *args)
     names = list(expected)
     values = [out] if len(names) == 1 else out
     if len(names) > 1 and (not isinstance(values, (tuple, list)) or len(values) != len(names)):
-        raise ImplementationFailure(f"{what} must return ({', '.join(names)}), got {type(out).__name__}")
+        got = f"{type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else type(out).__name__
+        raise ImplementationFailure(f"{what} must return ({', '.join(names)}), got {got}", names[0])
     result = {}
     for name, value in zip(names, values):
         shape, dtype = expected[name]
-        arr = np.asarray(value)
+        if not isinstance(value, np.ndarray):
+            raise ImplementationFailure(f"{what} must return numpy arrays; {name} is a {type(value).__name__}", name)
+        arr = value
         if arr.shape != shape:
             raise ImplementationFailure(f"{what} returned {name} of shape {list(arr.shape)}, expected {list(shape)}", name)
         if arr.dtype != dtype:
@@ -88,3 +106,21 @@ def call(fn, what: str, args: tuple, expected: dict[str, tuple[tuple[int, ...], 
                                         f"[{', '.join(map(str, index))}]", name, index)
         result[name] = arr
     return result
+
+
+def failure_check(name: str, exc: ImplementationFailure, tensor: str | None = None, prefix: str = ""):
+    """A check that failed because the implementation under test misbehaved."""
+    from .result import Check
+    return Check("implementation", name, exc.tensor or tensor or "-", None, float("inf"), float("inf"), 0.0, 0.0,
+                 exc.index, False, prefix + exc.message)
+
+
+def in_copies(exc: ImplementationFailure, batch: int, name: str) -> ImplementationFailure:
+    """Re-express a failure on copies stacked along the batch axis in the user's own indices."""
+    if exc.index is None:
+        return ImplementationFailure(f"{exc.message} (on perturbed copies of {name})", exc.tensor)
+    copy, b = divmod(exc.index[0], batch)
+    index = (b,) + tuple(exc.index[1:])
+    where = f"{exc.tensor}[{', '.join(map(str, index))}]"
+    message = exc.message.split(" at ")[0] + f" at {where} of perturbed copy {copy} of {name}"
+    return ImplementationFailure(message, exc.tensor, index)

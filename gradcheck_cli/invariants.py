@@ -62,11 +62,12 @@ def attention_weights(a, visible, grads) -> list[Check]:
     return checks
 
 
-def attention_outputs(forward, backward_kv, inputs, visible, kv_map, o, rng) -> list[Check]:
+def attention_outputs(forward, backward_kv, inputs, visible, kv_map, o, rng, eps: float | None = None) -> list[Check]:
     """Invariants that need only the output and the K/V gradients, so they apply to any
-    implementation: ``forward(q, k, v) -> o``, ``backward_kv(q, k, v, grad_o) -> (g_k, g_v)``."""
+    implementation: ``forward(q, k, v) -> o``, ``backward_kv(q, k, v, grad_o) -> (g_k, g_v)``.
+    ``eps``: the unit roundoff of the computation (default: that of o's dtype)."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    eps = float(np.finfo(o.dtype).eps)
+    eps = float(np.finfo(o.dtype).eps) if eps is None else eps
     heads_kv = k.shape[-3]
     checks = []
 

@@ -425,8 +425,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
         try:
             impl = implementation.load(spec, base_dir, flavour=backend)
         except ValueError as exc:
-            raise f.error("implementation", str(exc),
-                          hint="the module must be importable from the YAML's folder or PYTHONPATH") from None
+            raise f.error("implementation", str(exc)) from None
 
     explicit, source = None, None
     if f.has("mask.visible"):
@@ -462,7 +461,8 @@ def _require_torch(f: _Fields, backend: str, device: str, dtype: str) -> None:
         import torch
     except ImportError:
         raise f.error(key, "this scenario needs torch, which is not installed",
-                      hint="pip install 'attn-gradcheck[torch]' (or: pip install torch)") from None
+                      hint="pip install 'attn-gradcheck[torch]', or pin a build, e.g. pip install torch==2.13.0; "
+                           "an unpinned torch may pull a large CUDA build") from None
     if device == "cuda" and not torch.cuda.is_available():
         raise f.error("device", "device cuda was asked for but torch sees no CUDA device",
                       hint="use device: cpu, or run on a machine with a GPU and a CUDA build of torch")

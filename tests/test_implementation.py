@@ -120,6 +120,34 @@ CORRECT = "from my_attention import Attention, attention\n"
              return o + 1e-3 * o.mean(axis=0, keepdims=True)   # batch elements interact
      impl = Impl()
      """, "perturbations stay in their block", "changed by"),
+    ("""
+     from my_attention import Attention
+     class Impl(Attention):
+         @staticmethod
+         def forward(q, k, v, visible, scale, kv_map):
+             return Attention.forward(q, k, v, visible, scale, kv_map).tolist()
+     impl = Impl()
+     """, "implementation runs", "must return numpy arrays; o is a list"),
+    ("""
+     from my_attention import Attention
+     class Impl(Attention):
+         @staticmethod
+         def forward(q, k, v, visible, scale, kv_map):
+             raise SystemExit(0)
+     impl = Impl()
+     """, "implementation runs", "forward raised SystemExit: 0"),
+    ("""
+     import numpy as np
+     from my_attention import Attention
+     class Impl(Attention):
+         @staticmethod
+         def forward(q, k, v, visible, scale, kv_map):
+             o = Attention.forward(q, k, v, visible, scale, kv_map)
+             if q.shape[0] > 2:
+                 o[-1, 1, 2, 3] = np.nan
+             return o
+     impl = Impl()
+     """, "gradient q", "nan at o[1, 1, 2, 3] of perturbed copy"),
 ])
 def test_misbehaving_implementations_fail_with_a_message(root, tmp_path, monkeypatch, body, check, words):
     monkeypatch.syspath_prepend(str(root / "examples"))
@@ -155,3 +183,26 @@ def test_faults_do_not_apply_to_a_user_implementation(root):
     scs = scenario.load(root / "examples/attention.yaml")
     assert {c.status for c in checker.negative_controls(scs[:1])} == {"not applicable"}
     assert checker.run_scenario(scs[0], ("softmax-term",)).passed
+
+
+def test_an_implementation_that_changes_its_inputs_in_place_cannot_corrupt_the_check(root, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(root / "examples"))
+    write_impl(tmp_path, """
+        from my_attention import Attention
+        class Impl(Attention):
+            @staticmethod
+            def forward(q, k, v, visible, scale, kv_map):
+                q *= scale                      # in place: the tool hands over copies
+                return Attention.forward(q, k, v, visible, 1.0, kv_map)
+        impl = Impl()
+        """, name="inplace_impl")
+    (result,), _ = run_yaml(tmp_path, "- {name: t, implementation: 'inplace_impl:impl'}\n")
+    assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
+
+
+def test_a_module_that_exits_on_import_is_bad_input(tmp_path):
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(SHAPES + "  - {name: t, implementation: 'exits:impl'}\n")
+    result = CliRunner().invoke(main, ["run", str(cfg)])
+    assert result.exit_code == 2 and "SystemExit" in result.stderr

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .. import invariants
 from ..ops import attention as engine
-from ..implementation import ImplementationFailure
+from ..implementation import ImplementationFailure, failure_check, guarded, in_copies
 from ..ops.registry import Problem
 from ..result import Check
 
@@ -116,7 +116,11 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
     grads = {"q": dq, "k": dk, "v": dv}
     np_ = lambda t: t.detach().to("cpu", torch.float64).numpy()  # noqa: E731
     if low:
-        return _low_precision(sc, q, k, v, g, vis, kv_map, o, grads, np_)
+        lowp = _low_precision(sc, q, k, v, g, vis, kv_map, o, grads, np_)
+        policy = lowp.invariants
+        lowp.invariants = lambda: policy() + _output_invariants(
+            sc, fwd, bwd, {t: np_(x) for t, x in zip("qkv", (q, k, v))}, o, to, np_)
+        return lowp
 
     inputs = {"q": np_(q).astype(sc.dtype), "k": np_(k).astype(sc.dtype), "v": np_(v).astype(sc.dtype)}
     blocks = engine._Blocks(sc, np.asarray(sc.kv_map))
@@ -134,7 +138,10 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
             t = t.expand((c,) + tuple(t.shape)) if t.dim() == 4 else t
             return t.reshape((c * sc.batch,) + tuple(t.shape[2:]))
 
-        return fwd(*(stack(args[t]) for t in "qkv"), stack(vis)).reshape((c,) + tuple(g.shape))
+        try:
+            return fwd(*(stack(args[t]) for t in "qkv"), stack(vis)).reshape((c,) + tuple(g.shape))
+        except ImplementationFailure as exc:
+            raise in_copies(exc, sc.batch, name) from None
 
     def loss(name, x):
         return np_((copies_forward(name, x) * g).to(torch.float64).sum(dim=(-4, -3, -2, -1)))
@@ -150,11 +157,7 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
                                             0.0, "A_ij must be exactly 0 where key j is not visible to query i"))
         else:
             out = _reference(sc, inputs64, g64, o, grads, np_)
-        backward_kv = lambda q_, k_, v_, go: [np_(t) for t in bwd(to(q_), to(k_), to(v_), to(go))[1:]]  # noqa: E731
-        out += invariants.attention_outputs(lambda q_, k_, v_: np_(fwd(to(q_), to(k_), to(v_))), backward_kv,
-                                            inputs, sc.visible, np.asarray(sc.kv_map), np_(o),
-                                            np.random.default_rng([sc.seed, 1]))
-        return out
+        return out + _output_invariants(sc, fwd, bwd, inputs, o, to, np_)
 
     itemsize = torch.finfo(dt).bits // 8
     return Problem(
@@ -168,12 +171,23 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
     )
 
 
-def _call_user(user, args, shape, dtype):
-    """The user's torch forward, so that misbehaviour is a failed check naming the tensor."""
+def _output_invariants(sc, fwd, bwd, inputs, o, to, np_) -> list[Check]:
+    """The output-only invariants on the implementation under test, in its own precision."""
+    backward_kv = lambda q_, k_, v_, go: [np_(t) for t in bwd(to(q_), to(k_), to(v_), to(go))[1:]]  # noqa: E731
+    eps = torch.finfo(DTYPES[sc.dtype]).eps
     try:
-        o = user(*args)
-    except Exception as exc:  # whatever the implementation raises is a failed check
-        raise ImplementationFailure(f"forward raised {type(exc).__name__}: {exc}") from None
+        return invariants.attention_outputs(lambda q_, k_, v_: np_(fwd(to(q_), to(k_), to(v_))), backward_kv,
+                                            inputs, sc.visible, np.asarray(sc.kv_map), np_(o),
+                                            np.random.default_rng([sc.seed, 1]), eps=eps)
+    except ImplementationFailure as exc:
+        return [failure_check("invariants", exc)]
+
+
+def _call_user(user, args, shape, dtype):
+    """The user's torch forward on clones of the inputs (so changing them in place cannot affect the
+    check), so that misbehaviour is a failed check naming the tensor."""
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) and not a.requires_grad else a for a in args)
+    o = guarded("forward", user, *args)
     if not isinstance(o, torch.Tensor):
         raise ImplementationFailure(f"forward must return a torch.Tensor, got {type(o).__name__}", "o")
     if tuple(o.shape) != tuple(shape):
@@ -200,10 +214,7 @@ def _user_gradients(user, qkv, rest, grad_o, shape, dtype):
         o = _call_user(user, (*leaves, *rest), shape, dtype)
         if not o.requires_grad:
             raise ImplementationFailure("forward's output does not require grad: autograd cannot reach q, k, v", "o")
-        try:
-            grads = torch.autograd.grad(o, leaves, grad_o, allow_unused=True)
-        except Exception as exc:
-            raise ImplementationFailure(f"backward raised {type(exc).__name__}: {exc}") from None
+        grads = guarded("backward", lambda: torch.autograd.grad(o, leaves, grad_o, allow_unused=True))
     out = []
     for name, leaf, grad in zip(("dq", "dk", "dv"), leaves, grads):
         grad = torch.zeros_like(leaf) if grad is None else grad.detach()

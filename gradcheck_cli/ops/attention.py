@@ -257,7 +257,10 @@ def _build_user(sc) -> Problem:
         args = {t: (x if t == name else np.broadcast_to(val, (c,) + val.shape)).reshape((c * batch,) + val.shape[1:])
                 for t, val in inputs.items()}
         vis = np.broadcast_to(visible, (c,) + visible.shape).reshape((c * batch,) + visible.shape[1:])
-        return user_forward(args["q"], args["k"], args["v"], vis).reshape((c,) + g.shape)
+        try:
+            return user_forward(args["q"], args["k"], args["v"], vis).reshape((c,) + g.shape)
+        except implementation.ImplementationFailure as exc:
+            raise implementation.in_copies(exc, batch, name) from None
 
     o = user_forward(q, k, v, visible)
     dq, dk, dv = user_backward(q, k, v, g)
@@ -271,9 +274,12 @@ def _build_user(sc) -> Problem:
         agree = [invariants.agreement("forward agrees with the reference", "o", o, ref_o, sc.tolerance)]
         agree += [invariants.agreement("backward agrees with the reference", t, mine, theirs, sc.tolerance)
                   for t, mine, theirs in (("q", dq, ref.q), ("k", dk, ref.k), ("v", dv, ref.v))]
-        return agree + invariants.attention_outputs(
-            lambda q, k, v: user_forward(q, k, v, visible), lambda q, k, v, go: user_backward(q, k, v, go)[1:],
-            inputs, visible, kv_map, o, rng_inv)
+        try:
+            return agree + invariants.attention_outputs(
+                lambda q, k, v: user_forward(q, k, v, visible), lambda q, k, v, go: user_backward(q, k, v, go)[1:],
+                inputs, visible, kv_map, o, rng_inv)
+        except implementation.ImplementationFailure as exc:
+            return agree + [implementation.failure_check("invariants", exc)]
 
     tiled = (k.size + v.size + q.size) * dt.itemsize + visible.size
     return Problem(
