@@ -17,8 +17,9 @@ from .errors import GradcheckError
 from .ops import FAULTS, OPS
 from .scenario import load
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
-EPILOG = "Exit codes: 0 all checks passed, 1 a check failed, 2 bad input or usage, 130 interrupted."
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EPILOG = ("Exit codes: 0 all checks passed, 1 a check failed, 2 bad input or usage, 3 inconclusive "
+          "(no failure, but finite differences too inaccurate to decide), 130 interrupted.")
 EPILOG_INFO = "Exit codes: 0 ok, 2 bad input or usage."
 
 
@@ -103,7 +104,7 @@ def run(config, faults, break_softmax_term, negative_controls, json_path, junit_
 
     Prints a table per scenario as it finishes. Exit 0: every check passed; 1: a check failed, or
     with --negative-controls an applicable fault went undetected; 2: bad input or usage (nothing runs);
-    130: interrupted.
+    3: no failure, but some finite differences too inaccurate to decide; 130: interrupted.
     """
     faults = tuple(dict.fromkeys(faults + (("softmax-term",) if break_softmax_term else ())))
     if faults and negative_controls:
@@ -154,7 +155,8 @@ def run(config, faults, break_softmax_term, negative_controls, json_path, junit_
                              arrays_dir, results)
     except OSError as exc:
         raise _fail(f"cannot write the reports: {exc}") from None
-    raise click.exceptions.Exit(EXIT_OK if data["passed"] else EXIT_FAILED)
+    codes = {"pass": EXIT_OK, "fail": EXIT_FAILED, "inconclusive": EXIT_INCONCLUSIVE}
+    raise click.exceptions.Exit(codes[data["verdict"]])
 
 
 @main.command(epilog=EPILOG_INFO, short_help="List the named faults and the checks that catch them.")

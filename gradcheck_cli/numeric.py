@@ -89,7 +89,8 @@ def elements(loss: Loss, x: np.ndarray, indices: np.ndarray, epsilon: float, chu
         flat[rows, idx] = plus
         flat[c + rows, idx] = minus
         values = np.asarray(loss(copies), dtype=np.float64)
-        return (values[:c] - values[c:]) / (plus.astype(np.float64) - minus.astype(np.float64))
+        with np.errstate(divide="ignore", invalid="ignore"):  # a step lost to rounding gives inf/nan: a failure
+            return (values[:c] - values[c:]) / (plus.astype(np.float64) - minus.astype(np.float64))
 
     for start, stop, value in _in_chunks(work, len(indices), chunking):
         out[start:stop] = value
@@ -147,8 +148,9 @@ def leakage(loss_parts: Callable[[np.ndarray], np.ndarray], x: np.ndarray, part_
     change), with 2 * ceil(log2 P) evaluations: for each bit of the block number, one copy moves the
     blocks whose bit is 1 and another those whose bit is 0 (every element of a moved block by a random
     amount of size max(1, |x|)). Any two blocks differ in some bit, so every p is moved while p' is
-    not in some copy. Returns (largest change of an unmoved block's part of L, largest |part|, a flat
-    index in the worst unmoved block); independence means rounding at most."""
+    not in some copy. Also, the unmoved copy evaluated among the others must equal the inputs evaluated
+    alone (stacked copies must not interact). Returns (largest change of an unmoved block's part of L,
+    largest |part|, a flat index in the worst block); independence means rounding at most."""
     flat_x, flat_part = x.ravel(), part_of.ravel()
     blocks = int(flat_part.max()) + 1
     if blocks == 1:
@@ -157,17 +159,21 @@ def leakage(loss_parts: Callable[[np.ndarray], np.ndarray], x: np.ndarray, part_
     ids = np.arange(blocks)
     moved = np.array([((ids >> t) & 1) == v for t in range(bits) for v in (0, 1)])   # [2 bits, P]
     moves = (rng.standard_normal(x.size) * np.maximum(1.0, np.abs(flat_x))).astype(x.dtype)
-    base = np.asarray(loss_parts(x[None]), dtype=np.float64)[0]
+    alone = np.asarray(loss_parts(x[None]), dtype=np.float64)[0]
 
-    def work(start: int, stop: int) -> np.ndarray:
-        copies = np.broadcast_to(x, (stop - start,) + x.shape).copy()
-        copies.reshape(stop - start, -1)[...] += np.where(moved[start:stop][:, flat_part], moves, 0).astype(x.dtype)
+    def work(start: int, stop: int):
+        # copy 0 stays unmoved in the same call: it must equal the inputs evaluated alone (copies
+        # stacked together must not interact), and the moved copies are compared with it
+        copies = np.broadcast_to(x, (stop - start + 1,) + x.shape).copy()
+        copies.reshape(stop - start + 1, -1)[1:] += np.where(moved[start:stop][:, flat_part], moves, 0).astype(x.dtype)
         values = np.asarray(loss_parts(copies), dtype=np.float64)
-        return np.where(moved[start:stop], 0.0, np.abs(values - base))                 # unmoved blocks only
+        change = np.where(moved[start:stop], 0.0, np.abs(values[1:] - values[0]))
+        return np.vstack([np.abs(values[0] - alone)[None], change]), float(np.abs(values[0]).max())
 
-    change = np.concatenate([c for _, _, c in _in_chunks(work, len(moved), Chunking(2 * chunking.pairs))])
+    pieces = [piece for _, _, piece in _in_chunks(work, len(moved), Chunking(2 * chunking.pairs))]
+    change = np.concatenate([c for c, _ in pieces])
     worst_block = int(np.argmax(change.max(axis=0)))
-    return float(change.max()), float(np.max(np.abs(base))), int(np.flatnonzero(flat_part == worst_block)[0])
+    return float(change.max()), max(m for _, m in pieces), int(np.flatnonzero(flat_part == worst_block)[0])
 
 
 def directions(loss: Loss, x: np.ndarray, grad: np.ndarray, count: int, seed: int, epsilon: float,

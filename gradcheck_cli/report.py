@@ -33,7 +33,15 @@ def _fmt(x: float) -> str:
 def summary(results: Sequence[ScenarioResult]) -> dict:
     checks = [c for r in results for c in r.checks]
     passed = sum(c.passed for c in checks)
-    return {"scenarios": len(results), "checks": len(checks), "passed": passed, "failed": len(checks) - passed}
+    inconclusive = sum(c.verdict == "inconclusive" for c in checks)
+    return {"scenarios": len(results), "checks": len(checks), "passed": passed,
+            "failed": len(checks) - passed - inconclusive, "inconclusive": inconclusive}
+
+
+def verdict(results: Sequence[ScenarioResult]) -> str:
+    """fail if any check fails; else inconclusive if any is; else pass."""
+    s = summary(results)
+    return "fail" if s["failed"] else ("inconclusive" if s["inconclusive"] else "pass")
 
 
 def _table(console: Console, title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
@@ -69,14 +77,16 @@ def render_scenario(console: Console, r: ScenarioResult, description: str) -> No
         relative = c.kind in ("gradient", "reference", "implementation")
         rows.append([c.name, f"{c.tensor} {'x'.join(map(str, c.shape))}" if c.shape else (c.tensor or ""),
                      _fmt(c.max_abs_error), _fmt(c.relative_error) if relative else "", _fmt(c.tolerance),
-                     _fmt(c.noise_floor) if grad else "", "pass" if c.passed else "FAIL"])
-        styles.append([None] * 6 + ["green" if c.passed else "bold red"])
+                     _fmt(c.noise_floor) if grad else "", {"pass": "pass", "fail": "FAIL"}.get(c.verdict, c.verdict)])
+        styles.append([None] * 6 + [{"pass": "green", "fail": "bold red"}.get(c.verdict, "bold yellow")])
     _table(console, title, ["check", "tensor", "max abs err", "rel err", "tolerance", "noise floor", "status"],
            rows, [False, False, True, True, True, True, False], styles)
     for c in r.checks:
         if not c.passed:
-            console.print(Text.assemble("  ", ("FAIL", "red"), f" {failure_message(c)}"), soft_wrap=True)
-    console.print(f"  {r.name}: {'passed' if r.passed else 'FAILED'} in {r.elapsed_s:.2f} s", highlight=False)
+            word, style = ("FAIL", "red") if c.verdict == "fail" else ("INCONCLUSIVE", "yellow")
+            console.print(Text.assemble("  ", (word, style), f" {failure_message(c)}"), soft_wrap=True)
+    word = {"pass": "passed", "fail": "FAILED", "inconclusive": "INCONCLUSIVE"}[r.verdict]
+    console.print(f"  {r.name}: {word} in {r.elapsed_s:.2f} s", highlight=False)
     console.print()
 
 
@@ -90,9 +100,15 @@ def failure_message(c) -> str:
 
 def render_summary(console: Console, results: Sequence[ScenarioResult]) -> None:
     s = summary(results)
-    verdict = "all checks passed" if s["failed"] == 0 else f"{s['failed']} check(s) FAILED"
-    console.print(f"{s['scenarios']} scenario(s), {s['checks']} checks: {s['passed']} passed, {s['failed']} failed "
-                  f"-- {verdict}", highlight=False)
+    if s["failed"]:
+        word = f"{s['failed']} check(s) FAILED"
+    elif s["inconclusive"]:
+        word = f"{s['inconclusive']} check(s) INCONCLUSIVE (finite differences too inaccurate to decide)"
+    else:
+        word = "all checks passed"
+    console.print(f"{s['scenarios']} scenario(s), {s['checks']} checks: {s['passed']} passed, {s['failed']} failed"
+                  + (f", {s['inconclusive']} inconclusive" if s["inconclusive"] else "") + f" -- {word}",
+                  highlight=False)
 
 
 def render_controls(console: Console, cells: Sequence[ControlCell]) -> None:
@@ -120,7 +136,7 @@ def json_report(config: str, faults: Sequence[str], results: Sequence[ScenarioRe
                 controls: Sequence[ControlCell] | None = None) -> dict:
     """The ``--json`` report (documented in the README; keys are stable within a schema version)."""
     s = summary(results)
-    passed = s["failed"] == 0
+    passed = s["failed"] == 0 and s["inconclusive"] == 0
     out = {
         "tool": "attn-gradcheck",
         "version": __version__,
@@ -128,6 +144,7 @@ def json_report(config: str, faults: Sequence[str], results: Sequence[ScenarioRe
         "config": config,
         "faults": list(faults),
         "passed": passed,
+        "verdict": verdict(results),
         "summary": s,
         "scenarios": [r.to_json() for r in results],
         "negative_controls": None,
@@ -136,6 +153,8 @@ def json_report(config: str, faults: Sequence[str], results: Sequence[ScenarioRe
         ok = not any(c.status == "missed" for c in controls)
         out["negative_controls"] = {"passed": ok, "cells": [c.to_json() for c in controls]}
         out["passed"] = passed and ok
+        if not ok:
+            out["verdict"] = "fail"
     return _json_safe(out)
 
 

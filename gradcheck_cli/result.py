@@ -9,8 +9,10 @@ from typing import Any
 class Check:
     """One gradient check (analytic vs finite differences) or one invariant.
 
-    ``kind`` is ``gradient`` or ``invariant``. For a gradient check ``tensor`` names the input and
-    ``worst_index`` is the index of the worst element (in directional mode: ``[direction]``).
+    ``kind`` is ``gradient``, ``invariant``, ``reference`` or ``implementation``. For a gradient check
+    ``tensor`` names the input, ``worst_index`` is the index of the worst element (in directional mode:
+    ``[direction]``), ``fd_error`` the estimated error of the finite differences themselves, and
+    ``verdict`` one of pass / fail / inconclusive (the differences too noisy to decide).
     """
     kind: str
     name: str
@@ -23,6 +25,12 @@ class Check:
     worst_index: tuple[int, ...] | None
     passed: bool
     detail: str = ""
+    verdict: str = ""
+    fd_error: float | None = None
+
+    def __post_init__(self):
+        if not self.verdict:
+            object.__setattr__(self, "verdict", "pass" if self.passed else "fail")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -36,6 +44,8 @@ class Check:
             "noise_floor": self.noise_floor,
             "worst_index": list(self.worst_index) if self.worst_index is not None else None,
             "passed": self.passed,
+            "verdict": self.verdict,
+            "fd_error": self.fd_error,
             "detail": self.detail,
         }
 
@@ -57,6 +67,12 @@ class ScenarioResult:
     def passed(self) -> bool:
         return all(c.passed for c in self.checks)
 
+    @property
+    def verdict(self) -> str:
+        """fail if any check fails; else inconclusive if any is; else pass."""
+        verdicts = {c.verdict for c in self.checks}
+        return "fail" if "fail" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "pass")
+
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -67,6 +83,7 @@ class ScenarioResult:
             "mode": self.mode,
             "faults": list(self.faults),
             "passed": self.passed,
+            "verdict": self.verdict,
             "elapsed_s": round(self.elapsed_s, 6),
             "checks": [c.to_json() for c in self.checks],
         }

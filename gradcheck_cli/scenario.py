@@ -366,6 +366,10 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
         raise f.error("check.slack", f"must be >= 0, got {slack}")
     dflt = defaults_for(dtype)
     epsilon = f.float("epsilon", dflt["epsilon"])
+    resolution = {"bfloat16": 2.0**-7, "float16": 2.0**-10}.get(dtype) or float(np.finfo(np.dtype(dtype)).eps)
+    if epsilon < 8 * resolution and dtype not in LOW_PRECISION:  # no finite differences in half precision
+        raise f.error("epsilon", f"{epsilon:g} is below what {dtype} can resolve ({resolution:.2g}): the "
+                      "perturbed values would round back", hint=f"use at least {8 * resolution:.2g}")
     tolerance = f.float("tolerance", dflt["tolerance"])
     seed = f.int("seed", 0, minimum=0)
     mode = f.choice("check.mode", MODES, "full")

@@ -61,12 +61,8 @@ def _exp_scores(q, k, scale, kv_map, hidden):
     before it: exp(-inf) takes NumPy's slow scalar path, about 3x the cost of the others. Whatever
     exp gives there (even inf) is discarded.
     """
-    k_rep = repeat_kv(k, kv_map)
-    scale = np.asarray(scale, dtype=q.dtype)
-    if q.size <= k_rep.size:  # scale the smaller operand (the shared one when the other has copies)
-        q = q * scale
-    else:
-        k_rep = k_rep * scale
+    # scale k: as cheap as scaling q, and the same rounding whether or not copies are stacked
+    k_rep = repeat_kv(k, kv_map) * np.asarray(scale, dtype=q.dtype)
     s = np.matmul(q, np.swapaxes(k_rep, -1, -2))
     if hidden is None:
         s -= s.max(axis=-1, keepdims=True)
