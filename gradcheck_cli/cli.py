@@ -15,7 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from . import __version__, checker, report
 from .errors import GradcheckError
 from .ops import FAULTS, OPS
-from .scenario import load
+from .scenario import load, select
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EPILOG = ("Exit codes: 0 all checks passed, 1 a check failed, 2 bad input or usage, 3 inconclusive "
@@ -86,6 +86,9 @@ def main() -> None:
 @click.option("--fault", "faults", multiple=True, type=click.Choice(tuple(FAULTS)),
               help="Inject a named fault into the op (repeatable); see 'attn-gradcheck faults'.")
 @click.option("--break-softmax-term", is_flag=True, help="Same as --fault softmax-term.")
+@click.option("--select", "selects", multiple=True, metavar="GLOB",
+              help="Run only scenarios whose name matches (repeatable; globs over whole names, e.g. '*gqa*').")
+@click.option("--deselect", "deselects", multiple=True, metavar="GLOB", help="Skip scenarios whose name matches.")
 @click.option("--negative-controls", is_flag=True,
               help="Also run every fault on every scenario and print a fault x scenario table; "
                    "exit 1 if an applicable fault goes undetected.")
@@ -98,7 +101,7 @@ def main() -> None:
               show_default=True, help="MiB of perturbed copies evaluated in one vectorised call.")
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Progress bar with ETA on stderr (only when stderr is a terminal).")
-def run(config, faults, break_softmax_term, negative_controls, json_path, junit_path, arrays_dir,
+def run(config, faults, break_softmax_term, selects, deselects, negative_controls, json_path, junit_path, arrays_dir,
         memory_budget, progress):
     """Check every scenario of CONFIG (a YAML file; format in the README, 'Scenario files').
 
@@ -110,7 +113,7 @@ def run(config, faults, break_softmax_term, negative_controls, json_path, junit_
     if faults and negative_controls:
         raise _fail("--negative-controls runs every fault itself; do not combine it with --fault")
     try:
-        scenarios = load(config)
+        scenarios = select(load(config), selects, deselects)
         report.prepare_outputs({"--json": json_path, "--junit": junit_path}, {"--save-arrays": arrays_dir},
                                {"--save-arrays": [f"{sc.name}.npz" for sc in scenarios]}, inputs=[config])
     except GradcheckError as exc:
@@ -126,7 +129,7 @@ def run(config, faults, break_softmax_term, negative_controls, json_path, junit_
             result = checker.run_scenario(sc, faults, memory_budget=budget, progress=bar.advance, numeric_cache=cache)
             results.append(result)
             with bar.hidden():
-                report.render_scenario(out, result, sc.describe())
+                report.render_scenario(out, result, sc.describe(), report.reproduce_command(config, sc.name, faults))
                 for fault in faults:
                     if fault in OPS[sc.op].faults and not checker.fault_applies(sc, fault):
                         out.print(f"  note: fault {fault} has no effect on this scenario (not applicable)\n",
@@ -151,8 +154,8 @@ def run(config, faults, break_softmax_term, negative_controls, json_path, junit_
         report.render_controls(out, cells)
     data = report.json_report(config, faults, results, cells)
     try:
-        report.write_reports(json_path, data, junit_path, report.junit_xml(results, cells) if junit_path else None,
-                             arrays_dir, results)
+        report.write_reports(json_path, data, junit_path,
+                             report.junit_xml(results, cells, config, faults) if junit_path else None, arrays_dir, results)
     except OSError as exc:
         raise _fail(f"cannot write the reports: {exc}") from None
     codes = {"pass": EXIT_OK, "fail": EXIT_FAILED, "inconclusive": EXIT_INCONCLUSIVE}

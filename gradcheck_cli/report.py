@@ -6,6 +6,7 @@ import errno
 import io
 import json
 import math
+import shlex
 import os
 import tempfile
 import xml.etree.ElementTree as ET
@@ -69,7 +70,15 @@ def _table(console: Console, title: str, headers: Sequence[str], rows: Sequence[
         console.print(line(cells), markup=False, highlight=False, soft_wrap=True)
 
 
-def render_scenario(console: Console, r: ScenarioResult, description: str) -> None:
+def reproduce_command(config: str, name: str, faults: Sequence[str] = ()) -> str:
+    """One line that re-runs just this scenario (with the same faults)."""
+    parts = ["attn-gradcheck", "run", shlex.quote(config), "--select", shlex.quote(name)]
+    for fault in faults:
+        parts += ["--fault", fault]
+    return " ".join(parts)
+
+
+def render_scenario(console: Console, r: ScenarioResult, description: str, reproduce: str | None = None) -> None:
     title = f"{r.name} ({description})" + (f"  faults: {', '.join(r.faults)}" if r.faults else "")
     rows, styles = [], []
     for c in r.checks:
@@ -87,6 +96,8 @@ def render_scenario(console: Console, r: ScenarioResult, description: str) -> No
             console.print(Text.assemble("  ", (word, style), f" {failure_message(c)}"), soft_wrap=True)
     word = {"pass": "passed", "fail": "FAILED", "inconclusive": "INCONCLUSIVE"}[r.verdict]
     console.print(f"  {r.name}: {word} in {r.elapsed_s:.2f} s", highlight=False)
+    if reproduce and not r.passed:
+        console.print(f"  reproduce: {reproduce}", highlight=False, markup=False, soft_wrap=True)
     console.print()
 
 
@@ -146,7 +157,7 @@ def json_report(config: str, faults: Sequence[str], results: Sequence[ScenarioRe
         "passed": passed,
         "verdict": verdict(results),
         "summary": s,
-        "scenarios": [r.to_json() for r in results],
+        "scenarios": [{**r.to_json(), "reproduce": reproduce_command(config, r.name, faults)} for r in results],
         "negative_controls": None,
     }
     if controls is not None:
@@ -169,7 +180,8 @@ def _json_safe(value):
     return value
 
 
-def junit_xml(results: Sequence[ScenarioResult], controls: Sequence[ControlCell] | None = None) -> bytes:
+def junit_xml(results: Sequence[ScenarioResult], controls: Sequence[ControlCell] | None = None,
+              config: str | None = None, faults: Sequence[str] = ()) -> bytes:
     """JUnit XML: one testsuite per scenario, one testcase per check (and one per control cell)."""
     root = ET.Element("testsuites", name="attn-gradcheck")
     for r in results:
@@ -182,7 +194,10 @@ def junit_xml(results: Sequence[ScenarioResult], controls: Sequence[ControlCell]
             if not c.passed:
                 msg = (f"{c.name} ({c.tensor}): max abs error {c.max_abs_error:.3e}, relative "
                        f"{c.relative_error:.3e}, tolerance {c.tolerance:.1e}, noise floor {c.noise_floor:.1e}")
-                ET.SubElement(case, "failure", message=msg).text = failure_message(c)
+                text = failure_message(c)
+                if config:
+                    text += "\nreproduce: " + reproduce_command(config, r.name, faults)
+                ET.SubElement(case, "failure", message=msg).text = text
     if controls is not None:
         missed = sum(c.status == "missed" for c in controls)
         suite = ET.SubElement(root, "testsuite", name="negative-controls", tests=str(len(controls)),

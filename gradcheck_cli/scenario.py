@@ -25,7 +25,7 @@ import numpy as np
 import yaml
 
 from . import implementation, masks
-from .errors import ScenarioError
+from .errors import GradcheckError, ScenarioError
 from .ops import OPS
 from .tolerance import DTYPES, defaults_for
 
@@ -559,3 +559,18 @@ def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".
         seen[sc.name] = i
         out.append(sc)
     return out
+
+
+def select(scenarios: list[Scenario], include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> list[Scenario]:
+    """Scenarios whose name matches any ``include`` glob (all when none is given) and no ``exclude``
+    glob. Globs match the whole name (``fnmatch``): a plain name selects exactly that scenario,
+    ``'*gqa*'`` every name containing gqa."""
+    import fnmatch
+    chosen = [sc for sc in scenarios
+              if (not include or any(fnmatch.fnmatchcase(sc.name, p) for p in include))
+              and not any(fnmatch.fnmatchcase(sc.name, p) for p in exclude)]
+    if not chosen:
+        names = ", ".join(sc.name for sc in scenarios)
+        raise GradcheckError(f"no scenario matches --select {list(include)} / --deselect {list(exclude)} "
+                             f"(scenarios: {names}); patterns are globs over whole names, e.g. '*gqa*'")
+    return chosen

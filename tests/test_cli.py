@@ -121,7 +121,7 @@ def test_json_report_contract(root, tmp_path):
     assert set(report["summary"]) == {"scenarios", "checks", "passed", "failed", "inconclusive"}
     s = report["scenarios"][0]
     assert set(s) == {"name", "op", "dtype", "epsilon", "tolerance", "mode", "faults", "passed", "verdict",
-                      "elapsed_s", "checks"}
+                      "elapsed_s", "checks", "reproduce"}
     c = s["checks"][0]
     assert set(c) == {"kind", "name", "tensor", "shape", "max_abs_error", "relative_error", "tolerance",
                       "noise_floor", "worst_index", "passed", "verdict", "fd_error", "detail"}
@@ -193,3 +193,17 @@ def test_out_of_memory_is_exit_2_without_a_traceback(root, monkeypatch):
     monkeypatch.setattr(checker, "run_scenario", exhausted)
     result = run("run", root / "configs/quickstart.yaml")
     assert result.exit_code == 2 and "ran out of memory" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_select_deselect_and_the_reproduce_line(root, tmp_path):
+    config = str(root / "configs/quickstart.yaml")
+    result = run("run", config, "--select", "c*", "--deselect", "cross-*", "--fault", "scale", "--json", tmp_path / "r.json")
+    names = [s["name"] for s in json.loads((tmp_path / "r.json").read_text())["scenarios"]]
+    assert names == ["causal-self", "cache-gqa"] and result.exit_code == 1
+    line = next(l for l in result.stdout.splitlines() if "reproduce:" in l and "cache-gqa" in l)
+    again = run(*line.split("reproduce: attn-gradcheck ")[1].split())  # the line runs just that scenario
+    assert again.exit_code == 1 and "1 scenario(s)" in again.stdout and "cache-gqa" in again.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["scenarios"][1]["reproduce"].endswith("--select cache-gqa --fault scale")
+    none = run("run", config, "--select", "nothing*")
+    assert none.exit_code == 2 and "no scenario matches" in none.stderr
