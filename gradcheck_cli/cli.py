@@ -5,6 +5,7 @@ Exit codes: 0 every check passed, 1 a check failed (or a negative control was mi
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import time
 
@@ -15,7 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from . import __version__, checker, report
 from .errors import GradcheckError
 from .ops import FAULTS, OPS
-from .scenario import load, select
+from .scenario import json_schema, load, select
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EPILOG = ("Exit codes: 0 all checks passed, 1 a check failed, 2 bad input or usage, 3 inconclusive "
@@ -172,6 +173,12 @@ def faults():
                       style="bold" if out.is_terminal else None, markup=False)
             out.print(f"    breaks:    {f.breaks}", markup=False)
             out.print(f"    caught by: {'; '.join(f.caught_by)}", markup=False)
+
+
+@main.command(epilog=EPILOG_INFO, short_help="Print the JSON Schema of the scenario format.")
+def schema():
+    """Print the JSON Schema of scenario files (shipped as schema/scenario.schema.json for editors)."""
+    click.echo(json.dumps(json_schema(), indent=2))
 
 
 @main.command(epilog=EPILOG_INFO, short_help="Check a scenario file without running it.")

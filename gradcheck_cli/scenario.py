@@ -574,3 +574,47 @@ def select(scenarios: list[Scenario], include: tuple[str, ...] = (), exclude: tu
         raise GradcheckError(f"no scenario matches --select {list(include)} / --deselect {list(exclude)} "
                              f"(scenarios: {names}); patterns are globs over whole names, e.g. '*gqa*'")
     return chosen
+
+
+def json_schema() -> dict:
+    """A JSON Schema (draft 2020-12) of the scenario file, for editors (yaml-language-server) and CI.
+    The loader stays the authority: it also checks what a schema cannot (shapes, masks, memory)."""
+    pos = {"type": "integer", "minimum": 1}
+    ints = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+    side = {"oneOf": [{"type": "null"}, {"type": "integer", "minimum": -1}]}
+    number = {"oneOf": [{"type": "number"}, {"type": "string"}]}
+    mask = {"type": "object", "additionalProperties": False, "properties": {
+        "causal": {"enum": list(masks.CAUSAL) + [None], "description": "upper-left: j <= i; lower-right: j <= i + n_k - n_q"},
+        "window": {"type": "array", "items": side, "minItems": 2, "maxItems": 2,
+                   "description": "(left, right) around the diagonal, as FlashAttention's window_size"},
+        "key_lengths": {**ints, "description": "valid keys per batch element"},
+        "visible": {"oneOf": [{"type": "string"}, {"type": "array"}],
+                    "description": ".npy path (relative to the YAML) or nested list; True = visible"}}}
+    check = {"type": "object", "additionalProperties": False, "properties": {
+        "mode": {"enum": list(MODES)}, "samples": pos, "directions": {**pos, "maximum": MAX_DIRECTIONS},
+        "colouring": {"type": "boolean"}, "factor": number, "slack": number}}
+    fields = {
+        "name": {"type": "string", "pattern": NAME_RE.pattern},
+        "op": {"enum": sorted(OPS)},
+        "implementation": {"type": "string", "pattern": implementation.SPEC_RE.pattern},
+        "backend": {"enum": list(BACKENDS)}, "device": {"enum": list(DEVICES)},
+        "batch": pos, "heads_q": pos, "heads_kv": pos, "kv_map": ints, "n_q": pos, "n_k": pos,
+        "d_head": pos, "d_value": pos, "scale": number, "mask": mask, "loss_rows": ints, "check": check,
+        "dtype": {"enum": list(DTYPES) + list(LOW_PRECISION)}, "epsilon": number, "tolerance": number,
+        "seed": {"type": "integer", "minimum": 0},
+    }
+    assert set(fields) == set(SCENARIO_KEYS), "the schema must list every scenario key"
+    defaults = {k: v for k, v in fields.items() if k != "name"}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "attn-gradcheck scenario file",
+        "type": "object",
+        "additionalProperties": False,
+        "patternProperties": {"^x-": {}},
+        "required": ["scenarios"],
+        "properties": {
+            "defaults": {"type": "object", "additionalProperties": False, "properties": defaults},
+            "scenarios": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "additionalProperties": False, "required": ["name"], "properties": fields}},
+        },
+    }
