@@ -181,15 +181,21 @@ def schema():
     click.echo(json.dumps(json_schema(), indent=2))
 
 
-@main.command(epilog=EPILOG_INFO, short_help="Check a scenario file without running it.")
-@click.argument("config", type=click.Path(path_type=str))
-def validate(config):
-    """Check CONFIG without running it: every key, shape and mask row."""
-    try:
-        scenarios = load(config)
-    except GradcheckError as exc:
-        raise _fail(str(exc)) from None
-    out = _console()
-    for sc in scenarios:
-        out.print(f"{sc.name}: {sc.op} {sc.describe()}", highlight=False)
-    out.print(f"{config}: {len(scenarios)} scenario(s) valid", highlight=False)
+@main.command(epilog=EPILOG_INFO, short_help="Check scenario files without running them.")
+@click.argument("configs", nargs=-1, required=True, type=click.Path(path_type=str))
+def validate(configs):
+    """Check each CONFIG without running it: every key, shape and mask row (all files are read; the
+    exit code is 2 if any is wrong)."""
+    out, bad = _console(), False
+    for config in configs:
+        try:
+            scenarios = load(config)
+        except GradcheckError as exc:
+            click.echo(f"error: {exc}", err=True)
+            bad = True
+            continue
+        for sc in scenarios:
+            out.print(f"{sc.name}: {sc.op} {sc.describe()}", highlight=False)
+        out.print(f"{config}: {len(scenarios)} scenario(s) valid", highlight=False)
+    if bad:
+        raise click.exceptions.Exit(EXIT_BAD_INPUT)

@@ -207,3 +207,18 @@ def test_select_deselect_and_the_reproduce_line(root, tmp_path):
     assert report["scenarios"][1]["reproduce"].endswith("--select cache-gqa --fault scale")
     none = run("run", config, "--select", "nothing*")
     assert none.exit_code == 2 and "no scenario matches" in none.stderr
+
+
+def test_validate_takes_several_files_and_reports_each_bad_one(root, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("scenarios: [{name: a, n_q: 0, d_head: 2}]\n")
+    result = run("validate", root / "configs/gqa.yaml", bad, root / "configs/quickstart.yaml")
+    assert result.exit_code == 2 and "4 scenario(s) valid" in result.stdout and "3 scenario(s) valid" in result.stdout
+    assert "bad.yaml:1" in result.stderr
+
+
+def test_pre_commit_hooks_are_well_formed(root):
+    import yaml
+    hooks = yaml.safe_load((root / ".pre-commit-hooks.yaml").read_text())
+    assert {h["id"] for h in hooks} == {"attn-gradcheck-validate", "attn-gradcheck-run"}
+    assert all(h["entry"].split()[0] == "attn-gradcheck" and h["language"] == "python" for h in hooks)
