@@ -86,7 +86,7 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
     key = (sc, name, _forward_faults(active))
     direction_seed = int(rng.integers(2**32))
     if sc.mode == "directional":  # the analytic side depends on the gradient: never cached
-        num, ana = numeric.directions(lambda c, name=name: problem.loss(name, c), x, grad, sc.directions,
+        num, ana = numeric.directions(lambda c, name=name: problem.loss(name, c), x, grad, np.arange(sc.directions),
                                       direction_seed, sc.epsilon, chunking, progress)
         sites, step = None, sc.epsilon * max(1.0, float(np.max(np.abs(x))))
     elif numeric_cache is not None and key in numeric_cache:
@@ -143,9 +143,7 @@ def _verdict(sc, problem, name, x, ana, num, floor, sites, ok, direction_seed, r
     half = sc.epsilon / 2
     if sc.mode == "directional":
         grad = problem.gradients[name]
-        num_half, _ = numeric.directions(lambda c: problem.loss(name, c), x, grad, sc.directions, direction_seed,
-                                         half, chunking)
-        num_half = num_half[probe]
+        num_half, _ = numeric.directions(lambda c: problem.loss(name, c), x, grad, probe, direction_seed, half, chunking)
     else:
         num_half = numeric.elements(lambda c: problem.loss(name, c), x, sites[probe], half, chunking)
     fd_err = 4.0 / 3.0 * np.abs(num[probe] - num_half)

@@ -14,7 +14,7 @@ from .result import Check
 from .tolerance import INVARIANT_ULPS
 
 
-def _check(name: str, tensor: str, values: np.ndarray, bound: float, detail: str,
+def bounded(name: str, tensor: str, values: np.ndarray, bound: float, detail: str,
            index_shape: tuple[int, ...] | None = None) -> Check:
     """An invariant ``|values| <= bound`` everywhere; reports the worst element."""
     values = np.abs(np.asarray(values, dtype=np.float64))
@@ -46,16 +46,16 @@ def attention_weights(a, visible, grads) -> list[Check]:
     g_s = grads.s
     eps = float(np.finfo(a.dtype).eps)
     checks = [
-        _check("attention is non-negative", "a", np.minimum(a, 0), 0.0, "min over all entries of A must be >= 0"),
-        _check("attention rows sum to 1", "a", a.sum(axis=-1) - 1, INVARIANT_ULPS * eps * a.shape[-1],
+        bounded("attention is non-negative", "a", np.minimum(a, 0), 0.0, "min over all entries of A must be >= 0"),
+        bounded("attention rows sum to 1", "a", a.sum(axis=-1) - 1, INVARIANT_ULPS * eps * a.shape[-1],
                "|sum_j A_ij - 1| per row"),
-        _check("attention is 0 off the visible set", "a", np.where(visible, 0, a), 0.0,
+        bounded("attention is 0 off the visible set", "a", np.where(visible, 0, a), 0.0,
                "A_ij must be exactly 0 where key j is not visible to query i"),
     ]
     # Rounding of sum_j A_ij (G_A_ij - c_i) is bounded by eps * sum_j A_ij (|G_A_ij| + |c_i|).
     c = (grads.a * grads.ga).sum(axis=-1, keepdims=True)
     row_scale = (grads.a * (np.abs(grads.ga) + np.abs(c))).sum(axis=-1)
-    checks.append(_check("score-gradient rows sum to 0", "g_s",
+    checks.append(bounded("score-gradient rows sum to 0", "g_s",
                          g_s.sum(axis=-1) / np.maximum(row_scale, np.finfo(a.dtype).tiny),
                          INVARIANT_ULPS * eps,
                          "|sum_j G_S_ij| / sum_j A_ij (|G_A_ij| + |c_i|) per row (softmax is shift invariant)"))
@@ -80,7 +80,7 @@ def attention_outputs(forward, backward_kv, inputs, visible, kv_map, o, rng, eps
     unseen = ~masks.kv_rows_seen(row0, kv_map, heads_kv)  # [B, Hkv, n_k]
     n_unseen = int(unseen.sum())
     for name, grad in (("k", first_k), ("v", first_v)):
-        checks.append(_check("unseen K/V rows get zero gradient", name,
+        checks.append(bounded("unseen K/V rows get zero gradient", name,
                              np.where(unseen[..., None], grad, 0), 0.0,
                              f"loss on query row 0 only; {n_unseen} (batch, kv head, key) rows it cannot see "
                              "must get exactly zero gradient"))
@@ -91,13 +91,13 @@ def attention_outputs(forward, backward_kv, inputs, visible, kv_map, o, rng, eps
     k2 = np.where(hidden[..., None], rng.standard_normal(k.shape).astype(k.dtype) * 10, k)
     v2 = np.where(hidden[..., None], rng.standard_normal(v.shape).astype(v.dtype) * 10, v)
     o2 = forward(q, k2, v2)
-    checks.append(_check("hidden K/V rows do not change O", "o", o2 - o,
+    checks.append(bounded("hidden K/V rows do not change O", "o", o2 - o,
                          INVARIANT_ULPS * eps * max(float(np.abs(o).max()), 1.0),
                          f"{n_hidden} (batch, kv head, key) rows visible to no query replaced by random values"
                          if n_hidden else "every key row is visible to some query: nothing to replace"))
 
     # Each O row is a convex combination of its visible V rows.
-    checks.append(_check("O rows in the range of visible V rows", "o", _outside_visible_range(o, v, visible, kv_map),
+    checks.append(bounded("O rows in the range of visible V rows", "o", _outside_visible_range(o, v, visible, kv_map),
                          INVARIANT_ULPS * eps * max(float(np.abs(v).max()), 1.0),
                          "distance of O_i outside [min, max] of the V rows visible to query i, per column"))
     return checks

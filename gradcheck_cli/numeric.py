@@ -176,30 +176,30 @@ def leakage(loss_parts: Callable[[np.ndarray], np.ndarray], x: np.ndarray, part_
     return float(change.max()), max(m for _, m in pieces), int(np.flatnonzero(flat_part == worst_block)[0])
 
 
-def directions(loss: Loss, x: np.ndarray, grad: np.ndarray, count: int, seed: int, epsilon: float,
+def directions(loss: Loss, x: np.ndarray, grad: np.ndarray, which: np.ndarray, seed: int, epsilon: float,
                chunking: Chunking, progress: Progress | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Directional derivatives along ``count`` random unit directions (direction i drawn from
-    ``unit_direction(seed, i, x.shape)``, so the numbers do not depend on chunking).
+    """Directional derivatives along the random unit directions numbered ``which`` (direction i is
+    ``unit_direction(seed, i, x.shape)``, so the numbers depend on neither chunking nor selection).
 
-    Returns (numeric [count], analytic [count]): the difference quotient and <grad, taken>, where
+    Returns (numeric, analytic), one per direction: the difference quotient and <grad, taken>, where
     ``taken`` = ((x + h u) - (x - h u)) / 2h is the direction actually stepped in floating point.
     Memory stays within one chunk: directions are drawn where they are used.
     """
     h = float(epsilon * max(1.0, float(np.max(np.abs(x), initial=0.0))))
-    numeric = np.empty(count, dtype=np.float64)
-    analytic = np.empty(count, dtype=np.float64)
+    numeric = np.empty(len(which), dtype=np.float64)
+    analytic = np.empty(len(which), dtype=np.float64)
     step = x.dtype.type(h)
     g = np.asarray(grad, dtype=np.float64)
 
     def work(start: int, stop: int):
-        u = np.stack([unit_direction(seed, i, x.shape) for i in range(start, stop)]).astype(x.dtype)
+        u = np.stack([unit_direction(seed, int(i), x.shape) for i in which[start:stop]]).astype(x.dtype)
         plus, minus = x + step * u, x - step * u
         values = np.asarray(loss(np.concatenate([plus, minus])), dtype=np.float64)
         c = stop - start
         taken = (plus.astype(np.float64) - minus.astype(np.float64)) / (2 * h)
         return (values[:c] - values[c:]) / (2 * h), np.tensordot(taken, g, axes=x.ndim)
 
-    for start, stop, (num, ana) in _in_chunks(work, count, chunking):
+    for start, stop, (num, ana) in _in_chunks(work, len(which), chunking):
         numeric[start:stop], analytic[start:stop] = num, ana
         if progress:
             progress(stop - start)

@@ -27,7 +27,7 @@ import yaml
 from . import implementation, masks
 from .errors import GradcheckError, ScenarioError
 from .ops import OPS
-from .tolerance import DTYPES, defaults_for
+from .tolerance import DTYPES, defaults_for, machine_epsilon
 
 MODES = ("full", "sample", "directional")
 SCENARIO_KEYS = ("name", "op", "implementation", "backend", "device", "batch", "heads_q", "heads_kv", "kv_map", "n_q", "n_k", "d_head",
@@ -366,7 +366,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
         raise f.error("check.slack", f"must be >= 0, got {slack}")
     dflt = defaults_for(dtype)
     epsilon = f.float("epsilon", dflt["epsilon"])
-    resolution = {"bfloat16": 2.0**-7, "float16": 2.0**-10}.get(dtype) or float(np.finfo(np.dtype(dtype)).eps)
+    resolution = machine_epsilon(dtype)
     if epsilon < 8 * resolution and dtype not in LOW_PRECISION:  # no finite differences in half precision
         raise f.error("epsilon", f"{epsilon:g} is below what {dtype} can resolve ({resolution:.2g}): the "
                       "perturbed values would round back", hint=f"use at least {8 * resolution:.2g}")

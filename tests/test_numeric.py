@@ -34,11 +34,13 @@ def test_directions_recover_the_directional_derivative():
     u = numeric.unit_direction(7, 0, x.shape)
     assert np.sqrt((u**2).sum()) == pytest.approx(1.0)
     grad = 3 * c * x**2
-    num, ana = numeric.directions(cubic_loss(c), x, grad, 5, 7, 1e-6, numeric.Chunking(2, 2))
+    num, ana = numeric.directions(cubic_loss(c), x, grad, np.arange(5), 7, 1e-6, numeric.Chunking(2, 2))
     np.testing.assert_allclose(num, ana, rtol=1e-7, atol=1e-9)
     np.testing.assert_allclose(ana[0], np.sum(u * grad), rtol=1e-6)
     # the same directions whatever the chunking
-    num1, _ = numeric.directions(cubic_loss(c), x, grad, 5, 7, 1e-6, numeric.Chunking(1))
+    num1, _ = numeric.directions(cubic_loss(c), x, grad, np.arange(5), 7, 1e-6, numeric.Chunking(1))
+    picked, _ = numeric.directions(cubic_loss(c), x, grad, np.array([3, 1]), 7, 1e-6, numeric.Chunking(1))
+    np.testing.assert_allclose(picked, num[[3, 1]], rtol=1e-12)
     np.testing.assert_allclose(num, num1, rtol=1e-12)
 
 

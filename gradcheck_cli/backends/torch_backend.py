@@ -153,7 +153,7 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
         if user is None:
             out = _opinions(sc, q, k, v, g, vis, kv_map, o, grads, np_)
             a = np_(probabilities(q, k, None if "mask" in faults else vis, scale, kv_map))
-            out.insert(0, invariants._check("attention is 0 off the visible set", "a", np.where(sc.visible, 0, a),
+            out.insert(0, invariants.bounded("attention is 0 off the visible set", "a", np.where(sc.visible, 0, a),
                                             0.0, "A_ij must be exactly 0 where key j is not visible to query i"))
         else:
             out = _reference(sc, inputs64, g64, o, grads, np_)

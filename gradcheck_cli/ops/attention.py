@@ -53,9 +53,10 @@ def sum_groups(g: np.ndarray, kv_map: np.ndarray, heads_kv: int, *, overwrite: b
     return out
 
 
-def _exp_scores(q, k, scale, kv_map, hidden):
+def _exp_scores(q, k, scale, kv_map, visible, hidden=None):
     """exp(S - m) and its row sums l, for S = scale * q k^T with the row max m over the visible set
-    subtracted (A.10.2). ``hidden`` (= ~visible) marks the entries outside the visible set, or None.
+    subtracted (A.10.2). ``visible`` None means every key is visible; ``hidden`` may pass ~visible
+    precomputed (finite differences call this many times).
 
     Hidden entries are overwritten with exactly 0 after the exponential rather than set to -inf
     before it: exp(-inf) takes NumPy's slow scalar path, about 3x the cost of the others. Whatever
@@ -64,20 +65,20 @@ def _exp_scores(q, k, scale, kv_map, hidden):
     # scale k: as cheap as scaling q, and the same rounding whether or not copies are stacked
     k_rep = repeat_kv(k, kv_map) * np.asarray(scale, dtype=q.dtype)
     s = np.matmul(q, np.swapaxes(k_rep, -1, -2))
-    if hidden is None:
+    if visible is None:
         s -= s.max(axis=-1, keepdims=True)
         e = np.exp(s, out=s)
     else:
-        s -= np.max(s, axis=-1, keepdims=True, where=~hidden, initial=-np.inf)
+        s -= np.max(s, axis=-1, keepdims=True, where=visible, initial=-np.inf)
         with np.errstate(over="ignore", under="ignore"):
             e = np.exp(s, out=s)
-        np.copyto(e, 0, where=hidden)
+        np.copyto(e, 0, where=~visible if hidden is None else hidden)
     return e, e.sum(axis=-1, keepdims=True)
 
 
 def attention_weights(q, k, visible, scale, kv_map, faults: Collection[str] = ()):
     """A [..., B, Hq, n_q, n_k]: softmax of the scores over each row's visible set (A.10.2)."""
-    e, l = _exp_scores(q, k, scale, kv_map, None if "mask" in faults else ~visible)
+    e, l = _exp_scores(q, k, scale, kv_map, None if "mask" in faults else visible)
     e /= l
     return e
 
@@ -86,11 +87,7 @@ def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), hidde
     """O = A V [..., B, Hq, n_q, d_value] (A.10.3), evaluated as (exp(S - m) V) / l: the same product
     with the normalisation applied to the d_value-wide result instead of the n_k-wide weights.
     ``hidden`` may pass ~visible precomputed (finite differences call this many times)."""
-    if "mask" in faults:
-        hidden = None
-    elif hidden is None:
-        hidden = ~visible
-    e, l = _exp_scores(q, k, scale, kv_map, hidden)
+    e, l = _exp_scores(q, k, scale, kv_map, None if "mask" in faults else visible, hidden)
     o = np.matmul(e, repeat_kv(v, kv_map))
     o /= l
     return o
