@@ -2,12 +2,13 @@
 Returns frozen results; never prints and never exits."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from . import numeric
+from . import diagnose, numeric
 from .implementation import ImplementationFailure, failure_check
 from .ops import FAULTS, OPS
 from .result import Check, ControlCell, ScenarioResult
@@ -56,11 +57,12 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     rng = np.random.default_rng([sc.seed, 2])
     chunking = numeric.plan(problem.copy_bytes, memory_budget)
     checks: list[Check] = []
+    evidence: dict[str, diagnose.Evidence] = {}
     arrays = dict(problem.arrays)
     for name, x in problem.inputs.items():
         try:
-            check, numeric_values = _gradient_check(sc, problem, name, x, active, rng, chunking, progress,
-                                                    numeric_cache)
+            check, numeric_values, evidence[name] = _gradient_check(sc, problem, name, x, active, rng, chunking,
+                                                                    progress, numeric_cache)
         except ImplementationFailure as exc:
             checks.append(failure_check(f"gradient {name}", exc, name, "while differencing its forward: "))
             continue
@@ -73,14 +75,36 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
         checks.extend(problem.invariants())
     except ImplementationFailure as exc:
         checks.append(failure_check("invariants", exc))
+    checks, hints = _diagnose(sc, problem, checks, evidence)
     return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
                           mode=sc.mode, faults=active, checks=tuple(checks),
-                          elapsed_s=time.perf_counter() - start, arrays=arrays)
+                          elapsed_s=time.perf_counter() - start, arrays=arrays, hints=tuple(hints))
+
+
+def _diagnose(sc: Scenario, problem, checks: list[Check], evidence: dict) -> tuple[list[Check], list[str]]:
+    """When something failed: each failed gradient check gets its breakdown (full and sample mode),
+    and the op names likely causes from the pattern."""
+    if all(c.passed for c in checks):
+        return checks, []
+    structure = problem.structure or {}
+    out = []
+    for c in checks:
+        ev = evidence.get(c.tensor) if c.kind == "gradient" else None
+        if ev is not None and not c.passed and sc.mode != "directional":
+            c = dataclasses.replace(c, diagnosis=diagnose.breakdown(c.tensor, ev, structure.get(c.tensor)))
+        out.append(c)
+    found = {name: ev for name, ev in evidence.items() if ev is not None}
+    hints = list(problem.hints(found, out)) if problem.hints else []
+    if sc.mode == "directional" and any(c.kind == "gradient" and c.verdict == "fail" for c in out):
+        hints.append("directional mode cannot say which element is wrong: rerun with check: {mode: sample} "
+                     "or {mode: full} to see where")
+    return out, hints
 
 
 def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng, chunking, progress,
-                    numeric_cache) -> tuple[Check, np.ndarray]:
-    """The analytic gradient of input ``name`` against central differences: (check, numeric values)."""
+                    numeric_cache) -> tuple[Check, np.ndarray, diagnose.Evidence | None]:
+    """The analytic gradient of input ``name`` against central differences: (check, numeric values,
+    the evidence element by element for a diagnosis; None in directional mode)."""
     eps_m = machine_epsilon(sc.dtype)
     grad = problem.gradients[name]
     key = (sc, name, _forward_faults(active))
@@ -120,8 +144,12 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
         detail += ("; the finite differences are too inaccurate here to decide: "
                    + ("use dtype float64 (or a smaller epsilon on peaked rows)" if sc.dtype != "float64"
                       else f"try another epsilon (now {sc.epsilon:g}); attn-gradcheck cannot tell a bug from noise"))
+    evidence = None
+    if sc.mode != "directional":
+        allowed = sc.tolerance * max(float(np.abs(ana).max(initial=0.0)), float(np.abs(num).max(initial=0.0))) + floor
+        evidence = diagnose.Evidence.from_sites(grad, sites, num, allowed)
     return Check("gradient", f"gradient {name}", name, tuple(x.shape), max_abs, rel, sc.tolerance,
-                 noise, index, verdict == "pass", detail, verdict, fd_error), num
+                 noise, index, verdict == "pass", detail, verdict, fd_error), num, evidence
 
 
 #: Elements (or directions) whose finite differences are re-taken at half the step to estimate their

@@ -7,7 +7,7 @@ import pytest
 
 from .checker import run_scenario
 from .errors import GradcheckError
-from .report import failure_message, reproduce_command
+from .report import diagnosis_lines, failure_message, reproduce_command
 from .scenario import load
 
 SUFFIX = ".gradcheck.yaml"
@@ -41,8 +41,12 @@ class ScenarioItem(pytest.Item):
     def runtest(self):
         result = run_scenario(self.scenario)
         if not result.passed:
-            lines = [f"{'FAIL' if c.verdict == 'fail' else c.verdict.upper()} {failure_message(c)}"
-                     for c in result.checks if not c.passed]
+            lines = []
+            for c in result.checks:
+                if not c.passed:
+                    lines.append(f"{'FAIL' if c.verdict == 'fail' else c.verdict.upper()} {failure_message(c)}")
+                    lines += diagnosis_lines(c, indent="  ")
+            lines += [f"hint: {h}" for h in result.hints]
             lines.append("reproduce: " + reproduce_command(str(self.path), self.scenario.name))
             raise ScenarioFailed("\n".join(lines))
 

@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import __version__
+from .diagnose import ranges
 from .errors import GradcheckError
 from .result import ControlCell, ScenarioResult
 
@@ -94,11 +95,62 @@ def render_scenario(console: Console, r: ScenarioResult, description: str, repro
         if not c.passed:
             word, style = ("FAIL", "red") if c.verdict == "fail" else ("INCONCLUSIVE", "yellow")
             console.print(Text.assemble("  ", (word, style), f" {failure_message(c)}"), soft_wrap=True)
+            for line in diagnosis_lines(c):
+                console.print(_heat_text(line) if console.is_terminal else Text(line), soft_wrap=True)
+    for hint in r.hints:
+        console.print(Text.assemble("  ", ("hint:", "bold cyan"), f" {hint}"), soft_wrap=True)
     word = {"pass": "passed", "fail": "FAILED", "inconclusive": "INCONCLUSIVE"}[r.verdict]
     console.print(f"  {r.name}: {word} in {r.elapsed_s:.2f} s", highlight=False)
     if reproduce and not r.passed:
         console.print(f"  reproduce: {reproduce}", highlight=False, markup=False, soft_wrap=True)
     console.print()
+
+
+#: Heat-map digits by severity (terminal only; plain output keeps the digits alone).
+_HEAT_STYLES = {".": "green", "1": "yellow", "2": "yellow", "3": "red", "4": "red"}
+
+
+def _heat_text(line: str) -> Text:
+    if not line.rstrip().endswith("|") or "|" not in line:
+        return Text(line)
+    head, cells = line[:line.index("|") + 1], line[line.index("|") + 1:-1]
+    text = Text(head)
+    for ch in cells:
+        text.append(ch, style=_HEAT_STYLES.get(ch, "bold red" if ch.isdigit() else ""))
+    text.append("|")
+    return text
+
+
+def diagnosis_lines(c, indent: str = "    ") -> list[str]:
+    """Plain text of a failed gradient check's diagnosis (README "Diagnosis"); [] when it has none."""
+    d = c.diagnosis
+    if not d:
+        return []
+    where = [f"{d['out_of_tolerance']} of {d['checked']} checked elements out of tolerance"]
+    for axis, values in d["axes"].items():
+        hit = [i for i, n in enumerate(values["out_of_tolerance"]) if n]
+        if hit:
+            where.append(f"{axis} {ranges(hit)} of {len(values['out_of_tolerance'])}")
+    lines = [indent + "where: " + "; ".join(where)]
+    for cls in d["classes"]:
+        if cls["checked"]:
+            lines.append(f"{indent}  {cls['label']}: {cls['out_of_tolerance']} of {cls['checked']} out of tolerance"
+                         + (f" (max |error| {cls['max_abs_error']:.2e})" if cls["out_of_tolerance"] else ""))
+    heat = d["heat"]
+    if heat:
+        per = [f"{b} {name}s" for b, name in zip(heat["bin"], (heat["rows"], heat["columns"])) if b > 1]
+        lines.append(f"{indent}heat map, {heat['rows']} x {heat['columns']} (digit d: error 10^(d-1) to 10^d times "
+                     "what is allowed; '.' within tolerance; ' ' not checked"
+                     + (f"; a cell is {' x '.join(per)}" if per else "") + "):")
+        width = len(str(len(heat["levels"]) * heat["bin"][0]))
+        for i, row in enumerate(heat["levels"]):
+            cells = "".join(" " if x < 0 else ("." if x == 0 else str(x)) for x in row)
+            lines.append(f"{indent}  {str(i * heat['bin'][0]).rjust(width)} |{cells}|")
+    if d["worst"]:
+        lines.append(indent + "worst: " + "; ".join(
+            f"{c.tensor}[{', '.join(map(str, w['index']))}] analytic {w['analytic']:.6g} numeric {w['numeric']:.6g}"
+            for w in d["worst"]))
+    return lines
 
 
 def failure_message(c) -> str:
@@ -194,7 +246,7 @@ def junit_xml(results: Sequence[ScenarioResult], controls: Sequence[ControlCell]
             if not c.passed:
                 msg = (f"{c.name} ({c.tensor}): max abs error {c.max_abs_error:.3e}, relative "
                        f"{c.relative_error:.3e}, tolerance {c.tolerance:.1e}, noise floor {c.noise_floor:.1e}")
-                text = failure_message(c)
+                text = "\n".join([failure_message(c)] + diagnosis_lines(c, indent="  ") + [f"hint: {h}" for h in r.hints])
                 if config:
                     text += "\nreproduce: " + reproduce_command(config, r.name, faults)
                 ET.SubElement(case, "failure", message=msg).text = text

@@ -27,6 +27,7 @@ class Check:
     detail: str = ""
     verdict: str = ""
     fd_error: float | None = None
+    diagnosis: dict | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if not self.verdict:
@@ -47,6 +48,7 @@ class Check:
             "verdict": self.verdict,
             "fd_error": self.fd_error,
             "detail": self.detail,
+            "diagnosis": self.diagnosis,
         }
 
 
@@ -62,6 +64,7 @@ class ScenarioResult:
     checks: tuple[Check, ...]
     elapsed_s: float
     arrays: dict = field(default_factory=dict, compare=False, repr=False)
+    hints: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -86,6 +89,7 @@ class ScenarioResult:
             "verdict": self.verdict,
             "elapsed_s": round(self.elapsed_s, 6),
             "checks": [c.to_json() for c in self.checks],
+            "hints": list(self.hints),
         }
 
 

@@ -121,10 +121,10 @@ def test_json_report_contract(root, tmp_path):
     assert set(report["summary"]) == {"scenarios", "checks", "passed", "failed", "inconclusive"}
     s = report["scenarios"][0]
     assert set(s) == {"name", "op", "dtype", "epsilon", "tolerance", "mode", "faults", "passed", "verdict",
-                      "elapsed_s", "checks", "reproduce"}
+                      "elapsed_s", "checks", "hints", "reproduce"}
     c = s["checks"][0]
     assert set(c) == {"kind", "name", "tensor", "shape", "max_abs_error", "relative_error", "tolerance",
-                      "noise_floor", "worst_index", "passed", "verdict", "fd_error", "detail"}
+                      "noise_floor", "worst_index", "passed", "verdict", "fd_error", "detail", "diagnosis"}
     assert c["kind"] == "gradient" and c["tensor"] == "q" and c["passed"] is False
     assert report["summary"]["failed"] == sum(not c["passed"] for s in report["scenarios"] for c in s["checks"])
     assert list(tmp_path.iterdir()) == [path]  # no temp files left behind

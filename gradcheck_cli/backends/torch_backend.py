@@ -167,7 +167,7 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
         invariants=checks,
         arrays={**inputs, "visible": sc.visible, "grad_output": g64, "scale": np.asarray(scale),
                 "kv_map": np.asarray(sc.kv_map), "output": np_(o), **{f"analytic_{t}": np_(grads[t]) for t in "qkv"}},
-        output=np_(o), parts=blocks.parts, loss_parts=loss_parts,
+        output=np_(o), parts=blocks.parts, loss_parts=loss_parts, **engine.diagnosis_fields(sc),
     )
 
 
@@ -278,4 +278,4 @@ def _low_precision(sc, q, k, v, g, vis, kv_map, o, grads, np_) -> Problem:
                    rounding_total=0.0, copy_bytes=0, invariants=checks, output=np_(o),
                    arrays={**ref_in, "visible": sc.visible, "grad_output": np_(g), "scale": np.asarray(sc.scale),
                            "kv_map": kv_np, "output": np_(o), "reference_output": ref_o,
-                           **{f"analytic_{t}": np_(grads[t]) for t in "qkv"}})
+                           **{f"analytic_{t}": np_(grads[t]) for t in "qkv"}}, **engine.diagnosis_fields(sc))

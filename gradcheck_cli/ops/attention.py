@@ -18,7 +18,7 @@ from typing import Collection
 import numpy as np
 
 from .. import implementation, invariants
-from .registry import Fault, Op, Problem
+from .registry import Fault, Op, Problem, Structure
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("softmax-term", "G_S = A * G_A: drops the row-sum subtraction c_i of the softmax backward",
@@ -175,6 +175,152 @@ class _Blocks:
         return {name: self.sums(name, terms)[self.parts[name]] for name in inputs}, float(terms.sum())
 
 
+#: Invariants that fail when the forward lets hidden keys reach O.
+FORWARD_MASK_CHECKS = ("attention is 0 off the visible set", "hidden K/V rows do not change O",
+                       "O rows in the range of visible V rows")
+
+
+def diagnosis(sc) -> tuple[dict[str, Structure], object]:
+    """(structure, hints) for the diagnosis of failed checks (README "Diagnosis"): what the axes of
+    q, k, v mean, which rows the mask touches, and the rules that name a likely cause."""
+    kv_map = np.asarray(sc.kv_map, dtype=np.intp)
+    visible = sc.visible
+    sees_all = visible.all(axis=-1)                                        # [B, Hq, n_q]
+    group = np.eye(sc.heads_kv, dtype=np.int64)[kv_map]                     # [Hq, Hkv]
+    seen = np.einsum("bhij,hg->bgj", visible.astype(np.int64), group)        # [B, Hkv, n_k]
+    every = seen == (sc.n_q * group.sum(axis=0))[None, :, None]
+    kv_classes = {"key rows every query sees": every, "key rows hidden from some queries": ~every & (seen > 0),
+                  "key rows no query sees": seen == 0}
+    n_k = visible.shape[-1]
+    first = np.where(visible.any(axis=-1), visible.argmax(axis=-1), 0)
+    last = np.where(visible.any(axis=-1), n_k - 1 - visible[..., ::-1].argmax(axis=-1), n_k - 1)
+    q_classes = {"query rows that see every key": sees_all, "query rows with hidden keys": ~sees_all,
+                 "query rows cut on the left (window edge)": first > 0,
+                 "query rows cut on the right (causal diagonal, padding)": last < n_k - 1}
+    if sc.heads_kv < sc.heads_q:
+        for g in range(sc.heads_kv):
+            heads = kv_map == g
+            q_classes[f"query heads of KV head {g} ({', '.join(map(str, np.flatnonzero(heads)))})"] = \
+                np.broadcast_to(heads[None, :, None], sees_all.shape)
+    structure = {
+        "q": Structure(("batch", "query head", "query row", "feature"), q_classes, ("query head", "query row")),
+        "k": Structure(("batch", "KV head", "key row", "feature"), kv_classes, ("KV head", "key row")),
+        "v": Structure(("batch", "KV head", "key row", "feature"), kv_classes, ("KV head", "key row")),
+    }
+    shared = group.sum(axis=0) > 1                                           # [Hkv]
+
+    def hints(evidence: dict, checks: list) -> list[str]:
+        failed = {c.tensor for c in checks if c.kind == "gradient" and c.verdict == "fail"}
+        broken = {c.name for c in checks if c.kind == "invariant" and not c.passed}
+        out = []
+        forward_mask = [name for name in FORWARD_MASK_CHECKS if name in broken]
+        if forward_mask:
+            out.append("the forward lets hidden keys reach O (" + "; ".join(forward_mask) + ")"
+                       + ("" if failed else ", while finite differences agree with the backward")
+                       + ": apply the visible set in the forward (hidden keys get weight exactly 0)")
+        elif _mask_backward(evidence, failed, broken, sees_all, kv_classes["key rows no query sees"]):
+            out.append("the errors sit only where the mask matters (query rows with hidden keys, or gradient "
+                       "flowing into keys no query sees) while rows that see every key are right: the backward "
+                       "ignores or misapplies the visible set (e.g. recomputes A without it)")
+        shift = _shift_violation(evidence, failed, broken, sc.tolerance)
+        if shift:
+            out.append(shift)
+        ratio = _common_factor(evidence, failed, sc.tolerance)
+        if ratio is not None:
+            why = ""
+            if abs(ratio * sc.scale - 1) < 1e-2:
+                why = f"; it is 1/scale ({1 / sc.scale:.4g}): the backward drops the scale"
+            elif abs(ratio / sc.scale - 1) < 1e-2:
+                why = f"; it is the scale ({sc.scale:.4g}): the backward applies it twice"
+            out.append(f"G_Q and G_K are both {ratio:.4g} x their finite differences while G_V is right: the scale "
+                       f"factor in the backward (G_Q = scale * G_S K, G_K = scale * G_S^T Q){why}")
+        heads = _bad_kv_heads(evidence, failed)
+        if heads is not None and heads.any() and shared[heads].all():
+            bad = [int(h) for h in np.flatnonzero(heads)]
+            sizes = sorted({int(group.sum(axis=0)[h]) for h in bad})
+            out.append(f"errors only in K/V gradients of KV heads shared by several query heads (KV head "
+                       f"{', '.join(map(str, bad))}; {'/'.join(map(str, sizes))} query heads each)"
+                       + ("; unshared KV heads are right" if (~shared).any() else "")
+                       + ", and G_Q is right: the GQA reduction must sum the gradients of every query head "
+                         "in a group (sum_groups)")
+        return out
+
+    return structure, hints
+
+
+def diagnosis_fields(sc) -> dict:
+    structure, hints = diagnosis(sc)
+    return {"structure": structure, "hints": hints}
+
+
+def _mask_backward(evidence, failed, broken, sees_all, nobody) -> bool:
+    """Gradient errors confined to where masking matters, or the unseen-rows invariant failing."""
+    if "unseen K/V rows get zero gradient" in broken:
+        return True
+    for name in ("k", "v"):
+        ev = evidence.get(name)
+        if ev is not None and name in failed and (ev.bad & nobody[..., None]).any():
+            return True
+    ev = evidence.get("q")
+    if ev is None or "q" not in failed:
+        return False
+    full_rows = sees_all[..., None] & ev.checked
+    return bool(full_rows.any() and not (ev.bad & full_rows).any() and ev.bad.any())
+
+
+def _shift_violation(evidence, failed, broken, tolerance) -> str | None:
+    """Softmax is shift invariant: moving every key by the same vector moves each score row by a
+    constant, so the K gradients of a (batch, KV head) sum to zero over the keys."""
+    ev = evidence.get("k")
+    message = ("softmax is shift invariant, so the row-sum term of its backward is missing or wrong: "
+               "G_S = A * (G_A - rowsum(A * G_A))")
+    if "score-gradient rows sum to 0" in broken:
+        return "G_S rows do not sum to 0: " + message
+    if ev is None or not ({"q", "k"} & failed) or not ev.checked.all():
+        return None
+    total_a = float(np.abs(ev.analytic.sum(axis=-2)).max(initial=0.0))
+    total_n = float(np.abs(ev.numeric.sum(axis=-2)).max(initial=0.0))
+    size = float(np.abs(ev.analytic).max(initial=0.0))
+    if total_a > 10 * tolerance * size and total_a > 10 * total_n:
+        return (f"the analytic G_K does not sum to 0 over the keys (worst {total_a:.3g}; the finite differences "
+                f"sum to {total_n:.1g}): " + message)
+    return None
+
+
+def _common_factor(evidence, failed, tolerance) -> float | None:
+    """The factor c when analytic = c x numeric for both q and k (and v is right), else None."""
+    if not {"q", "k"} <= failed or "v" in failed or "q" not in evidence or "k" not in evidence:
+        return None
+    factors = []
+    for name in ("q", "k"):
+        ev = evidence[name]
+        a, n = ev.analytic[ev.checked], ev.numeric[ev.checked]
+        nn = float(n @ n)
+        if not np.isfinite(nn) or nn == 0:
+            return None
+        c = float(a @ n) / nn
+        if float(np.abs(a - c * n).max()) > (10 * tolerance + 1e-3) * float(np.abs(a).max()):
+            return None
+        factors.append(c)
+    c_q, c_k = factors
+    if abs(c_q - c_k) > 1e-2 * abs(c_q) or abs(c_q - 1) < 1e-2:
+        return None
+    return (c_q + c_k) / 2
+
+
+def _bad_kv_heads(evidence, failed) -> np.ndarray | None:
+    """bool [Hkv]: KV heads with an out-of-tolerance K or V element, when G_Q is right; else None."""
+    if "q" in failed or not {"k", "v"} & failed:
+        return None
+    heads = None
+    for name in ("k", "v"):
+        ev = evidence.get(name)
+        if ev is not None:
+            bad = ev.bad.any(axis=(0, 2, 3))
+            heads = bad if heads is None else heads | bad
+    return heads
+
+
 def build(sc, faults: Collection[str] = ()) -> Problem:
     """Inputs for scenario ``sc``, the loss L = sum(O * G), analytic gradients and invariants: of the
     built-in engine with ``faults`` injected, or of the user's implementation when the scenario names one."""
@@ -219,6 +365,7 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
         output=o,
         parts=blocks.parts,
         loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
+        **diagnosis_fields(sc),
     )
 
 
@@ -289,6 +436,7 @@ def _build_user(sc) -> Problem:
         output=o,
         parts=blocks.parts,
         loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
+        **diagnosis_fields(sc),
     )
 
 

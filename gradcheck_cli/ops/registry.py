@@ -16,6 +16,20 @@ class Fault:
     forward: bool = False       # True when the fault changes the forward (finite differences change too)
 
 
+@dataclass(frozen=True)
+class Structure:
+    """What the axes of one input mean, for the diagnosis of a failed check.
+
+    axes: a name per axis, e.g. ``("batch", "query head", "query row", "feature")``.
+    classes: label -> bool mask over the leading axes (broadcast over the rest), e.g. query rows that
+      see every key versus rows with hidden keys; the diagnosis counts failures in each.
+    heat: the two axes of the heat map (rows, columns), or None.
+    """
+    axes: tuple[str, ...]
+    classes: Mapping[str, np.ndarray] = field(default_factory=dict)
+    heat: tuple[str, str] | None = None
+
+
 @dataclass
 class Problem:
     """Everything the checker needs for one scenario of one op, with faults already applied.
@@ -36,6 +50,9 @@ class Problem:
     parts / loss_parts: optional, for colouring. ``parts[name]`` (shape of the input) is the id of the
       independent block of the output each element feeds; ``loss_parts(name, x)`` is L split by those
       blocks, shape ``[..., P]``, summing to L. Elements of different blocks can be perturbed at once.
+    structure / hints: optional, for the diagnosis of failures. ``structure[name]`` names the axes of
+      input ``name``; ``hints(evidence, checks)`` returns one-line likely causes, given
+      ``diagnose.Evidence`` of every gradient check (by input) and all checks of the run.
     """
     inputs: dict[str, np.ndarray]
     loss: Callable[[str, np.ndarray], np.ndarray]
@@ -48,6 +65,8 @@ class Problem:
     output: np.ndarray | None = None
     parts: dict[str, np.ndarray] | None = None
     loss_parts: Callable[[str, np.ndarray], np.ndarray] | None = None
+    structure: dict[str, Structure] | None = None
+    hints: Callable[[dict, list], list[str]] | None = None
 
 
 @dataclass(frozen=True)
