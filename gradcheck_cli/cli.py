@@ -29,7 +29,8 @@ def _console(stderr: bool = False) -> Console:
     says (CI logs, pipes). NO_COLOR is honoured by rich."""
     file = sys.stderr if stderr else sys.stdout
     tty = file.isatty()
-    return Console(file=file, stderr=stderr, highlight=False, soft_wrap=not tty, width=None if tty else 200)
+    return Console(file=file, stderr=stderr, highlight=False, markup=False, soft_wrap=not tty,
+                   width=None if tty else 200)
 
 
 def _fail(message: str) -> "click.exceptions.Exit":
@@ -91,7 +92,7 @@ def main() -> None:
               help="Run only scenarios whose name matches (repeatable; globs over whole names, e.g. '*gqa*').")
 @click.option("--deselect", "deselects", multiple=True, metavar="GLOB", help="Skip scenarios whose name matches.")
 @click.option("--negative-controls", is_flag=True,
-              help="Also run every fault on every scenario and print a fault x scenario table; "
+              help="Also run every fault on every scenario and print a scenario x fault table; "
                    "exit 1 if an applicable fault goes undetected.")
 @click.option("--json", "json_path", type=click.Path(path_type=str),
               help="Write the JSON report here (folders are created; written atomically).")

@@ -179,10 +179,13 @@ def render_controls(console: Console, cells: Sequence[ControlCell]) -> None:
     faults = list(dict.fromkeys(c.fault for c in cells))
     look = {(c.fault, c.scenario): c for c in cells}
     text = {"detected": ("detected", "green"), "missed": ("MISSED", "bold red"), "not applicable": ("n/a", "dim")}
-    rows = [[fault] + [text[look[(fault, name)].status][0] for name in scenarios] for fault in faults]
-    styles = [[None] + [text[look[(fault, name)].status][1] for name in scenarios] for fault in faults]
-    _table(console, "negative controls (fault x scenario)", ["fault"] + scenarios, rows,
-           [False] * (1 + len(scenarios)), styles)
+    # one row per scenario: sweeps make many scenarios, while an op has a handful of faults
+    blank = ("", None)
+    cell = {k: text[c.status] for k, c in look.items()}
+    rows = [[name] + [cell.get((fault, name), blank)[0] for fault in faults] for name in scenarios]
+    styles = [[None] + [cell.get((fault, name), blank)[1] for fault in faults] for name in scenarios]
+    _table(console, "negative controls (scenario x fault)", ["scenario"] + faults, rows,
+           [False] * (1 + len(faults)), styles)
     console.print("  n/a: the fault changes neither the output nor any gradient by more than 10x the "
                   "tolerance on that scenario (e.g. scale when scale = 1, gqa-sum without shared KV heads)",
                   highlight=False, soft_wrap=not console.is_terminal)

@@ -14,6 +14,7 @@ Format (the key names are the contract):
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -262,6 +263,8 @@ def _merge(doc: _Doc, defaults: dict, scenario: dict, index: int) -> dict[str, t
     out: dict[str, tuple[Any, tuple]] = {}
     for source, base in ((defaults, ("defaults",)), (scenario, ("scenarios", index))):
         for key, value in source.items():
+            if key == "sweep":
+                continue
             path = base + (key,)
             allowed = SCENARIO_KEYS if source is scenario else tuple(k for k in SCENARIO_KEYS if k != "name")
             if key not in allowed:
@@ -278,6 +281,82 @@ def _merge(doc: _Doc, defaults: dict, scenario: dict, index: int) -> dict[str, t
             else:
                 out[key] = (value, path)
     return out
+
+
+#: Most scenarios one sweep may expand to.
+MAX_SWEEP_CASES = 4096
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=,:+\-\[\]{}]")
+
+
+def _sweep_value_text(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    if isinstance(value, list):
+        return "[" + ",".join(_sweep_value_text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_sweep_value_text(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _sweep_axes(doc: _Doc, defaults: dict, scenario: dict, index: int) -> list[tuple[str, list[tuple[Any, tuple]]]]:
+    """[(key, [(value, path), ...])] of the ``sweep:`` mappings (defaults' first; a scenario's entry
+    for the same key replaces the default's). Keys are scenario keys, dotted for nested ones
+    ('mask.causal'), or a nested key itself ('mask') whose values are whole mappings."""
+    axes: dict[str, list[tuple[Any, tuple]]] = {}
+    for source, base in ((defaults, ("defaults", "sweep")), (scenario, ("scenarios", index, "sweep"))):
+        sweep = source.get("sweep")
+        if sweep is None:
+            continue
+        if not isinstance(sweep, dict) or not sweep:
+            raise doc.error(base, f"expected a mapping of keys to lists of values, got {sweep!r}",
+                            hint="e.g. 'sweep: {n_q: [1, 17, 64], mask.causal: [upper-left, lower-right]}'")
+        for key, values in sweep.items():
+            path = base + (key,)
+            top, _, sub = str(key).partition(".")
+            known = (top in NESTED and sub in NESTED[top]) if sub else (top in SCENARIO_KEYS and top not in ("name",))
+            if not known:
+                allowed = tuple(k for k in SCENARIO_KEYS if k != "name") + tuple(
+                    f"{n}.{k}" for n, keys in NESTED.items() for k in keys)
+                raise doc.error(path, f"cannot sweep '{key}'", hint=_suggest(str(key), allowed))
+            if not isinstance(values, list) or not values:
+                raise doc.error(path, f"expected a non-empty list of values, got {values!r}",
+                                hint=f"e.g. '{key}: [{_sweep_value_text(values)}, ...]'")
+            for i, v in enumerate(values):
+                if v in values[:i]:
+                    raise doc.error(path + (i,), f"{_sweep_value_text(v)} is listed twice", hint="list each value once")
+            axes[key] = [(v, path + (i,)) for i, v in enumerate(values)]
+    total = 1
+    for values in axes.values():
+        total *= len(values)
+        if total > MAX_SWEEP_CASES:
+            where = ("scenarios", index, "sweep") if "sweep" in scenario else ("defaults", "sweep")
+            raise doc.error(where, f"expands to more than {MAX_SWEEP_CASES} scenarios",
+                            hint="sweep fewer values, or split the scenario")
+    return list(axes.items())
+
+
+def _sweep_cases(doc: _Doc, flat: dict, axes, index: int):
+    """Yield (suffix, flat fields) for each combination of the sweep axes (one case when none)."""
+    import itertools
+    if not axes:
+        yield "", flat
+        return
+    for combo in itertools.product(*(values for _, values in axes)):
+        case = dict(flat)
+        labels = []
+        for (key, _), (value, path) in zip(axes, combo):
+            if key in NESTED:  # a whole nested mapping replaces the merged one
+                if not isinstance(value, dict):
+                    raise doc.error(path, f"expected a mapping with keys {', '.join(NESTED[key])}, got {value!r}")
+                case = {k: v for k, v in case.items() if not k.startswith(key + ".")}
+                for sub, subvalue in value.items():
+                    if sub not in NESTED[key]:
+                        raise doc.error(path + (sub,), f"unknown key '{sub}'", hint=_suggest(sub, NESTED[key]))
+                    case[f"{key}.{sub}"] = (subvalue, path + (sub,))
+            else:
+                case[key] = (value, path)
+            labels.append(f"{key}={_sweep_value_text(value)}")
+        yield _UNSAFE.sub("_", "[" + ",".join(labels) + "]"), case
 
 
 def _suggest(key: str, allowed: tuple[str, ...]) -> str:
@@ -551,24 +630,34 @@ def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise doc.error(("scenarios", i), f"expected a mapping, got {item!r}")
-        sc = _parse_scenario(doc, _Fields(doc, _merge(doc, defaults, item, i), ("scenarios", i)),
-                             Path(base_dir), limit)
-        if sc.name in seen:
-            raise doc.error(("scenarios", i, "name"), f"duplicate scenario name '{sc.name}' "
-                            f"(first at scenarios[{seen[sc.name]}])", hint="names must be unique")
-        seen[sc.name] = i
-        out.append(sc)
+        flat = _merge(doc, defaults, item, i)
+        for suffix, case in _sweep_cases(doc, flat, _sweep_axes(doc, defaults, item, i), i):
+            try:
+                sc = _parse_scenario(doc, _Fields(doc, case, ("scenarios", i)), Path(base_dir), limit)
+            except ScenarioError as exc:
+                if suffix:
+                    exc.message += f" (in the sweep case {item.get('name')}{suffix})"
+                raise
+            if suffix:
+                sc = dataclasses.replace(sc, name=sc.name + suffix)
+            if sc.name in seen:
+                raise doc.error(("scenarios", i, "name"), f"duplicate scenario name '{sc.name}' "
+                                f"(first at scenarios[{seen[sc.name]}])", hint="names must be unique")
+            seen[sc.name] = i
+            out.append(sc)
     return out
 
 
 def select(scenarios: list[Scenario], include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> list[Scenario]:
     """Scenarios whose name matches any ``include`` glob (all when none is given) and no ``exclude``
-    glob. Globs match the whole name (``fnmatch``): a plain name selects exactly that scenario,
+    glob. Globs match the whole name (``fnmatch``): a plain name selects exactly that scenario (also a
+    generated sweep name such as ``causal[n_q=1]``, whose brackets would otherwise be a glob class),
     ``'*gqa*'`` every name containing gqa."""
     import fnmatch
-    chosen = [sc for sc in scenarios
-              if (not include or any(fnmatch.fnmatchcase(sc.name, p) for p in include))
-              and not any(fnmatch.fnmatchcase(sc.name, p) for p in exclude)]
+    def matches(name: str, patterns) -> bool:
+        return any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns)
+
+    chosen = [sc for sc in scenarios if (not include or matches(sc.name, include)) and not matches(sc.name, exclude)]
     if not chosen:
         names = ", ".join(sc.name for sc in scenarios)
         raise GradcheckError(f"no scenario matches --select {list(include)} / --deselect {list(exclude)} "
@@ -604,6 +693,11 @@ def json_schema() -> dict:
         "seed": {"type": "integer", "minimum": 0},
     }
     assert set(fields) == set(SCENARIO_KEYS), "the schema must list every scenario key"
+    sweepable = [k for k in SCENARIO_KEYS if k != "name"] + [f"{n}.{k}" for n, keys in NESTED.items() for k in keys]
+    fields["sweep"] = {"type": "object", "minProperties": 1, "propertyNames": {"enum": sweepable},
+                       "additionalProperties": {"type": "array", "minItems": 1},
+                       "description": "lists of values; the scenario expands to their cartesian product, "
+                                      "named like name[n_q=1,mask.causal=upper-left]"}
     defaults = {k: v for k, v in fields.items() if k != "name"}
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
