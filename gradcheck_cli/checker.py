@@ -53,7 +53,7 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     except ImplementationFailure as exc:
         return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
                               mode=sc.mode, faults=active, checks=(failure_check("implementation runs", exc),),
-                              elapsed_s=time.perf_counter() - start)
+                              elapsed_s=time.perf_counter() - start, index=sc.index)
     rng = np.random.default_rng([sc.seed, 2])
     chunking = numeric.plan(problem.copy_bytes, memory_budget)
     checks: list[Check] = []
@@ -78,7 +78,7 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     checks, hints = _diagnose(sc, problem, checks, evidence)
     return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
                           mode=sc.mode, faults=active, checks=tuple(checks),
-                          elapsed_s=time.perf_counter() - start, arrays=arrays, hints=tuple(hints))
+                          elapsed_s=time.perf_counter() - start, arrays=arrays, hints=tuple(hints), index=sc.index)
 
 
 def _diagnose(sc: Scenario, problem, checks: list[Check], evidence: dict) -> tuple[list[Check], list[str]]:

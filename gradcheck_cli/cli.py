@@ -13,7 +13,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from . import __version__, checker, report
+from . import __version__, checker, report, runner
 from .errors import GradcheckError
 from .ops import FAULTS, OPS
 from .scenario import json_schema, load, select
@@ -83,6 +83,23 @@ def main() -> None:
     differences, semantic invariants, and negative controls (faults that must be caught)."""
 
 
+class _Shard(click.ParamType):
+    """I/N with 1 <= I <= N: this run takes shard I of N (``runner.shard``)."""
+    name = "I/N"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        i, sep, n = str(value).partition("/")
+        try:
+            index, count = int(i), int(n)
+        except ValueError:
+            index = count = 0
+        if not sep or not 1 <= index <= count:
+            self.fail(f"{value!r} is not I/N with 1 <= I <= N (e.g. 2/4)", param, ctx)
+        return index, count
+
+
 @main.command(epilog=EPILOG, short_help="Check every scenario of a YAML file.")
 @click.argument("config", type=click.Path(path_type=str))
 @click.option("--fault", "faults", multiple=True, type=click.Choice(tuple(FAULTS)),
@@ -94,72 +111,127 @@ def main() -> None:
 @click.option("--negative-controls", is_flag=True,
               help="Also run every fault on every scenario and print a scenario x fault table; "
                    "exit 1 if an applicable fault goes undetected.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Worker processes; scenarios are spread over them, results print in file order and are "
+                   "identical to --jobs 1.")
+@click.option("--shard", type=_Shard(), default=None,
+              help="Run only shard I of N (1-based; every N-th selected scenario from the I-th), for CI "
+                   "matrices; combine the JSON reports with 'attn-gradcheck merge'.")
 @click.option("--json", "json_path", type=click.Path(path_type=str),
               help="Write the JSON report here (folders are created; written atomically).")
 @click.option("--junit", "junit_path", type=click.Path(path_type=str), help="Write a JUnit XML report here.")
 @click.option("--save-arrays", "arrays_dir", type=click.Path(path_type=str),
               help="Write <scenario>.npz with inputs, output and gradients into this folder (created if missing).")
 @click.option("--memory-budget", type=click.IntRange(min=1), default=checker.DEFAULT_MEMORY_BUDGET // 2**20,
-              show_default=True, help="MiB of perturbed copies evaluated in one vectorised call.")
+              show_default=True, help="MiB of perturbed copies evaluated in one vectorised call (per job).")
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Progress bar with ETA on stderr (only when stderr is a terminal).")
-def run(config, faults, break_softmax_term, selects, deselects, negative_controls, json_path, junit_path, arrays_dir,
-        memory_budget, progress):
+def run(config, faults, break_softmax_term, selects, deselects, negative_controls, jobs, shard, json_path,
+        junit_path, arrays_dir, memory_budget, progress):
     """Check every scenario of CONFIG (a YAML file; format in the README, 'Scenario files').
 
     Prints a table per scenario as it finishes. Exit 0: every check passed; 1: a check failed, or
     with --negative-controls an applicable fault went undetected; 2: bad input or usage (nothing runs);
-    3: no failure, but some finite differences too inaccurate to decide; 130: interrupted.
+    3: no failure, but some finite differences too inaccurate to decide; 130: interrupted (the reports
+    hold the scenarios that finished and say "interrupted": true).
     """
     faults = tuple(dict.fromkeys(faults + (("softmax-term",) if break_softmax_term else ())))
     if faults and negative_controls:
         raise _fail("--negative-controls runs every fault itself; do not combine it with --fault")
     try:
         scenarios = select(load(config), selects, deselects)
+        if shard:
+            scenarios = runner.shard(scenarios, *shard)
         report.prepare_outputs({"--json": json_path, "--junit": junit_path}, {"--save-arrays": arrays_dir},
                                {"--save-arrays": [f"{sc.name}.npz" for sc in scenarios]}, inputs=[config])
     except GradcheckError as exc:
         raise _fail(str(exc)) from None
 
     out = _console()
-    budget = memory_budget * 2**20
-    total = sum(checker.work_units(sc) for sc in scenarios) * (1 + (len(FAULTS) if negative_controls else 0))
-    bar = _ProgressBar(progress, total, "checking")
-    results, cells, cache = [], None, {}  # negative controls reuse the clean finite differences
+    if shard and not scenarios:
+        out.print(f"shard {shard[0]}/{shard[1]} of {config}: no scenario falls in this shard")
+    bar = _ProgressBar(progress, sum(runner.units(sc, negative_controls) for sc in scenarios), "checking")
+    results, cells, interrupted = [], [] if negative_controls else None, False
     try:
-        for sc in scenarios:
-            result = checker.run_scenario(sc, faults, memory_budget=budget, progress=bar.advance, numeric_cache=cache)
+        for outcome in runner.run(config, scenarios, faults, controls=negative_controls, jobs=jobs,
+                                  memory_budget=memory_budget * 2**20, progress=bar.advance):
+            result = outcome.result
             results.append(result)
+            if cells is not None:
+                cells.extend(outcome.cells)
+            sc = scenarios[len(results) - 1]
             with bar.hidden():
                 report.render_scenario(out, result, sc.describe(), report.reproduce_command(config, sc.name, faults))
                 for fault in faults:
                     if fault in OPS[sc.op].faults and not checker.fault_applies(sc, fault):
-                        out.print(f"  note: fault {fault} has no effect on this scenario (not applicable)\n",
-                                  highlight=False)
-        if negative_controls:
-            cells = checker.negative_controls(scenarios, memory_budget=budget, progress=bar.advance,
-                                              numeric_cache=cache)
+                        out.print(f"  note: fault {fault} has no effect on this scenario (not applicable)\n")
     except KeyboardInterrupt:
-        bar.close()
-        click.echo(f"interrupted after {len(results)} of {len(scenarios)} scenario(s); no report written", err=True)
-        raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+        interrupted = True
     except MemoryError:
         bar.close()
         name = scenarios[len(results)].name if len(results) < len(scenarios) else "negative controls"
         raise _fail(f"{config}: scenario '{name}' ran out of memory; lower --memory-budget "
                     f"(now {memory_budget} MiB) or the scenario's shapes; no report written") from None
+    except GradcheckError as exc:  # a worker could not load the file (changed while running)
+        bar.close()
+        raise _fail(str(exc)) from None
     bar.close()
 
     report.render_summary(out, results)
-    if cells is not None:
+    if cells:
         out.print()
         report.render_controls(out, cells)
-    data = report.json_report(config, faults, results, cells)
+    data = report.json_report(config, faults, results, cells, shard=shard, interrupted=interrupted)
     try:
         report.write_reports(json_path, data, junit_path,
                              report.junit_xml(results, cells, config, faults) if junit_path else None, arrays_dir, results)
     except OSError as exc:
         raise _fail(f"cannot write the reports: {exc}") from None
+    except KeyboardInterrupt:  # a second Ctrl-C while writing: nothing half-written stays behind
+        click.echo("interrupted while writing the reports; none written", err=True)
+        raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+    if interrupted:
+        written = [p for p in (json_path, junit_path) if p] + ([f"{arrays_dir}/"] if arrays_dir else [])
+        click.echo(f"interrupted after {len(results)} of {len(scenarios)} scenario(s)"
+                   + (f"; partial report(s) written: {', '.join(written)}" if written else ""), err=True)
+        raise click.exceptions.Exit(EXIT_INTERRUPTED)
+    codes = {"pass": EXIT_OK, "fail": EXIT_FAILED, "inconclusive": EXIT_INCONCLUSIVE}
+    raise click.exceptions.Exit(codes[data["verdict"]])
+
+
+@main.command(epilog=EPILOG, short_help="Combine JSON reports (e.g. the shards of a CI matrix) into one verdict.")
+@click.argument("reports", nargs=-1, required=True, type=click.Path(path_type=str))
+@click.option("--json", "json_path", type=click.Path(path_type=str),
+              help="Write the merged JSON report here (written atomically).")
+def merge(reports, json_path):
+    """Combine the JSON REPORTS of several runs into one report and one verdict.
+
+    Scenarios keep their file order; counts, verdict and negative controls are recomputed. Refused
+    (exit 2): a file that is not an attn-gradcheck JSON report, a report of an interrupted run, shards
+    of one config that are missing or given twice, a scenario present in two reports. The exit code is
+    the merged verdict's, as for 'run'.
+    """
+    loaded = []
+    for path in reports:
+        try:
+            text = open(path, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise _fail(f"{path}: cannot read the report ({getattr(exc, 'strerror', None) or exc})") from None
+        try:
+            loaded.append((path, json.loads(text)))
+        except json.JSONDecodeError as exc:
+            raise _fail(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from None
+    try:
+        if json_path:
+            report.prepare_outputs({"--json": json_path}, {}, inputs=list(reports))
+        data = report.merge_reports(loaded)
+    except GradcheckError as exc:
+        raise _fail(str(exc)) from None
+    report.render_merged(_console(), data)
+    try:
+        report.write_reports(json_path, data)
+    except OSError as exc:
+        raise _fail(f"cannot write the report: {exc}") from None
     codes = {"pass": EXIT_OK, "fail": EXIT_FAILED, "inconclusive": EXIT_INCONCLUSIVE}
     raise click.exceptions.Exit(codes[data["verdict"]])
 

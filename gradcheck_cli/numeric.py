@@ -58,8 +58,13 @@ def _in_chunks(work: Callable[[int, int], object], total: int, chunking: Chunkin
     # One BLAS thread per worker: the workers already fill the cores, and nested BLAS threads would
     # oversubscribe them.
     with _blas_controller().limit(limits=1, user_api="blas"):
-        for (a, b), value in zip(bounds, _pool(chunking.workers).map(lambda ab: work(*ab), bounds)):
-            yield a, b, value
+        futures = [_pool(chunking.workers).submit(work, a, b) for a, b in bounds]
+        try:
+            for (a, b), future in zip(bounds, futures):
+                yield a, b, future.result()
+        finally:  # Ctrl-C (or any error) stops the chunks not yet started: a prompt stop
+            for future in futures:
+                future.cancel()
 
 
 @functools.lru_cache(maxsize=None)

@@ -199,7 +199,8 @@ def render_controls(console: Console, cells: Sequence[ControlCell]) -> None:
 
 
 def json_report(config: str, faults: Sequence[str], results: Sequence[ScenarioResult],
-                controls: Sequence[ControlCell] | None = None) -> dict:
+                controls: Sequence[ControlCell] | None = None, *, shard: tuple[int, int] | None = None,
+                interrupted: bool = False) -> dict:
     """The ``--json`` report (documented in the README; keys are stable within a schema version)."""
     s = summary(results)
     passed = s["failed"] == 0 and s["inconclusive"] == 0
@@ -212,8 +213,11 @@ def json_report(config: str, faults: Sequence[str], results: Sequence[ScenarioRe
         "passed": passed,
         "verdict": verdict(results),
         "summary": s,
-        "scenarios": [{**r.to_json(), "reproduce": reproduce_command(config, r.name, faults)} for r in results],
+        "scenarios": [{**r.to_json(), "config": config, "reproduce": reproduce_command(config, r.name, faults)}
+                      for r in results],
         "negative_controls": None,
+        "shard": {"index": shard[0], "count": shard[1]} if shard else None,
+        "interrupted": interrupted,
     }
     if controls is not None:
         ok = not any(c.status == "missed" for c in controls)
@@ -222,6 +226,121 @@ def json_report(config: str, faults: Sequence[str], results: Sequence[ScenarioRe
         if not ok:
             out["verdict"] = "fail"
     return _json_safe(out)
+
+
+def merge_reports(reports: Sequence[tuple[str, dict]]) -> dict:
+    """One report from several JSON reports (``(path, data)``), e.g. the shards of a CI matrix: the
+    scenarios in file order, counts and verdict recomputed. Raises GradcheckError when a report is not
+    ours, is from an interrupted run, or when shards are missing or overlap."""
+    groups: dict[str, list[tuple[str, dict]]] = {}
+    for path, data in reports:
+        if not isinstance(data, dict) or data.get("tool") != "attn-gradcheck" or not isinstance(data.get("scenarios"), list):
+            raise GradcheckError(f"{path}: not an attn-gradcheck JSON report")
+        if data.get("schema_version") != JSON_SCHEMA_VERSION:
+            raise GradcheckError(f"{path}: schema_version {data.get('schema_version')!r}; this version merges "
+                                 f"schema_version {JSON_SCHEMA_VERSION}")
+        if data.get("interrupted"):
+            raise GradcheckError(f"{path}: from an interrupted run; re-run it before merging")
+        groups.setdefault(data.get("config"), []).append((path, data))
+    scenarios, cells, all_faults = [], [], set()
+    with_controls = {data.get("negative_controls") is not None for _, data in reports}
+    if len(with_controls) > 1:
+        raise GradcheckError("some reports ran --negative-controls and some did not; merge like with like")
+    for config, parts in groups.items():
+        faults = {tuple(data.get("faults") or ()) for _, data in parts}
+        if len(faults) > 1:
+            raise GradcheckError(f"reports of {config} ran different faults: {sorted(faults)}")
+        all_faults |= faults
+        _check_shards(config, parts)
+        seen: dict[str, str] = {}
+        rows = []
+        for path, data in parts:
+            for sc in data["scenarios"]:
+                if sc["name"] in seen:
+                    raise GradcheckError(f"scenario {sc['name']} of {config} is in {seen[sc['name']]} and in {path}")
+                seen[sc["name"]] = path
+                rows.append(sc)
+            if data.get("negative_controls"):
+                cells.extend((config, c) for c in data["negative_controls"]["cells"])
+        rows.sort(key=lambda sc: sc.get("index", 0))
+        scenarios.extend(rows)
+    order = {(sc["config"], sc["name"]): k for k, sc in enumerate(scenarios)}
+    cells.sort(key=lambda cc: order.get((cc[0], cc[1]["scenario"]), len(order)))
+    checks = [c for sc in scenarios for c in sc["checks"]]
+    failed = sum(c["verdict"] == "fail" for c in checks)
+    inconclusive = sum(c["verdict"] == "inconclusive" for c in checks)
+    summary_ = {"scenarios": len(scenarios), "checks": len(checks), "passed": len(checks) - failed - inconclusive,
+                "failed": failed, "inconclusive": inconclusive}
+    verdict_ = "fail" if failed else ("inconclusive" if inconclusive else "pass")
+    controls = None
+    if with_controls == {True}:
+        ok = not any(c["status"] == "missed" for _, c in cells)
+        controls = {"passed": ok, "cells": [c for _, c in cells]}
+        if not ok:
+            verdict_ = "fail"
+    return {
+        "tool": "attn-gradcheck",
+        "version": __version__,
+        "schema_version": JSON_SCHEMA_VERSION,
+        "config": next(iter(groups)) if len(groups) == 1 else None,
+        "faults": list(next(iter(all_faults))) if len(all_faults) == 1 else None,
+        "passed": verdict_ == "pass",
+        "verdict": verdict_,
+        "summary": summary_,
+        "scenarios": scenarios,
+        "negative_controls": controls,
+        "shard": None,
+        "interrupted": False,
+        "merged_from": [path for path, _ in reports],
+    }
+
+
+def _check_shards(config, parts: Sequence[tuple[str, dict]]) -> None:
+    """The shards of one config: all of 1..N, each once (reports without --shard are whole runs)."""
+    shards = [(path, data.get("shard")) for path, data in parts]
+    if not any(s for _, s in shards):
+        return
+    if not all(s for _, s in shards):
+        raise GradcheckError(f"reports of {config} mix shards and whole runs: "
+                             + ", ".join(p for p, s in shards if not s) + " ran without --shard")
+    counts = {s["count"] for _, s in shards}
+    if len(counts) > 1:
+        raise GradcheckError(f"reports of {config} come from different splits (N = {sorted(counts)})")
+    count = counts.pop()
+    given: dict[int, str] = {}
+    for path, s in shards:
+        if s["index"] in given:
+            raise GradcheckError(f"shard {s['index']}/{count} of {config} is given twice ({given[s['index']]}, {path})")
+        given[s["index"]] = path
+    missing = [f"{i}/{count}" for i in range(1, count + 1) if i not in given]
+    if missing:
+        raise GradcheckError(f"shard {', '.join(missing)} of {config} missing; merge every shard of the run")
+
+
+def render_merged(console: Console, data: dict) -> None:
+    """A line per scenario (its failed checks under it), the totals and the negative controls."""
+    for sc in data["scenarios"]:
+        word = {"pass": "passed", "fail": "FAILED", "inconclusive": "INCONCLUSIVE"}[sc["verdict"]]
+        console.print(f"{sc['name']} ({sc['config']}): {word}")
+        for c in sc["checks"]:
+            if c["verdict"] != "pass":
+                console.print(f"  {c['verdict'].upper()} {c['name']} ({c['tensor']}): {c['detail']}", soft_wrap=True)
+        for hint in sc.get("hints", []):
+            console.print(f"  hint: {hint}", soft_wrap=True)
+        if sc["verdict"] != "pass":
+            console.print(f"  reproduce: {sc['reproduce']}", soft_wrap=True)
+    s = data["summary"]
+    console.print(f"{s['scenarios']} scenario(s), {s['checks']} checks: {s['passed']} passed, {s['failed']} failed"
+                  + (f", {s['inconclusive']} inconclusive" if s["inconclusive"] else "")
+                  + f" -- merged from {len(data['merged_from'])} report(s): {data['verdict']}")
+    if data["negative_controls"] is not None:
+        cells = data["negative_controls"]["cells"]
+        applicable = [c for c in cells if c["status"] != "not applicable"]
+        missed = [c for c in applicable if c["status"] == "missed"]
+        for c in missed:
+            console.print(f"  MISSED {c['fault']} on {c['scenario']}")
+        console.print(f"{len(applicable) - len(missed)} of {len(applicable)} applicable fault(s) detected"
+                      + (" -- negative controls FAILED" if missed else ""))
 
 
 def _json_safe(value):

@@ -65,6 +65,7 @@ class ScenarioResult:
     elapsed_s: float
     arrays: dict = field(default_factory=dict, compare=False, repr=False)
     hints: tuple[str, ...] = ()
+    index: int = 0  # the scenario's position in its file (reports keep file order; merge restores it)
 
     @property
     def passed(self) -> bool:
@@ -79,6 +80,7 @@ class ScenarioResult:
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
+            "index": self.index,
             "op": self.op,
             "dtype": self.dtype,
             "epsilon": self.epsilon,

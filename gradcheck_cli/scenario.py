@@ -77,6 +77,7 @@ class Scenario:
     seed: int
     file: str = ""
     line: int = 0
+    index: int = 0  # position in the file's list of scenarios, after sweeps expand
     implementation: str | None = None
     backend: str = "numpy"
     device: str = "cpu"
@@ -638,8 +639,7 @@ def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".
                 if suffix:
                     exc.message += f" (in the sweep case {item.get('name')}{suffix})"
                 raise
-            if suffix:
-                sc = dataclasses.replace(sc, name=sc.name + suffix)
+            sc = dataclasses.replace(sc, name=sc.name + suffix, index=len(out))
             if sc.name in seen:
                 raise doc.error(("scenarios", i, "name"), f"duplicate scenario name '{sc.name}' "
                                 f"(first at scenarios[{seen[sc.name]}])", hint="names must be unique")
