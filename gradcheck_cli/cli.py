@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import threading
 import time
 
 import click
@@ -54,26 +55,35 @@ class _ProgressBar:
                             redirect_stdout=False, redirect_stderr=False)
         self.task = self.bar.add_task(label, total=total)
         self.start = time.monotonic()
+        self.lock = threading.RLock()  # --jobs advances from the pool's result thread
+        self.paused = False
 
     def advance(self, n: int) -> None:
-        self.bar.advance(self.task, n)
-        if self.enabled and not self.bar.live.is_started and time.monotonic() - self.start > PROGRESS_DELAY_S:
-            self.bar.start()
+        with self.lock:
+            self.bar.advance(self.task, n)
+            if (self.enabled and not self.paused and not self.bar.live.is_started
+                    and time.monotonic() - self.start > PROGRESS_DELAY_S):
+                self.bar.start()
 
     @contextlib.contextmanager
     def hidden(self):
-        running = self.bar.live.is_started
-        if running:
-            self.bar.stop()
+        with self.lock:
+            running, self.paused = self.bar.live.is_started, True
+            if running:
+                self.bar.stop()
         try:
             yield
         finally:
-            if running:
-                self.bar.start()
+            with self.lock:
+                self.paused = False
+                if running:
+                    self.bar.start()
 
     def close(self) -> None:
-        if self.bar.live.is_started:
-            self.bar.stop()
+        with self.lock:
+            self.paused = True
+            if self.bar.live.is_started:
+                self.bar.stop()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
