@@ -54,6 +54,11 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
         return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
                               mode=sc.mode, faults=active, checks=(failure_check("implementation runs", exc),),
                               elapsed_s=time.perf_counter() - start, index=sc.index)
+    broken = _non_finite(sc, problem)
+    if broken:  # differences of NaN/inf say nothing: report where they first appear, and stop there
+        return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
+                              mode=sc.mode, faults=active, checks=tuple(broken), elapsed_s=time.perf_counter() - start,
+                              arrays=dict(problem.arrays), hints=(_range_hint(sc),), index=sc.index)
     rng = np.random.default_rng([sc.seed, 2])
     chunking = numeric.plan(problem.copy_bytes, memory_budget)
     checks: list[Check] = []
@@ -79,6 +84,32 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
                           mode=sc.mode, faults=active, checks=tuple(checks),
                           elapsed_s=time.perf_counter() - start, arrays=arrays, hints=tuple(hints), index=sc.index)
+
+
+def _non_finite(sc: Scenario, problem) -> list[Check]:
+    """A failed check for each input, output or analytic gradient holding NaN or inf, naming the
+    first bad element; [] when every value is finite."""
+    arrays = [("inputs are finite", name, x) for name, x in problem.inputs.items()]
+    if problem.output is not None:
+        arrays.append(("output is finite", "o", problem.output))
+    arrays += [("analytic gradient is finite", name, g) for name, g in problem.gradients.items()]
+    checks = []
+    for what, name, x in arrays:
+        bad = ~np.isfinite(x)
+        if bad.any():
+            index = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), x.shape))
+            where = f"{name}[{', '.join(map(str, index))}]"
+            checks.append(Check("implementation", what, name, tuple(x.shape), float("inf"), float("inf"), 0.0, 0.0,
+                                index, False, f"{x[index]} at {where} (first of {int(bad.sum())} non-finite "
+                                f"element(s) of {x.size}) in {sc.dtype}"))
+    return checks
+
+
+def _range_hint(sc: Scenario) -> str:
+    top = float(np.finfo(np.float16).max) if sc.dtype == "float16" else None
+    return ("NaN or inf before any difference is taken: the computation leaves the range of " + sc.dtype
+            + (f" (largest finite {top:g})" if top else "")
+            + f", e.g. scores scale * q.k (scale is {sc.scale:g}) overflow; lower scale or use a wider dtype")
 
 
 def _diagnose(sc: Scenario, problem, checks: list[Check], evidence: dict) -> tuple[list[Check], list[str]]:

@@ -225,8 +225,8 @@ def merge(reports, json_path):
     for path in reports:
         try:
             text = open(path, encoding="utf-8").read()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise _fail(f"{path}: cannot read the report ({getattr(exc, 'strerror', None) or exc})") from None
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise _fail(f"{path!r}: cannot read the report ({getattr(exc, 'strerror', None) or exc})") from None
         try:
             loaded.append((path, json.loads(text)))
         except json.JSONDecodeError as exc:

@@ -400,6 +400,9 @@ def prepare_outputs(files: dict[str, str | None], folders: dict[str, str | None]
     """Before anything runs: every file a run will write (``files``, and ``folder_files[opt]`` inside
     ``folders[opt]``) is distinct and is none of ``inputs``; folders exist (created if missing) and
     can be written."""
+    for opt, p in [*files.items(), *folders.items()]:
+        if p and "\x00" in p:
+            raise GradcheckError(f"{opt} {p!r}: the path contains a NUL byte")
     targets: dict[Path, str] = {Path(p).resolve(): f"the input {p}" for p in inputs}
     wanted = [(opt, Path(p)) for opt, p in files.items() if p]
     wanted += [(f"{opt} ({name})", Path(folders[opt]) / name)

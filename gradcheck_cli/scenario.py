@@ -591,6 +591,8 @@ def _load_visible(f: _Fields, base_dir: Path, shape: tuple[int, ...]) -> tuple[n
 
 def load(path: str | os.PathLike, *, memory_limit: int | None = None) -> list[Scenario]:
     """Read and validate every scenario of a YAML file; raises ``ScenarioError`` on the first problem."""
+    if "\x00" in os.fspath(path):
+        raise ScenarioError("the path contains a NUL byte", file=repr(os.fspath(path)))
     path = Path(path)
     if path.is_dir():
         raise ScenarioError("is a folder; give a YAML scenario file", file=str(path))

@@ -171,3 +171,32 @@ def test_torch_backend_hints(fault):
     sc = make(backend="torch", heads_q=4, heads_kv=2, n_q=4, n_k=5, d_head=4, mask={"causal": "lower-right"})
     text = " | ".join(checker.run_scenario(sc, (fault,)).hints)
     assert HINT_OF[fault] in text, text
+
+
+def test_non_finite_values_fail_naming_the_first_bad_element(monkeypatch):
+    import dataclasses
+    sc = make(n_q=3, d_head=2)
+    real = OPS["attention"].build
+
+    def nan_build(sc, faults=()):
+        problem = real(sc, faults)
+        problem.gradients["k"] = problem.gradients["k"].copy()
+        problem.gradients["k"][0, 0, 2, 1] = np.nan
+        problem.gradients["k"][0, 0, 2, 0] = np.inf  # earlier in C order: named first
+        return problem
+    monkeypatch.setitem(OPS, "attention", dataclasses.replace(OPS["attention"], build=nan_build))
+    res = checker.run_scenario(sc)
+    assert res.verdict == "fail"
+    [check] = res.checks
+    assert (check.name, check.tensor, check.worst_index) == ("analytic gradient is finite", "k", (0, 0, 2, 0))
+    assert "inf at k[0, 0, 2, 0] (first of 2 non-finite element(s) of 6)" in check.detail
+    assert "leaves the range of float64" in res.hints[0]
+
+
+def test_float16_overflow_is_named_not_a_wall_of_nan():
+    pytest.importorskip("torch")
+    sc = make(backend="torch", dtype="float16", n_q=4, d_head=4, scale=100000)
+    res = checker.run_scenario(sc)
+    names = {(c.name, c.tensor) for c in res.checks}
+    assert ("output is finite", "o") in names and res.verdict == "fail"
+    assert "largest finite 65504" in res.hints[0]
