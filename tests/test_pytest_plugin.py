@@ -12,7 +12,7 @@ def test_gradcheck_yaml_files_become_test_items(tmp_path, root):
     (tmp_path / "attn.gradcheck.yaml").write_text(
         "scenarios:\n"
         "  - {name: good, n_q: 4, d_head: 4, mask: {causal: lower-right}}\n"
-        "  - {name: peaked, n_q: 4, d_head: 4, scale: 2.0}\n")
+        "  - {name: peaked, n_q: 4, d_head: 4, scale: 2.0, sweep: {batch: [1, 2]}}\n")
     (tmp_path / "broken.gradcheck.yaml").write_text(
         "scenarios:\n"
         "  - {name: gqa-overwrite, implementation: 'broken_attention:gqa_overwrite', heads_q: 4, heads_kv: 2,"
@@ -22,8 +22,14 @@ def test_gradcheck_yaml_files_become_test_items(tmp_path, root):
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                           capture_output=True, text=True, cwd=tmp_path)
     out = done.stdout
-    assert "1 failed, 2 passed" in out, out
+    assert "1 failed, 3 passed" in out, out
     assert "gradient v" in out and "reproduce: attn-gradcheck run" in out and "--select gqa-overwrite" in out
+    # the same diagnosis as the command line: where, heat map, and the cause
+    assert "where: " in out and "heat map, KV head x key row" in out
+    assert "hint: errors only in K/V gradients of KV heads shared by several query heads" in out
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                             str(tmp_path / "attn.gradcheck.yaml")], capture_output=True, text=True, cwd=tmp_path)
+    assert "attn.gradcheck.yaml::peaked[batch=2]" in listed.stdout, listed.stdout
 
 
 def test_reports_are_byte_identical_across_runs_apart_from_timing(root, tmp_path):
