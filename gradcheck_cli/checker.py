@@ -3,6 +3,7 @@ Returns frozen results; never prints and never exits."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -28,10 +29,9 @@ Progress = Callable[[int], None]
 def work_units(sc: Scenario) -> int:
     """Number of perturbed elements / directions a scenario's gradient checks evaluate (for progress)."""
     op = OPS[sc.op]
-    sizes = {"q": sc.batch * sc.heads_q * sc.n_q * sc.d_head, "k": sc.batch * sc.heads_kv * sc.n_k * sc.d_head,
-             "v": sc.batch * sc.heads_kv * sc.n_k * sc.d_value}
+    sizes = {t: math.prod(shape) for t, shape in op.shapes(sc).items()} if op.shapes else {}
     per = {"full": lambda n: n, "sample": lambda n: min(sc.samples, n), "directional": lambda n: sc.directions}[sc.mode]
-    return sum(per(sizes[t]) for t in op.tensors)
+    return sum(per(n) for n in sizes.values())
 
 
 def _forward_faults(faults: Iterable[str]) -> frozenset[str]:

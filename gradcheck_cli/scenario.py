@@ -28,11 +28,18 @@ import yaml
 from . import implementation, masks
 from .errors import GradcheckError, ScenarioError
 from .ops import OPS
+from .ops.registry import REQUIRED, Param
 from .tolerance import DTYPES, defaults_for, machine_epsilon
 
 MODES = ("full", "sample", "directional")
-SCENARIO_KEYS = ("name", "op", "implementation", "backend", "device", "batch", "heads_q", "heads_kv", "kv_map", "n_q", "n_k", "d_head",
-                 "d_value", "scale", "mask", "loss_rows", "check", "dtype", "epsilon", "tolerance", "seed")
+#: Keys every op takes.
+COMMON_KEYS = ("name", "op", "batch", "check", "dtype", "epsilon", "tolerance", "seed")
+#: Keys of ops that contain attention (``Op.attention_keys``).
+ATTENTION_KEYS = ("heads_q", "heads_kv", "kv_map", "n_q", "n_k", "d_head", "d_value", "scale", "mask", "loss_rows")
+#: Keys of op ``attention`` only: other implementations and backends.
+BACKEND_KEYS = ("implementation", "backend", "device")
+SCENARIO_KEYS = tuple(dict.fromkeys(COMMON_KEYS[:2] + BACKEND_KEYS + COMMON_KEYS[2:3] + ATTENTION_KEYS + COMMON_KEYS[3:]
+                                    + tuple(k for op in OPS.values() for k in op.keys)))
 MASK_KEYS = ("causal", "window", "key_lengths", "visible")
 CHECK_KEYS = ("mode", "samples", "directions", "colouring", "factor", "slack")
 BACKENDS = ("numpy", "torch")
@@ -78,6 +85,7 @@ class Scenario:
     file: str = ""
     line: int = 0
     index: int = 0  # position in the file's list of scenarios, after sweeps expand
+    params: tuple = ()  # the op's own keys (``Op.keys``) as (key, value) pairs
     implementation: str | None = None
     backend: str = "numpy"
     device: str = "cpu"
@@ -86,7 +94,14 @@ class Scenario:
     visible: np.ndarray = field(default=None, repr=False, compare=False)
     implementation_object: object = field(default=None, repr=False, compare=False)
 
+    def p(self, key: str):
+        """The value of the op-specific key ``key``."""
+        return dict(self.params)[key]
+
     def describe(self) -> str:
+        spec = OPS[self.op]
+        if spec.describe:
+            return spec.describe(self)
         contiguous = self.heads_q % self.heads_kv == 0 and self.kv_map == default_kv_map(self.heads_q, self.heads_kv)
         kv = f"{self.heads_kv}" + ("" if contiguous else f" map={list(self.kv_map)}")
         if self.dtype in LOW_PRECISION:
@@ -402,6 +417,18 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
         raise f.error("name", f"expected a name of letters, digits, '.', '_' or '-', got {name!r}"
                       if name is not None else "is required", hint="e.g. 'name: causal-gqa'")
     op = f.choice("op", tuple(OPS), "attention")
+    op_spec = OPS[op]
+    allowed = set(COMMON_KEYS) | set(op_spec.keys) | (set(ATTENTION_KEYS) if op_spec.attention_keys else set())
+    allowed |= set(BACKEND_KEYS) if op == "attention" else set()
+    for key in f.values:
+        top = key.split(".")[0]
+        if top not in allowed or (op != "attention" and key in ("check.factor", "check.slack")):
+            owners = [o.name for o in OPS.values() if top in o.keys or (top in ATTENTION_KEYS and o.attention_keys)
+                      or (top in BACKEND_KEYS + ("check",) and o.name == "attention")]
+            raise f.error(key, f"does not apply to op {op}" + (f" (it is a key of {', '.join(owners)})" if owners else ""),
+                          hint=f"keys of op {op}: {', '.join(sorted(allowed - {'name', 'op'}))}")
+    if not op_spec.attention_keys:
+        return _parse_plain(doc, f, name, op, base_dir, memory_limit)
     batch = f.int("batch", 1)
     heads_q = f.int("heads_q", 1)
     n_q = f.int("n_q")
@@ -444,27 +471,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     slack = f.float("check.slack", 1e-5, positive=False)
     if slack < 0:
         raise f.error("check.slack", f"must be >= 0, got {slack}")
-    dflt = defaults_for(dtype)
-    epsilon = f.float("epsilon", dflt["epsilon"])
-    resolution = machine_epsilon(dtype)
-    if epsilon < 8 * resolution and dtype not in LOW_PRECISION:  # no finite differences in half precision
-        raise f.error("epsilon", f"{epsilon:g} is below what {dtype} can resolve ({resolution:.2g}): the "
-                      "perturbed values would round back", hint=f"use at least {8 * resolution:.2g}")
-    tolerance = f.float("tolerance", dflt["tolerance"])
-    seed = f.int("seed", 0, minimum=0)
-    mode = f.choice("check.mode", MODES, "full")
-    samples = f.int("check.samples", 256)
-    directions = f.int("check.directions", 16)
-    if directions > MAX_DIRECTIONS:
-        raise f.error("check.directions", f"at most {MAX_DIRECTIONS:,} directions, got {directions:,}",
-                      hint="use mode: full to check every element")
-    colouring = f.raw("check.colouring", mode == "full")
-    if not isinstance(colouring, bool):
-        raise f.error("check.colouring", f"expected true or false, got {colouring!r}")
-    if colouring and mode != "full" and f.has("check.colouring"):
-        raise f.error("check.colouring", f"colouring applies to mode full only (mode is {mode})",
-                      hint="remove colouring, or use mode: full")
-    colouring = colouring and mode == "full"
+    dtype, epsilon, tolerance, seed, mode, samples, directions, colouring = _precision_and_check(f, dtype)
 
     causal = "none" if f.raw("mask.causal") in (None, "none") else f.choice("mask.causal", masks.CAUSAL, "none")
     window = None
@@ -526,13 +533,97 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                         hint="every query row needs at least one visible key; widen the window, raise "
                              "key_lengths, or check the causal alignment for n_q != n_k")
 
+    params = {key: _read_param(f, key, param) for key, param in op_spec.keys.items()}
+    attention = {"batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "n_q": n_q, "n_k": n_k, "d_head": d_head,
+                 "d_value": d_value, "n_k_given": f.has("n_k"), "causal": causal}
+    for key, message, hint in (op_spec.validate(params, attention) if op_spec.validate else []):
+        raise f.error(key, message, hint=hint)
     return Scenario(name=name, op=op, batch=batch, heads_q=heads_q, heads_kv=heads_kv, kv_map=tuple(kv_map),
                     n_q=n_q, n_k=n_k, d_head=d_head, d_value=d_value, scale=scale, causal=causal,
                     window=window, key_lengths=key_lengths, visible_source=source, loss_rows=loss_rows,
                     mode=mode, samples=samples, directions=directions, colouring=colouring, dtype=dtype, epsilon=epsilon,
                     tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
                     implementation=spec, backend=backend, device=device, factor=factor, slack=slack,
-                    visible=visible, implementation_object=impl)
+                    visible=visible, implementation_object=impl, params=tuple(params.items()))
+
+
+def _precision_and_check(f: _Fields, dtype: str, colouring_default: bool = True):
+    """The keys every op shares: (dtype, epsilon, tolerance, seed, mode, samples, directions, colouring)."""
+    dflt = defaults_for(dtype)
+    epsilon = f.float("epsilon", dflt["epsilon"])
+    resolution = machine_epsilon(dtype)
+    if epsilon < 8 * resolution and dtype not in LOW_PRECISION:  # no finite differences in half precision
+        raise f.error("epsilon", f"{epsilon:g} is below what {dtype} can resolve ({resolution:.2g}): the "
+                      "perturbed values would round back", hint=f"use at least {8 * resolution:.2g}")
+    tolerance = f.float("tolerance", dflt["tolerance"])
+    seed = f.int("seed", 0, minimum=0)
+    mode = f.choice("check.mode", MODES, "full")
+    samples = f.int("check.samples", 256)
+    directions = f.int("check.directions", 16)
+    if directions > MAX_DIRECTIONS:
+        raise f.error("check.directions", f"at most {MAX_DIRECTIONS:,} directions, got {directions:,}",
+                      hint="use mode: full to check every element")
+    colouring = f.raw("check.colouring", mode == "full" and colouring_default)
+    if not isinstance(colouring, bool):
+        raise f.error("check.colouring", f"expected true or false, got {colouring!r}")
+    if colouring and mode != "full" and f.has("check.colouring"):
+        raise f.error("check.colouring", f"colouring applies to mode full only (mode is {mode})",
+                      hint="remove colouring, or use mode: full")
+    if colouring and not colouring_default:
+        raise f.error("check.colouring", "this op has no independent output blocks to colour",
+                      hint="remove colouring (it applies to op attention)")
+    return dtype, epsilon, tolerance, seed, mode, samples, directions, colouring and mode == "full"
+
+
+def _read_param(f: _Fields, key: str, param: Param):
+    """One op-specific key (``ops.registry.Param``)."""
+    required = param.default is REQUIRED
+    if not f.has(key):
+        if required:
+            raise f.error(key, "is required", hint=param.help or None)
+        return param.default
+    kind = param.kind
+    if kind == "int":
+        return f.int(key, None, minimum=int(param.minimum if param.minimum is not None else 1))
+    if kind == "float":
+        v = f.float(key, 0.0, positive=param.minimum is None)
+        if param.minimum is not None and v < param.minimum:
+            raise f.error(key, f"must be >= {param.minimum:g}, got {v:g}", hint=param.help or None)
+        return v
+    if kind == "choice":
+        return f.choice(key, param.choices, param.choices[0])
+    if kind == "bool":
+        v = f.raw(key)
+        if not isinstance(v, bool):
+            raise f.error(key, f"expected true or false, got {v!r}")
+        return v
+    if kind == "ints":
+        return f.int_list(key, int(param.minimum if param.minimum is not None else 1), None, f"each {key} entry",
+                          unique=True)
+    raise AssertionError(f"unknown Param kind {kind}")
+
+
+def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memory_limit: int) -> Scenario:
+    """A scenario of an op without attention keys: the shared keys, then the op's own (``Op.keys``)."""
+    spec = OPS[op]
+    batch = f.int("batch", 1)
+    dtype = f.choice("dtype", DTYPES, "float64")
+    dtype, epsilon, tolerance, seed, mode, samples, directions, _ = _precision_and_check(f, dtype, False)
+    params = {key: _read_param(f, key, param) for key, param in spec.keys.items()}
+    for key, message, hint in (spec.validate(params, {"batch": batch}) if spec.validate else []):
+        raise f.error(key, message, hint=hint)
+    sc = Scenario(name=name, op=op, batch=batch, heads_q=1, heads_kv=1, kv_map=(0,), n_q=0, n_k=0, d_head=0,
+                  d_value=0, scale=1.0, causal="none", window=None, key_lengths=None, visible_source=None,
+                  loss_rows=None, mode=mode, samples=samples, directions=directions, colouring=False, dtype=dtype,
+                  epsilon=epsilon, tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
+                  params=tuple(params.items()))
+    if spec.shapes:
+        elements = sum(math.prod(shape) for shape in spec.shapes(sc).values())
+        need = elements * 64 * 8
+        if need > memory_limit:
+            raise doc.error(f.path, f"scenario '{name}' needs about {need / 2**30:.1f} GiB, more than the "
+                            f"{memory_limit / 2**30:.1f} GiB available", hint="reduce its sizes")
+    return sc
 
 
 def _require_torch(f: _Fields, backend: str, device: str, dtype: str) -> None:
@@ -694,6 +785,17 @@ def json_schema() -> dict:
         "dtype": {"enum": list(DTYPES) + list(LOW_PRECISION)}, "epsilon": number, "tolerance": number,
         "seed": {"type": "integer", "minimum": 0},
     }
+    for op in OPS.values():
+        for key, param in op.keys.items():
+            if key in fields:
+                continue
+            kind = {"int": {"type": "integer", "minimum": int(param.minimum if param.minimum is not None else 1)},
+                    "float": number, "bool": {"type": "boolean"}, "choice": {"enum": list(param.choices)},
+                    "ints": ints}[param.kind]
+            if param.kind == "int" and param.default is None:
+                kind = {"oneOf": [{"type": "null"}, kind]}
+            users = [o.name for o in OPS.values() if key in o.keys]
+            fields[key] = {**kind, "description": f"{param.help} (op {', '.join(users)})".lstrip()}
     assert set(fields) == set(SCENARIO_KEYS), "the schema must list every scenario key"
     sweepable = [k for k in SCENARIO_KEYS if k != "name"] + [f"{n}.{k}" for n, keys in NESTED.items() for k in keys]
     fields["sweep"] = {"type": "object", "minProperties": 1, "propertyNames": {"enum": sweepable},

@@ -53,3 +53,50 @@ def visible_loops(batch, heads_q, n_q, n_k, causal="none", window=None, key_leng
                         ok = False
                     out[b, h, i, j] = ok
     return out
+
+
+# --- Independent forwards for the other ops (loops, written apart from gradcheck_cli/ops), and
+# complex-step derivatives: d/dx_i f = Im f(x + i h e_i) / h is exact to rounding for analytic f,
+# with no subtraction, so it is a gradient independent of both the backward and finite differences.
+
+def rmsnorm_ref(x, gamma, eps):
+    out = np.zeros_like(x)
+    for idx in np.ndindex(*x.shape[:-1]):
+        row = x[idx]
+        r = (sum(c * c for c in row) / len(row) + eps) ** 0.5
+        out[idx] = [gamma[c] * row[c] / r for c in range(len(row))]
+    return out
+
+
+def rope_ref(x, base, rotary_dim, layout, offset):
+    out = x.copy()
+    n = x.shape[-2]
+    for idx in np.ndindex(*x.shape[:-2]):
+        for i in range(n):
+            for k in range(rotary_dim // 2):
+                angle = (offset + i) * base ** (-2.0 * k / rotary_dim)
+                a_i, b_i = (k, k + rotary_dim // 2) if layout == "half" else (2 * k, 2 * k + 1)
+                a, b = x[idx + (i, a_i)], x[idx + (i, b_i)]
+                out[idx + (i, a_i)] = a * np.cos(angle) - b * np.sin(angle)
+                out[idx + (i, b_i)] = a * np.sin(angle) + b * np.cos(angle)
+    return out
+
+
+def swiglu_ref(x, w1, w3, w2):
+    a = np.einsum("bnd,df->bnf", x, w1)
+    b = np.einsum("bnd,df->bnf", x, w3)
+    h = a / (1 + np.exp(-a)) * b
+    return np.einsum("bnf,fd->bnd", h, w2)
+
+
+def complex_step_gradients(f, inputs: dict, g, h: float = 1e-30) -> dict:
+    """dL/d(input) of L = sum(f(**inputs) * g), element by element by the complex step."""
+    out = {}
+    for name, x in inputs.items():
+        grad = np.zeros(x.shape)
+        for idx in np.ndindex(*x.shape):
+            args = {k: v.astype(np.complex128) for k, v in inputs.items()}
+            args[name][idx] += 1j * h
+            grad[idx] = np.sum(f(**args) * g).imag / h
+        out[name] = grad
+    return out

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from gradcheck_cli.cli import main
-from gradcheck_cli.ops import FAULTS
+from gradcheck_cli.ops import FAULTS, OPS
 from reference import attention_loops
 
 
@@ -127,7 +127,7 @@ def test_negative_controls_json_and_junit(root, tmp_path):
     nc = json.loads((tmp_path / "r.json").read_text())["negative_controls"]
     assert nc["passed"] is True
     names = ("gqa-4x2", "mqa", "gqa-interleaved", "gqa-plain-differences")
-    assert {(c["fault"], c["scenario"]) for c in nc["cells"]} == {(f, s) for f in FAULTS for s in names}
+    assert {(c["fault"], c["scenario"]) for c in nc["cells"]} == {(f, s) for f in OPS["attention"].faults for s in names}
     assert {c["status"] for c in nc["cells"]} <= {"detected", "not applicable"}
     root_el = ET.parse(tmp_path / "r.xml").getroot()
     suites = {s.get("name"): s for s in root_el.iter("testsuite")}

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from gradcheck_cli import checker, diagnose
 from gradcheck_cli.cli import main
-from gradcheck_cli.ops import FAULTS, OPS
+from gradcheck_cli.ops import OPS
 from gradcheck_cli.ops.registry import Structure
 from helpers import make
 
@@ -30,11 +30,11 @@ SCENARIOS = {
 
 
 def test_every_fault_has_a_hint():
-    assert set(HINT_OF) == set(FAULTS)
+    assert set(HINT_OF) == set(OPS["attention"].faults)
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
-@pytest.mark.parametrize("fault", [None, *FAULTS])
+@pytest.mark.parametrize("fault", [None, *OPS["attention"].faults])
 def test_hint_names_the_fault_and_only_it(name, fault):
     sc = make(**SCENARIOS[name])
     result = checker.run_scenario(sc, (fault,) if fault else ())

@@ -440,5 +440,10 @@ def _build_user(sc) -> Problem:
     )
 
 
+def shapes(sc) -> dict:
+    return {"q": (sc.batch, sc.heads_q, sc.n_q, sc.d_head), "k": (sc.batch, sc.heads_kv, sc.n_k, sc.d_head),
+            "v": (sc.batch, sc.heads_kv, sc.n_k, sc.d_value)}
+
+
 OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradients of q, k, v",
-        tensors=("q", "k", "v"), faults=FAULTS, build=build)
+        tensors=("q", "k", "v"), faults=FAULTS, build=build, attention_keys=True, shapes=shapes)

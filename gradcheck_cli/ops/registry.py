@@ -69,10 +69,42 @@ class Problem:
     hints: Callable[[dict, list], list[str]] | None = None
 
 
+#: Marks a Param without a default: the key is required.
+REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class Param:
+    """One op-specific scenario key, read by the loader with its file and line.
+
+    kind: ``int`` (>= minimum), ``float`` (> 0 unless ``minimum`` allows 0 or negatives), ``choice``
+    (one of ``choices``), ``bool``, ``floats`` (non-empty list of floats > 0) or ``ints`` (non-empty
+    list of ints >= minimum).
+    """
+    kind: str
+    default: Any = REQUIRED
+    help: str = ""
+    minimum: float | None = None
+    choices: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class Op:
+    """An op: its gradients, faults and scenario keys.
+
+    ``attention_keys``: the attention keys (heads, n_q, n_k, d_head, masks, ...) apply to it.
+    ``keys``: its own keys. ``validate(params, attention)`` returns (key, message, hint) for values
+    that are wrong together (the loader reports the first with its line); ``attention`` holds the
+    parsed attention keys or is empty. ``shapes(sc)``: the shapes of its inputs (for progress and the
+    memory estimate). ``describe(sc)``: one line of the scenario's shapes.
+    """
     name: str
     summary: str
     tensors: tuple[str, ...]
     faults: Mapping[str, Fault]
     build: Callable[..., Problem]  # build(scenario, faults) -> Problem
+    keys: Mapping[str, Param] = field(default_factory=dict)
+    attention_keys: bool = False
+    validate: Callable[[dict, dict], list] | None = None
+    shapes: Callable[[Any], dict] | None = None
+    describe: Callable[[Any], str] | None = None

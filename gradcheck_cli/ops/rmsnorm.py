@@ -1,0 +1,83 @@
+"""RMSNorm (chapter 31, section 5): y = gamma * x / r with r = sqrt(mean(x^2) + eps) over features.
+
+Shapes (extra leading axes broadcast): x [B, n, d_model], gamma [d_model], y [B, n, d_model].
+
+Backward, with g = G_y * gamma: G_x = g / r - x * mean(g * x) / r^3 (the direct term minus the
+normalisation-scale feedback term); G_gamma = sum over rows of G_y * x / r.
+"""
+from __future__ import annotations
+
+from typing import Collection
+
+import numpy as np
+
+from .. import invariants
+from ..tolerance import INVARIANT_ULPS
+from . import dense
+from .registry import Fault, Op, Param, Structure
+
+FAULTS = {f.name: f for f in (
+    Fault("rmsnorm-feedback", "G_x = G_y * gamma / r: drops the feedback term -x mean(g x) / r^3 of the "
+                              "normalisation scale (the forward still looks right)",
+          ("gradient x", "<G_x, x> = 0 per row when eps = 0")),
+)}
+
+
+def forward(x, gamma, eps):
+    """y [..., d_model]."""
+    r = np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.asarray(eps, dtype=x.dtype))
+    return gamma * (x / r)
+
+
+def backward(x, gamma, eps, grad_y, faults: Collection[str] = ()):
+    """(G_x, G_gamma) for upstream grad_y [..., d_model]; G_gamma sums every axis but the last."""
+    r = np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.asarray(eps, dtype=x.dtype))
+    g = grad_y * gamma
+    g_x = g / r
+    if "rmsnorm-feedback" not in faults:
+        g_x = g_x - x * np.mean(g * x, axis=-1, keepdims=True) / r**3
+    g_gamma = (grad_y * (x / r)).reshape(-1, x.shape[-1]).sum(axis=0)
+    return g_x, g_gamma
+
+
+def _shapes(sc) -> dict:
+    return {"x": (sc.batch, sc.p("n"), sc.p("d_model")), "gamma": (sc.p("d_model"),)}
+
+
+def build(sc, faults: Collection[str] = ()):
+    shapes = _shapes(sc)
+    data = dense.seeded(sc, {**shapes, "g": shapes["x"]})
+    g = data.pop("g")
+    data["gamma"] = (1.0 + 0.5 * data["gamma"]).astype(data["gamma"].dtype)  # away from 0, mixed signs rare
+    eps = sc.p("eps")
+    g_x, g_gamma = backward(data["x"], data["gamma"], eps, g, faults)
+
+    def checks():
+        # scale invariance: with eps = 0, y(c x) = y(x), so <G_x, x> = 0 on every row
+        x64, gamma64, g64 = (t.astype(np.float64) for t in (data["x"], data["gamma"], g))
+        gx0, _ = backward(x64, gamma64, 0.0, g64, faults)
+        products = gx0 * x64
+        eps_m = float(np.finfo(np.float64).eps)
+        bound = INVARIANT_ULPS * eps_m * np.abs(products).sum(axis=-1)
+        return [invariants.bounded("<G_x, x> = 0 per row when eps = 0", "g_x",
+                                   products.sum(axis=-1) / np.maximum(bound, np.finfo(np.float64).tiny), 1.0,
+                                   "|sum_c G_x[c] x[c]| per row over 64 ulps of sum_c |G_x[c] x[c]| "
+                                   "(RMSNorm is scale invariant when eps = 0), backward at eps = 0")]
+
+    rows = np.abs(g).astype(np.float64) * np.abs(forward(data["x"], data["gamma"], eps)).astype(np.float64)
+    return dense.problem(
+        sc, data, lambda x, gamma: forward(x, gamma, eps), {"x": g_x, "gamma": g_gamma}, g,
+        lift={"gamma": 2}, invariants=checks,
+        rounding={"x": np.broadcast_to(rows.sum(axis=-1, keepdims=True), shapes["x"]).copy(),
+                  "gamma": rows.reshape(-1, rows.shape[-1]).sum(axis=0)},
+        structure={"x": Structure(("batch", "row", "feature")), "gamma": Structure(("feature",))})
+
+
+OP = Op(name="rmsnorm", summary="RMSNorm y = gamma * x / sqrt(mean(x^2) + eps): gradients of x and gamma",
+        tensors=("x", "gamma"), faults=FAULTS, build=build,
+        keys={"n": Param("int", 4, "rows per batch element"),
+              "d_model": Param("int", help="features per row, e.g. 'd_model: 16'"),
+              "eps": Param("float", 1e-6, "added to mean(x^2); 0 allowed", minimum=0.0)},
+        shapes=_shapes,
+        describe=lambda sc: f"B={sc.batch} n={sc.p('n')} d_model={sc.p('d_model')} eps={sc.p('eps'):g} "
+                            f"{sc.dtype} {sc.mode}")

@@ -1,0 +1,130 @@
+"""Rotary position embedding at fixed positions (chapter 31, section 5): each pair of features is
+rotated by the angle p * theta_k of its position p and frequency theta_k = base^(-2k / rotary_dim).
+
+Shapes (extra leading axes broadcast): x [B, H, n, d_head] -> y of the same shape. Features past
+``rotary_dim`` pass through. Layouts: ``half`` pairs feature k with k + rotary_dim/2 (GPT-NeoX, Llama),
+``interleaved`` pairs 2k with 2k + 1 (GPT-J, the RoFormer paper).
+
+Forward: (a, b) -> (a cos - b sin, a sin + b cos). For fixed positions this is an orthogonal linear
+map, so the backward is its transpose: the upstream gradient rotated by the opposite angle.
+"""
+from __future__ import annotations
+
+from typing import Collection
+
+import numpy as np
+
+from .. import invariants
+from ..tolerance import INVARIANT_ULPS
+from . import dense
+from .registry import Fault, Op, Param, Structure
+
+FAULTS = {f.name: f for f in (
+    Fault("rope-transpose", "the backward rotates the gradient forward (by +angle) instead of by the opposite angle",
+          ("gradient x", "backward is the transpose of the forward")),
+)}
+LAYOUTS = ("half", "interleaved")
+
+
+def angles(n: int, rotary_dim: int, base: float, offset: int = 0) -> np.ndarray:
+    """[n, rotary_dim / 2] angles p * theta_k for positions p = offset .. offset + n - 1 (float64)."""
+    theta = base ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    return (offset + np.arange(n, dtype=np.float64))[:, None] * theta[None, :]
+
+
+def _pairs(rotary_dim: int, layout: str) -> tuple[np.ndarray, np.ndarray]:
+    half = rotary_dim // 2
+    if layout == "half":
+        return np.arange(half), np.arange(half) + half
+    return np.arange(0, rotary_dim, 2), np.arange(1, rotary_dim, 2)
+
+
+def rotate(x, theta, layout: str, sign: float = 1.0):
+    """x [..., n, d] with pairs rotated by sign * theta [n, rotary_dim / 2]."""
+    first, second = _pairs(2 * theta.shape[-1], layout)
+    cos, sin = np.cos(theta).astype(x.dtype), (sign * np.sin(theta)).astype(x.dtype)
+    a, b = x[..., first], x[..., second]
+    out = x.copy() if x.flags.writeable else np.array(x)
+    out[..., first] = a * cos - b * sin
+    out[..., second] = a * sin + b * cos
+    return out
+
+
+def forward(x, theta, layout):
+    return rotate(x, theta, layout, +1.0)
+
+
+def backward(grad_y, theta, layout, faults: Collection[str] = ()):
+    """G_x: the transpose of the rotation applied to G_y (the opposite angle)."""
+    return rotate(grad_y, theta, layout, +1.0 if "rope-transpose" in faults else -1.0)
+
+
+def _theta(sc):
+    return angles(sc.p("n"), sc.p("rotary_dim") or sc.p("d_head"), sc.p("base"), sc.p("position_offset"))
+
+
+def _shapes(sc) -> dict:
+    return {"x": (sc.batch, sc.p("heads"), sc.p("n"), sc.p("d_head"))}
+
+
+def pair_norm_checks(x, y, theta, layout, grad_y, grad_x, label: str = "") -> list:
+    """Rotations keep the norm of every (position, pair); and <R u, w> = <u, R^T w> for the backward."""
+    first, second = _pairs(2 * theta.shape[-1], layout)
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    norm_in = np.hypot(x64[..., first], x64[..., second])
+    norm_out = np.hypot(y64[..., first], y64[..., second])
+    eps = float(np.finfo(x.dtype).eps)
+    checks = [invariants.bounded(f"rotation keeps pair norms{label}", "y", norm_out - norm_in,
+                                 INVARIANT_ULPS * eps * max(float(norm_in.max(initial=0.0)), 1.0),
+                                 "| |(y_a, y_b)| - |(x_a, x_b)| | per position and rotated pair")]
+    # adjoint (dot-product) test: <forward(x), G_y> must equal <x, backward(G_y)>
+    lhs = float(np.sum(y64 * grad_y.astype(np.float64)))
+    rhs = float(np.sum(x64 * grad_x.astype(np.float64)))
+    scale = float(np.sum(np.abs(y64 * grad_y.astype(np.float64))))
+    checks.append(invariants.bounded(f"backward is the transpose of the forward{label}", "g_x",
+                                     np.asarray([lhs - rhs]), INVARIANT_ULPS * eps * max(scale, 1.0),
+                                     f"<R x, G_y> = {lhs:.9g} against <x, R^T G_y> = {rhs:.9g} (R orthogonal, "
+                                     "fixed positions)"))
+    return checks
+
+
+def build(sc, faults: Collection[str] = ()):
+    shape = _shapes(sc)["x"]
+    data = dense.seeded(sc, {"x": shape, "g": shape})
+    g = data.pop("g")
+    theta, layout = _theta(sc), sc.p("layout")
+    y = forward(data["x"], theta, layout)
+    g_x = backward(g, theta, layout, faults)
+    terms = np.abs(g).astype(np.float64) * (np.abs(data["x"]).astype(np.float64) + np.abs(y))
+    return dense.problem(
+        sc, data, lambda x: forward(x, theta, layout), {"x": g_x}, g, magnitude=np.abs(data["x"]) + np.abs(y),
+        invariants=lambda: pair_norm_checks(data["x"], y, theta, layout, g, g_x),
+        rounding={"x": np.broadcast_to(terms.sum(axis=-1, keepdims=True), shape).copy()},
+        structure={"x": Structure(("batch", "head", "position", "feature"), heat=("head", "position"))},
+        arrays={"angles": theta})
+
+
+def _validate(params: dict, _attention: dict) -> list:
+    d, r = params["d_head"], params["rotary_dim"] or params["d_head"]
+    if params["rotary_dim"] is not None and r > d:
+        return [("rotary_dim", f"{r} is larger than d_head={d}", "use at most d_head")]
+    if r % 2:
+        key = "rotary_dim" if params["rotary_dim"] is not None else "d_head"
+        return [(key, f"the rotary dimension must be even (pairs of features), got {r}", None)]
+    return []
+
+
+OP = Op(name="rope", summary="rotary position embedding at fixed positions: gradient of x",
+        tensors=("x",), faults=FAULTS, build=build,
+        keys={"heads": Param("int", 1, "heads"),
+              "n": Param("int", help="positions, e.g. 'n: 8'"),
+              "d_head": Param("int", help="features per head, e.g. 'd_head: 8'"),
+              "rotary_dim": Param("int", None, "features rotated (even; default d_head)"),
+              "base": Param("float", 10000.0, "theta_k = base^(-2k/rotary_dim)"),
+              "layout": Param("choice", "half", "half: pairs (k, k + rotary_dim/2); interleaved: (2k, 2k+1)",
+                              choices=LAYOUTS),
+              "position_offset": Param("int", 0, "position of the first row", minimum=0)},
+        validate=_validate, shapes=_shapes,
+        describe=lambda sc: f"B={sc.batch} H={sc.p('heads')} n={sc.p('n')} d={sc.p('d_head')} "
+                            f"rotary={sc.p('rotary_dim') or sc.p('d_head')} {sc.p('layout')} base={sc.p('base'):g} "
+                            f"{sc.dtype} {sc.mode}")

@@ -1,0 +1,109 @@
+"""SwiGLU feed-forward (chapter 31, section 5): y = (SiLU(x W_1) * (x W_3)) W_2, row-major weights.
+
+Shapes (extra leading axes broadcast): x [B, n, d_model], W_1, W_3 [d_model, d_ff], W_2 [d_ff, d_model].
+
+Backward, with a = x W_1, b = x W_3, h = SiLU(a) * b and SiLU'(a) = s (1 + a (1 - s)), s = sigmoid(a):
+G_h = G_y W_2^T, G_W2 = h^T G_y; each branch gets the other branch's value times the upstream
+gradient: G_a = G_h * b * SiLU'(a), G_b = G_h * SiLU(a); G_W1 = x^T G_a, G_W3 = x^T G_b,
+G_x = G_a W_1^T + G_b W_3^T.
+"""
+from __future__ import annotations
+
+from typing import Collection
+
+import numpy as np
+
+from .. import invariants
+from ..tolerance import INVARIANT_ULPS
+from . import dense
+from .registry import Fault, Op, Param, Structure
+
+FAULTS = {f.name: f for f in (
+    Fault("silu-derivative", "G_a = G_h * b: drops SiLU's own derivative SiLU'(x W_1)",
+          ("gradient x", "gradient w1")),
+    Fault("gate-branch", "G_b = G_h: the linear branch does not get the gate branch's value SiLU(x W_1)",
+          ("gradient x", "gradient w3", "<G_W3, W_3> = L")),
+)}
+
+
+def _sigmoid(a):
+    return 0.5 * (1.0 + np.tanh(0.5 * a))  # no overflow for large |a|
+
+
+def silu(a):
+    return a * _sigmoid(a)
+
+
+def forward(x, w1, w3, w2):
+    """y [..., n, d_model]."""
+    return (silu(x @ w1) * (x @ w3)) @ w2
+
+
+def _sum_rows(t):
+    """[..., n, c] -> [n*..., c] summed: weight gradients add every row of every batch element."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def backward(x, w1, w3, w2, grad_y, faults: Collection[str] = ()):
+    """Gradients (x, w1, w3, w2) for upstream grad_y."""
+    a, b = x @ w1, x @ w3
+    s = _sigmoid(a)
+    h = a * s * b
+    g_h = grad_y @ w2.T
+    g_w2 = _sum_rows(h).T @ _sum_rows(grad_y)
+    silu_prime = 1.0 if "silu-derivative" in faults else s * (1.0 + a * (1.0 - s))
+    g_a = g_h * b * silu_prime
+    g_b = g_h if "gate-branch" in faults else g_h * (a * s)
+    xs = _sum_rows(x)
+    return {"x": g_a @ w1.T + g_b @ w3.T, "w1": xs.T @ _sum_rows(g_a), "w3": xs.T @ _sum_rows(g_b), "w2": g_w2}
+
+
+def _shapes(sc) -> dict:
+    d, f = sc.p("d_model"), sc.p("d_ff")
+    return {"x": (sc.batch, sc.p("n"), d), "w1": (d, f), "w3": (d, f), "w2": (f, d)}
+
+
+def euler_checks(inputs, grads, loss_value: float, terms_scale: float, eps: float) -> list:
+    """y is linear in W_3 and in W_2, so by Euler's theorem <G_W, W> = L for both."""
+    out = []
+    for name in ("w3", "w2"):
+        value = float(np.sum(grads[name].astype(np.float64) * inputs[name].astype(np.float64)))
+        out.append(invariants.bounded(f"<G_{name.upper()}, {name.upper()[0]}_{name[1]}> = L", f"g_{name}",
+                                      np.asarray([value - loss_value]), INVARIANT_ULPS * eps * max(terms_scale, 1.0),
+                                      f"y is linear in {name.upper()}: sum(G * W) = {value:.9g} against "
+                                      f"L = {loss_value:.9g}"))
+    return out
+
+
+def build(sc, faults: Collection[str] = ()):
+    shapes = _shapes(sc)
+    d, f = sc.p("d_model"), sc.p("d_ff")
+    data = dense.seeded(sc, {**shapes, "g": shapes["x"]},
+                        scales={"w1": d ** -0.5, "w3": d ** -0.5, "w2": f ** -0.5})
+    g = data.pop("g")
+    grads = backward(**data, grad_y=g, faults=faults)
+    x, w1, w3, w2 = (data[t] for t in ("x", "w1", "w3", "w2"))
+    a, b = x @ w1, x @ w3
+    h = silu(a) * b
+    y = h @ w2
+    ax = np.abs(x).astype(np.float64)
+    magnitude = ((ax @ np.abs(w1)) * np.abs(b) + np.abs(silu(a)) * (ax @ np.abs(w3)) + np.abs(h)) @ np.abs(w2)
+    loss_value = float(np.sum(y.astype(np.float64) * g))
+    scale = float(np.sum(np.abs(g) * magnitude))
+    eps = float(np.finfo(np.dtype(sc.dtype)).eps)
+    return dense.problem(
+        sc, data, forward, grads, g, lift={"w1": 1, "w3": 1, "w2": 1}, magnitude=magnitude,
+        invariants=lambda: euler_checks(data, grads, loss_value, scale, eps),
+        work_factor=4.0 * f / d + 2,
+        structure={"x": Structure(("batch", "row", "feature")), "w1": Structure(("d_model", "d_ff")),
+                   "w3": Structure(("d_model", "d_ff")), "w2": Structure(("d_ff", "d_model"))})
+
+
+OP = Op(name="swiglu", summary="SwiGLU (SiLU(x W1) * x W3) W2: gradients of x, W1, W2, W3",
+        tensors=("x", "w1", "w3", "w2"), faults=FAULTS, build=build,
+        keys={"n": Param("int", 4, "rows per batch element"),
+              "d_model": Param("int", help="features per row, e.g. 'd_model: 8'"),
+              "d_ff": Param("int", help="hidden width, e.g. 'd_ff: 16'")},
+        shapes=_shapes,
+        describe=lambda sc: f"B={sc.batch} n={sc.p('n')} d_model={sc.p('d_model')} d_ff={sc.p('d_ff')} "
+                            f"{sc.dtype} {sc.mode}")

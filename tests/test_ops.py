@@ -1,0 +1,156 @@
+"""The ops beyond attention: each backward against an independent implementation (a loop forward
+differentiated by the complex step; torch autograd where installed), each fault caught on its
+shipped config, the invariants' properties, and bad keys rejected with file, line and key."""
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from gradcheck_cli import checker, scenario
+from gradcheck_cli.errors import ScenarioError
+from gradcheck_cli.ops import OPS, rmsnorm, rope, swiglu
+from helpers import make
+from reference import complex_step_gradients, rmsnorm_ref, rope_ref, swiglu_ref
+
+
+def _close(mine: dict, ref: dict, rtol=1e-10):
+    for name, value in ref.items():
+        scale = max(np.abs(value).max(), 1.0)
+        assert np.abs(mine[name] - value).max() <= rtol * scale, name
+
+
+def test_rmsnorm_backward_against_complex_step():
+    sc = make(op="rmsnorm", batch=2, n=3, d_model=5, eps=0.01)
+    p = OPS["rmsnorm"].build(sc)
+    g = p.arrays["grad_output"]
+    ref = complex_step_gradients(lambda x, gamma: rmsnorm_ref(x, gamma, 0.01), p.inputs, g)
+    _close(p.gradients, ref)
+    assert np.allclose(p.output, rmsnorm_ref(p.inputs["x"], p.inputs["gamma"], 0.01), rtol=1e-13)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_rope_backward_against_complex_step(layout):
+    sc = make(op="rope", heads=2, n=4, d_head=6, rotary_dim=4, layout=layout, position_offset=7, base=100.0)
+    p = OPS["rope"].build(sc)
+    ref = complex_step_gradients(lambda x: rope_ref(x, 100.0, 4, layout, 7), p.inputs, p.arrays["grad_output"])
+    _close(p.gradients, ref)
+    assert np.allclose(p.output, rope_ref(p.inputs["x"], 100.0, 4, layout, 7), rtol=1e-13, atol=1e-14)
+
+
+def test_swiglu_backward_against_complex_step():
+    sc = make(op="swiglu", batch=2, n=2, d_model=3, d_ff=4)
+    p = OPS["swiglu"].build(sc)
+    ref = complex_step_gradients(swiglu_ref, p.inputs, p.arrays["grad_output"])
+    _close(p.gradients, ref)
+
+
+def test_backwards_against_torch_autograd():
+    torch = pytest.importorskip("torch")
+    # RMSNorm
+    sc = make(op="rmsnorm", batch=2, n=3, d_model=6, eps=1e-3)
+    p = OPS["rmsnorm"].build(sc)
+    x, gamma = (torch.tensor(p.inputs[t], requires_grad=True) for t in ("x", "gamma"))
+    y = gamma * x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-3)
+    (y * torch.tensor(p.arrays["grad_output"])).sum().backward()
+    _close(p.gradients, {"x": x.grad.numpy(), "gamma": gamma.grad.numpy()})
+    # SwiGLU
+    sc = make(op="swiglu", batch=2, n=3, d_model=4, d_ff=5)
+    p = OPS["swiglu"].build(sc)
+    t = {k: torch.tensor(v, requires_grad=True) for k, v in p.inputs.items()}
+    y = (torch.nn.functional.silu(t["x"] @ t["w1"]) * (t["x"] @ t["w3"])) @ t["w2"]
+    (y * torch.tensor(p.arrays["grad_output"])).sum().backward()
+    _close(p.gradients, {k: v.grad.numpy() for k, v in t.items()})
+    # RoPE, half layout written as HF's rotate_half
+    sc = make(op="rope", heads=2, n=5, d_head=8)
+    p = OPS["rope"].build(sc)
+    x = torch.tensor(p.inputs["x"], requires_grad=True)
+    inv = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    freqs = torch.outer(torch.arange(5, dtype=torch.float64), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    rotated = torch.cat([-x[..., 4:], x[..., :4]], dim=-1)
+    y = x * emb.cos() + rotated * emb.sin()
+    (y * torch.tensor(p.arrays["grad_output"])).sum().backward()
+    _close(p.gradients, {"x": x.grad.numpy()})
+
+
+@pytest.mark.parametrize("config, op", [("rmsnorm.yaml", "rmsnorm"), ("rope.yaml", "rope"), ("swiglu.yaml", "swiglu")])
+def test_each_fault_is_caught_on_its_config(root, config, op):
+    for sc in scenario.load(root / "configs" / config):
+        assert checker.run_scenario(sc).passed
+        for fault, f in OPS[op].faults.items():
+            result = checker.run_scenario(sc, (fault,))
+            failed = {c.name for c in result.checks if c.verdict == "fail"}
+            assert failed and failed <= set(f.caught_by), (sc.name, fault, failed)
+
+
+def test_invariants_catch_their_faults_without_finite_differences():
+    cases = [("rmsnorm", dict(n=3, d_model=5), "rmsnorm-feedback", "<G_x, x> = 0 per row when eps = 0"),
+             ("rope", dict(n=4, d_head=4), "rope-transpose", "backward is the transpose of the forward"),
+             ("swiglu", dict(n=3, d_model=3, d_ff=4), "gate-branch", "<G_W3, W_3> = L")]
+    for op, keys, fault, check in cases:
+        sc = make(op=op, **keys)
+        invariant = {c.name: c for c in OPS[op].build(sc, (fault,)).invariants()}[check]
+        assert not invariant.passed, (op, fault)
+        assert {c.name: c for c in OPS[op].build(sc).invariants()}[check].passed
+
+
+@given(st.integers(1, 3), st.integers(1, 5), st.integers(1, 9), st.floats(0, 1), st.integers(0, 2**16))
+def test_rmsnorm_scale_invariance_property(batch, n, d, eps, seed):
+    """For any shape and eps: G_x(c x) = G_x(x) / c at eps = 0, and <G_x, x> = 0 exactly up to rounding."""
+    rng = np.random.default_rng(seed)
+    x, gamma, g = rng.standard_normal((batch, n, d)), rng.standard_normal(d), rng.standard_normal((batch, n, d))
+    gx, _ = rmsnorm.backward(x, gamma, 0.0, g)
+    assert np.abs((gx * x).sum(-1)).max() <= 1e-12 * max(np.abs(gx * x).sum(-1).max(), 1.0)
+    gx3, _ = rmsnorm.backward(3 * x, gamma, 0.0, g)
+    assert np.allclose(gx3 * 3, gx, rtol=1e-10, atol=1e-13)
+    y = rmsnorm.forward(x, gamma, eps)
+    assert y.shape == x.shape and np.isfinite(y).all()
+
+
+@given(st.integers(1, 6), st.sampled_from([2, 4, 8]), st.sampled_from(["half", "interleaved"]),
+       st.integers(0, 5000), st.integers(0, 2**16))
+def test_rope_is_orthogonal_property(n, d, layout, offset, seed):
+    rng = np.random.default_rng(seed)
+    theta = rope.angles(n, d, 10000.0, offset)
+    x, g = rng.standard_normal((2, n, d)), rng.standard_normal((2, n, d))
+    y = rope.forward(x, theta, layout)
+    assert np.allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-12)
+    assert np.allclose(rope.backward(rope.forward(x, theta, layout), theta, layout), x, atol=1e-12)
+    assert abs(np.sum(y * g) - np.sum(x * rope.backward(g, theta, layout))) <= 1e-10 * np.abs(y * g).sum()
+
+
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 4), st.integers(1, 6), st.integers(0, 2**16))
+def test_swiglu_euler_identities_property(batch, n, d, f, seed):
+    rng = np.random.default_rng(seed)
+    x, w1, w3 = rng.standard_normal((batch, n, d)), rng.standard_normal((d, f)), rng.standard_normal((d, f))
+    w2, g = rng.standard_normal((f, d)), rng.standard_normal((batch, n, d))
+    grads = swiglu.backward(x, w1, w3, w2, g)
+    loss = np.sum(swiglu.forward(x, w1, w3, w2) * g)
+    for w in ("w3", "w2"):
+        assert abs(np.sum(grads[w] * {"w3": w3, "w2": w2}[w]) - loss) <= 1e-10 * max(abs(loss), 1.0)
+
+
+BAD_OP_KEYS = [
+    ("op: rmsnorm\n    n: 3\n", 2, "scenarios[0].d_model", "is required"),
+    ("op: rmsnorm\n    d_model: 4\n    eps: -1\n", 5, "scenarios[0].eps", "must be >= 0"),
+    ("op: rmsnorm\n    d_model: 4\n    heads_q: 2\n", 5, "scenarios[0].heads_q", "does not apply to op rmsnorm"),
+    ("op: rmsnorm\n    d_model: 4\n    d_ff: 2\n", 5, "scenarios[0].d_ff", "it is a key of swiglu"),
+    ("op: rope\n    n: 3\n    d_head: 5\n", 5, "scenarios[0].d_head", "must be even"),
+    ("op: rope\n    n: 3\n    d_head: 4\n    rotary_dim: 6\n", 6, "scenarios[0].rotary_dim", "larger than d_head"),
+    ("op: rope\n    n: 3\n    d_head: 4\n    layout: diagonal\n", 6, "scenarios[0].layout", "expected one of"),
+    ("op: swiglu\n    d_model: 4\n    d_ff: 0\n", 5, "scenarios[0].d_ff", "must be >= 1"),
+    ("op: swiglu\n    d_model: 4\n    d_ff: 2\n    dtype: float16\n", 6, "scenarios[0].dtype", "expected one of"),
+    ("op: swiglu\n    d_model: 4\n    d_ff: 2\n    check: {colouring: true}\n", 6, "scenarios[0].check.colouring",
+     "no independent output blocks"),
+    ("op: swiglu\n    d_model: 4\n    d_ff: 2\n    implementation: a:b\n", 6, "scenarios[0].implementation",
+     "does not apply to op swiglu"),
+]
+
+
+@pytest.mark.parametrize("extra, line, key, words", BAD_OP_KEYS, ids=[b[2] + ":" + b[3] for b in BAD_OP_KEYS])
+def test_bad_op_keys_name_file_line_and_key(extra, line, key, words):
+    text = f"scenarios:\n  - name: s\n    {extra}"
+    with pytest.raises(ScenarioError) as info:
+        scenario.loads(text, file="ops.yaml")
+    err = info.value
+    assert (err.file, err.line, err.key) == ("ops.yaml", line, key), str(err)
+    assert words in str(err)
