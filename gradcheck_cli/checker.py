@@ -98,7 +98,7 @@ def _non_finite(sc: Scenario, problem) -> list[Check]:
         bad = ~np.isfinite(x)
         if bad.any():
             index = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), x.shape))
-            where = f"{name}[{', '.join(map(str, index))}]"
+            where = f"{name}[{', '.join(map(str, index))}]" if index else name
             checks.append(Check("implementation", what, name, tuple(x.shape), float("inf"), float("inf"), 0.0, 0.0,
                                 index, False, f"{x[index]} at {where} (first of {int(bad.sum())} non-finite "
                                 f"element(s) of {x.size}) in {sc.dtype}"))
@@ -167,7 +167,7 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
         where = f"direction {worst}"
     else:
         index = tuple(int(i) for i in np.unravel_index(int(sites[worst]), x.shape))
-        where = f"{name}[{', '.join(map(str, index))}]"
+        where = f"{name}[{', '.join(map(str, index))}]" if index else name
     detail = (f"worst at {where}: analytic {ana[worst]:.9g}, numeric {num[worst]:.9g}; "
               f"{len(num)} {'directions' if sc.mode == 'directional' else 'elements'} checked; "
               f"finite-difference error ~{fd_error:.2g}")
@@ -259,7 +259,7 @@ def fault_effect(sc: Scenario, fault: str) -> float:
     """Largest relative change the fault makes to the output or to an analytic gradient."""
     op = OPS[sc.op]
     clean, broken = op.build(sc, ()), op.build(sc, (fault,))
-    pairs = [(clean.output, broken.output)] + [(clean.gradients[t], broken.gradients[t]) for t in op.tensors]
+    pairs = [(clean.output, broken.output)] + [(clean.gradients[t], broken.gradients[t]) for t in clean.gradients]
     return max(relative_error(a, b)[1] for a, b in pairs)
 
 

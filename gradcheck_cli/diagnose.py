@@ -40,7 +40,7 @@ class Evidence:
         """|analytic - numeric| where checked, 0 elsewhere (inf where either is not finite)."""
         with np.errstate(invalid="ignore"):
             err = np.abs(self.analytic - self.numeric)
-        err[~np.isfinite(err) & self.checked] = np.inf
+        err = np.where(~np.isfinite(err) & self.checked, np.inf, err)
         return np.where(self.checked, err, 0.0)
 
     @property

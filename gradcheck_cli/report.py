@@ -92,6 +92,9 @@ def render_scenario(console: Console, r: ScenarioResult, description: str, repro
     _table(console, title, ["check", "tensor", "max abs err", "rel err", "tolerance", "noise floor", "status"],
            rows, [False, False, True, True, True, True, False], styles)
     for c in r.checks:
+        if c.kind == "experiment" and c.passed:  # an experiment's numbers are its result: always shown
+            console.print(f"  {c.name}: {c.detail}", soft_wrap=True)
+    for c in r.checks:
         if not c.passed:
             word, style = ("FAIL", "red") if c.verdict == "fail" else ("INCONCLUSIVE", "yellow")
             console.print(Text.assemble("  ", (word, style), f" {failure_message(c)}"), soft_wrap=True)
@@ -148,7 +151,7 @@ def diagnosis_lines(c, indent: str = "    ") -> list[str]:
             lines.append(f"{indent}  {str(i * heat['bin'][0]).rjust(width)} |{cells}|")
     if d["worst"]:
         lines.append(indent + "worst: " + "; ".join(
-            f"{c.tensor}[{', '.join(map(str, w['index']))}] analytic {w['analytic']:.6g} numeric {w['numeric']:.6g}"
+            f"{c.tensor}{'[' + ', '.join(map(str, w['index'])) + ']' if w['index'] else ''} analytic {w['analytic']:.6g} numeric {w['numeric']:.6g}"
             for w in d["worst"]))
     return lines
 

@@ -100,3 +100,45 @@ def complex_step_gradients(f, inputs: dict, g, h: float = 1e-30) -> dict:
             grad[idx] = np.sum(f(**args) * g).imag / h
         out[name] = grad
     return out
+
+
+def attention_ref(q, k, v, visible, scale, kv_map):
+    """Masked softmax attention by einsum, no max-subtraction (complex-step friendly; small inputs)."""
+    k_rep, v_rep = k[:, list(kv_map)], v[:, list(kv_map)]
+    e = np.exp(scale * np.einsum("bhid,bhjd->bhij", q, k_rep)) * visible
+    return np.einsum("bhij,bhjd->bhid", e / e.sum(-1, keepdims=True), v_rep)
+
+
+def heads(t, h):
+    b, n, hd = t.shape
+    return t.reshape(b, n, h, hd // h).transpose(0, 2, 1, 3)
+
+
+def unheads(t):
+    b, h, n, d = t.shape
+    return t.transpose(0, 2, 1, 3).reshape(b, n, h * d)
+
+
+def projections_ref(x, w_q, w_k, w_v, w_o, visible, scale, kv_map, hq, hkv, m=None):
+    s = x if m is None else m
+    o = attention_ref(heads(x @ w_q, hq), heads(s @ w_k, hkv), heads(s @ w_v, hkv), visible, scale, kv_map)
+    return unheads(o) @ w_o
+
+
+def infonce_ref(q, p, n, tau, similarity, in_batch):
+    """Per-query loss by loops over queries and candidates."""
+    out = []
+    for i in range(q.shape[0]):
+        if in_batch:
+            cands = list(p) + ([c for row in n for c in row] if n is not None else [])
+            pos = i
+        else:
+            cands = [p[i]] + (list(n[i]) if n is not None else [])
+            pos = 0
+        def sim(a, b):
+            if similarity == "cosine":
+                return np.dot(a, b) / np.sqrt(np.dot(a, a) * np.dot(b, b))
+            return np.dot(a, b)
+        z = [sim(q[i], c) / tau for c in cands]
+        out.append(np.log(sum(np.exp(t) for t in z)) - z[pos])
+    return np.array(out)

@@ -154,3 +154,111 @@ def test_bad_op_keys_name_file_line_and_key(extra, line, key, words):
     err = info.value
     assert (err.file, err.line, err.key) == ("ops.yaml", line, key), str(err)
     assert words in str(err)
+
+
+from reference import infonce_ref, projections_ref  # noqa: E402
+
+
+@pytest.mark.parametrize("source", ["self", "cross"])
+def test_projections_backward_against_complex_step(source):
+    keys = dict(op="attention-projections", batch=2, n_q=3, d_model=4, d_head=2, heads_q=2, heads_kv=1,
+                mask={"causal": "lower-right"}, source=source)
+    if source == "cross":
+        keys.update(n_k=4, d_value=3, mask={"key_lengths": [4, 2]})
+    sc = make(**keys)
+    p = OPS["attention-projections"].build(sc)
+    kv = np.asarray(sc.kv_map)
+    ref = complex_step_gradients(
+        lambda x, w_q, w_k, w_v, w_o, m=None: projections_ref(x, w_q, w_k, w_v, w_o, sc.visible, sc.scale, kv, 2, 1, m),
+        p.inputs, p.arrays["grad_output"])
+    _close(p.gradients, ref)
+
+
+@pytest.mark.parametrize("similarity, in_batch, hard, learn", [("dot", True, 0, False), ("cosine", True, 2, True),
+                                                               ("dot", False, 2, True), ("cosine", False, 1, False)])
+def test_infonce_backward_against_complex_step(similarity, in_batch, hard, learn):
+    sc = make(op="infonce", batch=3, dim=4, similarity=similarity, in_batch=in_batch, hard_negatives=hard,
+              learn_temperature=learn, temperature=0.5)
+    p = OPS["infonce"].build(sc)
+
+    def f(q, p, n=None, tau=None):
+        return infonce_ref(q, p, n, 0.5 if tau is None else tau, similarity, in_batch)
+    _close(p.gradients, complex_step_gradients(f, p.inputs, p.arrays["grad_output"]))
+    assert np.allclose(p.output, infonce_ref(p.inputs["q"], p.inputs["p"], p.inputs.get("n"), 0.5, similarity, in_batch))
+
+
+def test_block_and_projections_against_torch_autograd():
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    sc = make(op="block", batch=2, n_q=4, d_model=8, d_ff=6, d_head=4, heads_q=2, heads_kv=1,
+              mask={"causal": "lower-right"}, rope_layout="half")
+    p = OPS["block"].build(sc)
+    t = {k: torch.tensor(v, requires_grad=True) for k, v in p.inputs.items()}
+
+    def norm(x, gamma):
+        return gamma * x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+
+    def rope_t(x):  # HF's rotate_half formulation
+        inv = 1.0 / (10000 ** (torch.arange(0, 4, 2, dtype=torch.float64) / 4))
+        emb = torch.cat([torch.outer(torch.arange(4, dtype=torch.float64), inv)] * 2, dim=-1)
+        return x * emb.cos() + torch.cat([-x[..., 2:], x[..., :2]], dim=-1) * emb.sin()
+
+    def split_t(z, h):
+        return z.view(2, 4, h, -1).transpose(1, 2)
+
+    h1 = norm(t["x"], t["gamma1"])
+    q, k, v = rope_t(split_t(h1 @ t["w_q"], 2)), rope_t(split_t(h1 @ t["w_k"], 1)), split_t(h1 @ t["w_v"], 1)
+    o = F.scaled_dot_product_attention(q, k.expand(2, 2, 4, 4), v.expand(2, 2, 4, 4),
+                                       attn_mask=torch.tensor(sc.visible))
+    h = t["x"] + o.transpose(1, 2).reshape(2, 4, 8) @ t["w_o"]
+    h2 = norm(h, t["gamma2"])
+    y = h + (F.silu(h2 @ t["w1"]) * (h2 @ t["w3"])) @ t["w2"]
+    (y * torch.tensor(p.arrays["grad_output"])).sum().backward()
+    _close(p.gradients, {k: v.grad.numpy() for k, v in t.items()}, rtol=1e-9)
+
+
+@pytest.mark.parametrize("config", ["attention-projections.yaml", "infonce.yaml", "logit-scale.yaml", "block.yaml"])
+def test_each_fault_is_caught_on_the_other_configs(root, config):
+    for sc in scenario.load(root / "configs" / config):
+        assert checker.run_scenario(sc).passed, sc.name
+    cells = checker.negative_controls(scenario.load(root / "configs" / config))
+    assert not [c for c in cells if c.status == "missed"]
+    assert {c.fault for c in cells if c.status == "detected"} == set(OPS[sc.op].faults)
+
+
+def test_block_catches_every_fault_of_its_parts(root):
+    parts = ("attention", "attention-projections", "rope", "rmsnorm", "swiglu")
+    assert set(OPS["block"].faults) == {f for op in parts for f in OPS[op].faults}
+
+
+def test_logit_scale_prediction_fails_only_where_the_seed_says():
+    independent = checker.run_scenario(make(op="logit-scale", d_heads=[8, 32], draws=4000)).checks
+    assert all(c.passed for c in independent) and len(independent) == 4
+    correlated = checker.run_scenario(make(op="logit-scale", d_heads=[32], draws=4000, correlation=0.4)).checks
+    names = {c.name: c for c in correlated}
+    assert names["Var(q.k) != d sq^2 sk^2 (correlated)"].passed
+    assert names["Var(q.k) = d sq^2 sk^2 (1 + (d-1) rho^2)"].passed
+    broken = checker.run_scenario(make(op="logit-scale", d_heads=[32], draws=4000), ("logit-scale-divisor",))
+    assert {c.name for c in broken.checks if not c.passed} == {"Var(q.k / sqrt(d)) = sq^2 sk^2"}
+
+
+MORE_BAD = [
+    ("op: attention-projections\n    n_q: 3\n    d_head: 2\n    d_model: 4\n    n_k: 5\n", 7, "scenarios[0].n_k",
+     "n_k must equal n_q"),
+    ("op: attention-projections\n    n_q: 3\n    d_head: 2\n    d_model: 4\n    source: both\n", 7,
+     "scenarios[0].source", "expected one of"),
+    ("op: block\n    n_q: 3\n    d_head: 4\n    d_model: 4\n", 2, "scenarios[0].d_ff", "is required"),
+    ("op: block\n    n_q: 3\n    d_head: 3\n    d_model: 4\n    d_ff: 4\n", 5, "scenarios[0].d_head", "must be even"),
+    ("op: infonce\n    dim: 4\n    hard_negatives: -1\n", 5, "scenarios[0].hard_negatives", "must be >= 0"),
+    ("op: infonce\n    dim: 4\n    temperature: 0\n", 5, "scenarios[0].temperature", "must be > 0"),
+    ("op: infonce\n    dim: 4\n    in_batch: yes please\n", 5, "scenarios[0].in_batch", "expected true or false"),
+    ("op: infonce\n    dim: 4\n    batch: 1\n", 2, "scenarios[0].hard_negatives", "at least one negative"),
+    ("op: logit-scale\n    correlation: 1.0\n", 4, "scenarios[0].correlation", "must be in [0, 1)"),
+    ("op: logit-scale\n    d_heads: [8, 8]\n", 4, "scenarios[0].d_heads[1]", "listed twice"),
+    ("op: logit-scale\n    draws: 10\n", 4, "scenarios[0].draws", "at least 100"),
+]
+
+
+@pytest.mark.parametrize("extra, line, key, words", MORE_BAD, ids=[b[2] + ":" + b[3] for b in MORE_BAD])
+def test_more_bad_op_keys(extra, line, key, words):
+    test_bad_op_keys_name_file_line_and_key(extra, line, key, words)

@@ -1,0 +1,156 @@
+"""A pre-norm transformer block: h = x + Attn(RMSNorm(x)) with RoPE on Q and K, y = h + SwiGLU(RMSNorm(h)).
+
+Shapes (extra leading axes broadcast): x, y [B, n, d_model]; gamma_1, gamma_2 [d_model];
+W_Q [d_model, Hq*d_head], W_K [d_model, Hkv*d_head], W_V [d_model, Hkv*d_value], W_O [Hq*d_value, d_model];
+W_1, W_3 [d_model, d_ff], W_2 [d_ff, d_model].
+
+Forward: h1 = RMSNorm(x; gamma_1); Q, K, V = split(h1 W_Q), split(h1 W_K), split(h1 W_V); Q, K = RoPE(Q),
+RoPE(K) at positions 0..n-1; O = attention(Q, K, V) with the scenario's mask and GQA map;
+h = x + merge(O) W_O; y = h + SwiGLU(RMSNorm(h; gamma_2); W_1, W_3, W_2).
+
+Backward: every piece's own backward (``rmsnorm``, ``projections``, ``rope``, ``attention``, ``swiglu``)
+in reverse order, with each residual adding its upstream gradient back: G_h = G_y + (RMSNorm_2 path),
+G_x = G_h + (RMSNorm_1 path), and G_h1 the sum of the Q, K and V paths. Every fault of those ops
+applies here under the same name.
+"""
+from __future__ import annotations
+
+from typing import Collection
+
+import numpy as np
+
+from .. import invariants
+from ..tolerance import INVARIANT_ULPS
+from . import attention, dense, projections, rmsnorm, rope, swiglu
+from .projections import merge, split
+from .registry import Op, Param, Structure
+
+FAULTS = {**attention.FAULTS, **projections.FAULTS, **rope.FAULTS, **rmsnorm.FAULTS, **swiglu.FAULTS}
+WEIGHTS = ("w_q", "w_k", "w_v", "w_o", "w1", "w3", "w2")
+
+
+class Block:
+    def __init__(self, sc):
+        self.visible, self.hidden = sc.visible, ~sc.visible
+        self.kv_map = np.asarray(sc.kv_map, dtype=np.intp)
+        self.heads_q, self.heads_kv, self.scale = sc.heads_q, sc.heads_kv, sc.scale
+        self.eps, self.layout = sc.p("norm_eps"), sc.p("rope_layout")
+        self.theta = rope.angles(sc.n_q, sc.p("rotary_dim") or sc.d_head, sc.p("rope_base"))
+
+    def attention_in(self, h1, w_q, w_k, w_v):
+        q = rope.forward(split(h1 @ w_q, self.heads_q), self.theta, self.layout)
+        k = rope.forward(split(h1 @ w_k, self.heads_kv), self.theta, self.layout)
+        return q, k, split(h1 @ w_v, self.heads_kv)
+
+    def forward(self, x, gamma1, w_q, w_k, w_v, w_o, gamma2, w1, w3, w2, faults: Collection[str] = (), parts=False):
+        h1 = rmsnorm.forward(x, gamma1, self.eps)
+        q, k, v = self.attention_in(h1, w_q, w_k, w_v)
+        o = attention.forward(q, k, v, self.visible, self.scale, self.kv_map, faults, self.hidden)
+        h = x + merge(o) @ w_o
+        f = swiglu.forward(rmsnorm.forward(h, gamma2, self.eps), w1, w3, w2)
+        return (h + f, f) if parts else h + f
+
+    def backward(self, x, gamma1, w_q, w_k, w_v, w_o, gamma2, w1, w3, w2, grad_y, faults: Collection[str] = ()):
+        h1 = rmsnorm.forward(x, gamma1, self.eps)
+        q, k, v = self.attention_in(h1, w_q, w_k, w_v)
+        o = attention.forward(q, k, v, self.visible, self.scale, self.kv_map, faults, self.hidden)
+        merged = merge(o)
+        h = x + merged @ w_o
+        h2 = rmsnorm.forward(h, gamma2, self.eps)
+        # y = h + SwiGLU(h2): the residual passes G_y straight to h
+        ffn = swiglu.backward(h2, w1, w3, w2, grad_y, faults)
+        g_h2_h, g_gamma2 = rmsnorm.backward(h, gamma2, self.eps, ffn["x"], faults)
+        g_h = grad_y + g_h2_h
+        # h = x + merge(O) W_O: the residual passes G_h straight to x
+        g_wo = merged.reshape(-1, merged.shape[-1]).T @ g_h.reshape(-1, g_h.shape[-1])
+        g_o = split(g_h @ w_o.T, self.heads_q, faults)
+        att = attention.backward(q, k, v, self.visible, self.scale, self.kv_map, g_o, faults)
+        g_q = merge(rope.backward(att.q, self.theta, self.layout, faults), faults)
+        g_k = merge(rope.backward(att.k, self.theta, self.layout, faults), faults)
+        g_v = merge(att.v, faults)
+        rows = h1.reshape(-1, h1.shape[-1]).T
+        g_h1 = g_q @ w_q.T
+        if "shared-input-sum" not in faults:
+            g_h1 = g_h1 + g_k @ w_k.T + g_v @ w_v.T
+        g_x_norm, g_gamma1 = rmsnorm.backward(x, gamma1, self.eps, g_h1, faults)
+        return {"x": g_h + g_x_norm, "gamma1": g_gamma1,
+                "w_q": rows @ g_q.reshape(-1, g_q.shape[-1]), "w_k": rows @ g_k.reshape(-1, g_k.shape[-1]),
+                "w_v": rows @ g_v.reshape(-1, g_v.shape[-1]), "w_o": g_wo, "gamma2": g_gamma2,
+                "w1": ffn["w1"], "w3": ffn["w3"], "w2": ffn["w2"]}
+
+
+def _shapes(sc) -> dict:
+    d, f, dh, dv = sc.p("d_model"), sc.p("d_ff"), sc.d_head, sc.d_value
+    return {"x": (sc.batch, sc.n_q, d), "gamma1": (d,), "w_q": (d, sc.heads_q * dh), "w_k": (d, sc.heads_kv * dh),
+            "w_v": (d, sc.heads_kv * dv), "w_o": (sc.heads_q * dv, d), "gamma2": (d,), "w1": (d, f), "w3": (d, f),
+            "w2": (f, d)}
+
+
+def build(sc, faults: Collection[str] = ()):
+    shapes = _shapes(sc)
+    d, f = sc.p("d_model"), sc.p("d_ff")
+    fan_in = {"w_q": d, "w_k": d, "w_v": d, "w_o": sc.heads_q * sc.d_value, "w1": d, "w3": d, "w2": f}
+    data = dense.seeded(sc, {**shapes, "g": shapes["x"]}, {w: n ** -0.5 for w, n in fan_in.items()})
+    g = data.pop("g")
+    if sc.loss_rows is not None:
+        keep = np.zeros(sc.n_q, dtype=bool)
+        keep[list(sc.loss_rows)] = True
+        g[..., ~keep, :] = 0
+    for gamma in ("gamma1", "gamma2"):
+        data[gamma] = (1.0 + 0.5 * data[gamma]).astype(data[gamma].dtype)
+    block = Block(sc)
+    grads = block.backward(**data, grad_y=g, faults=faults)
+    y, ffn_out = block.forward(**data, faults=faults, parts=True)
+
+    def fwd(**t):
+        return block.forward(**t, faults=faults)
+
+    def checks() -> list:
+        out = projections.mask_invariants(sc, "x", data, lambda t: block.forward(**t, faults=faults),
+                                          lambda t, go: block.backward(**t, grad_y=go, faults=faults))
+        # y = h + SwiGLU(h2) is affine in W_3 and in W_2: <G_W, W> = sum(G_y * SwiGLU(h2)) (Euler)
+        target = float(np.sum(ffn_out.astype(np.float64) * g))
+        size = float(np.sum(np.abs(ffn_out.astype(np.float64) * g)))
+        eps = float(np.finfo(np.dtype(sc.dtype)).eps)
+        for w in ("w3", "w2"):
+            value = float(np.sum(grads[w].astype(np.float64) * data[w]))
+            out.append(invariants.bounded(f"<G_{w.upper()}, {w.upper()}> = sum(G * SwiGLU)", f"g_{w}",
+                                          np.asarray([value - target]), INVARIANT_ULPS * eps * max(size, 1.0) * 16,
+                                          f"the block is affine in {w.upper()}: {value:.9g} against {target:.9g}"))
+        return out
+
+    magnitude = (np.abs(data["x"]).astype(np.float64) + np.abs(y) + np.abs(ffn_out)) * (4 + sc.n_q)
+    lift = {**{w: 1 for w in WEIGHTS}, "gamma1": 2, "gamma2": 2}
+    return dense.problem(
+        sc, data, fwd, grads, g, lift=lift, magnitude=magnitude, invariants=checks,
+        work_factor=6.0 * sc.heads_q * sc.n_q / d + 4.0 * f / d + 8,
+        structure={"x": Structure(("batch", "row", "feature")), "gamma1": Structure(("feature",)),
+                   "gamma2": Structure(("feature",)), **{w: Structure(("d_in", "d_out")) for w in WEIGHTS}},
+        arrays={"visible": sc.visible, "scale": np.asarray(sc.scale), "kv_map": block.kv_map, "angles": block.theta})
+
+
+def _validate(params: dict, att: dict) -> list:
+    if att["n_k"] != att["n_q"]:
+        return [("n_k", f"a block is self-attention: n_k must equal n_q={att['n_q']} (got {att['n_k']})", None)]
+    r = params["rotary_dim"] or att["d_head"]
+    if r > att["d_head"]:
+        return [("rotary_dim", f"{r} is larger than d_head={att['d_head']}", "use at most d_head")]
+    if r % 2:
+        return [("rotary_dim" if params["rotary_dim"] else "d_head",
+                 f"the rotary dimension must be even (pairs of features), got {r}", None)]
+    return []
+
+
+OP = Op(name="block", summary="pre-norm transformer block (RMSNorm, RoPE attention with projections, SwiGLU, "
+                              "residuals): gradients of x and every parameter",
+        tensors=("x", "gamma1") + WEIGHTS[:4] + ("gamma2",) + WEIGHTS[4:], faults=FAULTS, build=build,
+        attention_keys=True,
+        keys={"d_model": Param("int", help="model width, e.g. 'd_model: 16'"),
+              "d_ff": Param("int", help="SwiGLU hidden width, e.g. 'd_ff: 32'"),
+              "norm_eps": Param("float", 1e-6, "RMSNorm eps", minimum=0.0),
+              "rope_base": Param("float", 10000.0, "RoPE base"),
+              "rotary_dim": Param("int", None, "features rotated (even; default d_head)"),
+              "rope_layout": Param("choice", "half", "half or interleaved", choices=rope.LAYOUTS)},
+        validate=_validate, shapes=_shapes,
+        describe=lambda sc: f"B={sc.batch} n={sc.n_q} d_model={sc.p('d_model')} d_ff={sc.p('d_ff')} Hq={sc.heads_q} "
+                            f"Hkv={sc.heads_kv} d={sc.d_head}/{sc.d_value} {sc.dtype} {sc.mode}")

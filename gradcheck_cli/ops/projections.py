@@ -1,0 +1,203 @@
+"""Attention with its projections (A.10.10-A.10.11 and the A.10.5 head layout): X -> Q, K, V -> heads ->
+attention -> heads merged -> output projection, in the row-major convention Q = X W_Q.
+
+Shapes (extra leading axes broadcast): x [B, n_q, d_model]; for ``source: cross`` a memory
+m [B, n_k, d_model] feeds K and V (for ``self`` it is x); W_Q [d_model, Hq*d_head],
+W_K [d_model, Hkv*d_head], W_V [d_model, Hkv*d_value], W_O [Hq*d_value, d_model]; y [B, n_q, d_model].
+Heads are split as [B, n, H*d] -> [B, H, n, d] (reshape, then swap the head and sequence axes) and
+merged by the inverse permutation.
+
+Backward: G_merged = G_Y W_O^T, G_WO = merged^T G_Y; G_heads = split(G_merged); attention's backward
+(with the GQA sum) gives G_Q, G_K, G_V per head; merged back to [B, n, H*d]; G_WQ = X^T G_Q,
+G_WK = S^T G_K, G_WV = S^T G_V for the source S of K/V. G_X = G_Q W_Q^T + G_K W_K^T + G_V W_V^T when K
+and V come from X (the three paths of A.10.11); for cross-attention G_X = G_Q W_Q^T and
+G_M = G_K W_K^T + G_V W_V^T: only paths that really share an input are summed.
+"""
+from __future__ import annotations
+
+from typing import Collection
+
+import numpy as np
+
+from .. import invariants
+from . import attention, dense
+from .registry import Fault, Op, Param, Structure
+
+FAULTS = {f.name: f for f in (
+    Fault("shared-input-sum", "G_X = G_Q W_Q^T only: drops the K and V paths of a shared input "
+                              "(no effect on cross-attention, where X feeds only Q)",
+          ("gradient x",)),
+    Fault("head-merge", "the backward splits G_merged and merges G_Q, G_K, G_V by a bare reshape, without "
+                        "the inverse head/sequence permutation (no effect with one head or one row)",
+          ("gradient x", "gradient m", "gradient w_q", "gradient w_k", "gradient w_v")),
+)}
+#: The attention faults flow through unchanged (their names mean the same thing here).
+ALL_FAULTS = {**FAULTS, **attention.FAULTS}
+
+
+def split(t, heads: int, faults: Collection[str] = ()):
+    """[..., n, H*d] -> [..., H, n, d]; the ``head-merge`` fault reshapes without the permutation."""
+    n = t.shape[-2]
+    if "head-merge" in faults:
+        return t.reshape(t.shape[:-2] + (heads, n, -1))
+    return np.swapaxes(t.reshape(t.shape[:-1] + (heads, -1)), -3, -2)
+
+
+def merge(t, faults: Collection[str] = ()):
+    """[..., H, n, d] -> [..., n, H*d], the inverse of :func:`split`."""
+    heads, n, d = t.shape[-3:]
+    if "head-merge" in faults:
+        return t.reshape(t.shape[:-3] + (n, heads * d))
+    return np.swapaxes(t, -3, -2).reshape(t.shape[:-3] + (n, heads * d))
+
+
+def _rows(t):
+    return t.reshape(-1, t.shape[-1])
+
+
+class Layer:
+    """One scenario's fixed parts: visible set, heads, scale, and whether K/V read x or a memory."""
+
+    def __init__(self, sc):
+        self.visible, self.hidden = sc.visible, ~sc.visible
+        self.kv_map = np.asarray(sc.kv_map, dtype=np.intp)
+        self.heads_q, self.heads_kv, self.scale = sc.heads_q, sc.heads_kv, sc.scale
+        self.cross = sc.p("source") == "cross"
+
+    def forward(self, x, w_q, w_k, w_v, w_o, m=None, faults: Collection[str] = ()):
+        """y [..., B, n_q, d_model]."""
+        s = m if self.cross else x
+        q = split(x @ w_q, self.heads_q)
+        k, v = split(s @ w_k, self.heads_kv), split(s @ w_v, self.heads_kv)
+        o = attention.forward(q, k, v, self.visible, self.scale, self.kv_map, faults, self.hidden)
+        return merge(o) @ w_o
+
+    def backward(self, x, w_q, w_k, w_v, w_o, grad_y, m=None, faults: Collection[str] = ()) -> dict:
+        s = m if self.cross else x
+        q = split(x @ w_q, self.heads_q)
+        k, v = split(s @ w_k, self.heads_kv), split(s @ w_v, self.heads_kv)
+        o = attention.forward(q, k, v, self.visible, self.scale, self.kv_map, faults, self.hidden)
+        merged = merge(o)
+        g_o = split(grad_y @ w_o.T, self.heads_q, faults)
+        att = attention.backward(q, k, v, self.visible, self.scale, self.kv_map, g_o, faults)
+        g_q, g_k, g_v = merge(att.q, faults), merge(att.k, faults), merge(att.v, faults)
+        grads = {"w_q": _rows(x).T @ _rows(g_q), "w_k": _rows(s).T @ _rows(g_k), "w_v": _rows(s).T @ _rows(g_v),
+                 "w_o": _rows(merged).T @ _rows(grad_y)}
+        from_kv = g_k @ w_k.T + g_v @ w_v.T
+        g_x = g_q @ w_q.T
+        if self.cross:
+            grads["x"], grads["m"] = g_x, from_kv
+        else:
+            grads["x"] = g_x if "shared-input-sum" in faults else g_x + from_kv
+        return grads
+
+
+def _shapes(sc) -> dict:
+    d, dh, dv = sc.p("d_model"), sc.d_head, sc.d_value
+    out = {"x": (sc.batch, sc.n_q, d)}
+    if sc.p("source") == "cross":
+        out["m"] = (sc.batch, sc.n_k, d)
+    out.update({"w_q": (d, sc.heads_q * dh), "w_k": (d, sc.heads_kv * dh), "w_v": (d, sc.heads_kv * dv),
+                "w_o": (sc.heads_q * dv, d)})
+    return out
+
+
+def _magnitude(layer, data):
+    """A bound on the absolute terms behind each y element (for the rounding of L)."""
+    exact = {t: v.astype(np.float64) for t, v in data.items()}
+    size = {t: np.abs(v) for t, v in exact.items()}
+    src = "m" if layer.cross else "x"
+    weights = attention.attention_weights(split(exact["x"] @ exact["w_q"], layer.heads_q),
+                                          split(exact[src] @ exact["w_k"], layer.heads_kv),
+                                          layer.visible, layer.scale, layer.kv_map)
+    q = split(size["x"] @ size["w_q"], layer.heads_q)
+    k = attention.repeat_kv(split(size[src] @ size["w_k"], layer.heads_kv), layer.kv_map)
+    v = attention.repeat_kv(split(size[src] @ size["w_v"], layer.heads_kv), layer.kv_map)
+    terms = (weights * (1.0 + abs(layer.scale) * (q @ np.swapaxes(k, -1, -2)))) @ v
+    return merge(terms) @ size["w_o"]
+
+
+def build(sc, faults: Collection[str] = ()):
+    shapes = _shapes(sc)
+    d = sc.p("d_model")
+    scales = {"w_q": d ** -0.5, "w_k": d ** -0.5, "w_v": d ** -0.5, "w_o": (sc.heads_q * sc.d_value) ** -0.5}
+    data = dense.seeded(sc, {**shapes, "g": shapes["x"][:2] + (d,)}, scales)
+    g = data.pop("g")
+    if sc.loss_rows is not None:
+        keep = np.zeros(sc.n_q, dtype=bool)
+        keep[list(sc.loss_rows)] = True
+        g[..., ~keep, :] = 0
+    layer = Layer(sc)
+    grads = layer.backward(**data, grad_y=g, faults=faults)
+
+    def fwd(**t):
+        return layer.forward(**t, faults=faults)
+
+    def checks() -> list:
+        return _invariants(sc, layer, data, faults)
+
+    lift = {name: 1 for name in ("w_q", "w_k", "w_v", "w_o")}
+    return dense.problem(
+        sc, data, fwd, grads, g, lift=lift, magnitude=_magnitude(layer, data), invariants=checks,
+        work_factor=4.0 * sc.heads_q * sc.n_k / d + 6,
+        structure={"x": Structure(("batch", "query row", "feature")), "m": Structure(("batch", "key row", "feature")),
+                   **{w: Structure(("d_in", "d_out")) for w in ("w_q", "w_k", "w_v", "w_o")}},
+        arrays={"visible": sc.visible, "scale": np.asarray(sc.scale), "kv_map": layer.kv_map})
+
+
+def _invariants(sc, layer, data, faults) -> list:
+    return mask_invariants(sc, "m" if layer.cross else "x", data,
+                           lambda t: layer.forward(**t, faults=faults),
+                           lambda t, g: layer.backward(**t, grad_y=g, faults=faults))
+
+
+def mask_invariants(sc, source: str, data: dict, forward, backward) -> list:
+    """What finite differences cannot see: the mask, through the whole layer. ``source`` is the input
+    whose rows are the keys (x for self-attention, where a row is also a query; m for cross)."""
+    rng = np.random.default_rng([sc.seed, 1])
+    eps = float(np.finfo(np.dtype(sc.dtype)).eps)
+    # Key rows that query row i cannot see must not move y[i].
+    seen_by = sc.visible.any(axis=1)  # [B, n_q, n_k]: some head of row i sees key j
+    moved = np.zeros((seen_by.shape[0], seen_by.shape[2]), dtype=bool)  # [B, n_k]
+    moved[:, seen_by.shape[-1] // 2:] = True  # move the later half of the key rows
+    touched = (seen_by & moved[:, None, :]).any(axis=-1)  # [B, n_q]
+    if source == "x":
+        touched |= moved[:, :seen_by.shape[1]]  # in self-attention a moved row is also a query
+    changed = dict(data)
+    noise = rng.standard_normal(data[source].shape).astype(data[source].dtype) * 10
+    changed[source] = np.where(moved[..., None], noise, data[source])
+    y0, y1 = forward(data), forward(changed)
+    checks = [invariants.bounded(
+        f"hidden {source} rows do not change y", "y", np.where(touched[..., None], 0.0, y1 - y0),
+        64 * eps * max(float(np.abs(y0).max()), 1.0),
+        f"the later half of the {source} rows replaced by random values; y rows that see none of them "
+        f"({int((~touched).sum())} of {touched.size}) must not change")]
+    # With loss on query row 0 only, key rows row 0 cannot see get exactly zero gradient.
+    first = np.zeros(y0.shape, dtype=y0.dtype)
+    first[..., 0, :] = rng.standard_normal(first[..., 0, :].shape)
+    grads = backward(data, first)
+    unseen = ~seen_by[:, 0, :]  # [B, n_k]
+    if source == "x":
+        unseen[:, 0] = False
+    checks.append(invariants.bounded(
+        f"unseen {source} rows get zero gradient", source, np.where(unseen[..., None], grads[source], 0.0), 0.0,
+        f"loss on query row 0 only; the {int(unseen.sum())} {source} rows it cannot see must get exactly zero gradient"))
+    return checks
+
+
+def _validate(params: dict, att: dict) -> list:
+    if params["source"] == "self" and att["n_k"] != att["n_q"]:
+        return [("n_k", f"self-attention reads K and V from x, so n_k must equal n_q={att['n_q']} (got {att['n_k']})",
+                 "use source: cross for a separate memory of n_k rows")]
+    return []
+
+
+OP = Op(name="attention-projections",
+        summary="attention with Q/K/V/O projections and head split/merge: gradients of x (and m), W_Q, W_K, W_V, W_O",
+        tensors=("x", "m", "w_q", "w_k", "w_v", "w_o"), faults=ALL_FAULTS, build=build, attention_keys=True,
+        keys={"d_model": Param("int", help="model width, e.g. 'd_model: 16'"),
+              "source": Param("choice", "self", "self: K, V from x; cross: from a separate memory m of n_k rows",
+                              choices=("self", "cross"))},
+        validate=_validate, shapes=_shapes,
+        describe=lambda sc: f"{sc.p('source')} B={sc.batch} n_q={sc.n_q} n_k={sc.n_k} d_model={sc.p('d_model')} "
+                            f"Hq={sc.heads_q} Hkv={sc.heads_kv} d={sc.d_head}/{sc.d_value} {sc.dtype} {sc.mode}")
