@@ -250,12 +250,14 @@ def merge(reports, json_path):
 def faults():
     """List the named faults: what each breaks and which checks are expected to catch it."""
     out = _console()
-    for op in OPS.values():
-        for f in op.faults.values():
-            out.print(f"{f.name}  (op {op.name}{', changes the forward' if f.forward else ''})",
-                      style="bold" if out.is_terminal else None, markup=False)
-            out.print(f"    breaks:    {f.breaks}", markup=False)
-            out.print(f"    caught by: {'; '.join(f.caught_by)}", markup=False)
+    for name, f in FAULTS.items():
+        ops = [op.name for op in OPS.values() if name in op.faults]
+        out.print(f"{f.name}  (op {ops[0]}{', changes the forward' if f.forward else ''})",
+                  style="bold" if out.is_terminal else None)
+        out.print(f"    breaks:    {f.breaks}")
+        out.print(f"    caught by: {'; '.join(f.caught_by)}")
+        if len(ops) > 1:
+            out.print(f"    also in:   {', '.join(ops[1:])} (same name, same bug)")
 
 
 @main.command(epilog=EPILOG_INFO, short_help="Print the JSON Schema of the scenario format.")
