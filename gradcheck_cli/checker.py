@@ -142,8 +142,8 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
     direction_seed = int(rng.integers(2**32))
     if sc.mode == "directional":  # the analytic side depends on the gradient: never cached
         num, ana = numeric.directions(lambda c, name=name: problem.loss(name, c), x, grad, np.arange(sc.directions),
-                                      direction_seed, sc.epsilon, chunking, progress)
-        sites, step = None, sc.epsilon * max(1.0, float(np.max(np.abs(x))))
+                                      direction_seed, sc.epsilon, chunking, progress, size=_size(problem, name))
+        sites, step = None, float(numeric.step_size(float(np.max(np.abs(x))), sc.epsilon, _size(problem, name)))
     elif numeric_cache is not None and key in numeric_cache:
         num, sites, step = numeric_cache[key]
         if progress:
@@ -162,6 +162,10 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
     max_abs, rel, worst = relative_error(ana, num)
     ok, noise = passes(ana, num, sc.tolerance, floor)
     verdict, fd_error = _verdict(sc, problem, name, x, ana, num, floor, sites, ok, direction_seed, rng, chunking)
+    size = max(float(np.abs(ana).max(initial=0.0)), float(np.abs(num).max(initial=0.0)))
+    blind = verdict == "pass" and size > 0 and float(np.max(floor, initial=0.0)) > POWER_LIMIT * size
+    if blind:  # passing says nothing when the noise floor is as large as the gradient
+        verdict = "inconclusive"
     if sc.mode == "directional":
         index = (worst,)
         where = f"direction {worst}"
@@ -171,7 +175,11 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
     detail = (f"worst at {where}: analytic {ana[worst]:.9g}, numeric {num[worst]:.9g}; "
               f"{len(num)} {'directions' if sc.mode == 'directional' else 'elements'} checked; "
               f"finite-difference error ~{fd_error:.2g}")
-    if verdict == "inconclusive":
+    if blind:
+        detail += (f"; no power: the noise floor ({float(np.max(floor)):.2g}) is over {POWER_LIMIT:.0%} of the "
+                   f"largest gradient ({size:.2g}), so errors that size would pass unseen: use float64, or "
+                   "smaller shapes")
+    elif verdict == "inconclusive":
         detail += ("; the finite differences are too inaccurate here to decide: "
                    + ("use dtype float64 (or a smaller epsilon on peaked rows)" if sc.dtype != "float64"
                       else f"try another epsilon (now {sc.epsilon:g}); attn-gradcheck cannot tell a bug from noise"))
@@ -182,6 +190,10 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
     return Check("gradient", f"gradient {name}", name, tuple(x.shape), max_abs, rel, sc.tolerance,
                  noise, index, verdict == "pass", detail, verdict, fd_error), num, evidence
 
+
+#: A check whose noise floor exceeds this fraction of the gradient's size has no power to see bugs
+#: of that size: it cannot pass, only be inconclusive.
+POWER_LIMIT = 0.25
 
 #: Elements (or directions) whose finite differences are re-taken at half the step to estimate their
 #: error: the worst by margin, and as many at random.
@@ -202,9 +214,11 @@ def _verdict(sc, problem, name, x, ana, num, floor, sites, ok, direction_seed, r
     half = sc.epsilon / 2
     if sc.mode == "directional":
         grad = problem.gradients[name]
-        num_half, _ = numeric.directions(lambda c: problem.loss(name, c), x, grad, probe, direction_seed, half, chunking)
+        num_half, _ = numeric.directions(lambda c: problem.loss(name, c), x, grad, probe, direction_seed, half, chunking,
+                                         size=_size(problem, name))
     else:
-        num_half = numeric.elements(lambda c: problem.loss(name, c), x, sites[probe], half, chunking)
+        num_half = numeric.elements(lambda c: problem.loss(name, c), x, sites[probe], half, chunking,
+                                    size=_size(problem, name))
     fd_err = 4.0 / 3.0 * np.abs(num[probe] - num_half)
     fd_error = float(fd_err.max(initial=0.0)) if np.isfinite(fd_err).all() else float("inf")
     if ok:
@@ -247,12 +261,16 @@ def _differences(sc: Scenario, problem, name: str, x: np.ndarray, rng: np.random
         sites = np.arange(x.size)
     else:
         sites = np.sort(rng.choice(x.size, size=min(sc.samples, x.size), replace=False))
-    steps = sc.epsilon * np.maximum(1.0, np.abs(x.ravel()[sites]).astype(np.float64))
+    steps = numeric.step_size(np.abs(x.ravel()[sites]).astype(np.float64), sc.epsilon, _size(problem, name))
     if _coloured(sc, problem):
         num = numeric.coloured(lambda c: problem.loss_parts(name, c), x, problem.parts[name], sc.epsilon,
                                chunking, progress)
         return num, sites, steps
-    return numeric.elements(loss, x, sites, sc.epsilon, chunking, progress), sites, steps
+    return numeric.elements(loss, x, sites, sc.epsilon, chunking, progress, size=_size(problem, name)), sites, steps
+
+
+def _size(problem, name: str) -> float:
+    return (problem.step_sizes or {}).get(name, 1.0)
 
 
 def fault_effect(sc: Scenario, fault: str) -> float:

@@ -18,13 +18,20 @@ Loss = Callable[[np.ndarray], np.ndarray]
 Progress = Callable[[int], None]
 
 
-def perturb(x: np.ndarray, epsilon: float) -> tuple[np.ndarray, np.ndarray]:
-    """The one step policy: h = epsilon * max(1, |x|), and the perturbed values x + h, x - h.
+def step_size(x, epsilon: float, size: float = 1.0):
+    """The one step policy: h = epsilon * max(size, |x|). ``size`` is the input's natural scale, below
+    which the step stops shrinking with |x| (1 for the standard-normal inputs; |tau| for a temperature,
+    whose whole range may be below 1)."""
+    return epsilon * np.maximum(size, np.abs(x))
+
+
+def perturb(x: np.ndarray, epsilon: float, size: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """The perturbed values x + h, x - h with h from :func:`step_size`.
 
     The difference quotient divides by (x + h) - (x - h), the step that was actually taken in
     floating point, not by the nominal 2h.
     """
-    h = (epsilon * np.maximum(1.0, np.abs(x))).astype(x.dtype)
+    h = step_size(x, epsilon, size).astype(x.dtype)
     return x + h, x - h
 
 
@@ -79,7 +86,7 @@ def _blas_controller() -> ThreadpoolController:
 
 
 def elements(loss: Loss, x: np.ndarray, indices: np.ndarray, epsilon: float, chunking: Chunking,
-             progress: Progress | None = None) -> np.ndarray:
+             progress: Progress | None = None, size: float = 1.0) -> np.ndarray:
     """dL/dx at the given flat indices by central differences: one +h and one -h copy each."""
     flat_x = x.ravel()
     out = np.empty(len(indices), dtype=np.float64)
@@ -89,7 +96,7 @@ def elements(loss: Loss, x: np.ndarray, indices: np.ndarray, epsilon: float, chu
         c = len(idx)
         copies = np.broadcast_to(x, (2 * c,) + x.shape).copy()
         flat = copies.reshape(2 * c, -1)
-        plus, minus = perturb(flat_x[idx], epsilon)
+        plus, minus = perturb(flat_x[idx], epsilon, size)
         rows = np.arange(c)
         flat[rows, idx] = plus
         flat[c + rows, idx] = minus
@@ -182,7 +189,7 @@ def leakage(loss_parts: Callable[[np.ndarray], np.ndarray], x: np.ndarray, part_
 
 
 def directions(loss: Loss, x: np.ndarray, grad: np.ndarray, which: np.ndarray, seed: int, epsilon: float,
-               chunking: Chunking, progress: Progress | None = None) -> tuple[np.ndarray, np.ndarray]:
+               chunking: Chunking, progress: Progress | None = None, size: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """Directional derivatives along the random unit directions numbered ``which`` (direction i is
     ``unit_direction(seed, i, x.shape)``, so the numbers depend on neither chunking nor selection).
 
@@ -190,7 +197,7 @@ def directions(loss: Loss, x: np.ndarray, grad: np.ndarray, which: np.ndarray, s
     ``taken`` = ((x + h u) - (x - h u)) / 2h is the direction actually stepped in floating point.
     Memory stays within one chunk: directions are drawn where they are used.
     """
-    h = float(epsilon * max(1.0, float(np.max(np.abs(x), initial=0.0))))
+    h = float(step_size(float(np.max(np.abs(x), initial=0.0)), epsilon, size))
     numeric = np.empty(len(which), dtype=np.float64)
     analytic = np.empty(len(which), dtype=np.float64)
     step = x.dtype.type(h)

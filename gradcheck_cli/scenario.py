@@ -418,7 +418,8 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                       if name is not None else "is required", hint="e.g. 'name: causal-gqa'")
     op = f.choice("op", tuple(OPS), "attention")
     op_spec = OPS[op]
-    allowed = set(COMMON_KEYS) | set(op_spec.keys) | (set(ATTENTION_KEYS) if op_spec.attention_keys else set())
+    common = COMMON_KEYS if op_spec.common_keys is None else op_spec.common_keys
+    allowed = set(common) | set(op_spec.keys) | (set(ATTENTION_KEYS) if op_spec.attention_keys else set())
     allowed |= set(BACKEND_KEYS) if op == "attention" else set()
     for key in f.values:
         top = key.split(".")[0]
@@ -464,14 +465,15 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
 
     backend = f.choice("backend", BACKENDS, "numpy")
     device = f.choice("device", DEVICES, "cpu")
-    dtype = f.choice("dtype", DTYPES + LOW_PRECISION, "float64")
+    dtype = f.choice("dtype", DTYPES + (LOW_PRECISION if op == "attention" else ()), "float64")
     if backend == "torch" or device != "cpu" or dtype in LOW_PRECISION:
         _require_torch(f, backend, device, dtype)
     factor = f.float("check.factor", 2.0)
     slack = f.float("check.slack", 1e-5, positive=False)
     if slack < 0:
         raise f.error("check.slack", f"must be >= 0, got {slack}")
-    dtype, epsilon, tolerance, seed, mode, samples, directions, colouring = _precision_and_check(f, dtype)
+    dtype, epsilon, tolerance, seed, mode, samples, directions, colouring = _precision_and_check(
+        f, dtype, op == "attention")
 
     causal = "none" if f.raw("mask.causal") in (None, "none") else f.choice("mask.causal", masks.CAUSAL, "none")
     window = None
@@ -502,11 +504,15 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     scores = batch * heads_q * n_q * n_k
     tensors = batch * (heads_q * n_q * (d_head + d_value) + heads_kv * n_k * (d_head + d_value))
     need = scores * (16 * itemsize + 2) + tensors * 12 * 8
+    if op_spec.shapes and op != "attention":  # the op's own weights and activations, counted like a plain op's
+        need += _plain_need(op_spec, _Probe(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, f, op_spec))
     if need > memory_limit:
         raise doc.error(f.path, f"scenario '{name}' needs about {need / 2**30:.1f} GiB "
-                        f"({batch}x{heads_q}x{n_q}x{n_k} score blocks, d_head={d_head}, d_value={d_value}), "
+                        f"({batch}x{heads_q}x{n_q}x{n_k} score blocks, d_head={d_head}, d_value={d_value}"
+                        + ("" if op == "attention" else f", and the weights of op {op}") + "), "
                         f"more than the {memory_limit / 2**30:.1f} GiB available",
-                        hint="reduce batch, heads, n_q, n_k or the head dimensions")
+                        hint="reduce batch, heads, n_q, n_k or the head dimensions"
+                             + ("" if op == "attention" else " (or d_model, d_ff)"))
 
     spec, impl = None, None
     if f.has("implementation"):
@@ -618,12 +624,30 @@ def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memo
                   epsilon=epsilon, tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
                   params=tuple(params.items()))
     if spec.shapes:
-        elements = sum(math.prod(shape) for shape in spec.shapes(sc).values())
-        need = elements * 64 * 8
+        need = _plain_need(spec, sc)
         if need > memory_limit:
             raise doc.error(f.path, f"scenario '{name}' needs about {need / 2**30:.1f} GiB, more than the "
                             f"{memory_limit / 2**30:.1f} GiB available", hint="reduce its sizes")
     return sc
+
+
+def _plain_need(spec, sc) -> int:
+    """Bytes an op without attention's estimate needs: its tensors about 64 times over (inputs,
+    gradients, copies, the wider-type forward) and what it declares beyond them."""
+    elements = sum(math.prod(shape) for shape in spec.shapes(sc).values())
+    return elements * 64 * 8 + (spec.memory(sc) if spec.memory else 0)
+
+
+class _Probe:
+    """Enough of a Scenario for ``Op.shapes`` before the Scenario exists (attention-keyed ops)."""
+
+    def __init__(self, batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, f: _Fields, spec):
+        self.batch, self.heads_q, self.heads_kv, self.n_q, self.n_k = batch, heads_q, heads_kv, n_q, n_k
+        self.d_head, self.d_value = d_head, d_value
+        self._params = {key: _read_param(f, key, param) for key, param in spec.keys.items()}
+
+    def p(self, key: str):
+        return self._params[key]
 
 
 def _require_torch(f: _Fields, backend: str, device: str, dtype: str) -> None:
@@ -789,13 +813,15 @@ def json_schema() -> dict:
         for key, param in op.keys.items():
             if key in fields:
                 continue
-            kind = {"int": {"type": "integer", "minimum": int(param.minimum if param.minimum is not None else 1)},
+            low = int(param.minimum if param.minimum is not None else 1)
+            kind = {"int": {"type": "integer", "minimum": low},
                     "float": number, "bool": {"type": "boolean"}, "choice": {"enum": list(param.choices)},
-                    "ints": ints}[param.kind]
+                    "ints": {"type": "array", "items": {"type": "integer", "minimum": low}, "minItems": 1,
+                             "uniqueItems": True}}[param.kind]
             if param.kind == "int" and param.default is None:
                 kind = {"oneOf": [{"type": "null"}, kind]}
-            users = [o.name for o in OPS.values() if key in o.keys]
-            fields[key] = {**kind, "description": f"{param.help} (op {', '.join(users)})".lstrip()}
+            helps = {o.name: o.keys[key].help for o in OPS.values() if key in o.keys}
+            fields[key] = {**kind, "description": "; ".join(f"op {name}: {text}" for name, text in helps.items())}
     assert set(fields) == set(SCENARIO_KEYS), "the schema must list every scenario key"
     sweepable = [k for k in SCENARIO_KEYS if k != "name"] + [f"{n}.{k}" for n, keys in NESTED.items() for k in keys]
     fields["sweep"] = {"type": "object", "minProperties": 1, "propertyNames": {"enum": sweepable},

@@ -252,7 +252,7 @@ MORE_BAD = [
     ("op: infonce\n    dim: 4\n    hard_negatives: -1\n", 5, "scenarios[0].hard_negatives", "must be >= 0"),
     ("op: infonce\n    dim: 4\n    temperature: 0\n", 5, "scenarios[0].temperature", "must be > 0"),
     ("op: infonce\n    dim: 4\n    in_batch: yes please\n", 5, "scenarios[0].in_batch", "expected true or false"),
-    ("op: infonce\n    dim: 4\n    batch: 1\n", 2, "scenarios[0].hard_negatives", "at least one negative"),
+    ("op: infonce\n    dim: 4\n    batch: 1\n", 5, "scenarios[0].batch", "at least one negative"),
     ("op: logit-scale\n    correlation: 1.0\n", 4, "scenarios[0].correlation", "must be in [0, 1)"),
     ("op: logit-scale\n    d_heads: [8, 8]\n", 4, "scenarios[0].d_heads[1]", "listed twice"),
     ("op: logit-scale\n    draws: 10\n", 4, "scenarios[0].draws", "at least 100"),

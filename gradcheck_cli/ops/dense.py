@@ -10,6 +10,10 @@ import numpy as np
 
 from .registry import Problem, Structure
 
+#: The noise floor charges this many root-sum-squares of the output terms' rounding (a safety factor on
+#: the statistical size of a sum of independent rounding errors).
+RSS_FACTOR = 8.0
+
 
 def seeded(sc, shapes: Mapping[str, tuple[int, ...]], scales: Mapping[str, float] | None = None,
            stream: int = 0) -> dict[str, np.ndarray]:
@@ -20,24 +24,55 @@ def seeded(sc, shapes: Mapping[str, tuple[int, ...]], scales: Mapping[str, float
             for name, shape in shapes.items()}
 
 
+def _wider(dtype: str):
+    """A wider float type to measure the forward's own rounding against, or None when there is none
+    (long double is float64 itself on some platforms)."""
+    if dtype == "float32":
+        return np.float64
+    if np.finfo(np.longdouble).eps < np.finfo(np.float64).eps:
+        return np.longdouble
+    return None
+
+
+def rounding_errors(forward: Callable[..., np.ndarray], inputs: dict, out: np.ndarray, dtype: str,
+                    magnitude: np.ndarray | None) -> np.ndarray:
+    """Per output element, the rounding one forward puts in it: measured as |out - the same forward in
+    a wider type| when there is one, else eps x magnitude (a bound on the absolute terms behind it)."""
+    wide = _wider(dtype)
+    if wide is None:
+        return float(np.finfo(np.dtype(dtype)).eps) * np.asarray(np.abs(out) if magnitude is None else magnitude,
+                                                                 dtype=np.float64)
+    exact = forward(**{k: np.asarray(v).astype(wide) for k, v in inputs.items()})
+    return np.abs(out.astype(wide) - exact).astype(np.float64)
+
+
+def rss(t: np.ndarray, axis=None) -> np.ndarray:
+    """Root sum of squares (of independent rounding errors)."""
+    return np.sqrt(np.sum(t * t, axis=axis))
+
+
 def problem(sc, inputs: dict[str, np.ndarray], forward: Callable[..., np.ndarray], gradients: dict[str, np.ndarray],
             g: np.ndarray, *, lift: Mapping[str, int] | None = None, invariants: Callable[[], list] = list,
-            magnitude: np.ndarray | None = None, rounding: dict[str, np.ndarray] | None = None,
+            magnitude: np.ndarray | None = None, rounding: Callable[[np.ndarray], dict] | None = None,
             work_factor: float = 4.0, structure: dict[str, Structure] | None = None,
-            arrays: dict | None = None) -> Problem:
+            arrays: dict | None = None, step_sizes: dict[str, float] | None = None) -> Problem:
     """``forward(**inputs) -> out`` (copies broadcast), analytic ``gradients`` of L = sum(out * g).
 
-    magnitude: a bound on the sum of absolute terms behind each output element (default |out|): the
-    rounding of one forward is about eps x magnitude, so eps x sum(|g| x magnitude) bounds the
-    rounding of L. ``rounding`` may refine that per input element (the terms that move with it);
-    without it every element is charged all of L's terms (safe, a little less power).
+    The noise floor: each output's rounding is measured against the same forward in a wider type
+    (``rounding_errors``); the errors of different outputs are independent, so a difference of L
+    carries about their root sum of squares, weighted by |g|, and the floor charges RSS_FACTOR times
+    that (a worst-case linear sum, or a bound on every term, grows with the output until it hides
+    every bug). By default every input element is charged all of L's outputs; ``rounding(terms)``
+    may return per-element sums over the outputs it really moves (e.g. its row), from the weighted
+    errors ``terms``. ``magnitude`` is only the fallback bound where no wider type exists.
     work_factor: how many output-sized arrays one copy needs while the forward runs.
     """
     out = forward(**inputs)
     axes = tuple(range(-out.ndim, 0))
     lift = dict(lift or {})
-    terms = np.abs(g).astype(np.float64) * (np.abs(out) if magnitude is None else magnitude).astype(np.float64)
-    total = float(terms.sum())
+    eps = float(np.finfo(np.dtype(sc.dtype)).eps)
+    terms = np.abs(g).astype(np.float64) * rounding_errors(forward, inputs, out, sc.dtype, magnitude) / eps
+    total = min(RSS_FACTOR * float(rss(terms)), float(terms.sum()))  # never more than the worst case
 
     def loss(name: str, x: np.ndarray) -> np.ndarray:
         base = inputs[name]
@@ -47,12 +82,13 @@ def problem(sc, inputs: dict[str, np.ndarray], forward: Callable[..., np.ndarray
         return np.sum(forward(**{**inputs, name: x}) * g, axis=axes, dtype=np.float64)
 
     per = {name: np.full(x.shape, total) for name, x in inputs.items()}
-    per.update(rounding or {})
+    per.update({name: RSS_FACTOR * v for name, v in (rounding(terms) if rounding else {}).items()})
     itemsize = np.dtype(sc.dtype).itemsize
     return Problem(
-        inputs=inputs, loss=loss, gradients=gradients, rounding=per, rounding_total=total,
+        inputs=inputs, loss=loss, gradients=gradients, rounding=per,
+        rounding_total=max(total, float(np.sum(np.abs(g) * np.abs(out)))),
         copy_bytes=int(work_factor * out.size * itemsize + max(x.size for x in inputs.values()) * itemsize),
         invariants=invariants,
         arrays={**inputs, "grad_output": g, "output": out, **{f"analytic_{t}": v for t, v in gradients.items()},
                 **(arrays or {})},
-        output=out, structure=structure)
+        output=out, structure=structure, step_sizes=step_sizes)

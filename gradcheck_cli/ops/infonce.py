@@ -147,14 +147,15 @@ def build(sc, faults: Collection[str] = ()):
         sc, data, fwd, grads, g, lift={"tau": 2}, magnitude=magnitude, invariants=checks, work_factor=8.0 * s.shape[-1],
         structure={"q": Structure(("query", "feature")), "p": Structure(("query", "feature")),
                    "n": Structure(("query", "negative", "feature")), "tau": Structure(())},
-        arrays={"logit_gradient": g_z})
+        arrays={"logit_gradient": g_z}, step_sizes={"tau": abs(float(tau_fixed))})
 
 
 def _validate(params: dict, base: dict) -> list:
     batch, k = base["batch"], params["hard_negatives"]
     if (batch + batch * k if params["in_batch"] else 1 + k) < 2:
-        key = "hard_negatives"
-        return [(key, "every query needs at least one negative candidate",
+        key = "batch" if params["in_batch"] else "hard_negatives"
+        return [(key, f"every query needs at least one negative candidate (batch {batch}, hard_negatives {k}, "
+                      f"in_batch {str(params['in_batch']).lower()})",
                  "raise batch (in-batch negatives) or hard_negatives")]
     return []
 

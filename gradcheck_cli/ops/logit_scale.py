@@ -83,8 +83,8 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
 
 def _check(name: str, d: int, value: float, predicted: float, lo: float, hi: float, ok: bool, detail: str) -> Check:
     miss = 0.0 if lo <= predicted <= hi else min(abs(predicted - lo), abs(predicted - hi))
-    return Check("experiment", name, f"d={d}", None, miss, miss / max(abs(value), 1e-300), (hi - lo) / 2, 0.0, None,
-                 ok, detail)
+    return Check("experiment", name, f"d={d}", None, float(miss), float(miss / max(abs(value), 1e-300)),
+                 float((hi - lo) / 2), 0.0, None, bool(ok), detail)
 
 
 def _validate(params: dict, _base: dict) -> list:
@@ -105,6 +105,7 @@ OP = Op(name="logit-scale", summary="A.10.4 as an experiment: Var(q.k) = d sigma
               "draws": Param("int", 20000, "pairs (q, k) drawn per d"),
               "correlation": Param("float", 0.0, "rho in [0, 1): correlation between a vector's coordinates", minimum=0.0),
               "confidence": Param("float", 0.999, "of the intervals")},
-        validate=_validate, shapes=lambda sc: {},
+        validate=_validate, shapes=lambda sc: {}, common_keys=("name", "op", "seed"),
+        memory=lambda sc: 4 * 8 * sc.p("draws") * max(sc.p("d_heads")),
         describe=lambda sc: f"d in {list(sc.p('d_heads'))} sigma_q={sc.p('sigma_q'):g} sigma_k={sc.p('sigma_k'):g} "
                             f"rho={sc.p('correlation'):g} {sc.p('draws')} draws")

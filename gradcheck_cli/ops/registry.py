@@ -67,6 +67,7 @@ class Problem:
     loss_parts: Callable[[str, np.ndarray], np.ndarray] | None = None
     structure: dict[str, Structure] | None = None
     hints: Callable[[dict, list], list[str]] | None = None
+    step_sizes: dict[str, float] | None = None  # natural scale of an input for the step policy (default 1)
 
 
 #: Marks a Param without a default: the key is required.
@@ -96,7 +97,9 @@ class Op:
     ``keys``: its own keys. ``validate(params, attention)`` returns (key, message, hint) for values
     that are wrong together (the loader reports the first with its line); ``attention`` holds the
     parsed attention keys or is empty. ``shapes(sc)``: the shapes of its inputs (for progress and the
-    memory estimate). ``describe(sc)``: one line of the scenario's shapes.
+    memory estimate). ``describe(sc)``: one line of the scenario's shapes. ``common_keys``: the shared
+    keys (batch, dtype, epsilon, tolerance, check, seed) it uses, when not all. ``memory(sc)``: bytes
+    beyond its inputs, for the load-time estimate.
     """
     name: str
     summary: str
@@ -108,3 +111,5 @@ class Op:
     validate: Callable[[dict, dict], list] | None = None
     shapes: Callable[[Any], dict] | None = None
     describe: Callable[[Any], str] | None = None
+    common_keys: tuple[str, ...] | None = None  # the shared keys it takes (default: all of them)
+    memory: Callable[[Any], int] | None = None  # bytes it needs beyond its inputs (load-time estimate)

@@ -64,12 +64,11 @@ def build(sc, faults: Collection[str] = ()):
                                    "|sum_c G_x[c] x[c]| per row over 64 ulps of sum_c |G_x[c] x[c]| "
                                    "(RMSNorm is scale invariant when eps = 0), backward at eps = 0")]
 
-    rows = np.abs(g).astype(np.float64) * np.abs(forward(data["x"], data["gamma"], eps)).astype(np.float64)
     return dense.problem(
         sc, data, lambda x, gamma: forward(x, gamma, eps), {"x": g_x, "gamma": g_gamma}, g,
         lift={"gamma": 2}, invariants=checks,
-        rounding={"x": np.broadcast_to(rows.sum(axis=-1, keepdims=True), shapes["x"]).copy(),
-                  "gamma": rows.reshape(-1, rows.shape[-1]).sum(axis=0)},
+        rounding=lambda t: {"x": np.broadcast_to(dense.rss(t, -1)[..., None], t.shape).copy(),   # its row
+                            "gamma": dense.rss(t.reshape(-1, t.shape[-1]), 0)},                    # its column
         structure={"x": Structure(("batch", "row", "feature")), "gamma": Structure(("feature",))})
 
 

@@ -95,11 +95,10 @@ def build(sc, faults: Collection[str] = ()):
     theta, layout = _theta(sc), sc.p("layout")
     y = forward(data["x"], theta, layout)
     g_x = backward(g, theta, layout, faults)
-    terms = np.abs(g).astype(np.float64) * (np.abs(data["x"]).astype(np.float64) + np.abs(y))
     return dense.problem(
         sc, data, lambda x: forward(x, theta, layout), {"x": g_x}, g, magnitude=np.abs(data["x"]) + np.abs(y),
         invariants=lambda: pair_norm_checks(data["x"], y, theta, layout, g, g_x),
-        rounding={"x": np.broadcast_to(terms.sum(axis=-1, keepdims=True), shape).copy()},
+        rounding=lambda t: {"x": np.broadcast_to(dense.rss(t, -1)[..., None], t.shape).copy()},  # its position
         structure={"x": Structure(("batch", "head", "position", "feature"), heat=("head", "position"))},
         arrays={"angles": theta})
 
