@@ -5,19 +5,35 @@ Python API (what the CLI calls)::
     from gradcheck_cli import load, run_scenario, negative_controls, check
     results = check("configs/quickstart.yaml")                 # list of ScenarioResult
     assert all(r.passed for r in results)
+
+The names are imported on first use, so that starting the command (and a Ctrl-C while it starts)
+does not wait for NumPy.
 """
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
 
-from .checker import negative_controls, run_scenario  # noqa: E402
-from .errors import GradcheckError, ScenarioError  # noqa: E402
-from .result import Check, ControlCell, ScenarioResult  # noqa: E402
-from .scenario import Scenario, load, loads  # noqa: E402
+_API = {
+    "negative_controls": "checker", "run_scenario": "checker",
+    "GradcheckError": "errors", "ScenarioError": "errors",
+    "Check": "result", "ControlCell": "result", "ScenarioResult": "result",
+    "Scenario": "scenario", "load": "scenario", "loads": "scenario",
+}
 
 
-def check(path, faults=(), **options) -> list[ScenarioResult]:
+def __getattr__(name: str):
+    if name in _API:
+        return getattr(importlib.import_module(f".{_API[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def check(path, faults=(), **options) -> list:
     """Run every scenario of a YAML file with the given faults; ``options`` go to :func:`run_scenario`."""
+    from .checker import run_scenario
+    from .scenario import load
     return [run_scenario(sc, faults, **options) for sc in load(path)]
 
 
-__all__ = ["check", "load", "loads", "run_scenario", "negative_controls", "Scenario", "ScenarioResult",
-           "Check", "ControlCell", "GradcheckError", "ScenarioError", "__version__"]
+__all__ = ["check", *_API, "__version__"]

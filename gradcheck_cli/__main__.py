@@ -1,4 +1,4 @@
 """``python -m gradcheck_cli`` is the ``attn-gradcheck`` command."""
-from .cli import main
+from .console import main
 
-main(prog_name="attn-gradcheck")
+main()

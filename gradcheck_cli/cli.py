@@ -150,7 +150,10 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
         raise _fail("--negative-controls runs every fault itself; do not combine it with --fault")
     try:
         scenarios = select(load(config), selects, deselects)
+        shard_info = None
         if shard:
+            shard_info = {"index": shard[0], "count": shard[1], "of": len(scenarios), "select": list(selects),
+                          "deselect": list(deselects)}
             scenarios = runner.shard(scenarios, *shard)
         report.prepare_outputs({"--json": json_path, "--junit": junit_path}, {"--save-arrays": arrays_dir},
                                {"--save-arrays": [f"{sc.name}.npz" for sc in scenarios]}, inputs=[config])
@@ -187,14 +190,14 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
         raise _fail(str(exc)) from None
     bar.close()
 
-    report.render_summary(out, results)
+    report.render_summary(out, results, len(scenarios) if interrupted else None)
     if cells:
         out.print()
         report.render_controls(out, cells)
-    data = report.json_report(config, faults, results, cells, shard=shard, interrupted=interrupted)
+    data = report.json_report(config, faults, results, cells, shard=shard_info, interrupted=interrupted)
     try:
         report.write_reports(json_path, data, junit_path,
-                             report.junit_xml(results, cells, config, faults) if junit_path else None, arrays_dir, results)
+                             report.junit_xml(data) if junit_path else None, arrays_dir, results)
     except OSError as exc:
         raise _fail(f"cannot write the reports: {exc}") from None
     except KeyboardInterrupt:  # a second Ctrl-C while writing: nothing half-written stays behind
@@ -213,7 +216,8 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
 @click.argument("reports", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option("--json", "json_path", type=click.Path(path_type=str),
               help="Write the merged JSON report here (written atomically).")
-def merge(reports, json_path):
+@click.option("--junit", "junit_path", type=click.Path(path_type=str), help="Write a JUnit XML report of the merge here.")
+def merge(reports, json_path, junit_path):
     """Combine the JSON REPORTS of several runs into one report and one verdict.
 
     Scenarios keep their file order; counts, verdict and negative controls are recomputed. Refused
@@ -232,14 +236,13 @@ def merge(reports, json_path):
         except json.JSONDecodeError as exc:
             raise _fail(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from None
     try:
-        if json_path:
-            report.prepare_outputs({"--json": json_path}, {}, inputs=list(reports))
+        report.prepare_outputs({"--json": json_path, "--junit": junit_path}, {}, inputs=list(reports))
         data = report.merge_reports(loaded)
     except GradcheckError as exc:
         raise _fail(str(exc)) from None
     report.render_merged(_console(), data)
     try:
-        report.write_reports(json_path, data)
+        report.write_reports(json_path, data, junit_path, report.junit_xml(data) if junit_path else None)
     except OSError as exc:
         raise _fail(f"cannot write the report: {exc}") from None
     codes = {"pass": EXIT_OK, "fail": EXIT_FAILED, "inconclusive": EXIT_INCONCLUSIVE}

@@ -5,7 +5,9 @@ evaluated in one vectorised call per chunk, each chunk bounded by a memory budge
 """
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -65,12 +67,19 @@ def _in_chunks(work: Callable[[int, int], object], total: int, chunking: Chunkin
     # One BLAS thread per worker: the workers already fill the cores, and nested BLAS threads would
     # oversubscribe them.
     with _blas_controller().limit(limits=1, user_api="blas"):
-        futures = [_pool(chunking.workers).submit(work, a, b) for a, b in bounds]
+        pool, queue = _pool(chunking.workers), iter(bounds)
+        # Only a window of chunks is queued ahead (memory, and a prompt stop on Ctrl-C).
+        pending = collections.deque((ab, pool.submit(work, *ab)) for ab in itertools.islice(queue, 2 * chunking.workers))
         try:
-            for (a, b), future in zip(bounds, futures):
-                yield a, b, future.result()
-        finally:  # Ctrl-C (or any error) stops the chunks not yet started: a prompt stop
-            for future in futures:
+            while pending:
+                (a, b), future = pending.popleft()
+                value = future.result()
+                following = next(queue, None)
+                if following is not None:
+                    pending.append((following, pool.submit(work, *following)))
+                yield a, b, value
+        finally:  # Ctrl-C (or any error): chunks not yet started never start
+            for _, future in pending:
                 future.cancel()
 
 

@@ -11,6 +11,7 @@ import os
 import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -164,9 +165,14 @@ def failure_message(c) -> str:
     return f"{c.name} ({c.tensor}){where}: {c.detail}"
 
 
-def render_summary(console: Console, results: Sequence[ScenarioResult]) -> None:
+def render_summary(console: Console, results: Sequence[ScenarioResult], interrupted_of: int | None = None) -> None:
+    """The totals line; ``interrupted_of``: the number of scenarios the run was to check, when Ctrl-C
+    stopped it."""
     s = summary(results)
-    if s["failed"]:
+    if interrupted_of is not None:
+        word = (f"INTERRUPTED after {s['scenarios']} of {interrupted_of} scenario(s)"
+                + (f"; {s['failed']} check(s) FAILED" if s["failed"] else ""))
+    elif s["failed"]:
         word = f"{s['failed']} check(s) FAILED"
     elif s["inconclusive"]:
         word = f"{s['inconclusive']} check(s) INCONCLUSIVE (finite differences too inaccurate to decide)"
@@ -202,7 +208,7 @@ def render_controls(console: Console, cells: Sequence[ControlCell]) -> None:
 
 
 def json_report(config: str, faults: Sequence[str], results: Sequence[ScenarioResult],
-                controls: Sequence[ControlCell] | None = None, *, shard: tuple[int, int] | None = None,
+                controls: Sequence[ControlCell] | None = None, *, shard: dict | None = None,
                 interrupted: bool = False) -> dict:
     """The ``--json`` report (documented in the README; keys are stable within a schema version)."""
     s = summary(results)
@@ -219,9 +225,13 @@ def json_report(config: str, faults: Sequence[str], results: Sequence[ScenarioRe
         "scenarios": [{**r.to_json(), "config": config, "reproduce": reproduce_command(config, r.name, faults)}
                       for r in results],
         "negative_controls": None,
-        "shard": {"index": shard[0], "count": shard[1]} if shard else None,
+        "shard": dict(shard) if shard else None,
         "interrupted": interrupted,
     }
+    if interrupted:  # what did not run cannot have passed
+        out["passed"] = False
+        if out["verdict"] != "fail":
+            out["verdict"] = "interrupted"
     if controls is not None:
         ok = not any(c.status == "missed" for c in controls)
         out["negative_controls"] = {"passed": ok, "cells": [c.to_json() for c in controls]}
@@ -244,7 +254,7 @@ def merge_reports(reports: Sequence[tuple[str, dict]]) -> dict:
                                  f"schema_version {JSON_SCHEMA_VERSION}")
         if data.get("interrupted"):
             raise GradcheckError(f"{path}: from an interrupted run; re-run it before merging")
-        groups.setdefault(data.get("config"), []).append((path, data))
+        groups.setdefault(os.path.normpath(str(data.get("config"))), []).append((path, data))
     scenarios, cells, all_faults = [], [], set()
     with_controls = {data.get("negative_controls") is not None for _, data in reports}
     if len(with_controls) > 1:
@@ -267,7 +277,7 @@ def merge_reports(reports: Sequence[tuple[str, dict]]) -> dict:
                 cells.extend((config, c) for c in data["negative_controls"]["cells"])
         rows.sort(key=lambda sc: sc.get("index", 0))
         scenarios.extend(rows)
-    order = {(sc["config"], sc["name"]): k for k, sc in enumerate(scenarios)}
+    order = {(os.path.normpath(str(sc["config"])), sc["name"]): k for k, sc in enumerate(scenarios)}
     cells.sort(key=lambda cc: order.get((cc[0], cc[1]["scenario"]), len(order)))
     checks = [c for sc in scenarios for c in sc["checks"]]
     failed = sum(c["verdict"] == "fail" for c in checks)
@@ -310,6 +320,11 @@ def _check_shards(config, parts: Sequence[tuple[str, dict]]) -> None:
     if len(counts) > 1:
         raise GradcheckError(f"reports of {config} come from different splits (N = {sorted(counts)})")
     count = counts.pop()
+    runs = {(tuple(s.get("select", ())), tuple(s.get("deselect", ())), s.get("of")) for _, s in shards}
+    if len(runs) > 1:
+        raise GradcheckError(f"shards of {config} selected different scenarios (--select / --deselect differ): "
+                             "merge shards of one run")
+    of = runs.pop()[2]
     given: dict[int, str] = {}
     for path, s in shards:
         if s["index"] in given:
@@ -318,6 +333,9 @@ def _check_shards(config, parts: Sequence[tuple[str, dict]]) -> None:
     missing = [f"{i}/{count}" for i in range(1, count + 1) if i not in given]
     if missing:
         raise GradcheckError(f"shard {', '.join(missing)} of {config} missing; merge every shard of the run")
+    held = sum(len(data["scenarios"]) for _, data in parts)
+    if of is not None and held != of:
+        raise GradcheckError(f"the shards of {config} hold {held} scenario(s) but the run selected {of}")
 
 
 def render_merged(console: Console, data: dict) -> None:
@@ -357,36 +375,41 @@ def _json_safe(value):
     return value
 
 
-def junit_xml(results: Sequence[ScenarioResult], controls: Sequence[ControlCell] | None = None,
-              config: str | None = None, faults: Sequence[str] = ()) -> bytes:
-    """JUnit XML: one testsuite per scenario, one testcase per check (and one per control cell)."""
+def _num(x, spec: str) -> str:
+    return format(x, spec) if isinstance(x, (int, float)) else "non-finite"
+
+
+def junit_xml(report: dict) -> bytes:
+    """JUnit XML of a JSON report (``json_report`` or ``merge_reports``): one testsuite per scenario,
+    one testcase per check, and one per negative-control cell."""
     root = ET.Element("testsuites", name="attn-gradcheck")
-    for r in results:
-        failures = sum(not c.passed for c in r.checks)
-        suite = ET.SubElement(root, "testsuite", name=r.name, tests=str(len(r.checks)),
-                              failures=str(failures), errors="0", time=f"{r.elapsed_s:.6f}")
-        for c in r.checks:
-            case = ET.SubElement(suite, "testcase", classname=f"attn-gradcheck.{r.name}",
+    for r in report["scenarios"]:
+        checks = [SimpleNamespace(**c) for c in r["checks"]]
+        suite = ET.SubElement(root, "testsuite", name=r["name"], tests=str(len(checks)),
+                              failures=str(sum(not c.passed for c in checks)), errors="0",
+                              time=f"{r['elapsed_s']:.6f}")
+        for c in checks:
+            case = ET.SubElement(suite, "testcase", classname=f"attn-gradcheck.{r['name']}",
                                  name=f"{c.name} [{c.tensor}]")
             if not c.passed:
-                msg = (f"{c.name} ({c.tensor}): max abs error {c.max_abs_error:.3e}, relative "
-                       f"{c.relative_error:.3e}, tolerance {c.tolerance:.1e}, noise floor {c.noise_floor:.1e}")
-                text = "\n".join([failure_message(c)] + diagnosis_lines(c, indent="  ") + [f"hint: {h}" for h in r.hints])
-                if config:
-                    text += "\nreproduce: " + reproduce_command(config, r.name, faults)
+                msg = (f"{c.name} ({c.tensor}): max abs error {_num(c.max_abs_error, '.3e')}, relative "
+                       f"{_num(c.relative_error, '.3e')}, tolerance {_num(c.tolerance, '.1e')}, noise floor "
+                       f"{_num(c.noise_floor, '.1e')}")
+                text = "\n".join([failure_message(c)] + diagnosis_lines(c, indent="  ")
+                                 + [f"hint: {h}" for h in r.get("hints", [])] + [f"reproduce: {r['reproduce']}"])
                 ET.SubElement(case, "failure", message=msg).text = text
+    controls = (report.get("negative_controls") or {}).get("cells")
     if controls is not None:
-        missed = sum(c.status == "missed" for c in controls)
         suite = ET.SubElement(root, "testsuite", name="negative-controls", tests=str(len(controls)),
-                              failures=str(missed), errors="0",
-                              skipped=str(sum(c.status == "not applicable" for c in controls)))
+                              failures=str(sum(c["status"] == "missed" for c in controls)), errors="0",
+                              skipped=str(sum(c["status"] == "not applicable" for c in controls)))
         for c in controls:
             case = ET.SubElement(suite, "testcase", classname="attn-gradcheck.negative-controls",
-                                 name=f"{c.fault} on {c.scenario}")
-            if c.status == "missed":
-                ET.SubElement(case, "failure", message=f"fault {c.fault} not detected (effect {c.effect:.2e})")
-            elif c.status == "not applicable":
-                ET.SubElement(case, "skipped", message=f"not applicable (effect {c.effect:.2e})")
+                                 name=f"{c['fault']} on {c['scenario']}")
+            if c["status"] == "missed":
+                ET.SubElement(case, "failure", message=f"fault {c['fault']} not detected (effect {_num(c['effect'], '.2e')})")
+            elif c["status"] == "not applicable":
+                ET.SubElement(case, "skipped", message=f"not applicable (effect {_num(c['effect'], '.2e')})")
     buf = io.BytesIO()
     ET.ElementTree(root).write(buf, encoding="utf-8", xml_declaration=True)
     return buf.getvalue()
@@ -406,7 +429,11 @@ def prepare_outputs(files: dict[str, str | None], folders: dict[str, str | None]
     for opt, p in [*files.items(), *folders.items()]:
         if p and "\x00" in p:
             raise GradcheckError(f"{opt} {p!r}: the path contains a NUL byte")
+    for opt, p in files.items():
+        if p and (p.endswith(os.sep) or p.endswith("/")):
+            raise GradcheckError(f"{opt} {p}: names a folder; give a file path, e.g. {p.rstrip('/' + os.sep)}/report")
     targets: dict[Path, str] = {Path(p).resolve(): f"the input {p}" for p in inputs}
+    targets.update({Path(p).resolve(): f"the {opt} folder {p}" for opt, p in folders.items() if p})
     wanted = [(opt, Path(p)) for opt, p in files.items() if p]
     wanted += [(f"{opt} ({name})", Path(folders[opt]) / name)
                for opt, names in (folder_files or {}).items() if folders.get(opt) for name in names]

@@ -336,11 +336,16 @@ def _sweep_axes(doc: _Doc, defaults: dict, scenario: dict, index: int) -> list[t
                 raise doc.error(path, f"cannot sweep '{key}'", hint=_suggest(str(key), allowed))
             if not isinstance(values, list) or not values:
                 raise doc.error(path, f"expected a non-empty list of values, got {values!r}",
-                                hint=f"e.g. '{key}: [{_sweep_value_text(values)}, ...]'")
+                                hint=f"list the values to try, e.g. '{key}: [a, b]'")
             for i, v in enumerate(values):
-                if v in values[:i]:
+                if any(type(w) is type(v) and w == v for w in values[:i]):  # True == 1 in Python: not a repeat
                     raise doc.error(path + (i,), f"{_sweep_value_text(v)} is listed twice", hint="list each value once")
             axes[key] = [(v, path + (i,)) for i, v in enumerate(values)]
+    for nest in NESTED:
+        parts = [k for k in axes if str(k).startswith(nest + ".")]
+        if nest in axes and parts:
+            raise doc.error(axes[nest][0][1][:-1], f"sweeps '{nest}' (whole mappings) and '{parts[0]}' at once",
+                            hint=f"sweep either whole '{nest}' mappings or its keys, not both")
     total = 1
     for values in axes.values():
         total *= len(values)
@@ -534,7 +539,9 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
         b, h, i = empty
         constraints = [c for c, on in (("causal", causal != "none"), ("window", window is not None),
                                        ("key_lengths", key_lengths is not None), ("visible", explicit is not None)) if on]
-        raise doc.error(f.where("mask") if any(k.startswith("mask.") for k in f.values) else f.path,
+        given = [k for k in ("mask.visible", "mask.key_lengths", "mask.window", "mask.causal") if f.has(k)]
+        swept = [k for k in given if "sweep" in f.where(k)]
+        raise doc.error(f.where((swept or given)[0]) if given else f.path,
                         f"query row {i} of batch {b}, head {h} sees no key (mask: {', '.join(constraints)})",
                         hint="every query row needs at least one visible key; widen the window, raise "
                              "key_lengths, or check the causal alignment for n_q != n_k")
@@ -749,6 +756,7 @@ def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".
         if not isinstance(item, dict):
             raise doc.error(("scenarios", i), f"expected a mapping, got {item!r}")
         flat = _merge(doc, defaults, item, i)
+        cases: dict = {}
         for suffix, case in _sweep_cases(doc, flat, _sweep_axes(doc, defaults, item, i), i):
             try:
                 sc = _parse_scenario(doc, _Fields(doc, case, ("scenarios", i)), Path(base_dir), limit)
@@ -757,6 +765,12 @@ def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".
                     exc.message += f" (in the sweep case {item.get('name')}{suffix})"
                 raise
             sc = dataclasses.replace(sc, name=sc.name + suffix, index=len(out))
+            if suffix:  # two spellings of one value (1e-6 and 1.0e-6) make the same scenario twice
+                same = (dataclasses.replace(sc, name="", index=0), sc.visible.tobytes() if sc.visible is not None else b"")
+                if same in cases:
+                    raise doc.error(("scenarios", i, "sweep"), f"the sweep cases {cases[same]} and {sc.name} are the "
+                                    "same scenario", hint="list each value once")
+                cases[same] = sc.name
             if sc.name in seen:
                 raise doc.error(("scenarios", i, "name"), f"duplicate scenario name '{sc.name}' "
                                 f"(first at scenarios[{seen[sc.name]}])", hint="names must be unique")

@@ -211,3 +211,12 @@ def test_pre_commit_hooks_are_well_formed(root):
     hooks = yaml.safe_load((root / ".pre-commit-hooks.yaml").read_text())
     assert {h["id"] for h in hooks} == {"attn-gradcheck-validate", "attn-gradcheck-run"}
     assert all(h["entry"].split()[0] == "attn-gradcheck" and h["language"] == "python" for h in hooks)
+
+
+def test_report_paths_that_clash_with_a_folder_are_refused_before_running(root, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    same = run("run", root / "configs/quickstart.yaml", "--json", "r.json", "--save-arrays", "r.json")
+    assert same.exit_code == 2 and "--save-arrays folder" in same.stderr and "causal-self" not in same.stdout
+    assert not (tmp_path / "r.json").exists()
+    folder = run("run", root / "configs/quickstart.yaml", "--json", "outdir/")
+    assert folder.exit_code == 2 and "names a folder" in folder.stderr and not (tmp_path / "outdir").exists()

@@ -130,6 +130,8 @@ def test_interrupt_keeps_what_finished(root, tmp_path, monkeypatch):
     assert result.exit_code == 130 and "interrupted after 1 of 3" in result.stderr
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["interrupted"] is True and [s["name"] for s in data["scenarios"]] == ["causal-self"]
+    assert data["passed"] is False and data["verdict"] == "interrupted"  # what did not run did not pass
+    assert "INTERRUPTED after 1 of 3 scenario(s)" in result.stdout and "all checks passed" not in result.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
@@ -165,3 +167,40 @@ def test_scenarios_know_their_position_in_the_file():
     scs = scenario.loads("scenarios:\n  - {name: a, n_q: 2, d_head: 2, sweep: {batch: [1, 2]}}\n"
                          "  - {name: b, n_q: 2, d_head: 2}\n")
     assert [(sc.name, sc.index) for sc in scs] == [("a[batch=1]", 0), ("a[batch=2]", 1), ("b", 2)]
+
+
+def test_merge_refuses_shards_of_different_selections_and_accepts_path_spellings(root, tmp_path, monkeypatch):
+    monkeypatch.chdir(root)
+    assert run("run", "configs/sweep.yaml", "--shard", "1/2", "--json", tmp_path / "a.json").exit_code == 0
+    assert run("run", "configs/sweep.yaml", "--shard", "2/2", "--select", "causal*",
+               "--json", tmp_path / "b.json").exit_code == 0
+    mixed = run("merge", tmp_path / "a.json", tmp_path / "b.json")
+    assert mixed.exit_code == 2 and "selected different scenarios" in mixed.stderr
+    assert run("run", "./configs/sweep.yaml", "--shard", "2/2", "--json", tmp_path / "c.json").exit_code == 0
+    both = run("merge", tmp_path / "a.json", tmp_path / "c.json", "--junit", tmp_path / "m.xml")
+    assert both.exit_code == 0 and "9 scenario(s)" in both.output
+    xml = (tmp_path / "m.xml").read_text()
+    assert xml.count("<testsuite ") == 9
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3, 1.5, 3.0])
+def test_sigint_at_any_moment_ends_with_130_and_no_traceback(tmp_path, delay):
+    """Ctrl-C while Python starts, while the file loads, or mid-check: exit 130 promptly, never a hang."""
+    cfg = tmp_path / "slow.yaml"
+    cfg.write_text("scenarios:\n"
+                   "  - {name: quick, n_q: 4, d_head: 4}\n"
+                   "  - {name: slow, n_q: 128, d_head: 64, heads_q: 4, check: {colouring: false}}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "gradcheck_cli", "run", str(cfg), "--no-progress",
+                             "--json", str(tmp_path / "r.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, text=True)
+    time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGINT)
+    start = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - start < 10
+    if proc.returncode == -signal.SIGINT:  # before Python set its handler: the default action, which a
+        return                             # shell reports as 130 too
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err and "interrupted" in err
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name not in ("slow.yaml", "r.json")]
+    assert not leftovers

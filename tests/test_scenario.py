@@ -27,7 +27,7 @@ BAD = [
     ("    heads_q: 2\n    kv_map: [0]\n", 6, "scenarios[0].kv_map", "has 1 entries"),
     ("    batch: 2\n    mask:\n      key_lengths: [4, 4, 4]\n", 7, "scenarios[0].mask.key_lengths", "batch is 2"),
     ("    mask:\n      key_lengths: [5]\n", 6, "scenarios[0].mask.key_lengths[0]", "out of range"),
-    ("    mask:\n      key_lengths: [0]\n", 5, "scenarios[0].mask", "query row 0 of batch 0, head 0 sees no key"),
+    ("    mask:\n      key_lengths: [0]\n", 6, "scenarios[0].mask.key_lengths", "query row 0 of batch 0, head 0 sees no key"),
     ("    mask:\n      visible: [[true, false], [true, true]]\n", 6, "scenarios[0].mask.visible", "does not broadcast"),
     ("    mask:\n      causal: sideways\n", 6, "scenarios[0].mask.causal", "expected one of"),
     ("    mask:\n      window: [1]\n", 6, "scenarios[0].mask.window", "expected [left, right]"),

@@ -67,6 +67,12 @@ def test_whole_mapping_sweep_replaces_the_mask_and_defaults_sweep_applies_to_all
     ("sweep:\n      mask: [{causal: upper-left}, {caual: x}]", 6, "scenarios[0].sweep.mask[1].caual", "unknown key"),
     ("sweep:\n      mask: [3]", 6, "scenarios[0].sweep.mask[0]", "expected a mapping"),
     ("sweep:\n      n_q: [2, 2]", 6, "scenarios[0].sweep.n_q[1]", "2 is listed twice"),
+    ("sweep:\n      epsilon: [1e-6, 1.0e-6]", 5, "scenarios[0].sweep", "are the same scenario"),
+    ("sweep:\n      n_k: [true, 4]", 6, "scenarios[0].sweep.n_k[0]", "expected an integer, got True"),
+    ("sweep:\n      mask.causal: [upper-left]\n      mask: [{causal: lower-right}]", 7, "scenarios[0].sweep.mask",
+     "at once"),
+    ("sweep:\n      mask: [{causal: lower-right}, {key_lengths: [0]}]", 6, "scenarios[0].sweep.mask[1].key_lengths",
+     "sees no key"),
 ])
 def test_bad_sweeps(sweep, line, key, words):
     text = f"scenarios:\n  - name: s\n    n_q: 4\n    d_head: 2\n    {sweep}\n"

@@ -1,0 +1,40 @@
+"""The ``attn-gradcheck`` console script: the click command, with Ctrl-C ending every run the same
+way at any moment (while starting, loading or checking): one line, exit 130, no traceback.
+
+After a Ctrl-C the process leaves with ``os._exit`` once its output is flushed and any report is
+written: worker threads still finishing a chunk of finite differences are not waited for.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+EXIT_INTERRUPTED = 130
+
+
+def _leave(code: int, message: str | None = None) -> None:
+    try:
+        if message:
+            sys.stderr.write(message + "\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def main() -> None:
+    try:
+        import click
+
+        from .cli import main as command
+        code = command.main(prog_name="attn-gradcheck", standalone_mode=False)
+    except KeyboardInterrupt:
+        _leave(EXIT_INTERRUPTED, "interrupted")
+    except click.exceptions.Abort:  # click's own reading of Ctrl-C (and of EOF at a prompt)
+        _leave(EXIT_INTERRUPTED, "interrupted")
+    except click.exceptions.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    if code == EXIT_INTERRUPTED:
+        _leave(EXIT_INTERRUPTED)
+    sys.exit(code or 0)
