@@ -220,3 +220,18 @@ def test_report_paths_that_clash_with_a_folder_are_refused_before_running(root, 
     assert not (tmp_path / "r.json").exists()
     folder = run("run", root / "configs/quickstart.yaml", "--json", "outdir/")
     assert folder.exit_code == 2 and "names a folder" in folder.stderr and not (tmp_path / "outdir").exists()
+
+
+@pytest.mark.parametrize("path", sorted((__import__("pathlib").Path(__file__).parent.parent / "configs").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_config_writes_its_reports(path, tmp_path):
+    """Every shipped config runs through the whole CLI with every report (JSON that parses, JUnit, arrays)."""
+    if "backend: torch" in path.read_text():
+        pytest.importorskip("torch")
+    result = run("run", path, "--json", tmp_path / "r.json", "--junit", tmp_path / "r.xml",
+                 "--save-arrays", tmp_path / "arrays")
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["verdict"] == "pass" and data["summary"]["failed"] == 0
+    ET.fromstring((tmp_path / "r.xml").read_bytes())
+    assert len(list((tmp_path / "arrays").glob("*.npz"))) == len(data["scenarios"])
