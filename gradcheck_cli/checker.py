@@ -14,7 +14,7 @@ from .implementation import ImplementationFailure, failure_check
 from .ops import FAULTS, OPS
 from .result import Check, ControlCell, ScenarioResult
 from .scenario import Scenario
-from .tolerance import EPS64, INVARIANT_ULPS, machine_epsilon, passes, relative_error
+from .tolerance import EPS64, INVARIANT_ULPS, defaults_for, machine_epsilon, passes, relative_error
 
 #: Default bytes of perturbed copies evaluated in one vectorised call.
 DEFAULT_MEMORY_BUDGET = 32 * 2**20
@@ -163,7 +163,10 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
     ok, noise = passes(ana, num, sc.tolerance, floor)
     verdict, fd_error = _verdict(sc, problem, name, x, ana, num, floor, sites, ok, direction_seed, rng, chunking)
     size = max(float(np.abs(ana).max(initial=0.0)), float(np.abs(num).max(initial=0.0)))
-    blind = verdict == "pass" and size > 0 and float(np.max(floor, initial=0.0)) > POWER_LIMIT * size
+    # A gradient below the rounding of L itself (floor x step = eps x the terms that move) is zero to
+    # rounding, and checking that it is zero has power; otherwise a floor near its size has none.
+    resolvable = size > float(np.max(floor * step, initial=0.0))
+    blind = verdict == "pass" and resolvable and float(np.max(floor, initial=0.0)) > POWER_LIMIT * size
     if blind:  # passing says nothing when the noise floor is as large as the gradient
         verdict = "inconclusive"
     if sc.mode == "directional":
@@ -176,9 +179,11 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
               f"{len(num)} {'directions' if sc.mode == 'directional' else 'elements'} checked; "
               f"finite-difference error ~{fd_error:.2g}")
     if blind:
+        usual = defaults_for(sc.dtype)["epsilon"]
+        remedy = (f"a larger epsilon (now {sc.epsilon:g}; the {sc.dtype} default is {usual:g}), " if sc.epsilon < usual
+                  else "") + ("float64, or smaller shapes" if sc.dtype != "float64" else "smaller shapes")
         detail += (f"; no power: the noise floor ({float(np.max(floor)):.2g}) is over {POWER_LIMIT:.0%} of the "
-                   f"largest gradient ({size:.2g}), so errors that size would pass unseen: use float64, or "
-                   "smaller shapes")
+                   f"largest gradient ({size:.2g}), so errors that size would pass unseen: use {remedy}")
     elif verdict == "inconclusive":
         detail += ("; the finite differences are too inaccurate here to decide: "
                    + ("use dtype float64 (or a smaller epsilon on peaked rows)" if sc.dtype != "float64"

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from . import __version__, checker, report, runner
 from .errors import GradcheckError
 from .ops import FAULTS, OPS
-from .scenario import json_schema, load, select
+from .scenario import json_schema, load, select, with_engine
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EPILOG = ("Exit codes: 0 all checks passed, 1 a check failed, 2 bad input or usage, 3 inconclusive "
@@ -121,6 +121,9 @@ class _Shard(click.ParamType):
 @click.option("--negative-controls", is_flag=True,
               help="Also run every fault on every scenario and print a scenario x fault table; "
                    "exit 1 if an applicable fault goes undetected.")
+@click.option("--engine", type=click.Choice(("naive", "tiled")), default=None,
+              help="Run op attention's built-in scenarios on this engine (overrides 'engine:'); tiled is the "
+                   "FlashAttention-style engine (online softmax, log-sum-exp, no n_q x n_k arrays).")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
               help="Worker processes; scenarios are spread over them, results print in file order and are "
                    "identical to --jobs 1.")
@@ -136,7 +139,7 @@ class _Shard(click.ParamType):
               show_default=True, help="MiB of perturbed copies evaluated in one vectorised call (per job).")
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Progress bar with ETA on stderr (only when stderr is a terminal).")
-def run(config, faults, break_softmax_term, selects, deselects, negative_controls, jobs, shard, json_path,
+def run(config, faults, break_softmax_term, selects, deselects, negative_controls, engine, jobs, shard, json_path,
         junit_path, arrays_dir, memory_budget, progress):
     """Check every scenario of CONFIG (a YAML file; format in the README, 'Scenario files').
 
@@ -149,7 +152,7 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
     if faults and negative_controls:
         raise _fail("--negative-controls runs every fault itself; do not combine it with --fault")
     try:
-        scenarios = select(load(config), selects, deselects)
+        scenarios = with_engine(select(load(config), selects, deselects), engine)
         shard_info = None
         if shard:
             shard_info = {"index": shard[0], "count": shard[1], "of": len(scenarios), "select": list(selects),

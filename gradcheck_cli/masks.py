@@ -70,3 +70,31 @@ def kv_rows_seen(visible: np.ndarray, kv_map: np.ndarray, heads_kv: int) -> np.n
     for r, g in enumerate(kv_map):
         out[:, g] |= seen_by_head[:, r]
     return out
+
+
+def blockwise(n_q: int, n_k: int, *, causal: str = "none", window: tuple[int | None, int | None] | None = None,
+              key_lengths: Sequence[int] | None = None):
+    """The visible set of :func:`build_visible` without an explicit array, as a callable
+    ``visible(rows, cols) -> bool [batch or 1, 1, len(rows), len(cols)]`` that builds one block at a
+    time: the tiled engine then holds no n_q x n_k array at all (``benchmarks/bench_memory.py``)."""
+    diag_all = diagonal(n_q, n_k, causal)
+    lengths = None if key_lengths is None else np.asarray(key_lengths).reshape(-1, 1, 1, 1)
+
+    def visible(rows: slice, cols: slice) -> np.ndarray:
+        i = np.arange(n_q)[rows]
+        j = np.arange(n_k)[cols][None, :]
+        diag = diag_all[i][:, None]
+        block = np.ones((len(i), j.shape[1]), dtype=bool)
+        if causal != "none":
+            block &= j <= diag
+        if window is not None:
+            left, right = window
+            if left is not None:
+                block &= j >= diag - left
+            if right is not None:
+                block &= j <= diag + right
+        block = block[None, None]
+        if lengths is not None:
+            block = block & (j[None, None] < lengths)
+        return block
+    return visible

@@ -3,6 +3,7 @@ results in file order, each with its negative controls when asked; and the deter
 Never prints; the CLI renders what it yields."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import multiprocessing
 import os
@@ -68,7 +69,7 @@ def run(config: str, scenarios: Sequence[Scenario], faults: Sequence[str] = (), 
         def done(n: int):
             return (lambda _: progress(n)) if progress else None
 
-        pending = [pool.apply_async(_work, (config, sc.name, tuple(faults), controls, memory_budget),
+        pending = [pool.apply_async(_work, (config, sc.name, sc.engine, tuple(faults), controls, memory_budget),
                                     callback=done(units(sc, controls))) for sc in scenarios]
         for sc, job in zip(scenarios, pending):
             result, cells = job.get()
@@ -93,6 +94,9 @@ def _scenarios(config: str) -> dict[str, Scenario]:
     return {sc.name: sc for sc in load(config)}
 
 
-def _work(config: str, name: str, faults: tuple[str, ...], controls: bool, memory_budget: int):
-    result, cells = _one(_scenarios(config)[name], faults, controls, memory_budget, None)
+def _work(config: str, name: str, engine: str, faults: tuple[str, ...], controls: bool, memory_budget: int):
+    sc = _scenarios(config)[name]
+    if sc.engine != engine:  # --engine given to the parent
+        sc = dataclasses.replace(sc, engine=engine)
+    result, cells = _one(sc, faults, controls, memory_budget, None)
     return result, cells

@@ -37,7 +37,8 @@ COMMON_KEYS = ("name", "op", "batch", "check", "dtype", "epsilon", "tolerance", 
 #: Keys of ops that contain attention (``Op.attention_keys``).
 ATTENTION_KEYS = ("heads_q", "heads_kv", "kv_map", "n_q", "n_k", "d_head", "d_value", "scale", "mask", "loss_rows")
 #: Keys of op ``attention`` only: other implementations and backends.
-BACKEND_KEYS = ("implementation", "backend", "device")
+BACKEND_KEYS = ("implementation", "backend", "device", "engine", "block_q", "block_k")
+ENGINES = ("naive", "tiled")
 SCENARIO_KEYS = tuple(dict.fromkeys(COMMON_KEYS[:2] + BACKEND_KEYS + COMMON_KEYS[2:3] + ATTENTION_KEYS + COMMON_KEYS[3:]
                                     + tuple(k for op in OPS.values() for k in op.keys)))
 MASK_KEYS = ("causal", "window", "key_lengths", "visible")
@@ -86,6 +87,9 @@ class Scenario:
     line: int = 0
     index: int = 0  # position in the file's list of scenarios, after sweeps expand
     params: tuple = ()  # the op's own keys (``Op.keys``) as (key, value) pairs
+    engine: str = "naive"
+    block_q: int = 64
+    block_k: int = 64
     implementation: str | None = None
     backend: str = "numpy"
     device: str = "cpu"
@@ -109,6 +113,8 @@ class Scenario:
         else:
             how = f"{self.mode}{' coloured' if self.colouring else ''}"
         where = f" torch/{self.device}" if self.backend == "torch" else ""
+        if self.engine == "tiled":
+            where += f" tiled {self.block_q}x{self.block_k}"
         return (f"B={self.batch} Hq={self.heads_q} Hkv={kv} n_q={self.n_q} n_k={self.n_k} "
                 f"d={self.d_head}/{self.d_value} {self.dtype}{where} {how}")
 
@@ -473,6 +479,15 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     dtype = f.choice("dtype", DTYPES + (LOW_PRECISION if op == "attention" else ()), "float64")
     if backend == "torch" or device != "cpu" or dtype in LOW_PRECISION:
         _require_torch(f, backend, device, dtype)
+    engine = f.choice("engine", ENGINES, "naive")
+    block_q, block_k = f.int("block_q", 64), f.int("block_k", 64)
+    if engine == "tiled" and (backend != "numpy" or f.has("implementation")):
+        raise f.error("engine", "engine: tiled is the built-in NumPy engine's; it does not apply to "
+                      + ("backend: torch" if backend != "numpy" else "an implementation of yours"),
+                      hint="remove engine, or the backend / implementation")
+    for key in ("block_q", "block_k"):
+        if f.has(key) and engine != "tiled":
+            raise f.error(key, "block sizes apply to engine: tiled", hint="add 'engine: tiled' or remove it")
     factor = f.float("check.factor", 2.0)
     slack = f.float("check.slack", 1e-5, positive=False)
     if slack < 0:
@@ -508,7 +523,11 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     itemsize = {"float16": 2, "bfloat16": 2}.get(dtype) or np.dtype(dtype).itemsize
     scores = batch * heads_q * n_q * n_k
     tensors = batch * (heads_q * n_q * (d_head + d_value) + heads_kv * n_k * (d_head + d_value))
-    need = scores * (16 * itemsize + 2) + tensors * 12 * 8
+    if engine == "tiled":  # only the visible set is n_q x n_k (bytes); score blocks are block_q x block_k
+        need = scores * 2 + batch * heads_q * min(block_q, n_q) * min(block_k, n_k) * 16 * itemsize \
+            + batch * heads_q * 256 * n_k * 3 * 8 + tensors * 12 * 8
+    else:
+        need = scores * (16 * itemsize + 2) + tensors * 12 * 8
     if op_spec.shapes and op != "attention":  # the op's own weights and activations, counted like a plain op's
         need += _plain_need(op_spec, _Probe(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, f, op_spec))
     if need > memory_limit:
@@ -557,7 +576,8 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                     mode=mode, samples=samples, directions=directions, colouring=colouring, dtype=dtype, epsilon=epsilon,
                     tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
                     implementation=spec, backend=backend, device=device, factor=factor, slack=slack,
-                    visible=visible, implementation_object=impl, params=tuple(params.items()))
+                    visible=visible, implementation_object=impl, params=tuple(params.items()), engine=engine,
+                    block_q=block_q, block_k=block_k)
 
 
 def _precision_and_check(f: _Fields, dtype: str, colouring_default: bool = True):
@@ -779,6 +799,16 @@ def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".
     return out
 
 
+def with_engine(scenarios: list[Scenario], engine: str | None) -> list[Scenario]:
+    """The scenarios with ``engine`` where it applies (op attention on the NumPy engine, not a user's
+    implementation); the others unchanged."""
+    if engine is None:
+        return list(scenarios)
+    return [dataclasses.replace(sc, engine=engine)
+            if sc.op == "attention" and sc.backend == "numpy" and sc.implementation is None else sc
+            for sc in scenarios]
+
+
 def select(scenarios: list[Scenario], include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> list[Scenario]:
     """Scenarios whose name matches any ``include`` glob (all when none is given) and no ``exclude``
     glob. Globs match the whole name (``fnmatch``): a plain name selects exactly that scenario (also a
@@ -822,6 +852,10 @@ def json_schema() -> dict:
         "d_head": pos, "d_value": pos, "scale": number, "mask": mask, "loss_rows": ints, "check": check,
         "dtype": {"enum": list(DTYPES) + list(LOW_PRECISION)}, "epsilon": number, "tolerance": number,
         "seed": {"type": "integer", "minimum": 0},
+        "engine": {"enum": list(ENGINES), "description": "naive (default) or tiled (FlashAttention-style: online "
+                   "softmax, log-sum-exp, no n_q x n_k arrays)"},
+        "block_q": {**pos, "description": "engine tiled: query rows per block (default 64)"},
+        "block_k": {**pos, "description": "engine tiled: key rows per block (default 64)"},
     }
     for op in OPS.values():
         for key, param in op.keys.items():

@@ -159,3 +159,17 @@ def test_inconclusive_exits_3(tmp_path):
     import json
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["verdict"] == "inconclusive" and report["summary"]["inconclusive"] == 2
+
+
+def test_a_check_without_power_is_inconclusive_never_pass():
+    """A noise floor near the gradient's own size could hide a bug of that size: the verdict says so."""
+    for keys in (dict(n_q=8, d_head=8, scale=0.25, dtype="float32", epsilon=1e-6),
+                 dict(op="swiglu", n=4, d_model=8, d_ff=8, dtype="float32", epsilon=1e-6)):
+        result = checker.run_scenario(make(**keys))
+        assert result.verdict == "inconclusive"
+        blind = [c for c in result.checks if c.kind == "gradient" and c.verdict == "inconclusive"]
+        assert blind and all("no power" in c.detail and "a larger epsilon (now 1e-06" in c.detail for c in blind)
+        assert not any(c.kind == "gradient" and c.verdict == "pass" and c.noise_floor > 0.25 for c in result.checks)
+    # a gradient that is zero to rounding is checked with power: it passes
+    zero = checker.run_scenario(make(n_q=4, d_head=2, loss_rows=[0], mask={"causal": "upper-left"}))
+    assert zero.passed

@@ -90,7 +90,7 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
     device = torch.device(sc.device)
     dt = DTYPES[sc.dtype]
     low = sc.dtype in LOW_PRECISION
-    inputs64, g64 = engine._inputs(sc, dtype=np.float64)  # the same draws the NumPy engine makes
+    inputs64, g64 = engine.seeded_inputs(sc, dtype=np.float64)  # the same draws the NumPy engine makes
     to = lambda a, dtype=dt: torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)  # noqa: E731
     q, k, v = (to(inputs64[t]) for t in "qkv")
     g = to(g64)

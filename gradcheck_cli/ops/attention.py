@@ -122,7 +122,7 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
                      v=sum_groups(g_v, kv_map, heads_kv, overwrite=overwrite), s=g_s, a=a, ga=g_a)
 
 
-def _inputs(sc, dtype=None):
+def seeded_inputs(sc, dtype=None):
     """Seeded q, k, v and upstream gradient g (zero outside ``loss_rows``) in the scenario's dtype
     (or ``dtype``; the draws are the same)."""
     rng = np.random.default_rng(sc.seed)
@@ -164,15 +164,22 @@ class _Blocks:
             per_group = np.swapaxes(per_group, -1, -2)                                       # [..., B, Hkv, d_v]
         return per_group.reshape(terms.shape[:-4] + (-1,))
 
-    def rounding(self, inputs, g, a, scale, kv_map) -> tuple[dict[str, np.ndarray], float]:
+    def rounding(self, inputs, g, a, scale, kv_map, rows: int = 256) -> tuple[dict[str, np.ndarray], float]:
         """Rounding model of one forward, per term of L: a logit carries an error of about
         eps * scale * sum_c |q_ic k_jc|, which the softmax passes on relative to A_ij; O_ic then sums
         A_ij V_jc. So |error of O_ic| <~ eps * sum_j A_ij (1 + scale |q_i|.|k_j|) |V_jc|, times |G_ic|.
-        Returns the per-element size of the terms that move with it (by block), and the total."""
+        Returns the per-element size of the terms that move with it (by block), and the total.
+        ``a`` is A, or a callable giving A's rows for a slice of query rows (``rows`` at a time), so
+        the tiled engine never holds all of A."""
         qa, ka, va = (np.abs(t).astype(np.float64) for t in
                       (inputs["q"], repeat_kv(inputs["k"], kv_map), repeat_kv(inputs["v"], kv_map)))
-        logit_error = 1.0 + abs(scale) * (qa @ np.swapaxes(ka, -1, -2))
-        terms = np.abs(g).astype(np.float64) * ((a.astype(np.float64) * logit_error) @ va)
+        a_rows = a if callable(a) else (lambda span: a[..., span, :])
+        terms = np.empty(g.shape, dtype=np.float64)
+        for start in range(0, g.shape[-2], rows):
+            span = slice(start, min(start + rows, g.shape[-2]))
+            logit_error = 1.0 + abs(scale) * (qa[..., span, :] @ np.swapaxes(ka, -1, -2))
+            terms[..., span, :] = np.abs(g[..., span, :]).astype(np.float64) * (
+                (a_rows(span).astype(np.float64) * logit_error) @ va)
         # The worst case adds every term's bound; independent rounding errors add in quadrature, so a
         # block of many terms (K's: every query of its group) is charged RSS_FACTOR x their root sum of
         # squares when that is less (the worst case would hide real bugs on large float32 heads).
@@ -338,7 +345,10 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
         return torch_backend.build(sc, faults)
     if sc.implementation is not None:
         return _build_user(sc)
-    inputs, g = _inputs(sc)
+    if sc.engine == "tiled":
+        from . import tiled
+        return tiled.build(sc, faults)
+    inputs, g = seeded_inputs(sc)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     dt = np.dtype(sc.dtype)
     kv_map = np.asarray(sc.kv_map, dtype=np.intp)
@@ -384,7 +394,7 @@ def _build_user(sc) -> Problem:
     check), perturbed copies are stacked along the batch axis, and the built-in engine in float64 is
     the reference its output and gradients must agree with."""
     impl = sc.implementation_object
-    inputs, g = _inputs(sc)
+    inputs, g = seeded_inputs(sc)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     dt = np.dtype(sc.dtype)
     kv_map = np.asarray(sc.kv_map, dtype=np.intp)

@@ -1,0 +1,185 @@
+"""The tiled (FlashAttention-style) engine for op ``attention`` (``engine: tiled``; A.10.6).
+
+Same function as ``attention.forward`` in exact arithmetic, evaluated over blocks so that no n_q x n_k
+array exists: the forward walks key/value blocks with an online softmax (running row max m and sum l,
+rescaling the accumulator when m grows) and saves only O and the per-row log-sum-exp
+LSE = m + log(l); the backward recomputes each block's probabilities P = exp(S - LSE) from it and uses
+D = rowsum(G_O * O) in place of the softmax's row-sum term (sum_j A_ij G_A_ij = sum_c G_O_ic O_ic).
+
+Shapes as in ``attention`` (extra leading axes broadcast, for perturbed copies). ``visible`` is the
+bool array [B, Hq, n_q, n_k] or a callable ``visible(rows, cols)`` returning the block (so a mask need
+not be materialised either; ``masks.blockwise``). The named faults are the same bugs as the naive
+engine's: ``softmax-term`` (D = 0), ``mask`` (no mask anywhere), ``mask-backward`` (P recomputed
+without it), ``scale`` (G_Q, G_K without the scale), ``gqa-sum`` (the last query head of a group wins).
+"""
+from __future__ import annotations
+
+from typing import Callable, Collection
+
+import numpy as np
+
+from .attention import repeat_kv, sum_groups
+
+
+def _block(visible, rows: slice, cols: slice):
+    return visible(rows, cols) if callable(visible) else visible[..., rows, cols]
+
+
+def _spans(n: int, size: int) -> list[slice]:
+    return [slice(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), block_q: int = 64, block_k: int = 64,
+            with_lse: bool = False):
+    """O [..., B, Hq, n_q, d_value] (and LSE [..., B, Hq, n_q] with ``with_lse``)."""
+    masked = "mask" not in faults
+    k_rep = repeat_kv(k, kv_map) * np.asarray(scale, dtype=q.dtype)
+    v_rep = repeat_kv(v, kv_map)
+    lead = np.broadcast_shapes(q.shape[:-2], k_rep.shape[:-2], v_rep.shape[:-2])
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    out = np.empty(lead + (n_q, v.shape[-1]), dtype=np.result_type(q, v))
+    lse = np.empty(lead + (n_q,), dtype=out.dtype) if with_lse else None
+    for rows in _spans(n_q, block_q):
+        q_blk = q[..., rows, :]
+        m = np.full(lead + (rows.stop - rows.start, 1), -np.inf, dtype=out.dtype)
+        l = np.zeros_like(m)
+        acc = np.zeros(lead + (rows.stop - rows.start, v.shape[-1]), dtype=out.dtype)
+        for cols in _spans(n_k, block_k):
+            vis = _block(visible, rows, cols) if masked else None
+            if vis is not None and not vis.any():
+                continue  # a block no query sees: skipped, as FlashAttention does
+            s = q_blk @ np.swapaxes(k_rep[..., cols, :], -1, -2)
+            top = np.max(s, axis=-1, keepdims=True, where=vis, initial=-np.inf) if vis is not None \
+                else s.max(axis=-1, keepdims=True)
+            m_new = np.maximum(m, top)
+            base = np.where(np.isfinite(m_new), m_new, 0.0)  # rows that have seen no key yet
+            with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+                p = np.exp(s - base)
+            if vis is not None:
+                p = np.where(vis, p, 0.0)
+            rescale = np.exp(m - base)  # 0 while m is -inf: nothing accumulated yet
+            l = l * rescale + p.sum(axis=-1, keepdims=True)
+            acc = acc * rescale + p @ v_rep[..., cols, :]
+            m = m_new
+        out[..., rows, :] = acc / l
+        if with_lse:
+            lse[..., rows] = (m + np.log(l))[..., 0]
+    return (out, lse) if with_lse else out
+
+
+def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = (), block_q: int = 64,
+             block_k: int = 64, saved: tuple | None = None):
+    """(G_Q, G_K, G_V) by blocks, recomputing P from the saved LSE (``saved`` = (O, LSE), else the
+    forward is run to get them). No leading copy axes here."""
+    o, lse = saved if saved is not None else forward(q, k, v, visible, scale, kv_map, faults, block_q, block_k, True)
+    masked_fwd = "mask" not in faults
+    masked_bwd = masked_fwd and "mask-backward" not in faults
+    d_row = np.zeros(o.shape[:-1]) if "softmax-term" in faults else np.sum(grad_o * o, axis=-1)
+    k_rep, v_rep = repeat_kv(k, kv_map), repeat_kv(v, kv_map)
+    s_grad = 1.0 if "scale" in faults else scale
+    g_q = np.zeros(q.shape, dtype=o.dtype)
+    g_k = np.zeros(k_rep.shape, dtype=o.dtype)
+    g_v = np.zeros(v_rep.shape, dtype=o.dtype)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    for cols in _spans(n_k, block_k):
+        k_blk, v_blk = k_rep[..., cols, :], v_rep[..., cols, :]
+        for rows in _spans(n_q, block_q):
+            vis = _block(visible, rows, cols) if masked_bwd else None
+            fwd_vis = _block(visible, rows, cols) if masked_fwd else None
+            if fwd_vis is not None and vis is not None and not vis.any():
+                continue
+            s = (q[..., rows, :] @ np.swapaxes(k_blk, -1, -2)) * scale
+            with np.errstate(over="ignore", under="ignore"):
+                p = np.exp(s - lse[..., rows, None])
+            if vis is not None:
+                p = np.where(vis, p, 0.0)
+            g_o = grad_o[..., rows, :]
+            g_v[..., cols, :] += np.swapaxes(p, -1, -2) @ g_o
+            g_s = p * (g_o @ np.swapaxes(v_blk, -1, -2) - d_row[..., rows, None])
+            g_q[..., rows, :] += (g_s @ k_blk) * s_grad
+            g_k[..., cols, :] += (np.swapaxes(g_s, -1, -2) @ q[..., rows, :]) * s_grad
+    heads_kv, overwrite = k.shape[-3], "gqa-sum" in faults
+    return (g_q, sum_groups(g_k, kv_map, heads_kv, overwrite=overwrite),
+            sum_groups(g_v, kv_map, heads_kv, overwrite=overwrite))
+
+
+def naive_by_rows(q, k, v, visible, scale, kv_map, grad_o, block_q: int = 64, faults: Collection[str] = ()) -> tuple:
+    """The naive engine's formulas (full softmax rows, A.10.5-A.10.9) evaluated a block of query rows at
+    a time, so the reference for ``tiled agrees with the naive engine`` needs O(block_q x n_k) memory:
+    (O, G_Q, G_K, G_V). With ``faults`` it is the naive engine with the same bugs, so the agreement
+    check measures the tiling alone and finite differences must catch the faults by themselves."""
+    from . import attention
+    out = np.empty(q.shape[:-1] + (v.shape[-1],), dtype=np.result_type(q, v))
+    g_q = np.empty(q.shape, dtype=out.dtype)
+    g_k, g_v = np.zeros(k.shape, dtype=out.dtype), np.zeros(v.shape, dtype=out.dtype)
+    for rows in _spans(q.shape[-2], block_q):
+        vis = _block(visible, rows, slice(None))
+        out[..., rows, :] = attention.forward(q[..., rows, :], k, v, vis, scale, kv_map, faults)
+        grads = attention.backward(q[..., rows, :], k, v, vis, scale, kv_map, grad_o[..., rows, :], faults)
+        g_q[..., rows, :] = grads.q
+        g_k += grads.k
+        g_v += grads.v
+    return out, g_q, g_k, g_v
+
+
+Visible = np.ndarray | Callable[[slice, slice], np.ndarray]
+
+
+#: The tiled and the naive engine agree to this many units of rounding (relative to the largest value):
+#: they differ only in the order of sums and in where the softmax's maximum is subtracted.
+AGREEMENT_ULPS = 256
+
+
+def build(sc, faults: Collection[str] = ()):
+    """The problem of ``engine: tiled``: finite differences, analytic gradients and invariants all
+    through the tiled engine, plus its agreement with the naive engine (a check of its own)."""
+    from .. import invariants
+    from . import attention
+    from .registry import Problem
+    inputs, g = attention.seeded_inputs(sc)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    dt = np.dtype(sc.dtype)
+    kv_map = np.asarray(sc.kv_map, dtype=np.intp)
+    visible, scale, bq, bk = sc.visible, sc.scale, sc.block_q, sc.block_k
+    blocks = attention._Blocks(sc, kv_map)
+
+    def fwd(q, k, v):
+        return forward(q, k, v, visible, scale, kv_map, faults, bq, bk)
+
+    def backward_kv(q, k, v, grad_o):
+        return backward(q, k, v, visible, scale, kv_map, grad_o, faults, bq, bk)[1:]
+
+    def copies_forward(name: str, x: np.ndarray) -> np.ndarray:
+        return fwd(**{**inputs, name: x})
+
+    o, lse = forward(q, k, v, visible, scale, kv_map, faults, bq, bk, with_lse=True)
+    g_q, g_k, g_v = backward(q, k, v, visible, scale, kv_map, g, faults, bq, bk, saved=(o, lse))
+    rounding, rounding_total = blocks.rounding(
+        inputs, g, lambda span: attention.attention_weights(q[..., span, :], k, visible[..., span, :], scale, kv_map,
+                                                          faults), scale, kv_map)
+    rng_inv = np.random.default_rng([sc.seed, 1])
+    tolerance = AGREEMENT_ULPS * float(np.finfo(dt).eps)
+
+    def checks() -> list:
+        ref = naive_by_rows(q, k, v, visible, scale, kv_map, g, bq, faults)
+        name = "tiled agrees with the naive engine"
+        agree = [invariants.agreement(name, t, mine, theirs, tolerance)
+                 for t, mine, theirs in (("o", o, ref[0]), ("q", g_q, ref[1]), ("k", g_k, ref[2]), ("v", g_v, ref[3]))]
+        return agree + invariants.attention_outputs(fwd, backward_kv, inputs, visible, kv_map, o, rng_inv)
+
+    lead = sc.batch * sc.heads_q
+    return Problem(
+        inputs=inputs,
+        loss=lambda name, x: np.sum(copies_forward(name, x) * g, axis=(-4, -3, -2, -1), dtype=np.float64),
+        gradients={"q": g_q, "k": g_k, "v": g_v},
+        rounding=rounding,
+        rounding_total=rounding_total,
+        copy_bytes=(4 * lead * bq * bk + 3 * o.size + lead * sc.n_k * (sc.d_head + sc.d_value)) * dt.itemsize,
+        invariants=checks,
+        arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g, "scale": np.asarray(scale),
+                "kv_map": kv_map, "output": o, "lse": lse, "analytic_q": g_q, "analytic_k": g_k, "analytic_v": g_v},
+        output=o,
+        parts=blocks.parts,
+        loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
+        **attention.diagnosis_fields(sc),
+    )
