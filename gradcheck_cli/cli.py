@@ -11,6 +11,7 @@ import threading
 import time
 
 import click
+import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -250,6 +251,75 @@ def merge(reports, json_path, junit_path):
         raise _fail(f"cannot write the report: {exc}") from None
     codes = {"pass": EXIT_OK, "fail": EXIT_FAILED, "inconclusive": EXIT_INCONCLUSIVE}
     raise click.exceptions.Exit(codes[data["verdict"]])
+
+
+@main.command("sweep-eps", epilog=EPILOG_INFO, short_help="Error against the finite-difference step (the V curve).")
+@click.argument("config", type=click.Path(path_type=str))
+@click.option("--select", "selects", multiple=True, metavar="GLOB", help="Only scenarios whose name matches.")
+@click.option("--deselect", "deselects", multiple=True, metavar="GLOB", help="Skip scenarios whose name matches.")
+@click.option("--samples", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Elements per input differenced at every step.")
+@click.option("--steps", "step_range", default="1e-1:1e-12", show_default=True, metavar="HI:LO[:N]",
+              help="Steps from HI down to LO, N per decade (default 1).")
+@click.option("--plot", "plot_path", type=click.Path(path_type=str),
+              help="Also draw the curves, log-log, into this PNG (needs matplotlib: pip install 'attn-gradcheck[plot]').")
+@click.option("--json", "json_path", type=click.Path(path_type=str), help="Write the sweep as JSON here.")
+def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_path):
+    """Sweep the finite-difference step for every scenario of CONFIG: the relative error of the sampled
+    elements at each step, as a table per scenario. The curve is V-shaped: truncation error (~h^2) on
+    the large-step side, rounding (~eps/h) on the small one. The step the run uses is marked '<- run',
+    the best one '*'. Exit 0, or 2 on bad input."""
+    from . import stepsweep
+    try:
+        steps = _parse_steps(step_range)
+        scenarios = [sc for sc in select(load(config), selects, deselects) if OPS[sc.op].tensors]
+        if not scenarios:
+            raise GradcheckError(f"{config}: no selected scenario has gradients to sweep")
+        files = {"--json": json_path, "--plot": plot_path}
+        report.prepare_outputs(files, {}, inputs=[config])
+        if plot_path:
+            _require_matplotlib()
+    except GradcheckError as exc:
+        raise _fail(str(exc)) from None
+    out, sweeps = _console(), []
+    for sc in scenarios:
+        result = stepsweep.sweep(sc, steps, samples)
+        sweeps.append(result)
+        report.render_sweep(out, result, sc.describe())
+    try:
+        with report.StagedWrites() as stage:
+            if json_path:
+                data = (json.dumps({"tool": "attn-gradcheck", "config": config, "samples": samples,
+                                    "sweeps": [s.to_json() for s in sweeps]}, indent=2) + "\n").encode()
+                stage.add(json_path, lambda fh: fh.write(data))
+            if plot_path:
+                stage.add(plot_path, lambda fh: report.plot_sweeps(sweeps, fh))
+    except OSError as exc:
+        raise _fail(f"cannot write the outputs: {exc}") from None
+
+
+def _parse_steps(text: str) -> tuple[float, ...]:
+    try:
+        parts = [float(x) for x in text.split(":")]
+        hi, lo = parts[0], parts[1]
+        per = int(parts[2]) if len(parts) > 2 else 1
+        if len(parts) > 3 or not 0 < lo < hi or per < 1 or per != (parts[2] if len(parts) > 2 else 1):
+            raise ValueError
+    except (ValueError, IndexError):
+        raise GradcheckError(f"--steps {text!r}: expected HI:LO[:N] with 0 < LO < HI and N >= 1 per decade, "
+                             "e.g. 1e-1:1e-12") from None
+    count = int(round(np.log10(hi / lo) * per)) + 1
+    if count > 200:
+        raise GradcheckError(f"--steps {text!r}: {count} steps; at most 200")
+    return tuple(float(x) for x in np.geomspace(hi, lo, count))
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise GradcheckError("--plot needs matplotlib, which is not installed: pip install 'attn-gradcheck[plot]'") \
+            from None
 
 
 @main.command(epilog=EPILOG_INFO, short_help="List the named faults and the checks that catch them.")

@@ -502,3 +502,42 @@ def write_reports(json_path=None, json_data: dict | None = None, junit_path=None
         if arrays_dir:
             for r in results:
                 stage.add(Path(arrays_dir) / f"{r.name}.npz", lambda fh, r=r: np.savez(fh, **r.arrays))
+
+
+def render_sweep(console: Console, sweep, description: str) -> None:
+    """A table per scenario: one row per step, the relative error of each input's sampled elements."""
+    tensors = list(sweep.errors)
+    best = {t: sweep.best(t) for t in tensors}
+    rows = []
+    for k, h in enumerate(sweep.steps):
+        cells = [f"{h:.0e}"]
+        for t in tensors:
+            e = sweep.errors[t][k]
+            cells.append(("inf" if not math.isfinite(e) else f"{e:.1e}") + (" *" if h == best[t] else "  "))
+        rows.append(cells + (["<- run"] if h == sweep.chosen else [""]))
+    _table(console, f"{sweep.name} ({description}): relative error against epsilon", ["epsilon"] + tensors + [""],
+           rows, [True] * (1 + len(tensors)) + [False])
+    console.print("  right: truncation (~h^2); left: rounding (~eps/h); * = smallest error; <- run = the step "
+                  "the run uses", soft_wrap=True)
+    console.print()
+
+
+def plot_sweeps(sweeps, fh) -> None:
+    """Log-log curves of error against epsilon, one panel per scenario, the run's step marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(sweeps), 1, figsize=(7, 3.2 * len(sweeps)), squeeze=False)
+    for ax, sweep in zip(axes[:, 0], sweeps):
+        for t, errors in sweep.errors.items():
+            values = np.asarray(errors, dtype=float)
+            ok = np.isfinite(values) & (values > 0)
+            ax.loglog(np.asarray(sweep.steps)[ok], values[ok], marker="o", label=t)
+        ax.axvline(sweep.chosen, color="grey", linestyle="--", label=f"run's epsilon {sweep.chosen:g}")
+        ax.set_title(f"{sweep.name} ({sweep.dtype})")
+        ax.set_xlabel("epsilon")
+        ax.set_ylabel("relative error")
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(fh, format="png")
+    plt.close(fig)

@@ -44,7 +44,7 @@ def test_faults_command_lists_every_fault():
         assert name in result.stdout and fault.caught_by[0] in result.stdout
 
 
-@pytest.mark.parametrize("args", [[], ["run"], ["faults"], ["validate"]])
+@pytest.mark.parametrize("args", [[], ["run"], ["faults"], ["validate"], ["merge"], ["schema"], ["sweep-eps"]])
 def test_help_everywhere(args):
     result = run(*args, "--help")
     assert result.exit_code == 0 and "Usage:" in result.stdout

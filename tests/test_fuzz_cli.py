@@ -32,7 +32,7 @@ def workdir(tmp_path_factory):
 FILES = ["tiny.yaml", "bad.yaml", "bin.yaml", "folder", "missing.yaml", "report.json", "notjson.json",
          "other.json", "", "-", "out/r.json", "tiny.yaml/x", "/dev/null", "a\nb", " "]
 TOKENS = st.one_of(
-    st.sampled_from(["run", "validate", "merge", "faults", "schema", "--help", "-h", "--version"]),
+    st.sampled_from(["run", "validate", "merge", "faults", "schema", "sweep-eps", "--help", "-h", "--version"]),
     st.sampled_from(["--fault", "--break-softmax-term", "--select", "--deselect", "--negative-controls",
                      "--jobs", "-j", "--shard", "--json", "--junit", "--save-arrays", "--memory-budget",
                      "--progress", "--no-progress", "--bogus", "-x", "--"]),
