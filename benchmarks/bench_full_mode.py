@@ -4,8 +4,13 @@ best of R wall times and the ratios (this machine is noisy). gradcheck runs twic
 function itself (its whole Jacobian, what people usually call) and on the scalar L = sum(O * G) that
 attn-gradcheck differentiates (the like-for-like comparison).
 
-Scenarios: the issue's B=1, H=1, n_q=n_k=64, d=32, causal, float64; and a GQA scenario with padding
-(B=2, Hq=8, Hkv=2, n=32, d=16, causal, key_lengths [32, 23]).
+Scenarios: the issue's B=1, H=1, n_q=n_k=64, d=32 and n=128, d=64, causal, float64; and a GQA scenario
+with padding (B=2, Hq=8, Hkv=2, n=32, d=16, causal, key_lengths [32, 23]). The slow references
+(the loop, gradcheck) run once where a scenario has over 20,000 elements.
+
+The GEMM floor: an exhaustive central-difference check needs 2 N forwards (N = input elements); counting
+only the two GEMMs of each forward (Q K^T and A V, full size) at this machine's float64 GEMM rate,
+measured in the same run on stacked products of the same shapes.
 
     python benchmarks/bench_full_mode.py [--repeat 3] [--json out.json]
 """
@@ -16,6 +21,7 @@ import dataclasses
 import json
 import time
 
+import numpy as np
 import yaml
 
 from gradcheck_cli import checker, scenario
@@ -24,6 +30,7 @@ from gradcheck_cli.ops import attention
 
 SCENARIOS = [
     {"name": "causal-n64-d32", "n_q": 64, "d_head": 32, "mask": {"causal": "lower-right"}},
+    {"name": "causal-n128-d64", "n_q": 128, "d_head": 64, "mask": {"causal": "lower-right"}},
     {"name": "gqa-padded-n32", "batch": 2, "heads_q": 8, "heads_kv": 2, "n_q": 32, "d_head": 16,
      "mask": {"causal": "lower-right", "key_lengths": [32, 23]}},
 ]
@@ -36,6 +43,13 @@ def best_of(repeat: int, fn) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def gemm_rate(n_q: int, n_k: int, d: int, repeat: int) -> float:
+    """float64 GEMM rate (flop/s) on stacked [64, n_q, d] @ [d, n_k] products, BLAS's own threads."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((64, n_q, d)), rng.standard_normal((d, n_k))
+    return 2.0 * 64 * n_q * n_k * d / best_of(repeat, lambda: a @ b)
 
 
 def numpy_loop(problem, epsilon):
@@ -89,8 +103,13 @@ def main() -> None:
         for key, scen in (("plain_s", plain_sc), ("coloured_s", sc)):
             assert checker.run_scenario(scen).passed
             fig[key] = best_of(args.repeat, lambda scen=scen: checker.run_scenario(scen))
-        fig["numpy_loop_s"] = best_of(args.repeat, lambda problem=problem, sc=sc: numpy_loop(problem, sc.epsilon))
-        torch_fig = torch_gradcheck(sc, problem, args.repeat)
+        slow = 1 if elements > 20_000 else args.repeat
+        fig["numpy_loop_s"] = best_of(slow, lambda problem=problem, sc=sc: numpy_loop(problem, sc.epsilon))
+        torch_fig = torch_gradcheck(sc, problem, slow)
+        rate = gemm_rate(sc.n_q, sc.n_k, sc.d_head, args.repeat)
+        gemm_flops = 2 * sc.batch * sc.heads_q * sc.n_q * sc.n_k * (sc.d_head + sc.d_value)
+        fig["gemm_rate_gflops"] = rate / 1e9
+        fig["gemm_floor_s"] = 2 * elements * gemm_flops / rate
         if torch_fig:
             fig["torch_gradcheck_s"], fig["torch_gradcheck_scalar_s"], fig["torch_version"] = torch_fig
         figures.append(fig)
@@ -102,6 +121,9 @@ def main() -> None:
         print(f"  attn-gradcheck, colouring: false  {plain:7.3f} s")
         print(f"  one-element NumPy loop            {fig['numpy_loop_s']:7.3f} s   "
               f"{fig['numpy_loop_s'] / col:5.1f}x default, {fig['numpy_loop_s'] / plain:5.1f}x colouring: false")
+        floor = fig["gemm_floor_s"]
+        print(f"  GEMM floor (2N forwards, 2 GEMMs at {fig['gemm_rate_gflops']:.0f} GFLOP/s) {floor:7.3f} s: default "
+              f"run {col / floor:.2f}x the floor, colouring: false {plain / floor:.2f}x")
         if torch_fig:
             t = fig["torch_gradcheck_s"]
             print(f"  torch.autograd.gradcheck          {t:7.3f} s   {t / col:5.1f}x default, {t / plain:5.1f}x colouring: false")
