@@ -33,21 +33,8 @@ def build_visible(batch: int, heads_q: int, n_q: int, n_k: int, *, causal: str =
     key_lengths: per batch element, keys j >= key_lengths[b] are padding.
     explicit: any bool array that broadcasts to [batch, heads_q, n_q, n_k].
     """
-    j = np.arange(n_k)[None, :]
-    diag = diagonal(n_q, n_k, causal)[:, None]
-    rows = np.ones((n_q, n_k), dtype=bool)
-    if causal != "none":
-        rows &= j <= diag
-    if window is not None:
-        left, right = window
-        if left is not None:
-            rows &= j >= diag - left
-        if right is not None:
-            rows &= j <= diag + right
-    visible = np.broadcast_to(rows, (batch, heads_q, n_q, n_k)).copy()
-    if key_lengths is not None:
-        lengths = np.asarray(key_lengths).reshape(batch, 1, 1, 1)
-        visible &= np.arange(n_k).reshape(1, 1, 1, n_k) < lengths
+    structured = blockwise(n_q, n_k, causal=causal, window=window, key_lengths=key_lengths)(slice(None), slice(None))
+    visible = np.broadcast_to(structured, (batch, heads_q, n_q, n_k)).copy()
     if explicit is not None:
         visible &= np.broadcast_to(explicit.astype(bool), visible.shape)
     return visible
