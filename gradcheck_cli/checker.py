@@ -53,12 +53,12 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     except ImplementationFailure as exc:
         return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
                               mode=sc.mode, faults=active, checks=(failure_check("implementation runs", exc),),
-                              elapsed_s=time.perf_counter() - start, index=sc.index)
+                              elapsed_s=time.perf_counter() - start, index=sc.index, engine=sc.engine)
     broken = _non_finite(sc, problem)
     if broken:  # differences of NaN/inf say nothing: report where they first appear, and stop there
         return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
                               mode=sc.mode, faults=active, checks=tuple(broken), elapsed_s=time.perf_counter() - start,
-                              arrays=dict(problem.arrays), hints=(_range_hint(sc),), index=sc.index)
+                              arrays=dict(problem.arrays), hints=(_range_hint(sc),), index=sc.index, engine=sc.engine)
     rng = np.random.default_rng([sc.seed, 2])
     chunking = numeric.plan(problem.copy_bytes, memory_budget)
     checks: list[Check] = []
@@ -83,7 +83,7 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     checks, hints = _diagnose(sc, problem, checks, evidence)
     return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
                           mode=sc.mode, faults=active, checks=tuple(checks),
-                          elapsed_s=time.perf_counter() - start, arrays=arrays, hints=tuple(hints), index=sc.index)
+                          elapsed_s=time.perf_counter() - start, arrays=arrays, hints=tuple(hints), index=sc.index, engine=sc.engine)
 
 
 def _non_finite(sc: Scenario, problem) -> list[Check]:
@@ -284,11 +284,21 @@ def _size(problem, name: str) -> float:
 
 
 def fault_effect(sc: Scenario, fault: str) -> float:
-    """Largest relative change the fault makes to the output or to an analytic gradient."""
+    """Largest relative change the fault makes to the output or to an analytic gradient. A gradient
+    far smaller than the scenario's largest (zero to rounding, e.g. a saturated softmax row) is
+    measured against the tolerance (at least sqrt(eps)) times that largest one: rounding noise
+    changing is not an effect."""
     op = OPS[sc.op]
     clean, broken = op.build(sc, ()), op.build(sc, (fault,))
-    pairs = [(clean.output, broken.output)] + [(clean.gradients[t], broken.gradients[t]) for t in clean.gradients]
-    return max(relative_error(a, b)[1] for a, b in pairs)
+    largest = max([float(np.abs(g).max(initial=0.0)) for g in clean.gradients.values()] + [0.0])
+    least = largest * max(float(np.sqrt(machine_epsilon(sc.dtype))), sc.tolerance)
+    effects = [relative_error(clean.output, broken.output)[1]] if clean.output is not None else []
+    for t in clean.gradients:
+        a, b = clean.gradients[t], broken.gradients[t]
+        max_abs = relative_error(a, b)[0]
+        size = max(float(np.abs(a).max(initial=0.0)), float(np.abs(b).max(initial=0.0)), least)
+        effects.append(max_abs / size if size > 0 else (0.0 if max_abs == 0 else float("inf")))
+    return max(effects, default=0.0)
 
 
 def fault_applies(sc: Scenario, fault: str) -> bool:

@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 
+from pathlib import Path
+
 import click
 import numpy as np
 from rich.console import Console
@@ -178,7 +180,8 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
                 cells.extend(outcome.cells)
             sc = scenarios[len(results) - 1]
             with bar.hidden():
-                report.render_scenario(out, result, sc.describe(), report.reproduce_command(config, sc.name, faults))
+                report.render_scenario(out, result, sc.describe(),
+                                       report.reproduce_command(config, sc.name, faults, engine))
                 for fault in faults:
                     if fault in OPS[sc.op].faults and not checker.fault_applies(sc, fault):
                         out.print(f"  note: fault {fault} has no effect on this scenario (not applicable)\n")
@@ -198,7 +201,7 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
     if cells:
         out.print()
         report.render_controls(out, cells)
-    data = report.json_report(config, faults, results, cells, shard=shard_info, interrupted=interrupted)
+    data = report.json_report(config, faults, results, cells, shard=shard_info, interrupted=interrupted, engine=engine)
     try:
         report.write_reports(json_path, data, junit_path,
                              report.junit_xml(data) if junit_path else None, arrays_dir, results)
@@ -262,7 +265,8 @@ def merge(reports, json_path, junit_path):
 @click.option("--steps", "step_range", default="1e-1:1e-12", show_default=True, metavar="HI:LO[:N]",
               help="Steps from HI down to LO, N per decade (default 1).")
 @click.option("--plot", "plot_path", type=click.Path(path_type=str),
-              help="Also draw the curves, log-log, into this PNG (needs matplotlib: pip install 'attn-gradcheck[plot]').")
+              help="Also draw the curves, log-log, into this .png/.pdf/.svg (needs matplotlib: "
+                   "pip install 'attn-gradcheck[plot]').")
 @click.option("--json", "json_path", type=click.Path(path_type=str), help="Write the sweep as JSON here.")
 def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_path):
     """Sweep the finite-difference step for every scenario of CONFIG: the relative error of the sampled
@@ -279,6 +283,8 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
         report.prepare_outputs(files, {}, inputs=[config])
         if plot_path:
             _require_matplotlib()
+            if Path(plot_path).suffix.lower() not in (".png", ".pdf", ".svg"):
+                raise GradcheckError(f"--plot {plot_path}: name a .png, .pdf or .svg file")
     except GradcheckError as exc:
         raise _fail(str(exc)) from None
     out, sweeps = _console(), []
@@ -293,22 +299,24 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
                                     "sweeps": [s.to_json() for s in sweeps]}, indent=2) + "\n").encode()
                 stage.add(json_path, lambda fh: fh.write(data))
             if plot_path:
-                stage.add(plot_path, lambda fh: report.plot_sweeps(sweeps, fh))
+                stage.add(plot_path, lambda fh: report.plot_sweeps(sweeps, fh, Path(plot_path).suffix[1:].lower()))
     except OSError as exc:
         raise _fail(f"cannot write the outputs: {exc}") from None
 
 
 def _parse_steps(text: str) -> tuple[float, ...]:
+    """HI:LO[:N] -> steps from HI down to LO (both included), N per decade."""
+    bad = GradcheckError(f"--steps {text!r}: expected HI:LO[:N] with 0 < LO < HI <= 1 and N an integer from 1 "
+                         "to 20 per decade, e.g. 1e-1:1e-12")
+    parts = text.split(":")
     try:
-        parts = [float(x) for x in text.split(":")]
-        hi, lo = parts[0], parts[1]
-        per = int(parts[2]) if len(parts) > 2 else 1
-        if len(parts) > 3 or not 0 < lo < hi or per < 1 or per != (parts[2] if len(parts) > 2 else 1):
-            raise ValueError
+        hi, lo = float(parts[0]), float(parts[1])
+        per = float(parts[2]) if len(parts) > 2 else 1.0
     except (ValueError, IndexError):
-        raise GradcheckError(f"--steps {text!r}: expected HI:LO[:N] with 0 < LO < HI and N >= 1 per decade, "
-                             "e.g. 1e-1:1e-12") from None
-    count = int(round(np.log10(hi / lo) * per)) + 1
+        raise bad from None
+    if len(parts) > 3 or not (0 < lo < hi <= 1) or not per.is_integer() or not 1 <= per <= 20:
+        raise bad
+    count = max(2, int(np.ceil(np.log10(hi / lo) * per - 1e-9)) + 1)
     if count > 200:
         raise GradcheckError(f"--steps {text!r}: {count} steps; at most 200")
     return tuple(float(x) for x in np.geomspace(hi, lo, count))

@@ -72,11 +72,13 @@ def _table(console: Console, title: str, headers: Sequence[str], rows: Sequence[
         console.print(line(cells), markup=False, highlight=False, soft_wrap=True)
 
 
-def reproduce_command(config: str, name: str, faults: Sequence[str] = ()) -> str:
-    """One line that re-runs just this scenario (with the same faults)."""
+def reproduce_command(config: str, name: str, faults: Sequence[str] = (), engine: str | None = None) -> str:
+    """One line that re-runs just this scenario (with the same faults, and the --engine given)."""
     parts = ["attn-gradcheck", "run", shlex.quote(config), "--select", shlex.quote(name)]
     for fault in faults:
         parts += ["--fault", fault]
+    if engine:
+        parts += ["--engine", engine]
     return " ".join(parts)
 
 
@@ -209,7 +211,7 @@ def render_controls(console: Console, cells: Sequence[ControlCell]) -> None:
 
 def json_report(config: str, faults: Sequence[str], results: Sequence[ScenarioResult],
                 controls: Sequence[ControlCell] | None = None, *, shard: dict | None = None,
-                interrupted: bool = False) -> dict:
+                interrupted: bool = False, engine: str | None = None) -> dict:
     """The ``--json`` report (documented in the README; keys are stable within a schema version)."""
     s = summary(results)
     passed = s["failed"] == 0 and s["inconclusive"] == 0
@@ -222,7 +224,8 @@ def json_report(config: str, faults: Sequence[str], results: Sequence[ScenarioRe
         "passed": passed,
         "verdict": verdict(results),
         "summary": s,
-        "scenarios": [{**r.to_json(), "config": config, "reproduce": reproduce_command(config, r.name, faults)}
+        "engine": engine,
+        "scenarios": [{**r.to_json(), "config": config, "reproduce": reproduce_command(config, r.name, faults, engine)}
                       for r in results],
         "negative_controls": None,
         "shard": dict(shard) if shard else None,
@@ -263,6 +266,9 @@ def merge_reports(reports: Sequence[tuple[str, dict]]) -> dict:
         faults = {tuple(data.get("faults") or ()) for _, data in parts}
         if len(faults) > 1:
             raise GradcheckError(f"reports of {config} ran different faults: {sorted(faults)}")
+        engines = {data.get("engine") for _, data in parts}
+        if len(engines) > 1:
+            raise GradcheckError(f"reports of {config} ran on different engines (--engine {sorted(map(str, engines))})")
         all_faults |= faults
         _check_shards(config, parts)
         seen: dict[str, str] = {}
@@ -297,6 +303,7 @@ def merge_reports(reports: Sequence[tuple[str, dict]]) -> dict:
         "schema_version": JSON_SCHEMA_VERSION,
         "config": next(iter(groups)) if len(groups) == 1 else None,
         "faults": list(next(iter(all_faults))) if len(all_faults) == 1 else None,
+        "engine": (lambda e: e.pop() if len(e) == 1 else None)({data.get("engine") for _, data in reports}),
         "passed": verdict_ == "pass",
         "verdict": verdict_,
         "summary": summary_,
@@ -522,7 +529,7 @@ def render_sweep(console: Console, sweep, description: str) -> None:
     console.print()
 
 
-def plot_sweeps(sweeps, fh) -> None:
+def plot_sweeps(sweeps, fh, fmt: str = "png") -> None:
     """Log-log curves of error against epsilon, one panel per scenario, the run's step marked."""
     import matplotlib
     matplotlib.use("Agg")
@@ -539,5 +546,5 @@ def plot_sweeps(sweeps, fh) -> None:
         ax.set_ylabel("relative error")
         ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(fh, format="png")
+    fig.savefig(fh, format=fmt)
     plt.close(fig)

@@ -66,6 +66,7 @@ class ScenarioResult:
     arrays: dict = field(default_factory=dict, compare=False, repr=False)
     hints: tuple[str, ...] = ()
     index: int = 0  # the scenario's position in its file (reports keep file order; merge restores it)
+    engine: str = "naive"
 
     @property
     def passed(self) -> bool:
@@ -82,6 +83,7 @@ class ScenarioResult:
             "name": self.name,
             "index": self.index,
             "op": self.op,
+            "engine": self.engine,
             "dtype": self.dtype,
             "epsilon": self.epsilon,
             "tolerance": self.tolerance,

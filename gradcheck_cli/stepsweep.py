@@ -20,9 +20,9 @@ DEFAULT_STEPS = tuple(10.0 ** -e for e in range(1, 13))
 
 @dataclass(frozen=True)
 class Sweep:
-    """One scenario's sweep: for each input, the relative error max|a - n| / max(|a|, |n|) over the
-    sampled elements at each step (inf where the step is lost to rounding), the step the run uses and
-    the step with the smallest error."""
+    """One scenario's sweep: for each input, the relative error max|a - n| over the sampled elements
+    divided by the largest analytic value of the whole input (as the run's relative error is), at each
+    step (inf where the step is lost to rounding), the step the run uses and the smallest error's."""
     name: str
     dtype: str
     chosen: float
@@ -49,10 +49,12 @@ def sweep(sc: Scenario, steps=DEFAULT_STEPS, samples: int = 32, memory_budget: i
     for name, x in problem.inputs.items():
         sites = np.sort(rng.choice(x.size, size=min(samples, x.size), replace=False))
         analytic = problem.gradients[name].ravel()[sites].astype(np.float64)
+        scale = float(np.abs(problem.gradients[name]).max(initial=0.0))
         size = (problem.step_sizes or {}).get(name, 1.0)
         row = []
         for h in steps:
             num = numeric.elements(lambda c, name=name: problem.loss(name, c), x, sites, h, chunking, size=size)
-            row.append(relative_error(analytic, num)[1])
+            max_abs = relative_error(analytic, num)[0]
+            row.append(max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf")))
         errors[name] = tuple(row)
     return Sweep(sc.name, sc.dtype, float(sc.epsilon), steps, errors)

@@ -105,12 +105,12 @@ def test_json_report_contract(root, tmp_path):
     assert result.exit_code == 1
     report = json.loads(path.read_text())
     assert set(report) == {"tool", "version", "schema_version", "config", "faults", "passed", "verdict",
-                           "summary", "scenarios", "negative_controls", "shard", "interrupted"}
+                           "summary", "scenarios", "negative_controls", "shard", "interrupted", "engine"}
     assert report["tool"] == "attn-gradcheck" and report["faults"] == ["scale"] and report["passed"] is False
     assert set(report["summary"]) == {"scenarios", "checks", "passed", "failed", "inconclusive"}
     s = report["scenarios"][0]
     assert set(s) == {"name", "op", "dtype", "epsilon", "tolerance", "mode", "faults", "passed", "verdict",
-                      "elapsed_s", "checks", "hints", "reproduce", "index", "config"}
+                      "elapsed_s", "checks", "hints", "reproduce", "index", "config", "engine"}
     c = s["checks"][0]
     assert set(c) == {"kind", "name", "tensor", "shape", "max_abs_error", "relative_error", "tolerance",
                       "noise_floor", "worst_index", "passed", "verdict", "fd_error", "detail", "diagnosis"}

@@ -133,3 +133,53 @@ def test_tiled_needs_no_score_sized_arrays():
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < n * n * 8 / 10, peak  # a tenth of one float64 score matrix
+
+
+def test_agreement_holds_on_peaked_and_saturated_rows():
+    """Large logits: the tiled engine forms S exactly as its forward did, and gradients that are zero to
+    rounding (a saturated row) are compared against the size of their terms."""
+    for scale in (50.0, 1000.0):
+        sc = make(engine="tiled", block_q=8, block_k=8, batch=2, heads_q=2, n_q=32, d_head=16, scale=scale,
+                  mask={"causal": "lower-right"})
+        result = checker.run_scenario(sc)
+        assert result.passed, [(c.name, c.tensor, c.detail) for c in result.checks if not c.passed]
+        cells = checker.negative_controls([sc])
+        assert not [c for c in cells if c.status == "missed"], cells
+
+
+def test_mask_backward_is_the_same_bug_in_both_engines():
+    sc = make(engine="tiled", block_q=4, block_k=4, heads_q=2, n_q=9, d_head=4, mask={"causal": "lower-right"})
+    result = checker.run_scenario(sc, ("mask-backward",))
+    agreement = [c for c in result.checks if c.name == "tiled agrees with the naive engine"]
+    assert agreement and all(c.passed for c in agreement)
+    assert {"gradient q", "gradient k", "gradient v"} <= {c.name for c in result.checks if c.verdict == "fail"}
+
+
+def test_the_tiled_backward_checks_its_score_gradient_rows():
+    """Without A, the row sums of G_S are accumulated over the blocks: softmax-term is caught in float32
+    directional mode, where finite differences alone lack the power."""
+    keys = dict(engine="tiled", dtype="float32", batch=2, heads_q=6, heads_kv=2, n_q=11, n_k=29, d_head=4,
+                scale=0.1, seed=14, check={"mode": "directional"})
+    clean = checker.run_scenario(make(**keys))
+    assert clean.passed and any(c.name == "score-gradient rows sum to 0" for c in clean.checks)
+    broken = checker.run_scenario(make(**keys), ("softmax-term",))
+    assert "score-gradient rows sum to 0" in {c.name for c in broken.checks if c.verdict == "fail"}
+
+
+def test_shipped_configs_keep_every_control_on_the_tiled_engine(root):
+    for name in ("seed-causal-first-row.yaml", "sweep.yaml"):
+        scs = scenario.with_engine(scenario.load(root / "configs" / name), "tiled")
+        assert not [c for c in checker.negative_controls(scs) if c.status == "missed"]
+
+
+def test_the_engine_is_recorded_in_reports_and_merge_refuses_a_mix(root, tmp_path):
+    run = CliRunner().invoke
+    cfg = str(root / "configs/gqa.yaml")
+    out = run(main, ["run", cfg, "--engine", "tiled", "--fault", "gqa-sum", "--json", str(tmp_path / "t.json")])
+    assert out.exit_code == 1 and "--fault gqa-sum --engine tiled" in out.output
+    data = __import__("json").loads((tmp_path / "t.json").read_text())
+    assert data["engine"] == "tiled" and {s["engine"] for s in data["scenarios"]} == {"tiled"}
+    assert run(main, ["run", cfg, "--shard", "1/2", "--engine", "tiled", "--json", str(tmp_path / "a.json")]).exit_code == 0
+    assert run(main, ["run", cfg, "--shard", "2/2", "--json", str(tmp_path / "b.json")]).exit_code == 0
+    mixed = run(main, ["merge", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert mixed.exit_code == 2 and "different engines" in mixed.stderr
