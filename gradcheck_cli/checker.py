@@ -107,9 +107,10 @@ def _non_finite(sc: Scenario, problem) -> list[Check]:
 
 def _range_hint(sc: Scenario) -> str:
     top = float(np.finfo(np.float16).max) if sc.dtype == "float16" else None
+    cause = (f", e.g. scores scale * q.k (scale is {sc.scale:g}) overflow; lower scale or use a wider dtype"
+             if sc.op == "attention" else "; use a wider dtype or smaller values")
     return ("NaN or inf before any difference is taken: the computation leaves the range of " + sc.dtype
-            + (f" (largest finite {top:g})" if top else "")
-            + f", e.g. scores scale * q.k (scale is {sc.scale:g}) overflow; lower scale or use a wider dtype")
+            + (f" (largest finite {top:g})" if top else "") + cause)
 
 
 def _diagnose(sc: Scenario, problem, checks: list[Check], evidence: dict) -> tuple[list[Check], list[str]]:

@@ -14,7 +14,7 @@ without it), ``scale`` (G_Q, G_K without the scale), ``gqa-sum`` (the last query
 """
 from __future__ import annotations
 
-from typing import Callable, Collection
+from typing import Collection
 
 import numpy as np
 
@@ -134,8 +134,6 @@ def naive_by_rows(q, k, v, visible, scale, kv_map, grad_o, block_q: int = 64, fa
         g_v += grads.v
     return out, g_q, g_k, g_v
 
-
-Visible = np.ndarray | Callable[[slice, slice], np.ndarray]
 
 
 #: The tiled and the naive engine agree to this many units of rounding (relative to the largest value):
