@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import threading
 import time
@@ -22,10 +23,20 @@ from .errors import GradcheckError
 from .ops import FAULTS, OPS
 from .scenario import json_schema, load, select, with_engine
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 3, 130, 141
 EPILOG = ("Exit codes: 0 all checks passed, 1 a check failed, 2 bad input or usage, 3 inconclusive "
           "(no failure, but finite differences too inaccurate to decide), 130 interrupted.")
 EPILOG_INFO = "Exit codes: 0 ok, 2 bad input or usage."
+
+
+class _Console(Console):
+    """rich's Console, but a reader that goes away (``| head``) ends the run with 141 (128 + SIGPIPE),
+    as a piped tool does, not with 1, which means "a check failed" here."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self.file.fileno())
+        raise SystemExit(EXIT_BROKEN_PIPE)
 
 
 def _console(stderr: bool = False) -> Console:
@@ -33,8 +44,8 @@ def _console(stderr: bool = False) -> Console:
     says (CI logs, pipes). NO_COLOR is honoured by rich."""
     file = sys.stderr if stderr else sys.stdout
     tty = file.isatty()
-    return Console(file=file, stderr=stderr, highlight=False, markup=False, soft_wrap=not tty,
-                   width=None if tty else 200)
+    return _Console(file=file, stderr=stderr, highlight=False, markup=False, soft_wrap=not tty,
+                    width=None if tty else 200)
 
 
 def _fail(message: str) -> "click.exceptions.Exit":

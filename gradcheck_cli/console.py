@@ -10,6 +10,7 @@ import os
 import sys
 
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
 
 
 def _leave(code: int, message: str | None = None) -> None:
@@ -35,6 +36,13 @@ def main() -> None:
     except click.exceptions.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
+    except BrokenPipeError:  # the reader went away (`| head`): stop as a piped tool does, 128 + SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _leave(EXIT_BROKEN_PIPE)
+    except SystemExit as exc:  # the console's own exit on a broken pipe (cli._Console)
+        if exc.code == EXIT_BROKEN_PIPE:
+            _leave(EXIT_BROKEN_PIPE)
+        raise
     if code == EXIT_INTERRUPTED:
         _leave(EXIT_INTERRUPTED)
     sys.exit(code or 0)

@@ -235,3 +235,15 @@ def test_every_shipped_config_writes_its_reports(path, tmp_path):
     assert data["verdict"] == "pass" and data["summary"]["failed"] == 0
     ET.fromstring((tmp_path / "r.xml").read_bytes())
     assert len(list((tmp_path / "arrays").glob("*.npz"))) == len(data["scenarios"])
+
+
+def test_a_reader_that_goes_away_ends_with_141_not_1(root):
+    """`attn-gradcheck run ... | head -1`: 1 would read as "a check failed"; 141 is 128 + SIGPIPE."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "gradcheck_cli", "run", str(root / "configs/sweep.yaml")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and "Traceback" not in err
