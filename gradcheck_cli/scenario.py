@@ -520,14 +520,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     # Estimate memory before allocating anything of size n_q x n_k: about ten score-sized arrays for
     # the forward, backward and invariants, plus one (+h, -h) pair of perturbed copies (see numeric.plan).
     # The tensors (q, k, v, o and their gradients, analytic and numeric) count about a dozen times.
-    itemsize = {"float16": 2, "bfloat16": 2}.get(dtype) or np.dtype(dtype).itemsize
-    scores = batch * heads_q * n_q * n_k
-    tensors = batch * (heads_q * n_q * (d_head + d_value) + heads_kv * n_k * (d_head + d_value))
-    if engine == "tiled":  # only the visible set is n_q x n_k (bytes); score blocks are block_q x block_k
-        need = scores * 2 + batch * heads_q * min(block_q, n_q) * min(block_k, n_k) * 16 * itemsize \
-            + batch * heads_q * 256 * n_k * 3 * 8 + tensors * 12 * 8
-    else:
-        need = scores * (16 * itemsize + 2) + tensors * 12 * 8
+    need = attention_need(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, dtype, engine, block_q, block_k)
     if op_spec.shapes and op != "attention":  # the op's own weights and activations, counted like a plain op's
         need += _plain_need(op_spec, _Probe(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, f, op_spec))
     if need > memory_limit:
@@ -656,6 +649,21 @@ def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memo
             raise doc.error(f.path, f"scenario '{name}' needs about {need / 2**30:.1f} GiB, more than the "
                             f"{memory_limit / 2**30:.1f} GiB available", hint="reduce its sizes")
     return sc
+
+
+def attention_need(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, dtype, engine="naive", block_q=64,
+                   block_k=64) -> int:
+    """Bytes attention needs before anything of size n_q x n_k is allocated: about ten score-sized
+    arrays for the naive engine's forward, backward and invariants plus one (+h, -h) pair of copies
+    (see numeric.plan); for the tiled engine only the visible set (bytes) and block-sized scores. The
+    tensors (q, k, v, o and their gradients, analytic and numeric) count about a dozen times."""
+    itemsize = {"float16": 2, "bfloat16": 2}.get(dtype) or np.dtype(dtype).itemsize
+    scores = batch * heads_q * n_q * n_k
+    tensors = batch * (heads_q * n_q * (d_head + d_value) + heads_kv * n_k * (d_head + d_value))
+    if engine == "tiled":
+        return (scores * 2 + batch * heads_q * min(block_q, n_q) * min(block_k, n_k) * 16 * itemsize
+                + batch * heads_q * 256 * n_k * 3 * 8 + tensors * 12 * 8)
+    return scores * (16 * itemsize + 2) + tensors * 12 * 8
 
 
 def _plain_need(spec, sc) -> int:
@@ -799,14 +807,25 @@ def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".
     return out
 
 
-def with_engine(scenarios: list[Scenario], engine: str | None) -> list[Scenario]:
+def with_engine(scenarios: list[Scenario], engine: str | None, *, memory_limit: int | None = None) -> list[Scenario]:
     """The scenarios with ``engine`` where it applies (op attention on the NumPy engine, not a user's
     implementation); the others unchanged."""
     if engine is None:
         return list(scenarios)
-    return [dataclasses.replace(sc, engine=engine)
-            if sc.op == "attention" and sc.backend == "numpy" and sc.implementation is None else sc
-            for sc in scenarios]
+    out, limit = [], memory_limit
+    for sc in scenarios:
+        if sc.op == "attention" and sc.backend == "numpy" and sc.implementation is None:
+            if engine == "naive" and sc.engine == "tiled":  # the naive engine needs the n x n arrays
+                limit = available_memory() if limit is None else limit
+                need = attention_need(sc.batch, sc.heads_q, sc.heads_kv, sc.n_q, sc.n_k, sc.d_head, sc.d_value,
+                                      sc.dtype)
+                if need > limit:
+                    raise ScenarioError(f"--engine naive: scenario '{sc.name}' needs about {need / 2**30:.1f} GiB "
+                                        f"on the naive engine, more than the {limit / 2**30:.1f} GiB available",
+                                        file=sc.file, line=sc.line, hint="keep its engine: tiled")
+            sc = dataclasses.replace(sc, engine=engine)
+        out.append(sc)
+    return out
 
 
 def select(scenarios: list[Scenario], include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> list[Scenario]:

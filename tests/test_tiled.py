@@ -183,3 +183,11 @@ def test_the_engine_is_recorded_in_reports_and_merge_refuses_a_mix(root, tmp_pat
     assert run(main, ["run", cfg, "--shard", "2/2", "--json", str(tmp_path / "b.json")]).exit_code == 0
     mixed = run(main, ["merge", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
     assert mixed.exit_code == 2 and "different engines" in mixed.stderr
+
+
+def test_engine_naive_override_keeps_the_memory_refusal(tmp_path):
+    cfg = tmp_path / "big.yaml"
+    cfg.write_text("scenarios:\n  - {name: big, n_q: 30000, d_head: 8, engine: tiled}\n")
+    assert len(scenario.load(cfg, memory_limit=2**33)) == 1  # 8 GiB: fine on the tiled engine
+    with pytest.raises(ScenarioError, match="needs about .* GiB on the naive engine"):
+        scenario.with_engine(scenario.load(cfg, memory_limit=2**33), "naive", memory_limit=2**33)
