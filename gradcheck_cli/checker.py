@@ -162,8 +162,9 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
         floor = (eps_m * problem.rounding[name].ravel()[sites] + EPS64 * problem.rounding_total) / step
     max_abs, rel, worst = relative_error(ana, num)
     ok, noise = passes(ana, num, sc.tolerance, floor)
-    verdict, fd_error = _verdict(sc, problem, name, x, ana, num, floor, sites, ok, direction_seed, rng, chunking)
     size = max(float(np.abs(ana).max(initial=0.0)), float(np.abs(num).max(initial=0.0)))
+    allowed = sc.tolerance * size + floor  # per element, as ``passes`` judges it
+    verdict, fd_error = _verdict(sc, problem, name, x, ana, num, allowed, sites, ok, direction_seed, rng, chunking)
     # A gradient below the rounding of L itself (floor x step = eps x the terms that move) is zero to
     # rounding, and checking that it is zero has power; otherwise a floor near its size has none.
     resolvable = size > float(np.max(floor * step, initial=0.0))
@@ -191,7 +192,6 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
                       else f"try another epsilon (now {sc.epsilon:g}); attn-gradcheck cannot tell a bug from noise"))
     evidence = None
     if sc.mode != "directional":
-        allowed = sc.tolerance * max(float(np.abs(ana).max(initial=0.0)), float(np.abs(num).max(initial=0.0))) + floor
         evidence = diagnose.Evidence.from_sites(grad, sites, num, allowed)
     return Check("gradient", f"gradient {name}", name, tuple(x.shape), max_abs, rel, sc.tolerance,
                  noise, index, verdict == "pass", detail, verdict, fd_error), num, evidence
@@ -211,11 +211,10 @@ RICHARDSON_PROBES_PASSING = 2
 FAIL_FACTOR = 10.0
 
 
-def _verdict(sc, problem, name, x, ana, num, floor, sites, ok, direction_seed, rng, chunking):
+def _verdict(sc, problem, name, x, ana, num, allowed, sites, ok, direction_seed, rng, chunking):
     """(pass | fail | inconclusive, estimated finite-difference error): Richardson's estimate from the
     step h and h/2, error(D_h) ~ 4/3 |D_h - D_h/2|, on the worst elements and a few random ones."""
     disc = np.abs(ana - num)
-    allowed = sc.tolerance * max(float(np.abs(ana).max(initial=0.0)), float(np.abs(num).max(initial=0.0))) + floor
     order = np.argsort(allowed - disc)  # tightest margins first
     # A failing check needs a careful estimate (it decides fail or inconclusive); a passing one only
     # reports it, from fewer probes (at training scale each probe is two whole forwards).

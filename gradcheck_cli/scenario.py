@@ -292,16 +292,22 @@ def _merge(doc: _Doc, defaults: dict, scenario: dict, index: int) -> dict[str, t
             if key not in allowed:
                 raise doc.error(path, f"unknown key '{key}'", hint=_suggest(key, allowed))
             if key in NESTED:
-                if value is None:
-                    continue
-                if not isinstance(value, dict):
-                    raise doc.error(path, f"expected a mapping with keys {', '.join(NESTED[key])}, got {value!r}")
-                for sub, subvalue in value.items():
-                    if sub not in NESTED[key]:
-                        raise doc.error(path + (sub,), f"unknown key '{sub}'", hint=_suggest(sub, NESTED[key]))
-                    out[f"{key}.{sub}"] = (subvalue, path + (sub,))
+                if value is not None:
+                    out.update(_nested(doc, key, value, path))
             else:
                 out[key] = (value, path)
+    return out
+
+
+def _nested(doc: _Doc, key: str, value: Any, path: tuple) -> dict[str, tuple[Any, tuple]]:
+    """A ``mask`` or ``check`` mapping flattened to {'mask.causal': (value, path)}, its keys checked."""
+    if not isinstance(value, dict):
+        raise doc.error(path, f"expected a mapping with keys {', '.join(NESTED[key])}, got {value!r}")
+    out = {}
+    for sub, subvalue in value.items():
+        if sub not in NESTED[key]:
+            raise doc.error(path + (sub,), f"unknown key '{sub}'", hint=_suggest(sub, NESTED[key]))
+        out[f"{key}.{sub}"] = (subvalue, path + (sub,))
     return out
 
 
@@ -373,13 +379,8 @@ def _sweep_cases(doc: _Doc, flat: dict, axes, index: int):
         labels = []
         for (key, _), (value, path) in zip(axes, combo):
             if key in NESTED:  # a whole nested mapping replaces the merged one
-                if not isinstance(value, dict):
-                    raise doc.error(path, f"expected a mapping with keys {', '.join(NESTED[key])}, got {value!r}")
                 case = {k: v for k, v in case.items() if not k.startswith(key + ".")}
-                for sub, subvalue in value.items():
-                    if sub not in NESTED[key]:
-                        raise doc.error(path + (sub,), f"unknown key '{sub}'", hint=_suggest(sub, NESTED[key]))
-                    case[f"{key}.{sub}"] = (subvalue, path + (sub,))
+                case.update(_nested(doc, key, value, path))
             else:
                 case[key] = (value, path)
             labels.append(f"{key}={_sweep_value_text(value)}")
@@ -520,9 +521,10 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     # Estimate memory before allocating anything of size n_q x n_k: about ten score-sized arrays for
     # the forward, backward and invariants, plus one (+h, -h) pair of perturbed copies (see numeric.plan).
     # The tensors (q, k, v, o and their gradients, analytic and numeric) count about a dozen times.
+    params = {key: _read_param(f, key, param) for key, param in op_spec.keys.items()}
     need = attention_need(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, dtype, engine, block_q, block_k)
     if op_spec.shapes and op != "attention":  # the op's own weights and activations, counted like a plain op's
-        need += _plain_need(op_spec, _Probe(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, f, op_spec))
+        need += _plain_need(op_spec, _Probe(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, params))
     if need > memory_limit:
         raise doc.error(f.path, f"scenario '{name}' needs about {need / 2**30:.1f} GiB "
                         f"({batch}x{heads_q}x{n_q}x{n_k} score blocks, d_head={d_head}, d_value={d_value}"
@@ -558,9 +560,8 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                         hint="every query row needs at least one visible key; widen the window, raise "
                              "key_lengths, or check the causal alignment for n_q != n_k")
 
-    params = {key: _read_param(f, key, param) for key, param in op_spec.keys.items()}
     attention = {"batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "n_q": n_q, "n_k": n_k, "d_head": d_head,
-                 "d_value": d_value, "n_k_given": f.has("n_k"), "causal": causal}
+                 "d_value": d_value}
     for key, message, hint in (op_spec.validate(params, attention) if op_spec.validate else []):
         raise f.error(key, message, hint=hint)
     return Scenario(name=name, op=op, batch=batch, heads_q=heads_q, heads_kv=heads_kv, kv_map=tuple(kv_map),
@@ -676,10 +677,10 @@ def _plain_need(spec, sc) -> int:
 class _Probe:
     """Enough of a Scenario for ``Op.shapes`` before the Scenario exists (attention-keyed ops)."""
 
-    def __init__(self, batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, f: _Fields, spec):
+    def __init__(self, batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, params: dict):
         self.batch, self.heads_q, self.heads_kv, self.n_q, self.n_k = batch, heads_q, heads_kv, n_q, n_k
         self.d_head, self.d_value = d_head, d_value
-        self._params = {key: _read_param(f, key, param) for key, param in spec.keys.items()}
+        self._params = params
 
     def p(self, key: str):
         return self._params[key]

@@ -17,3 +17,14 @@ def random_inputs(sc, seed=0):
     v = rng.standard_normal((sc.batch, sc.heads_kv, sc.n_k, sc.d_value))
     g = rng.standard_normal((sc.batch, sc.heads_q, sc.n_q, sc.d_value))
     return q, k, v, g
+
+
+def assert_rejected(text: str, line: int, key: str, words: str) -> None:
+    """The loader refuses ``text`` naming this line and key, with ``words`` in the message."""
+    import pytest
+    from gradcheck_cli.errors import ScenarioError
+    with pytest.raises(ScenarioError) as info:
+        scenario.loads(text, file="bad.yaml")
+    err = info.value
+    assert (err.file, err.line, err.key) == ("bad.yaml", line, key), str(err)
+    assert words in str(err)

@@ -6,9 +6,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from gradcheck_cli import checker, scenario
-from gradcheck_cli.errors import ScenarioError
 from gradcheck_cli.ops import OPS, rmsnorm, rope, swiglu
-from helpers import make
+from helpers import assert_rejected, make
 from reference import complex_step_gradients, rmsnorm_ref, rope_ref, swiglu_ref
 
 
@@ -148,12 +147,7 @@ BAD_OP_KEYS = [
 
 @pytest.mark.parametrize("extra, line, key, words", BAD_OP_KEYS, ids=[b[2] + ":" + b[3] for b in BAD_OP_KEYS])
 def test_bad_op_keys_name_file_line_and_key(extra, line, key, words):
-    text = f"scenarios:\n  - name: s\n    {extra}"
-    with pytest.raises(ScenarioError) as info:
-        scenario.loads(text, file="ops.yaml")
-    err = info.value
-    assert (err.file, err.line, err.key) == ("ops.yaml", line, key), str(err)
-    assert words in str(err)
+    assert_rejected(f"scenarios:\n  - name: s\n    {extra}", line, key, words)
 
 
 from reference import infonce_ref, projections_ref  # noqa: E402
