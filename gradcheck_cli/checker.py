@@ -165,9 +165,10 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
     size = max(float(np.abs(ana).max(initial=0.0)), float(np.abs(num).max(initial=0.0)))
     allowed = sc.tolerance * size + floor  # per element, as ``passes`` judges it
     verdict, fd_error = _verdict(sc, problem, name, x, ana, num, allowed, sites, ok, direction_seed, rng, chunking)
-    # A gradient below the rounding of L itself (floor x step = eps x the terms that move) is zero to
-    # rounding, and checking that it is zero has power; otherwise a floor near its size has none.
-    resolvable = size > float(np.max(floor * step, initial=0.0))
+    # An analytic gradient below the rounding of L itself (floor x step = eps x the terms that move) is
+    # zero to rounding, and checking that it is zero (the differences within their noise floor) has
+    # power; otherwise a floor near the gradient's size has none.
+    resolvable = float(np.abs(ana).max(initial=0.0)) > float(np.max(floor * step, initial=0.0))
     blind = verdict == "pass" and resolvable and float(np.max(floor, initial=0.0)) > POWER_LIMIT * size
     if blind:  # passing says nothing when the noise floor is as large as the gradient
         verdict = "inconclusive"

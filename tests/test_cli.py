@@ -132,7 +132,7 @@ def test_negative_controls_json_and_junit(root, tmp_path):
     root_el = ET.parse(tmp_path / "r.xml").getroot()
     suites = {s.get("name"): s for s in root_el.iter("testsuite")}
     assert set(suites) == set(names) | {"negative-controls"}
-    assert suites["gqa-4x2"].get("failures") == "0" and int(suites["gqa-4x2"].get("tests")) == 14  # 3 gradient checks, 3 independence checks, 8 invariants
+    assert suites["gqa-4x2"].get("failures") == "0" and int(suites["gqa-4x2"].get("tests")) == 15  # 3 gradient checks, 3 independence checks, the fast forward, 8 invariants
 
 
 def test_negative_controls_exit_1_when_a_fault_is_missed(tmp_path):

@@ -100,18 +100,20 @@ def test_colouring_gives_the_same_numbers_and_catches_the_same_faults():
 
 
 def test_colouring_catches_a_forward_that_mixes_rows(monkeypatch):
-    """If the forward leaked between query rows, colouring would be invalid: the check must say so."""
-    from gradcheck_cli.ops import attention
+    """If the forward leaked between query rows, colouring would be invalid: the check must say so.
+    Finite differences evaluate the fast forward (ops/copies.py), so that is the one made to leak (the
+    reference too, so that only the independence check can see it)."""
+    from gradcheck_cli.ops import attention, copies
 
-    real = attention.forward
-
-    def mixing(q, k, v, *args, **kwargs):
-        o = real(q, k, v, *args, **kwargs)
+    def mix(o, q):
         return o + 0.1 * q[..., :1, : o.shape[-1]].sum(axis=-2, keepdims=True)  # row 0 of q feeds every row
-    monkeypatch.setattr(attention, "forward", mixing)
+    reference, fast = attention.forward, copies.Forward.__call__
+    monkeypatch.setattr(attention, "forward", lambda q, k, v, *a, **kw: mix(reference(q, k, v, *a, **kw), q))
+    monkeypatch.setattr(copies.Forward, "__call__", lambda self, q, k, v: mix(fast(self, q, k, v), q))
     sc = make(n_q=4, d_head=3, check={"colouring": True})
     failed = {(c.name, c.tensor) for c in checker.run_scenario(sc).checks if not c.passed}
     assert ("perturbations stay in their block", "q") in failed
+    assert ("fast forward agrees with the reference", "o") not in failed
 
 
 def test_float32_noise_floor_is_per_block_and_keeps_power_on_large_outputs():

@@ -1,0 +1,114 @@
+"""The naive engine's forward for stacked perturbed copies: the finite differences' fast path.
+
+Finite differences evaluate ``attention.forward`` on thousands of perturbed copies. This module
+evaluates the same function, copy by copy as a black box (every copy's S, softmax and O are formed
+from its own inputs; nothing is reused from the unperturbed inputs), with less work:
+
+- by blocks of ``ROWS`` query rows, each over the span of keys that some row of the block can see:
+  key blocks no query of a row block sees (above a causal diagonal, outside a window, padding) are
+  never multiplied, as in FlashAttention; and 32-row products run near the machine's peak GEMM rate
+  where one 128-row product does not (``benchmarks/bench_full_mode.py``);
+- without the softmax's max-subtraction when a bound proves it unnecessary: |S_ij| <= |scale|
+  ||q_i|| ||k_j|| (Cauchy-Schwarz) below :func:`shift_free_limit` means exp(S) can neither overflow nor
+  underflow, and softmax is shift invariant; otherwise each row's maximum over its visible keys is
+  subtracted exactly as the reference does.
+
+It is verified against ``attention.forward`` in every run that uses it: the check ``finite
+differences' forward agrees with the reference`` (:func:`agreement`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .attention import repeat_kv
+
+#: Query rows per block.
+ROWS = 32
+
+
+def shift_free_limit(dtype) -> float:
+    """|S| below this: exp(S) and n * exp(S) * |v| stay finite and normal, with room to spare."""
+    return 0.5 * float(np.log(np.finfo(dtype).max))
+
+
+class Forward:
+    """O = attention.forward(q, k, v, visible, scale, kv_map) for inputs with extra leading copy axes.
+    ``visible`` None means every key is visible (the ``mask`` fault)."""
+
+    def __init__(self, visible: np.ndarray | None, scale: float, kv_map: np.ndarray, n_q: int, n_k: int,
+                 rows: int | None = None):
+        self.scale, self.kv_map, self.rows = scale, kv_map, rows or ROWS
+        seen = np.ones((n_q, n_k), dtype=bool) if visible is None else visible.reshape(-1, n_q, n_k).any(axis=0)
+        self.blocks = []
+        for start in range(0, n_q, self.rows):
+            span = slice(start, min(start + self.rows, n_q))
+            cols = np.flatnonzero(seen[span].any(axis=0))
+            keys = slice(int(cols[0]), int(cols[-1]) + 1)  # every row sees some key (the loader says so)
+            hidden = None if visible is None else ~visible[..., span, keys]
+            if hidden is None or not hidden.any():
+                self.blocks.append((span, keys, None, None, None))
+                continue
+            # the columns where some key is hidden (a causal block's diagonal tile): zeroed after exp
+            where = np.flatnonzero(hidden.reshape(-1, hidden.shape[-1]).any(axis=0))
+            cut = slice(int(where[0]), int(where[-1]) + 1)
+            self.blocks.append((span, keys, hidden, cut, hidden[..., cut]))
+
+    def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        dt = np.result_type(q, k, v)
+        shift = self._needs_shift(q, k, dt)
+        # scale * K^T, laid out [..., d, n_k]: each block's product then reads contiguous rows
+        k_rep = self._repeat(k)
+        k_t = np.empty(k_rep.shape[:-2] + k_rep.shape[:-3:-1], dtype=dt)
+        np.multiply(np.swapaxes(k_rep, -1, -2), np.asarray(self.scale, dtype=dt), out=k_t)
+        v_rep = self._repeat(v)
+        lead = np.broadcast_shapes(q.shape[:-2], k_t.shape[:-2], v_rep.shape[:-2])
+        out = np.empty(lead + (q.shape[-2], v.shape[-1]), dtype=dt)
+        self._blocks(q, k_t, v_rep, shift, out)
+        return out
+
+    def _repeat(self, x: np.ndarray) -> np.ndarray:
+        """repeat_kv, without its copy when every query head has its own KV head in order."""
+        identity = x.shape[-3] == len(self.kv_map) and (self.kv_map == np.arange(len(self.kv_map))).all()
+        return x if identity else repeat_kv(x, self.kv_map)
+
+    def _needs_shift(self, q, k, dt) -> bool:
+        """False when |S_ij| <= |scale| max ||q_i|| max ||k_j|| < shift_free_limit (NaN or inf: True)."""
+        q_norm = np.sqrt(np.max(np.einsum("...d,...d->...", q, q), initial=0.0))
+        k_norm = np.sqrt(np.max(np.einsum("...d,...d->...", k, k), initial=0.0))
+        return not bool(abs(self.scale) * q_norm * k_norm < shift_free_limit(dt))
+
+    def _blocks(self, q, k_t, v_rep, shift: bool, out: np.ndarray) -> None:
+        for span, keys, hidden, cut, hidden_cut in self.blocks:
+            s = np.matmul(q[..., span, :], k_t[..., keys])
+            with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+                if shift:
+                    s -= np.max(s, axis=-1, keepdims=True, where=True if hidden is None else ~hidden,
+                                initial=-np.inf)
+                e = np.exp(s, out=s)
+            if hidden is not None:
+                np.copyto(e[..., cut], 0, where=hidden_cut)
+            block = np.matmul(e, v_rep[..., keys, :], out=out[..., span, :])
+            block /= e.sum(axis=-1, keepdims=True)
+
+
+#: The fast path and the reference agree to this many units of rounding (relative to the largest
+#: value of O, plus the same relative to the largest |v|): they differ in the order of sums and in
+#: whether and where the softmax's maximum is subtracted.
+AGREEMENT_ULPS = 256
+
+
+def agreement(fast: Forward, reference, inputs: dict, rng: np.random.Generator):
+    """The check that the fast path computes the reference forward: both on the unperturbed inputs and
+    on a few copies of each input stacked as finite differences stack them (every element moved by up
+    to 1% of max(1, |x|), so the copies' scores differ in every entry)."""
+    from .. import invariants
+    dt = np.result_type(*inputs.values())
+    tolerance = AGREEMENT_ULPS * float(np.finfo(dt).eps)
+    mine, theirs = [fast(**inputs).ravel()], [reference(**inputs).ravel()]
+    for name, x in inputs.items():
+        moved = x + (rng.uniform(-0.01, 0.01, (3,) + x.shape) * np.maximum(1.0, np.abs(x))).astype(x.dtype)
+        mine.append(fast(**{**inputs, name: moved}).ravel())
+        theirs.append(reference(**{**inputs, name: moved}).ravel())
+    size = float(np.abs(inputs["v"]).max(initial=0.0))
+    return invariants.agreement("fast forward agrees with the reference", "o", np.concatenate(mine),
+                                np.concatenate(theirs).astype(np.float64), tolerance, floor=tolerance * size)

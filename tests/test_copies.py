@@ -1,0 +1,112 @@
+"""The finite differences' fast forward (ops/copies.py): the reference forward's values for any shape,
+mask, GQA map and block size, on copies stacked on any input; it skips the key blocks no query of a row
+block sees; the max-subtraction is dropped only under its bound; and the check in every run catches a
+fast path that drifts from the reference."""
+import platform
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from gradcheck_cli import checker, numeric
+from gradcheck_cli.ops import attention, copies
+from helpers import make
+from test_tiled import problems
+
+
+@settings(max_examples=80, deadline=None)
+@given(problems(), st.integers(1, 40), st.sampled_from([0.7, 40.0]), st.booleans())
+def test_fast_forward_equals_the_reference_on_stacked_copies(p, rows, scale, masked):
+    q, k, v, _, visible, kv_map, _, _, _ = p
+    vis = visible if masked else None
+    fast = copies.Forward(vis, scale, kv_map, q.shape[-2], k.shape[-2], rows=rows)
+    faults = () if masked else ("mask",)
+    rng = np.random.default_rng(0)
+    assert np.allclose(fast(q, k, v), attention.forward(q, k, v, visible, scale, kv_map, faults), rtol=1e-12,
+                       atol=1e-12)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        stacked = x + rng.standard_normal((5,) + x.shape)
+        args = {"q": q, "k": k, "v": v, name: stacked}
+        mine = fast(**args)
+        assert mine.shape == (5,) + q.shape[:-1] + (v.shape[-1],)
+        assert np.allclose(mine, attention.forward(**args, visible=visible, scale=scale, kv_map=kv_map,
+                                                   faults=faults), rtol=1e-12, atol=1e-12)
+
+
+def test_key_blocks_no_query_sees_are_skipped():
+    sc = make(n_q=128, d_head=8, mask={"causal": "lower-right"})
+    fast = copies.Forward(sc.visible, sc.scale, np.array([0]), 128, 128)
+    spans = [(r.stop - r.start, k.stop - k.start) for r, k, *_ in fast.blocks]
+    assert spans == [(32, 32), (32, 64), (32, 96), (32, 128)]   # 62.5% of the score matrix
+    # only the diagonal tile of each block has hidden keys, and only there is it zeroed
+    assert [(c.start, c.stop) for *_, c, _ in fast.blocks] == [(1, 32), (33, 64), (65, 96), (97, 128)]
+    window = make(n_q=96, d_head=8, mask={"window": [8, 0]})
+    spans = [(k.start, k.stop) for _, k, *_ in copies.Forward(window.visible, 1.0, np.array([0]), 96, 96).blocks]
+    assert spans == [(0, 32), (24, 64), (56, 96)]
+
+
+def test_the_shift_is_dropped_only_under_its_bound():
+    rng = np.random.default_rng(1)
+    q, k, v = rng.standard_normal((3, 1, 1, 16, 8))
+    visible = np.ones((1, 1, 16, 16), dtype=bool)
+    small = copies.Forward(visible, 0.3, np.array([0]), 16, 16)
+    assert not small._needs_shift(q, k, np.float64)
+    # logits far past exp's range: the bound asks for the shift, and the result is still the reference
+    big = copies.Forward(visible, 500.0, np.array([0]), 16, 16)
+    assert big._needs_shift(q, k, np.float64)
+    assert np.allclose(big(q, k, v), attention.forward(q, k, v, visible, 500.0, np.array([0])), rtol=1e-12)
+    with np.errstate(over="ignore", invalid="ignore"):
+        assert not np.isfinite(np.exp(500.0 * q[0, 0] @ k[0, 0].T)).all()  # without the shift: overflow
+    # float32's range is smaller: the same logits need the shift there
+    q32, k32 = (x.astype(np.float32) for x in (q, k))
+    assert copies.Forward(visible, 12.0, np.array([0]), 16, 16)._needs_shift(q32, k32, np.float32)
+    assert not copies.Forward(visible, 12.0, np.array([0]), 16, 16)._needs_shift(q, k, np.float64)
+
+
+@pytest.mark.parametrize("drift", [1e-9, 0.0])
+def test_a_fast_path_that_drifts_from_the_reference_fails_the_run(monkeypatch, drift):
+    """The check ``fast forward agrees with the reference`` is what makes the fast path trustworthy: a
+    bias of 1e-9 (invisible to finite differences, which difference it away) must fail it."""
+    blocks = copies.Forward._blocks
+
+    def biased(self, q, k_t, v_rep, shift, out):
+        blocks(self, q, k_t, v_rep, shift, out)
+        out += drift
+
+    monkeypatch.setattr(copies.Forward, "_blocks", biased)
+    result = checker.run_scenario(make(n_q=12, d_head=4, mask={"causal": "lower-right"}))
+    check = next(c for c in result.checks if c.name == "fast forward agrees with the reference")
+    assert check.passed is (drift == 0.0)
+    assert result.passed is (drift == 0.0)
+    # the gradient checks themselves still pass: only the agreement check can see this
+    assert all(c.passed for c in result.checks if c.kind == "gradient")
+
+
+def test_a_fast_path_that_drops_a_key_fails_the_run(monkeypatch):
+    init = copies.Forward.__init__
+
+    def short(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.blocks = [(r, slice(k.start, k.stop - 1) if k.stop - k.start > 1 else k, None, None, None)
+                       for r, k, *_ in self.blocks]
+
+    monkeypatch.setattr(copies.Forward, "__init__", short)
+    result = checker.run_scenario(make(n_q=12, d_head=4))
+    assert not next(c for c in result.checks if c.name == "fast forward agrees with the reference").passed
+    assert not result.passed
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_freed_memory_is_kept_for_reuse_on_glibc():
+    assert numeric.keep_freed_memory() is True
+
+
+def test_a_zero_gradient_checked_by_noisy_differences_passes():
+    """Only row 0 carries gradient and it sees one key: G_Q and G_K are exactly 0, and differences of a
+    forward that rounds (e * v) / e pick up noise far below the floor. That verifies the zero; it is not
+    a check without power."""
+    result = checker.run_scenario(make(batch=2, heads_q=2, n_q=8, d_head=8, loss_rows=[0],
+                                       mask={"causal": "upper-left"}))
+    verdicts = {c.tensor: c.verdict for c in result.checks if c.kind == "gradient"}
+    assert verdicts == {"q": "pass", "k": "pass", "v": "pass"}
+    assert result.passed
