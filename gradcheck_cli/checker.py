@@ -165,11 +165,14 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
     size = max(float(np.abs(ana).max(initial=0.0)), float(np.abs(num).max(initial=0.0)))
     allowed = sc.tolerance * size + floor  # per element, as ``passes`` judges it
     verdict, fd_error = _verdict(sc, problem, name, x, ana, num, allowed, sites, ok, direction_seed, rng, chunking)
-    # An analytic gradient below the rounding of L itself (floor x step = eps x the terms that move) is
-    # zero to rounding, and checking that it is zero (the differences within their noise floor) has
-    # power; otherwise a floor near the gradient's size has none.
-    resolvable = float(np.abs(ana).max(initial=0.0)) > float(np.max(floor * step, initial=0.0))
-    blind = verdict == "pass" and resolvable and float(np.max(floor, initial=0.0)) > POWER_LIMIT * size
+    # A floor near the gradient's size leaves a pass without power, except for a gradient that is
+    # zero to rounding: below the rounding of L itself (floor x step = eps x the terms that move), or
+    # (analytic and numeric alike) below the floor where that floor is small against the problem's
+    # largest gradient, i.e. verified negligible, whichever side is right.
+    top_floor = float(np.max(floor, initial=0.0))
+    resolvable = size > float(np.max(floor * step, initial=0.0))
+    negligible = size <= top_floor <= POWER_LIMIT * _problem_scale(problem)
+    blind = verdict == "pass" and resolvable and not negligible and top_floor > POWER_LIMIT * size
     if blind:  # passing says nothing when the noise floor is as large as the gradient
         verdict = "inconclusive"
     if sc.mode == "directional":
@@ -187,6 +190,10 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
                   else "") + ("float64, or smaller shapes" if sc.dtype != "float64" else "smaller shapes")
         detail += (f"; no power: the noise floor ({float(np.max(floor)):.2g}) is over {POWER_LIMIT:.0%} of the "
                    f"largest gradient ({size:.2g}), so errors that size would pass unseen: use {remedy}")
+    elif verdict == "pass" and resolvable and negligible:
+        detail += (f"; zero to within the noise floor ({top_floor:.2g}), which is small against the largest "
+                   f"gradient of the problem ({_problem_scale(problem):.2g}): verified negligible, not to "
+                   f"{sc.tolerance:g} relative")
     elif verdict == "inconclusive":
         detail += ("; the finite differences are too inaccurate here to decide: "
                    + ("use dtype float64 (or a smaller epsilon on peaked rows)" if sc.dtype != "float64"
@@ -196,6 +203,11 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
         evidence = diagnose.Evidence.from_sites(grad, sites, num, allowed)
     return Check("gradient", f"gradient {name}", name, tuple(x.shape), max_abs, rel, sc.tolerance,
                  noise, index, verdict == "pass", detail, verdict, fd_error), num, evidence
+
+
+def _problem_scale(problem) -> float:
+    """The largest analytic gradient of any input: the size a bug would have to reach to matter."""
+    return max((float(np.max(np.abs(g), initial=0.0)) for g in problem.gradients.values()), default=0.0)
 
 
 #: A check whose noise floor exceeds this fraction of the gradient's size has no power to see bugs

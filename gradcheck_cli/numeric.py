@@ -67,7 +67,11 @@ def keep_freed_memory() -> bool:
     threshold's size never stops doing so), so every chunk pays a page fault per 4 KiB touched: in a
     virtual machine that doubled the time per copy (190 vs 95 us at n=128, d=64; M_TRIM_THRESHOLD
     alone or M_MMAP_THRESHOLD alone does not help). Blocks up to 32 MiB now come from the heap, which
-    keeps up to 256 MiB free. Process-wide and idempotent; a no-op (False) without glibc."""
+    keeps up to 256 MiB free. Process-wide (also inside a host process using the Python API or the
+    pytest plugin) and idempotent; a no-op (False) without glibc or with the environment variable
+    ATTN_GRADCHECK_KEEP_FREED_MEMORY=0."""
+    if os.environ.get("ATTN_GRADCHECK_KEEP_FREED_MEMORY", "1") == "0":
+        return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError, TypeError):

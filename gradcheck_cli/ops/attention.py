@@ -385,7 +385,8 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
         rounding=rounding,
         rounding_total=rounding_total,
         copy_bytes=3 * a.size * dt.itemsize + o.size * dt.itemsize,
-        invariants=lambda: [copies.agreement(fast, reference, inputs, np.random.default_rng([sc.seed, 4]))]
+        invariants=lambda: [copies.agreement(fast, reference, inputs, visible, scale, kv_map, faults,
+                                             np.random.default_rng([sc.seed, 4]))]
         + invariants.attention(fwd, bwd, inputs, visible, kv_map, grads, rng_inv),
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
                 "scale": np.asarray(scale), "kv_map": kv_map, "output": o,

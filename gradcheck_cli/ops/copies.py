@@ -38,6 +38,8 @@ class Forward:
     def __init__(self, visible: np.ndarray | None, scale: float, kv_map: np.ndarray, n_q: int, n_k: int,
                  rows: int | None = None):
         self.scale, self.kv_map, self.rows = scale, kv_map, rows or ROWS
+        if visible is not None:  # any shape that broadcasts to [B, Hq, n_q, n_k]
+            visible = np.broadcast_to(visible, visible.shape[:-2] + (n_q, n_k))
         seen = np.ones((n_q, n_k), dtype=bool) if visible is None else visible.reshape(-1, n_q, n_k).any(axis=0)
         self.blocks = []
         for start in range(0, n_q, self.rows):
@@ -56,10 +58,13 @@ class Forward:
     def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         dt = np.result_type(q, k, v)
         shift = self._needs_shift(q, k, dt)
-        # scale * K^T, laid out [..., d, n_k]: each block's product then reads contiguous rows
-        k_rep = self._repeat(k)
-        k_t = np.empty(k_rep.shape[:-2] + k_rep.shape[:-3:-1], dtype=dt)
-        np.multiply(np.swapaxes(k_rep, -1, -2), np.asarray(self.scale, dtype=dt), out=k_t)
+        k_rep, scale = self._repeat(k), np.asarray(self.scale, dtype=dt)
+        if len(self.blocks) > 1:
+            # scale * K^T laid out [..., d, n_k]: the products of every row block read contiguous rows
+            k_t = np.empty(k_rep.shape[:-2] + k_rep.shape[:-3:-1], dtype=dt)
+            np.multiply(np.swapaxes(k_rep, -1, -2), scale, out=k_t)
+        else:  # one product per copy: a pass over the copies of K would cost as much as the product
+            q, k_t = q * scale, np.swapaxes(k_rep, -1, -2)
         v_rep = self._repeat(v)
         lead = np.broadcast_shapes(q.shape[:-2], k_t.shape[:-2], v_rep.shape[:-2])
         out = np.empty(lead + (q.shape[-2], v.shape[-1]), dtype=dt)
@@ -91,24 +96,38 @@ class Forward:
             block /= e.sum(axis=-1, keepdims=True)
 
 
-#: The fast path and the reference agree to this many units of rounding (relative to the largest
-#: value of O, plus the same relative to the largest |v|): they differ in the order of sums and in
-#: whether and where the softmax's maximum is subtracted.
+#: The fast path and the reference agree to this many units of rounding of the terms each element of O
+#: is made of: they differ in the order of sums and in whether and where the softmax's maximum is
+#: subtracted, so a score's rounding (eps * |scale| * sum_c |q_ic k_jc|) reaches O through A_ij.
 AGREEMENT_ULPS = 256
 
 
-def agreement(fast: Forward, reference, inputs: dict, rng: np.random.Generator):
-    """The check that the fast path computes the reference forward, on O stacked [10, B, Hq, n_q, d_value]:
-    copy 0 from the unperturbed inputs, then three copies each of q, k and v moved as finite differences
-    stack them (every element by up to 1% of max(1, |x|), so every score differs)."""
+def agreement(fast: Forward, reference, inputs: dict, visible, scale, kv_map, faults, rng: np.random.Generator):
+    """The check that the fast path computes the reference forward, on O stacked [7, B, Hq, n_q, d_value]:
+    copy 0 from the unperturbed inputs, then two copies each of q, k and v moved as finite differences
+    stack them (every element by up to 1% of max(1, |x|), so every score differs). Each element of O
+    may differ by AGREEMENT_ULPS x eps x the size of its terms, sum_j A_ij (1 + |scale| sum_c |q_ic k_jc|)
+    |v_jc| (the rounding model of ``attention._Blocks.rounding``)."""
     from .. import invariants
+    from . import attention
     dt = np.result_type(*inputs.values())
-    tolerance = AGREEMENT_ULPS * float(np.finfo(dt).eps)
-    mine, theirs = [fast(**inputs)[None]], [reference(**inputs)[None]]
+    stacks = [{t: x[None] for t, x in inputs.items()}]
     for name, x in inputs.items():
-        moved = x + (rng.uniform(-0.01, 0.01, (3,) + x.shape) * np.maximum(1.0, np.abs(x))).astype(x.dtype)
-        mine.append(fast(**{**inputs, name: moved}))
-        theirs.append(reference(**{**inputs, name: moved}))
-    size = float(np.abs(inputs["v"]).max(initial=0.0))
-    return invariants.agreement("fast forward agrees with the reference", "o", np.concatenate(mine),
-                                np.concatenate(theirs).astype(np.float64), tolerance, floor=tolerance * size)
+        moved = x + (rng.uniform(-0.01, 0.01, (2,) + x.shape) * np.maximum(1.0, np.abs(x))).astype(x.dtype)
+        stacks.append({**inputs, name: moved})
+    gaps, sizes = [], []
+    for args in stacks:
+        ref = np.asarray(reference(**args), dtype=np.float64)
+        gaps.append(np.abs(np.asarray(fast(**args), dtype=np.float64) - ref).reshape((-1,) + ref.shape[-4:]))
+        a = attention.attention_weights(args["q"], args["k"], visible, scale, kv_map, faults).astype(np.float64)
+        q_abs = np.abs(args["q"]).astype(np.float64)
+        k_abs, v_abs = (np.abs(attention.repeat_kv(args[t], kv_map)).astype(np.float64) for t in ("k", "v"))
+        terms = (a * (1.0 + abs(scale) * (q_abs @ np.swapaxes(k_abs, -1, -2)))) @ v_abs
+        sizes.append(np.broadcast_to(terms, ref.shape).reshape(gaps[-1].shape))
+    gap, size = np.concatenate(gaps), np.concatenate(sizes)
+    relative = gap / np.maximum(size, np.finfo(np.float64).tiny)
+    return invariants.bounded(
+        "fast forward agrees with the reference", "o", relative, AGREEMENT_ULPS * float(np.finfo(dt).eps),
+        "|fast - reference| / sum_j A_ij (1 + |scale| sum_c |q_ic k_jc|) |v_jc| per element of O (the size of "
+        "the terms its rounding comes from), on the unperturbed inputs and two moved copies each of q, k, v "
+        "(O stacked 7 x B x Hq x n_q x d_value)")
