@@ -524,7 +524,7 @@ def render_sweep(console: Console, sweep, description: str) -> None:
         rows.append(cells + (["<- run"] if h == sweep.chosen else [""]))
     _table(console, f"{sweep.name} ({description}): relative error against epsilon", ["epsilon"] + tensors + [""],
            rows, [True] * (1 + len(tensors)) + [False])
-    console.print("  right: truncation (~h^2); left: rounding (~eps/h); * = smallest error; <- run = the step "
+    console.print("  large steps: truncation (~h^2); small steps: rounding (~eps/h); * = smallest error; <- run = the step "
                   "the run uses", soft_wrap=True)
     console.print()
 

@@ -137,7 +137,7 @@ def test_negative_controls_json_and_junit(root, tmp_path):
 
 def test_negative_controls_exit_1_when_a_fault_is_missed(tmp_path):
     cfg = tmp_path / "weak.yaml"
-    cfg.write_text("scenarios: [{name: weak, n_q: 8, d_head: 8, scale: 0.25, dtype: float32, epsilon: 1.0e-6}]\n")
+    cfg.write_text("scenarios: [{name: weak, n_q: 8, d_head: 8, scale: 0.8, dtype: float32, epsilon: 1.0e-6}]\n")
     result = run("run", cfg, "--negative-controls")
     assert result.exit_code == 1
     assert "MISSED scale on weak" in result.stdout

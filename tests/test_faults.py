@@ -73,8 +73,9 @@ def test_not_applicable_faults_are_reported_as_such():
 
 
 def test_a_check_without_power_is_reported_missed():
-    # float32 with a step far below its rounding: the noise floor swamps the scale fault
-    sc = make(n_q=8, d_head=8, scale=0.25, dtype="float32", epsilon=1e-6)
+    # float32 with a step far below its rounding: the noise (~10% of the gradients) swamps a scale fault
+    # that moves G_Q and G_K by 25% (at scale 0.25 they move by 300%, which is caught even there)
+    sc = make(n_q=8, d_head=8, scale=0.8, dtype="float32", epsilon=1e-6)
     status = {c.fault: c.status for c in checker.negative_controls([sc])}
     assert status["scale"] == "missed"
 
@@ -174,3 +175,21 @@ def test_a_check_without_power_is_inconclusive_never_pass():
     # a gradient that is zero to rounding is checked with power: it passes
     zero = checker.run_scenario(make(n_q=4, d_head=2, loss_rows=[0], mask={"causal": "upper-left"}))
     assert zero.passed
+
+
+def test_an_error_a_few_times_the_tolerance_fails_when_the_differences_are_accurate(monkeypatch):
+    """Found in review: G_Q off by 5e-6 relative (5x the float64 tolerance) with differences accurate to
+    ~1e-9 was 'inconclusive: the finite differences are too inaccurate', contradicting its own estimate.
+    Out of tolerance by far more than the finite-difference error is a failure."""
+    import dataclasses
+    from gradcheck_cli.ops import attention
+    backward = attention.backward
+
+    def off(*args, **kwargs):
+        g = backward(*args, **kwargs)
+        return dataclasses.replace(g, q=g.q * (1 + 5e-6))
+    monkeypatch.setattr(attention, "backward", off)
+    result = checker.run_scenario(make(n_q=6, d_head=8, mask={"causal": "lower-right"}))
+    check = next(c for c in result.checks if c.name == "gradient q")
+    assert check.verdict == "fail" and 3 < check.relative_error / check.tolerance < 6, check
+    assert check.fd_error < 1e-3 * check.max_abs_error
