@@ -290,7 +290,9 @@ def _merge(doc: _Doc, defaults: dict, scenario: dict, index: int) -> dict[str, t
             path = base + (key,)
             allowed = SCENARIO_KEYS if source is scenario else tuple(k for k in SCENARIO_KEYS if k != "name")
             if key not in allowed:
-                raise doc.error(path, f"unknown key '{key}'", hint=_suggest(key, allowed))
+                owner = next((n for n, subkeys in NESTED.items() if key in subkeys), None)
+                hint = f"'{key}' belongs under '{owner}:' ({owner}: {{{key}: ...}})" if owner else _suggest(key, allowed)
+                raise doc.error(path, f"unknown key '{key}'", hint=hint)
             if key in NESTED:
                 if value is not None:
                     out.update(_nested(doc, key, value, path))
@@ -841,8 +843,9 @@ def select(scenarios: list[Scenario], include: tuple[str, ...] = (), exclude: tu
     chosen = [sc for sc in scenarios if (not include or matches(sc.name, include)) and not matches(sc.name, exclude)]
     if not chosen:
         names = ", ".join(sc.name for sc in scenarios)
-        raise GradcheckError(f"no scenario matches --select {list(include)} / --deselect {list(exclude)} "
-                             f"(scenarios: {names}); patterns are globs over whole names, e.g. '*gqa*'")
+        given = " ".join([f"--select '{p}'" for p in include] + [f"--deselect '{p}'" for p in exclude])
+        raise GradcheckError(f"no scenario is left by {given} (scenarios: {names}); patterns are globs over "
+                             f"whole names, e.g. '*gqa*'")
     return chosen
 
 

@@ -195,7 +195,7 @@ def test_select_deselect_and_the_reproduce_line(root, tmp_path):
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["scenarios"][1]["reproduce"].endswith("--select cache-gqa --fault scale")
     none = run("run", config, "--select", "nothing*")
-    assert none.exit_code == 2 and "no scenario matches" in none.stderr
+    assert none.exit_code == 2 and "no scenario is left by --select" in none.stderr
 
 
 def test_validate_takes_several_files_and_reports_each_bad_one(root, tmp_path):

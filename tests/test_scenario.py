@@ -8,6 +8,7 @@ from click.testing import CliRunner
 from gradcheck_cli import scenario
 from gradcheck_cli.cli import main
 from gradcheck_cli.errors import ScenarioError
+from helpers import assert_rejected
 
 BASE = """\
 scenarios:
@@ -180,3 +181,10 @@ def test_memory_estimate_uses_the_limit():
     scenario.loads(text, memory_limit=10**9)
     with pytest.raises(ScenarioError, match="needs about"):
         scenario.loads(text, memory_limit=1000)
+
+
+def test_a_mask_or_check_key_at_scenario_level_says_where_it_belongs():
+    assert_rejected("scenarios:\n  - name: a\n    n_q: 4\n    d_head: 4\n    causal: lower-right\n", 5, "scenarios[0].causal",
+                    "'causal' belongs under 'mask:'")
+    assert_rejected("scenarios:\n  - name: a\n    n_q: 4\n    d_head: 4\n    mode: sample\n", 5, "scenarios[0].mode",
+                    "'mode' belongs under 'check:'")
