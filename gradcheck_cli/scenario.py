@@ -260,7 +260,10 @@ class _Fields:
             return default
         v = self.raw(key)
         if v not in choices:
-            raise self.error(key, f"expected one of {', '.join(choices)}; got {v!r}")
+            import difflib
+            close = difflib.get_close_matches(str(v), choices, n=1) if isinstance(v, str) else []
+            raise self.error(key, f"expected one of {', '.join(choices)}; got {v!r}",
+                             hint=f"did you mean '{close[0]}'?" if close else None)
         return v
 
     def int_list(self, key: str, lo: int, hi: int | None, what: str, unique: bool = False) -> tuple[int, ...] | None:

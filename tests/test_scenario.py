@@ -188,3 +188,10 @@ def test_a_mask_or_check_key_at_scenario_level_says_where_it_belongs():
                     "'causal' belongs under 'mask:'")
     assert_rejected("scenarios:\n  - name: a\n    n_q: 4\n    d_head: 4\n    mode: sample\n", 5, "scenarios[0].mode",
                     "'mode' belongs under 'check:'")
+
+
+def test_a_misspelled_choice_gets_a_suggestion():
+    assert_rejected("scenarios:\n  - name: a\n    op: attension\n    n_q: 4\n    d_head: 4\n", 3, "scenarios[0].op",
+                    "did you mean 'attention'?")
+    assert_rejected("scenarios:\n  - name: a\n    n_q: 4\n    d_head: 4\n    check: {mode: ful}\n", 5,
+                    "scenarios[0].check.mode", "did you mean 'full'?")
