@@ -46,14 +46,15 @@ class Forward:
             span = slice(start, min(start + self.rows, n_q))
             cols = np.flatnonzero(seen[span].any(axis=0))
             keys = slice(int(cols[0]), int(cols[-1]) + 1)  # every row sees some key (the loader says so)
-            hidden = None if visible is None else ~visible[..., span, keys]
-            if hidden is None or not hidden.any():
+            shown = None if visible is None else visible[..., span, keys]
+            if shown is None or shown.all():
                 self.blocks.append((span, keys, None, None, None))
                 continue
             # the columns where some key is hidden (a causal block's diagonal tile): zeroed after exp
+            hidden = ~shown
             where = np.flatnonzero(hidden.reshape(-1, hidden.shape[-1]).any(axis=0))
             cut = slice(int(where[0]), int(where[-1]) + 1)
-            self.blocks.append((span, keys, hidden, cut, hidden[..., cut]))
+            self.blocks.append((span, keys, shown, cut, hidden[..., cut]))
 
     def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         dt = np.result_type(q, k, v)
@@ -83,14 +84,13 @@ class Forward:
         return not bool(abs(self.scale) * q_norm * k_norm < shift_free_limit(dt))
 
     def _blocks(self, q, k_t, v_rep, shift: bool, out: np.ndarray) -> None:
-        for span, keys, hidden, cut, hidden_cut in self.blocks:
+        for span, keys, shown, cut, hidden_cut in self.blocks:
             s = np.matmul(q[..., span, :], k_t[..., keys])
             with np.errstate(over="ignore", under="ignore", invalid="ignore"):
                 if shift:
-                    s -= np.max(s, axis=-1, keepdims=True, where=True if hidden is None else ~hidden,
-                                initial=-np.inf)
+                    s -= np.max(s, axis=-1, keepdims=True, where=True if shown is None else shown, initial=-np.inf)
                 e = np.exp(s, out=s)
-            if hidden is not None:
+            if cut is not None:
                 np.copyto(e[..., cut], 0, where=hidden_cut)
             block = np.matmul(e, v_rep[..., keys, :], out=out[..., span, :])
             block /= e.sum(axis=-1, keepdims=True)
