@@ -105,29 +105,38 @@ AGREEMENT_ULPS = 256
 def agreement(fast: Forward, reference, inputs: dict, visible, scale, kv_map, faults, rng: np.random.Generator):
     """The check that the fast path computes the reference forward, on O stacked [7, B, Hq, n_q, d_value]:
     copy 0 from the unperturbed inputs, then two copies each of q, k and v moved as finite differences
-    stack them (every element by up to 1% of max(1, |x|), so every score differs). Each element of O
-    may differ by AGREEMENT_ULPS x eps x the size of its terms, sum_j A_ij (1 + |scale| sum_c |q_ic k_jc|)
-    |v_jc| (the rounding model of ``attention._Blocks.rounding``)."""
+    stack them (every element by up to 1% of max(1, |x|), so every score differs), each evaluated on a
+    leading copy axis of its own (the memory of one forward at a time). Each element of O may differ
+    by AGREEMENT_ULPS x eps x the size of its terms (:func:`term_sizes`)."""
     from .. import invariants
-    from . import attention
     dt = np.result_type(*inputs.values())
-    stacks = [{t: x[None] for t, x in inputs.items()}]
+    copies = [inputs]
     for name, x in inputs.items():
-        moved = x + (rng.uniform(-0.01, 0.01, (2,) + x.shape) * np.maximum(1.0, np.abs(x))).astype(x.dtype)
-        stacks.append({**inputs, name: moved})
-    gaps, sizes = [], []
-    for args in stacks:
+        for _ in range(2):
+            moved = x + (rng.uniform(-0.01, 0.01, x.shape) * np.maximum(1.0, np.abs(x))).astype(x.dtype)
+            copies.append({**inputs, name: moved})
+    relative = []
+    for args in copies:
         ref = np.asarray(reference(**args), dtype=np.float64)
-        gaps.append(np.abs(np.asarray(fast(**args), dtype=np.float64) - ref).reshape((-1,) + ref.shape[-4:]))
-        a = attention.attention_weights(args["q"], args["k"], visible, scale, kv_map, faults).astype(np.float64)
-        q_abs = np.abs(args["q"]).astype(np.float64)
-        k_abs, v_abs = (np.abs(attention.repeat_kv(args[t], kv_map)).astype(np.float64) for t in ("k", "v"))
-        terms = (a * (1.0 + abs(scale) * (q_abs @ np.swapaxes(k_abs, -1, -2)))) @ v_abs
-        sizes.append(np.broadcast_to(terms, ref.shape).reshape(gaps[-1].shape))
-    gap, size = np.concatenate(gaps), np.concatenate(sizes)
-    relative = gap / np.maximum(size, np.finfo(np.float64).tiny)
+        gap = np.abs(np.asarray(fast(**{t: x[None] for t, x in args.items()})[0], dtype=np.float64) - ref)
+        relative.append(gap / np.maximum(term_sizes(args, visible, scale, kv_map, faults), np.finfo(np.float64).tiny))
     return invariants.bounded(
-        "fast forward agrees with the reference", "o", relative, AGREEMENT_ULPS * float(np.finfo(dt).eps),
+        "fast forward agrees with the reference", "o", np.stack(relative), AGREEMENT_ULPS * float(np.finfo(dt).eps),
         "|fast - reference| / sum_j A_ij (1 + |scale| sum_c |q_ic k_jc|) |v_jc| per element of O (the size of "
         "the terms its rounding comes from), on the unperturbed inputs and two moved copies each of q, k, v "
         "(O stacked 7 x B x Hq x n_q x d_value)")
+
+
+def term_sizes(inputs: dict, visible, scale, kv_map, faults, rows: int = 256) -> np.ndarray:
+    """sum_j A_ij (1 + |scale| sum_c |q_ic k_jc|) |v_jc| for every element of O, in float64, ``rows``
+    query rows at a time (the rounding model of ``attention._Blocks.rounding``)."""
+    from . import attention
+    q, k = inputs["q"], inputs["k"]
+    q_abs = np.abs(q).astype(np.float64)
+    k_abs, v_abs = (np.abs(attention.repeat_kv(inputs[t], kv_map)).astype(np.float64) for t in ("k", "v"))
+    out = np.empty(q.shape[:-1] + (v_abs.shape[-1],))
+    for start in range(0, q.shape[-2], rows):
+        span = slice(start, min(start + rows, q.shape[-2]))
+        a = attention.attention_weights(q[..., span, :], k, visible[..., span, :], scale, kv_map, faults)
+        out[..., span, :] = (a * (1.0 + abs(scale) * (q_abs[..., span, :] @ np.swapaxes(k_abs, -1, -2)))) @ v_abs
+    return out
