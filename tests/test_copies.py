@@ -55,8 +55,6 @@ def test_the_shift_is_dropped_only_under_its_bound():
     big = copies.Forward(visible, 500.0, np.array([0]), 16, 16)
     assert big._needs_shift(q, k, np.float64)
     assert np.allclose(big(q, k, v), attention.forward(q, k, v, visible, 500.0, np.array([0])), rtol=1e-12)
-    with np.errstate(over="ignore", invalid="ignore"):
-        assert not np.isfinite(np.exp(500.0 * q[0, 0] @ k[0, 0].T)).all()  # without the shift: overflow
     # float32's range is smaller: the same logits need the shift there
     q32, k32 = (x.astype(np.float32) for x in (q, k))
     assert copies.Forward(visible, 12.0, np.array([0]), 16, 16)._needs_shift(q32, k32, np.float32)
@@ -142,7 +140,8 @@ def test_a_zero_gradient_checked_by_noisy_differences_passes():
     verdicts = {c.tensor: c.verdict for c in result.checks if c.kind == "gradient"}
     assert verdicts == {"q": "pass", "k": "pass", "v": "pass"}
     assert result.passed
-    assert all("verified negligible" in c.detail for c in result.checks if c.tensor in "qk" and c.kind == "gradient")
+    assert all("verified negligible" in c.detail for c in result.checks
+               if c.tensor in ("q", "k") and c.kind == "gradient")
 
 
 def test_below_the_floor_a_wrong_zero_and_the_right_tiny_gradient_get_the_same_verdict(monkeypatch):
@@ -161,4 +160,4 @@ def test_below_the_floor_a_wrong_zero_and_the_right_tiny_gradient_get_the_same_v
     wrong = checker.run_scenario(make(**keys))
     verdict = {name: {c.tensor: c.verdict for c in r.checks if c.kind == "gradient"}["q"]
                for name, r in (("right", right), ("wrong", wrong))}
-    assert verdict["right"] == verdict["wrong"], verdict
+    assert verdict == {"right": "pass", "wrong": "pass"}, verdict  # both verified negligible (G_Q ~ 1e-10)

@@ -57,7 +57,7 @@ def sum_groups(g: np.ndarray, kv_map: np.ndarray, heads_kv: int, *, overwrite: b
 def _exp_scores(q, k, scale, kv_map, visible, hidden=None):
     """exp(S - m) and its row sums l, for S = scale * q k^T with the row max m over the visible set
     subtracted (A.10.2). ``visible`` None means every key is visible; ``hidden`` may pass ~visible
-    precomputed (finite differences call this many times).
+    precomputed (the projection and block ops difference their forwards through this one).
 
     Hidden entries are overwritten with exactly 0 after the exponential rather than set to -inf
     before it: exp(-inf) takes NumPy's slow scalar path, about 3x the cost of the others. Whatever
@@ -87,7 +87,8 @@ def attention_weights(q, k, visible, scale, kv_map, faults: Collection[str] = ()
 def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), hidden=None):
     """O = A V [..., B, Hq, n_q, d_value] (A.10.3), evaluated as (exp(S - m) V) / l: the same product
     with the normalisation applied to the d_value-wide result instead of the n_k-wide weights.
-    ``hidden`` may pass ~visible precomputed (finite differences call this many times)."""
+    ``hidden`` may pass ~visible precomputed (the projection and block ops call this many times; the
+    attention op's finite differences evaluate the same function through ``copies.Forward``)."""
     e, l = _exp_scores(q, k, scale, kv_map, None if "mask" in faults else visible, hidden)
     o = np.matmul(e, repeat_kv(v, kv_map))
     o /= l
@@ -171,15 +172,8 @@ class _Blocks:
         Returns the per-element size of the terms that move with it (by block), and the total.
         ``a`` is A, or a callable giving A's rows for a slice of query rows (``rows`` at a time), so
         the tiled engine never holds all of A."""
-        qa, ka, va = (np.abs(t).astype(np.float64) for t in
-                      (inputs["q"], repeat_kv(inputs["k"], kv_map), repeat_kv(inputs["v"], kv_map)))
         a_rows = a if callable(a) else (lambda span: a[..., span, :])
-        terms = np.empty(g.shape, dtype=np.float64)
-        for start in range(0, g.shape[-2], rows):
-            span = slice(start, min(start + rows, g.shape[-2]))
-            logit_error = 1.0 + abs(scale) * (qa[..., span, :] @ np.swapaxes(ka, -1, -2))
-            terms[..., span, :] = np.abs(g[..., span, :]).astype(np.float64) * (
-                (a_rows(span).astype(np.float64) * logit_error) @ va)
+        terms = np.abs(g).astype(np.float64) * output_term_sizes(inputs, a_rows, scale, kv_map, rows)
         # The worst case adds every term's bound; independent rounding errors add in quadrature, so a
         # block of many terms (K's: every query of its group) is charged RSS_FACTOR x their root sum of
         # squares when that is less (the worst case would hide real bugs on large float32 heads).
@@ -189,6 +183,21 @@ class _Blocks:
             rss = RSS_FACTOR * np.sqrt(self.sums(name, terms * terms))
             out[name] = np.minimum(linear, rss)[self.parts[name]]
         return out, float(min(terms.sum(), RSS_FACTOR * np.sqrt(np.sum(terms * terms))))
+
+
+def output_term_sizes(inputs, a_rows, scale, kv_map, rows: int = 256) -> np.ndarray:
+    """sum_j A_ij (1 + |scale| sum_c |q_ic k_jc|) |V_jc| for every element of O, in float64: the size of
+    the terms each output element is made of, from which its rounding comes (a logit carries an error
+    of about eps * |scale| sum_c |q_ic k_jc|, which the softmax passes on relative to A_ij). ``a_rows(span)``
+    gives A's rows for a slice of query rows; ``rows`` query rows are taken at a time."""
+    qa, ka, va = (np.abs(t).astype(np.float64) for t in
+                  (inputs["q"], repeat_kv(inputs["k"], kv_map), repeat_kv(inputs["v"], kv_map)))
+    out = np.empty(qa.shape[:-1] + (va.shape[-1],))
+    for start in range(0, qa.shape[-2], rows):
+        span = slice(start, min(start + rows, qa.shape[-2]))
+        logit_error = 1.0 + abs(scale) * (qa[..., span, :] @ np.swapaxes(ka, -1, -2))
+        out[..., span, :] = (a_rows(span).astype(np.float64) * logit_error) @ va
+    return out
 
 
 #: Invariants that fail when the forward lets hidden keys reach O.
@@ -354,18 +363,17 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
     dt = np.dtype(sc.dtype)
     kv_map = np.asarray(sc.kv_map, dtype=np.intp)
     visible, scale = sc.visible, sc.scale
-    hidden = ~visible
     blocks = _Blocks(sc, kv_map)
 
     def fwd(q, k, v):
-        return (forward(q, k, v, visible, scale, kv_map, faults, hidden),
+        return (forward(q, k, v, visible, scale, kv_map, faults),
                 attention_weights(q, k, visible, scale, kv_map, faults))
 
     def bwd(q, k, v, grad_o):
         return backward(q, k, v, visible, scale, kv_map, grad_o, faults)
 
     def reference(q, k, v):
-        return forward(q, k, v, visible, scale, kv_map, faults, hidden)
+        return forward(q, k, v, visible, scale, kv_map, faults)
 
     # Finite differences evaluate the same forward by blocks of query rows (ops/copies.py), checked
     # against the reference in every run.
