@@ -8,19 +8,11 @@ each block sees. Prints GFLOP/s and microseconds per copy, best of R.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-
-def best(repeat: int, fn) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+from bench_full_mode import best_of as best  # run from the repository root: benchmarks/ is on the path
 
 
 def main() -> None:
