@@ -171,7 +171,8 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
     # largest gradient, i.e. verified negligible, whichever side is right.
     top_floor = float(np.max(floor, initial=0.0))
     resolvable = size > float(np.max(floor * step, initial=0.0))
-    negligible = size <= top_floor <= POWER_LIMIT * _problem_scale(problem)
+    problem_scale = _problem_scale(problem)
+    negligible = size <= top_floor <= POWER_LIMIT * problem_scale
     blind = verdict == "pass" and resolvable and not negligible and top_floor > POWER_LIMIT * size
     if blind:  # passing says nothing when the noise floor is as large as the gradient
         verdict = "inconclusive"
@@ -192,7 +193,7 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
                    f"largest gradient ({size:.2g}), so errors that size would pass unseen: use {remedy}")
     elif verdict == "pass" and resolvable and negligible:
         detail += (f"; zero to within the noise floor ({top_floor:.2g}), which is small against the largest "
-                   f"gradient of the problem ({_problem_scale(problem):.2g}): verified negligible, not to "
+                   f"gradient of the problem ({problem_scale:.2g}): verified negligible, not to "
                    f"{sc.tolerance:g} relative")
     elif verdict == "inconclusive":
         detail += ("; the finite differences are too inaccurate here to decide: "
