@@ -9,7 +9,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from . import diagnose, numeric
+from . import diagnose, numeric, verdict
 from .implementation import ImplementationFailure, failure_check
 from .ops import FAULTS, OPS
 from .result import Check, ControlCell, ScenarioResult
@@ -38,27 +38,66 @@ def _forward_faults(faults: Iterable[str]) -> frozenset[str]:
     return frozenset(f for f in faults if FAULTS[f].forward)
 
 
+def applicable_faults(sc: Scenario) -> tuple[str, ...]:
+    """The faults of the scenario's op that apply to what it checks: the built-in engine's, or their
+    interface variants on a user's implementation (``Fault.user``)."""
+    faults = OPS[sc.op].faults
+    if sc.implementation is None:
+        return tuple(name for name, f in faults.items() if f.engine)
+    return tuple(name for name, f in faults.items() if f.user is not None)
+
+
+def _build(sc: Scenario, active: Sequence[str], sizes: dict[str, float] | None):
+    op = OPS[sc.op]
+    return op.build(sc, active, sizes) if sizes else op.build(sc, active)
+
+
+def fault_sizes(clean: ScenarioResult, faults: Iterable[str]) -> dict[str, float]:
+    """The size of each sized fault from the clean run: ``scale-dX`` is 10 x the smallest relative error
+    the clean run would have caught in X (inf when it could catch none: the fault cannot apply)."""
+    sizes = {}
+    for fault in faults:
+        tensor = fault.rsplit("-d", 1)[-1]
+        powers = [c.detectable for c in clean.checks if c.tensor == tensor and c.detectable is not None]
+        sizes[fault] = SIZED_FACTOR * min(powers) if powers else float("inf")
+    return sizes
+
+
+#: A sized fault is this many times the smallest error the clean run would have caught.
+SIZED_FACTOR = 10.0
+
+
 def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int = DEFAULT_MEMORY_BUDGET,
-                 progress: Progress | None = None, numeric_cache: dict | None = None) -> ScenarioResult:
-    """Check one scenario with the given faults injected (faults of other ops are ignored).
+                 progress: Progress | None = None, numeric_cache: dict | None = None,
+                 sizes: dict[str, float] | None = None) -> ScenarioResult:
+    """Check one scenario with the given faults injected (faults that do not apply to it, of other ops
+    or of the other kind, built-in engine or implementation, are ignored). Sized faults take their size
+    from ``sizes`` or, without it, from a clean run of the scenario first.
 
     ``numeric_cache`` lets several runs of the same scenario share finite differences when their
     faults leave the forward unchanged (negative controls use it).
     """
     start = time.perf_counter()
     op = OPS[sc.op]
-    active = tuple(f for f in faults if f in op.faults and sc.implementation is None)
-    try:
-        problem = op.build(sc, active)
-    except ImplementationFailure as exc:
+    active = tuple(f for f in faults if f in applicable_faults(sc))
+    sized = [f for f in active if op.faults[f].sized and f not in (sizes or {})]
+    if sized:
+        clean = run_scenario(sc, (), memory_budget=memory_budget, numeric_cache=numeric_cache)
+        sizes = {**(sizes or {}), **fault_sizes(clean, sized)}
+    sizes = {f: v for f, v in (sizes or {}).items() if f in active}
+
+    def result(checks, **extra) -> ScenarioResult:
         return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
-                              mode=sc.mode, faults=active, checks=(failure_check("implementation runs", exc),),
-                              elapsed_s=time.perf_counter() - start, index=sc.index, engine=sc.engine)
+                              mode=sc.mode, faults=active, checks=tuple(checks), elapsed_s=time.perf_counter() - start,
+                              index=sc.index, engine=sc.engine, **extra)
+
+    try:
+        problem = _build(sc, active, sizes)
+    except ImplementationFailure as exc:
+        return result((failure_check("implementation runs", exc),))
     broken = _non_finite(sc, problem)
     if broken:  # differences of NaN/inf say nothing: report where they first appear, and stop there
-        return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
-                              mode=sc.mode, faults=active, checks=tuple(broken), elapsed_s=time.perf_counter() - start,
-                              arrays=dict(problem.arrays), hints=(_range_hint(sc),), index=sc.index, engine=sc.engine)
+        return result(broken, arrays=dict(problem.arrays), hints=(_range_hint(sc),))
     rng = np.random.default_rng([sc.seed, 2])
     chunking = numeric.plan(problem.copy_bytes, memory_budget)
     checks: list[Check] = []
@@ -81,9 +120,7 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     except ImplementationFailure as exc:
         checks.append(failure_check("invariants", exc))
     checks, hints = _diagnose(sc, problem, checks, evidence)
-    return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
-                          mode=sc.mode, faults=active, checks=tuple(checks),
-                          elapsed_s=time.perf_counter() - start, arrays=arrays, hints=tuple(hints), index=sc.index, engine=sc.engine)
+    return result(checks, arrays=arrays, hints=tuple(hints))
 
 
 def _non_finite(sc: Scenario, problem) -> list[Check]:
@@ -137,7 +174,8 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
                     numeric_cache) -> tuple[Check, np.ndarray, diagnose.Evidence | None]:
     """The analytic gradient of input ``name`` against central differences: (check, numeric values,
     the evidence element by element for a diagnosis; None in directional mode)."""
-    eps_m = machine_epsilon(sc.dtype)
+    computes_in = problem.compute_dtype or sc.dtype
+    eps_m = machine_epsilon(computes_in)
     grad = problem.gradients[name]
     key = (sc, name, _forward_faults(active))
     direction_seed = int(rng.integers(2**32))
@@ -155,16 +193,20 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
             numeric_cache[key] = (num, sites, step)
     if sc.mode != "directional":
         ana = grad.ravel()[sites].astype(np.float64)
-    # Noise floor per element: the rounding of the terms that move, and of the float64 sum of L.
+    # Noise floor per element: the rounding of the terms that move (in the precision the forward really
+    # computes in), and of the float64 sum of L; plus the rounding of the analytic side where known.
     if sc.mode == "directional":
         floor = np.full(len(num), (eps_m + EPS64) * problem.rounding_total / step)
     else:
         floor = (eps_m * problem.rounding[name].ravel()[sites] + EPS64 * problem.rounding_total) / step
+        if problem.analytic_rounding and name in problem.analytic_rounding:
+            floor = floor + problem.analytic_rounding[name].ravel()[sites]
     max_abs, rel, worst = relative_error(ana, num)
     ok, noise = passes(ana, num, sc.tolerance, floor)
     size = max(float(np.abs(ana).max(initial=0.0)), float(np.abs(num).max(initial=0.0)))
     allowed = sc.tolerance * size + floor  # per element, as ``passes`` judges it
-    verdict, fd_error = _verdict(sc, problem, name, x, ana, num, allowed, sites, ok, direction_seed, rng, chunking)
+    outcome, fd_error, fd_estimate = _verdict(sc, problem, name, x, ana, num, allowed, floor, sites, ok,
+                                              direction_seed, rng, chunking)
     # A floor near the gradient's size leaves a pass without power, except for a gradient that is
     # zero to rounding: below the rounding of L itself (floor x step = eps x the terms that move), or
     # (analytic and numeric alike) below the floor where that floor is small against the problem's
@@ -172,10 +214,11 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
     top_floor = float(np.max(floor, initial=0.0))
     resolvable = size > float(np.max(floor * step, initial=0.0))
     problem_scale = _problem_scale(problem)
-    negligible = size <= top_floor <= POWER_LIMIT * problem_scale
-    blind = verdict == "pass" and resolvable and not negligible and top_floor > POWER_LIMIT * size
+    negligible = size <= top_floor <= verdict.POWER_LIMIT * problem_scale
+    blind = outcome == "pass" and resolvable and not negligible and top_floor > verdict.POWER_LIMIT * size
     if blind:  # passing says nothing when the noise floor is as large as the gradient
-        verdict = "inconclusive"
+        outcome = "inconclusive"
+    power = verdict.detectable(ana, num, allowed, fd_estimate) if outcome == "pass" else None
     if sc.mode == "directional":
         index = (worst,)
         where = f"direction {worst}"
@@ -185,25 +228,31 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
     detail = (f"worst at {where}: analytic {ana[worst]:.9g}, numeric {num[worst]:.9g}; "
               f"{len(num)} {'directions' if sc.mode == 'directional' else 'elements'} checked; "
               f"finite-difference error ~{fd_error:.2g}")
+    lower = computes_in != sc.dtype
     if blind:
         usual = defaults_for(sc.dtype)["epsilon"]
-        remedy = (f"a larger epsilon (now {sc.epsilon:g}; the {sc.dtype} default is {usual:g}), " if sc.epsilon < usual
-                  else "") + ("float64, or smaller shapes" if sc.dtype != "float64" else "smaller shapes")
-        detail += (f"; no power: the noise floor ({float(np.max(floor)):.2g}) is over {POWER_LIMIT:.0%} of the "
-                   f"largest gradient ({size:.2g}), so errors that size would pass unseen: use {remedy}")
-    elif verdict == "pass" and resolvable and negligible:
+        if lower:
+            remedy = f"dtype {computes_in} (the forward computes in about {computes_in})"
+        else:
+            remedy = (f"a larger epsilon (now {sc.epsilon:g}; the {sc.dtype} default is {usual:g}), "
+                      if sc.epsilon < usual else "") + ("float64, or smaller shapes" if sc.dtype != "float64"
+                                                         else "smaller shapes")
+        detail += (f"; no power: the noise floor ({float(np.max(floor)):.2g}) is over {verdict.POWER_LIMIT:.0%} of "
+                   f"the largest gradient ({size:.2g}), so errors that size would pass unseen: use {remedy}")
+    elif outcome == "pass" and resolvable and negligible:
         detail += (f"; zero to within the noise floor ({top_floor:.2g}), which is small against the largest "
                    f"gradient of the problem ({problem_scale:.2g}): verified negligible, not to "
                    f"{sc.tolerance:g} relative")
-    elif verdict == "inconclusive":
-        detail += ("; the finite differences are too inaccurate here to decide: "
-                   + ("use dtype float64 (or a smaller epsilon on peaked rows)" if sc.dtype != "float64"
-                      else f"try another epsilon (now {sc.epsilon:g}); attn-gradcheck cannot tell a bug from noise"))
+    elif outcome == "inconclusive":
+        detail += "; the finite differences are too inaccurate here to decide: " + (
+            f"the forward computes in about {computes_in}: run it with dtype {computes_in}" if lower else
+            "use dtype float64 (or a smaller epsilon on peaked rows)" if sc.dtype != "float64" else
+            f"try another epsilon (now {sc.epsilon:g}); attn-gradcheck cannot tell a bug from noise")
     evidence = None
     if sc.mode != "directional":
         evidence = diagnose.Evidence.from_sites(grad, sites, num, allowed)
     return Check("gradient", f"gradient {name}", name, tuple(x.shape), max_abs, rel, sc.tolerance,
-                 noise, index, verdict == "pass", detail, verdict, fd_error), num, evidence
+                 noise, index, outcome == "pass", detail, outcome, fd_error, detectable=power), num, evidence
 
 
 def _problem_scale(problem) -> float:
@@ -211,27 +260,22 @@ def _problem_scale(problem) -> float:
     return max((float(np.max(np.abs(g), initial=0.0)) for g in problem.gradients.values()), default=0.0)
 
 
-#: A check whose noise floor exceeds this fraction of the gradient's size has no power to see bugs
-#: of that size: it cannot pass, only be inconclusive.
-POWER_LIMIT = 0.25
-
 #: Elements (or directions) whose finite differences are re-taken at half the step to estimate their
 #: error: the worst by margin, and as many at random.
 RICHARDSON_PROBES = 8
-#: The same for a check that passes: its estimate is only reported.
+#: The same for a check that passes: its estimate sets the check's power (``detectable``).
 RICHARDSON_PROBES_PASSING = 2
-#: A check out of tolerance fails outright when its discrepancy is this many times above the estimated
-#: finite-difference error (the differences are accurate enough to trust); otherwise it is inconclusive.
-FAIL_FACTOR = 10.0
 
 
-def _verdict(sc, problem, name, x, ana, num, allowed, sites, ok, direction_seed, rng, chunking):
-    """(pass | fail | inconclusive, estimated finite-difference error): Richardson's estimate from the
-    step h and h/2, error(D_h) ~ 4/3 |D_h - D_h/2|, on the worst elements and a few random ones."""
+def _verdict(sc, problem, name, x, ana, num, allowed, floor, sites, ok, direction_seed, rng, chunking):
+    """(pass | fail | inconclusive, the largest estimated finite-difference error of the probes, the
+    estimate for every element): Richardson's estimate from the step h and h/2,
+    error(D_h) ~ 4/3 |D_h - D_h/2|, on the worst elements and a few random ones, pooled over the
+    probes (``verdict``)."""
     disc = np.abs(ana - num)
     order = np.argsort(allowed - disc)  # tightest margins first
     # A failing check needs a careful estimate (it decides fail or inconclusive); a passing one only
-    # reports it, from fewer probes (at training scale each probe is two whole forwards).
+    # its power, from fewer probes (at training scale each probe is two whole forwards).
     count = RICHARDSON_PROBES if not ok else RICHARDSON_PROBES_PASSING
     extra = rng.choice(len(num), size=min(count, len(num)), replace=False)
     probe = np.unique(np.concatenate([order[:count], extra]))
@@ -243,15 +287,17 @@ def _verdict(sc, problem, name, x, ana, num, allowed, sites, ok, direction_seed,
     else:
         num_half = numeric.elements(lambda c: problem.loss(name, c), x, sites[probe], half, chunking,
                                     size=_size(problem, name))
-    fd_err = 4.0 / 3.0 * np.abs(num[probe] - num_half)
-    fd_error = float(fd_err.max(initial=0.0)) if np.isfinite(fd_err).all() else float("inf")
+    with np.errstate(invalid="ignore"):
+        fd_err = 4.0 / 3.0 * np.abs(num[probe] - num_half)
+    if not np.isfinite(fd_err).all():
+        return ("pass" if ok else "fail"), float("inf"), np.full(len(num), np.inf)
+    pooled = verdict.pooled_scale(fd_err, floor[probe])
+    estimate = pooled * floor
+    estimate[probe] = verdict.estimate(fd_err, floor[probe], pooled)
+    fd_error = float(fd_err.max(initial=0.0))
     if ok:
-        return "pass", fd_error
-    failing = disc[probe] > allowed[probe]
-    clear = disc[probe] > FAIL_FACTOR * fd_err  # the differences are accurate enough to trust the discrepancy
-    if not np.isfinite(disc).all() or (failing & clear).any():
-        return "fail", fd_error
-    return "inconclusive", fd_error
+        return "pass", fd_error, estimate
+    return verdict.decide(disc[probe], allowed[probe], estimate[probe]), fd_error, estimate
 
 
 def _coloured(sc: Scenario, problem) -> bool:
@@ -260,18 +306,28 @@ def _coloured(sc: Scenario, problem) -> bool:
 
 def _independence(sc: Scenario, problem, rng: np.random.Generator, chunking: numeric.Chunking) -> list[Check]:
     """The assumption colouring rests on, verified on this very forward for every block: moving the
-    elements of one block changes no other block's part of L beyond rounding."""
+    elements of one block changes no other block's part of L beyond the rounding of that part's own
+    terms (in the precision the forward computes in)."""
     checks = []
+    precision = problem.compute_dtype or sc.dtype
+    eps = machine_epsilon(precision)
     for name, x in problem.inputs.items():
-        leak, scale, worst = numeric.leakage(lambda c, name=name: problem.loss_parts(name, c), x, problem.parts[name], rng,
-                                             chunking)
-        bound = INVARIANT_ULPS * machine_epsilon(sc.dtype) * max(scale, 1.0)
-        index = tuple(int(i) for i in np.unravel_index(worst, x.shape))
+        parts = problem.parts[name]
+        change, scale = numeric.leakage_by_block(lambda c, name=name: problem.loss_parts(name, c), x, parts, rng,
+                                                 chunking)
+        blocks = int(parts.max()) + 1
+        terms = np.zeros(blocks)  # each block's rounding scale: the size of the terms of its part of L
+        np.maximum.at(terms, parts.ravel(), np.broadcast_to(problem.rounding[name], x.shape).ravel())
+        bound = INVARIANT_ULPS * eps * terms + INVARIANT_ULPS * EPS64 * max(scale, 1.0)
+        worst = int(np.argmax(change / bound))
+        index = tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(parts.ravel() == worst)[0]), x.shape))
+        leak = float(change[worst])
         checks.append(Check("invariant", "perturbations stay in their block", name, tuple(x.shape), leak, leak,
-                            bound, 0.0, index, bool(leak <= bound),
+                            float(bound[worst]), 0.0, index, bool((change <= bound).all()),
                             f"colouring assumes each block of {name} feeds only its own block of O; "
-                            f"{int(problem.parts[name].max()) + 1} blocks, every ordered pair tested; worst: the "
-                            f"block of {name}[{', '.join(map(str, index))}] changed by {leak:.3g} while it stood still"))
+                            f"{blocks} blocks, every ordered pair tested; worst: the block of "
+                            f"{name}[{', '.join(map(str, index))}] (batch element {index[0]}) changed by {leak:.3g} "
+                            f"while it stood still (allowed {INVARIANT_ULPS} ulps of {precision} of its terms)"))
     return checks
 
 
@@ -297,13 +353,15 @@ def _size(problem, name: str) -> float:
     return (problem.step_sizes or {}).get(name, 1.0)
 
 
-def fault_effect(sc: Scenario, fault: str) -> float:
+def fault_effect(sc: Scenario, fault: str, sizes: dict[str, float] | None = None) -> float:
     """Largest relative change the fault makes to the output or to an analytic gradient. A gradient
     far smaller than the scenario's largest (zero to rounding, e.g. a saturated softmax row) is
     measured against the tolerance (at least sqrt(eps)) times that largest one: rounding noise
     changing is not an effect."""
-    op = OPS[sc.op]
-    clean, broken = op.build(sc, ()), op.build(sc, (fault,))
+    sizes = {fault: sizes[fault]} if sizes and fault in sizes else None
+    if sizes and not np.isfinite(sizes[fault]):
+        return 0.0
+    clean, broken = _build(sc, (), None), _build(sc, (fault,), sizes)
     largest = max([float(np.abs(g).max(initial=0.0)) for g in clean.gradients.values()] + [0.0])
     least = largest * max(float(np.sqrt(machine_epsilon(sc.dtype))), sc.tolerance)
     effects = [relative_error(clean.output, broken.output)[1]] if clean.output is not None else []
@@ -315,25 +373,50 @@ def fault_effect(sc: Scenario, fault: str) -> float:
     return max(effects, default=0.0)
 
 
-def fault_applies(sc: Scenario, fault: str) -> bool:
-    """True when the fault changes the output or a gradient by more than APPLICABLE_FACTOR tolerances."""
-    return fault_effect(sc, fault) > APPLICABLE_FACTOR * sc.tolerance
+def fault_applies(sc: Scenario, fault: str, sizes: dict[str, float] | None = None) -> bool:
+    """True when the fault applies to what the scenario checks and changes its output or a gradient:
+    by more than APPLICABLE_FACTOR tolerances, or, for a sized fault, at all (its size is set from what
+    the clean run can detect)."""
+    if fault not in applicable_faults(sc):
+        return False
+    effect = fault_effect(sc, fault, sizes)
+    return effect > 0 if OPS[sc.op].faults[fault].sized else effect > APPLICABLE_FACTOR * sc.tolerance
+
+
+def _not_applicable_reason(sc: Scenario, fault: str, sizes: dict[str, float]) -> str:
+    if OPS[sc.op].faults[fault].sized:
+        return "the clean run detects no error in that tensor, so no size can be set" if not np.isfinite(
+            sizes.get(fault, np.inf)) else "it changes nothing here"
+    return (f"it changes neither the output nor any gradient by more than {APPLICABLE_FACTOR:g}x the tolerance "
+            "on this scenario")
 
 
 def negative_controls(scenarios: Sequence[Scenario], *, memory_budget: int = DEFAULT_MEMORY_BUDGET,
-                      progress: Progress | None = None, numeric_cache: dict | None = None) -> list[ControlCell]:
-    """Every fault of each scenario's op, injected alone: detected, missed or not applicable."""
+                      progress: Progress | None = None, numeric_cache: dict | None = None,
+                      clean: dict[str, ScenarioResult] | None = None) -> list[ControlCell]:
+    """Every fault that applies to each scenario (``applicable_faults``), injected alone: detected, missed
+    or not applicable. ``clean`` (scenario name -> its clean result) sets the sized faults; missing
+    ones are run."""
     cache = {} if numeric_cache is None else numeric_cache
     cells = []
     for sc in scenarios:
-        for fault in OPS[sc.op].faults:
-            effect = fault_effect(sc, fault)
-            if not effect > APPLICABLE_FACTOR * sc.tolerance:
-                cells.append(ControlCell(fault, sc.name, "not applicable", effect, ()))
+        faults = applicable_faults(sc)
+        sizes: dict[str, float] = {}
+        sized = [f for f in faults if OPS[sc.op].faults[f].sized]
+        if sized:
+            base = (clean or {}).get(sc.name) or run_scenario(sc, (), memory_budget=memory_budget,
+                                                              numeric_cache=cache)
+            sizes = fault_sizes(base, sized)
+        for fault in faults:
+            if not fault_applies(sc, fault, sizes):
+                cells.append(ControlCell(fault, sc.name, "not applicable", fault_effect(sc, fault, sizes), (),
+                                         _not_applicable_reason(sc, fault, sizes)))
                 if progress:
                     progress(work_units(sc))
                 continue
-            res = run_scenario(sc, (fault,), memory_budget=memory_budget, progress=progress, numeric_cache=cache)
+            effect = fault_effect(sc, fault, sizes)
+            res = run_scenario(sc, (fault,), memory_budget=memory_budget, progress=progress, numeric_cache=cache,
+                               sizes=sizes)
             failed = tuple(dict.fromkeys(c.name for c in res.checks if c.verdict == "fail"))
             cells.append(ControlCell(fault, sc.name, "detected" if failed else "missed", effect, failed))
     return cells

@@ -23,6 +23,16 @@ def _leave(code: int, message: str | None = None) -> None:
         os._exit(code)
 
 
+def _caused_by_interrupt(exc: BaseException) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def main() -> None:
     try:
         import click
@@ -42,6 +52,10 @@ def main() -> None:
     except SystemExit as exc:  # the console's own exit on a broken pipe (cli._Console)
         if exc.code == EXIT_BROKEN_PIPE:
             _leave(EXIT_BROKEN_PIPE)
+        raise
+    except Exception as exc:  # Ctrl-C inside a class body while importing comes wrapped (RuntimeError
+        if _caused_by_interrupt(exc):  # from __set_name__): it is still a Ctrl-C
+            _leave(EXIT_INTERRUPTED, "interrupted")
         raise
     if code == EXIT_INTERRUPTED:
         _leave(EXIT_INTERRUPTED)

@@ -78,23 +78,37 @@ def guarded(what: str, fn, *args):
         raise ImplementationFailure(f"{what} raised {type(exc).__name__}: {exc}") from None
 
 
-def call(fn, what: str, args: tuple, expected: dict[str, tuple[tuple[int, ...], np.dtype]]) -> dict[str, np.ndarray]:
-    """Call ``fn`` on copies of ``args`` (so changing them in place cannot affect the check) and check
-    each returned array against ``expected`` (name -> (shape, dtype), in the order returned: one name
-    means a single array, several a tuple)."""
-    args = tuple(a.copy() if isinstance(a, np.ndarray) else a for a in args)
-    out = guarded(what, fn, *args)
-    names = list(expected)
-    values = [out] if len(names) == 1 else out
-    if len(names) > 1 and (not isinstance(values, (tuple, list)) or len(values) != len(names)):
+def call(fn, what: str, args: tuple, expected: dict[str, tuple[tuple[int, ...], np.dtype]],
+         names: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    """Call ``fn`` on fresh copies of ``args`` and check each returned array against ``expected``
+    (name -> (shape, dtype), in the order returned: one name means a single array, several a tuple).
+
+    Nothing handed over is shared with the checker: the implementation gets copies, and what it
+    returns is copied before it is used (a buffer it reuses on the next call cannot change a result).
+    An argument changed in place (``names`` names them) is a failure naming it: the checker would
+    otherwise compare against inputs the implementation no longer saw."""
+    given = tuple(a.copy() if isinstance(a, np.ndarray) else a for a in args)
+    out = guarded(what, fn, *given)
+    for i, (before, after) in enumerate(zip(args, given)):
+        if isinstance(before, np.ndarray) and not np.array_equal(before, after, equal_nan=before.dtype.kind == "f"):
+            name = names[i] if i < len(names) else f"argument {i + 1}"
+            changed = np.argwhere(before != after)
+            index = tuple(int(x) for x in changed[0]) if len(changed) else None
+            raise ImplementationFailure(f"{what} changed its argument {name} in place"
+                                        + (f" (first at {name}[{', '.join(map(str, index))}])" if index else "")
+                                        + ": an implementation must not modify its inputs", name)
+    names_out = list(expected)
+    values = [out] if len(names_out) == 1 else out
+    if len(names_out) > 1 and (not isinstance(values, (tuple, list)) or len(values) != len(names_out)):
         got = f"{type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else type(out).__name__
-        raise ImplementationFailure(f"{what} must return ({', '.join(names)}), got {got}", names[0])
+        raise ImplementationFailure(f"{what} must return ({', '.join(names_out)}), got {got}", names_out[0])
     result = {}
-    for name, value in zip(names, values):
+    for name, value in zip(names_out, values):
         shape, dtype = expected[name]
-        if not isinstance(value, np.ndarray):
-            raise ImplementationFailure(f"{what} must return numpy arrays; {name} is a {type(value).__name__}", name)
-        arr = value
+        if isinstance(value, np.ma.MaskedArray) or not isinstance(value, np.ndarray):
+            kind = "a masked array" if isinstance(value, np.ma.MaskedArray) else f"a {type(value).__name__}"
+            raise ImplementationFailure(f"{what} must return numpy arrays; {name} is {kind}", name)
+        arr = np.array(value, copy=True, subok=False)
         if arr.shape != shape:
             raise ImplementationFailure(f"{what} returned {name} of shape {list(arr.shape)}, expected {list(shape)}", name)
         if arr.dtype != dtype:
@@ -106,6 +120,32 @@ def call(fn, what: str, args: tuple, expected: dict[str, tuple[tuple[int, ...], 
                                         f"[{', '.join(map(str, index))}]", name, index)
         result[name] = arr
     return result
+
+
+def determinism(name: str, first: dict[str, np.ndarray], second: dict[str, np.ndarray], tolerance: float):
+    """The check that two calls on the same inputs gave the same results: every element of the second
+    within ``tolerance`` x the tensor's largest value of the first (0: bit for bit, as
+    ``torch.autograd.gradcheck``'s ``nondet_tol``, there absolute)."""
+    from .result import Check
+    worst, worst_t, worst_i, allowed_w = 0.0, None, None, 0.0
+    for t, a in first.items():
+        b = second[t]
+        diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
+        allowed = tolerance * float(np.abs(a).max(initial=0.0))
+        if diff.size and (worst_t is None or float(diff.max()) - allowed > worst - allowed_w):
+            flat = int(np.argmax(diff))
+            worst, worst_t, allowed_w = float(diff.ravel()[flat]), t, allowed
+            worst_i = tuple(int(i) for i in np.unravel_index(flat, diff.shape))
+    passed = worst <= allowed_w
+    where = f"{worst_t}[{', '.join(map(str, worst_i))}]" if worst_i else (worst_t or "-")
+    detail = (f"{name} run twice on the same inputs: " + ("identical results" if worst == 0 else
+              f"largest difference {worst:.3g} at {where}") + (f" (nondet_tol {tolerance:g} of the largest value)"
+                                                              if tolerance else " (nondet_tol 0: must be identical)"))
+    if not passed:
+        detail += ("; a backward whose result changes from call to call cannot be checked (finite differences "
+                   "and the reference compare one call); set check: {nondet_tol: ...} if that is intended")
+    return Check("implementation", "deterministic", worst_t or "-", tuple(first[worst_t].shape) if worst_t else None,
+                 worst, worst, tolerance, 0.0, worst_i, bool(passed), detail)
 
 
 def failure_check(name: str, exc: ImplementationFailure, tensor: str | None = None, prefix: str = ""):

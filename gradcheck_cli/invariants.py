@@ -27,10 +27,11 @@ def bounded(name: str, tensor: str, values: np.ndarray, bound: float, detail: st
                  index, bool(worst <= bound), detail)
 
 
-def attention(fwd, bwd, inputs, visible, kv_map, grads, rng) -> list[Check]:
+def attention(fwd, bwd, inputs, visible, kv_map, grads, rng, terms: dict[str, np.ndarray]) -> list[Check]:
     """All attention invariants for the engine. ``fwd(q, k, v) -> (o, a)`` and
     ``bwd(q, k, v, grad_o) -> Gradients`` are the implementation under test; ``grads`` is its backward
-    at ``inputs`` (with the A and G_A the backward used, and G_S)."""
+    at ``inputs`` (with the A and G_A the backward used, and G_S); ``terms`` as for
+    :func:`attention_outputs`."""
     o, a = fwd(inputs["q"], inputs["k"], inputs["v"])
 
     def backward_kv(q, k, v, grad_o):
@@ -38,7 +39,8 @@ def attention(fwd, bwd, inputs, visible, kv_map, grads, rng) -> list[Check]:
         return g.k, g.v
 
     return (attention_weights(a, visible, grads)
-            + attention_outputs(lambda q, k, v: fwd(q, k, v)[0], backward_kv, inputs, visible, kv_map, o, rng))
+            + attention_outputs(lambda q, k, v: fwd(q, k, v)[0], backward_kv, inputs, visible, kv_map, o, rng,
+                                terms, o.dtype.name))
 
 
 def attention_weights(a, visible, grads) -> list[Check]:
@@ -62,12 +64,50 @@ def attention_weights(a, visible, grads) -> list[Check]:
     return checks
 
 
-def attention_outputs(forward, backward_kv, inputs, visible, kv_map, o, rng, eps: float | None = None) -> list[Check]:
+def bounded_each(name: str, tensor: str, values: np.ndarray, bounds: np.ndarray, detail: str,
+                 guarded: float | None = None) -> Check:
+    """An invariant ``|values_i| <= bounds_i`` for every element (each its own allowance, from the size
+    of the terms it is made of); reports the element closest to failing. With ``guarded`` (the size of
+    what the invariant protects): an allowance over POWER_LIMIT of it means the invariant cannot see a
+    violation that size, so it passes as inconclusive ("no power"), never as a pass."""
+    from .verdict import POWER_LIMIT
+    values = np.abs(np.asarray(values, dtype=np.float64))
+    bounds = np.broadcast_to(np.asarray(bounds, dtype=np.float64), values.shape)
+    if values.size == 0:
+        return Check("invariant", name, tensor, None, 0.0, 0.0, 0.0, 0.0, None, True, detail + " (vacuous: nothing to check)")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(values > 0, values / bounds, 0.0)
+    ratio = np.where(np.isnan(ratio), np.inf, ratio)
+    flat = int(np.argmax(ratio))
+    index = tuple(int(i) for i in np.unravel_index(flat, values.shape))
+    worst, allowed = float(values.ravel()[flat]), float(bounds.ravel()[flat])
+    passed = bool(ratio.ravel()[flat] <= 1.0)
+    outcome = "pass" if passed else "fail"
+    top = float(bounds.max(initial=0.0))
+    if passed and guarded is not None and top > POWER_LIMIT * guarded:
+        outcome = "inconclusive"
+        detail += (f"; no power: its allowance ({top:.3g}) is over {POWER_LIMIT:.0%} of what it guards "
+                   f"({guarded:.3g}), so a violation that size would pass unseen")
+    return Check("invariant", name, tensor, tuple(values.shape), worst, worst, allowed, 0.0, index,
+                 outcome == "pass", detail, outcome)
+
+
+#: "O rows in the range of visible V rows" allows this many ulps of sum_j A_ij |V_jc| (the rounding of
+#: the weights' normalisation and of the product; a logit's rounding changes the weights but keeps
+#: them a convex combination). Half precision accumulates in float32 and rounds once: fewer ulps, or
+#: the check could not see a leak at all.
+CONVEX_ULPS = {"float64": 64.0, "float32": 64.0, "float16": 4.0, "bfloat16": 4.0}
+
+
+def attention_outputs(forward, backward_kv, inputs, visible, kv_map, o, rng, terms: dict[str, np.ndarray],
+                      precision: str) -> list[Check]:
     """Invariants that need only the output and the K/V gradients, so they apply to any
     implementation: ``forward(q, k, v) -> o``, ``backward_kv(q, k, v, grad_o) -> (g_k, g_v)``.
-    ``eps``: the unit roundoff of the computation (default: that of o's dtype)."""
+    ``terms``: the size of the terms of each element of O, ``o`` (with the logits' rounding) and
+    ``o_convex`` (sum_j A_ij |V_jc|), in float64; ``precision``: the dtype the computation rounds in."""
+    from .tolerance import machine_epsilon
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    eps = float(np.finfo(o.dtype).eps) if eps is None else eps
+    eps = machine_epsilon(precision)
     heads_kv = k.shape[-3]
     checks = []
 
@@ -85,21 +125,37 @@ def attention_outputs(forward, backward_kv, inputs, visible, kv_map, o, rng, eps
                              f"loss on query row 0 only; {n_unseen} (batch, kv head, key) rows it cannot see "
                              "must get exactly zero gradient"))
 
-    # Replacing K/V rows that no query sees must not change O.
+    # Replacing K/V rows that no query sees must not change O (beyond the rounding of O's own terms).
     hidden = ~masks.kv_rows_seen(visible, kv_map, heads_kv)
     n_hidden = int(hidden.sum())
     k2 = np.where(hidden[..., None], rng.standard_normal(k.shape).astype(k.dtype) * 10, k)
     v2 = np.where(hidden[..., None], rng.standard_normal(v.shape).astype(v.dtype) * 10, v)
     o2 = forward(q, k2, v2)
-    checks.append(bounded("hidden K/V rows do not change O", "o", o2 - o,
-                         INVARIANT_ULPS * eps * max(float(np.abs(o).max()), 1.0),
-                         f"{n_hidden} (batch, kv head, key) rows visible to no query replaced by random values"
-                         if n_hidden else "every key row is visible to some query: nothing to replace"))
+    checks.append(bounded_each("hidden K/V rows do not change O", "o", np.asarray(o2, dtype=np.float64) - o,
+                               INVARIANT_ULPS * eps * terms["o"],
+                               (f"{n_hidden} (batch, kv head, key) rows visible to no query replaced by random values"
+                                if n_hidden else "every key row is visible to some query: nothing to replace")
+                               + f"; allowed {INVARIANT_ULPS} ulps of {precision} of each element's terms"))
+
+    # The weights of each row sum to 1: adding the same vector to every V row adds it to every O row.
+    shift = np.random.default_rng(rng.integers(2**32)).standard_normal(v.shape[:-2] + (1, v.shape[-1]))
+    shift = (shift * max(float(np.abs(v).max(initial=0.0)), 1.0)).astype(v.dtype)
+    o3 = np.asarray(forward(q, k, v + shift), dtype=np.float64)
+    moved = np.take(shift.astype(np.float64), kv_map, axis=-3)  # [B, Hq, 1, d_v]: each query head's KV head
+    ulps = CONVEX_ULPS.get(precision, INVARIANT_ULPS)
+    checks.append(bounded_each("shifting every V row shifts O by as much", "o", o3 - o - moved,
+                               ulps * eps * (terms["o_convex"] + 2 * np.abs(moved)),
+                               "O(V + c) - O(V) - c per element, c one random vector per (batch, KV head) added to every V "
+                               f"row: the attention weights of each row sum to 1; allowed {ulps:g} ulps of "
+                               f"{precision} of sum_j A_ij |V_jc| + 2 |c|",
+                               guarded=float(np.abs(moved).max(initial=0.0))))
 
     # Each O row is a convex combination of its visible V rows.
-    checks.append(bounded("O rows in the range of visible V rows", "o", _outside_visible_range(o, v, visible, kv_map),
-                         INVARIANT_ULPS * eps * max(float(np.abs(v).max()), 1.0),
-                         "distance of O_i outside [min, max] of the V rows visible to query i, per column"))
+    checks.append(bounded_each("O rows in the range of visible V rows", "o",
+                               _outside_visible_range(o, v, visible, kv_map), ulps * eps * terms["o_convex"],
+                               "distance of O_i outside [min, max] of the V rows visible to query i, per column; "
+                               f"allowed {ulps:g} ulps of {precision} of sum_j A_ij |V_jc|",
+                               guarded=float(np.abs(o).max(initial=0.0))))
     return checks
 
 

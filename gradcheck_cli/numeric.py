@@ -189,17 +189,26 @@ def coloured(loss_parts: Callable[[np.ndarray], np.ndarray], x: np.ndarray, part
 
 def leakage(loss_parts: Callable[[np.ndarray], np.ndarray], x: np.ndarray, part_of: np.ndarray,
             rng: np.random.Generator, chunking: Chunking = Chunking(8)) -> tuple[float, float, int]:
+    """(largest change of an unmoved block's part of L, largest |part|, a flat index in the worst
+    block): :func:`leakage_by_block` summed up."""
+    change, scale = leakage_by_block(loss_parts, x, part_of, rng, chunking)
+    worst_block = int(np.argmax(change))
+    return float(change.max(initial=0.0)), scale, int(np.flatnonzero(part_of.ravel() == worst_block)[0])
+
+
+def leakage_by_block(loss_parts: Callable[[np.ndarray], np.ndarray], x: np.ndarray, part_of: np.ndarray,
+                     rng: np.random.Generator, chunking: Chunking = Chunking(8)) -> tuple[np.ndarray, float]:
     """Test the independence colouring assumes, for every ordered pair of blocks (p moves, p' must not
     change), with 2 * ceil(log2 P) evaluations: for each bit of the block number, one copy moves the
     blocks whose bit is 1 and another those whose bit is 0 (every element of a moved block by a random
     amount of size max(1, |x|)). Any two blocks differ in some bit, so every p is moved while p' is
     not in some copy. Also, the unmoved copy evaluated among the others must equal the inputs evaluated
-    alone (stacked copies must not interact). Returns (largest change of an unmoved block's part of L,
-    largest |part|, a flat index in the worst block); independence means rounding at most."""
+    alone (stacked copies must not interact). Returns (the largest change of each block's part of L
+    while it stood still [P], the largest |part|); independence means rounding at most."""
     flat_x, flat_part = x.ravel(), part_of.ravel()
     blocks = int(flat_part.max()) + 1
     if blocks == 1:
-        return 0.0, 0.0, 0
+        return np.zeros(1), 0.0
     bits = int(np.ceil(np.log2(blocks)))
     ids = np.arange(blocks)
     moved = np.array([((ids >> t) & 1) == v for t in range(bits) for v in (0, 1)])   # [2 bits, P]
@@ -217,8 +226,7 @@ def leakage(loss_parts: Callable[[np.ndarray], np.ndarray], x: np.ndarray, part_
 
     pieces = [piece for _, _, piece in _in_chunks(work, len(moved), Chunking(2 * chunking.pairs))]
     change = np.concatenate([c for c, _ in pieces])
-    worst_block = int(np.argmax(change.max(axis=0)))
-    return float(change.max()), max(m for _, m in pieces), int(np.flatnonzero(flat_part == worst_block)[0])
+    return change.max(axis=0), max(m for _, m in pieces)
 
 
 def directions(loss: Loss, x: np.ndarray, grad: np.ndarray, which: np.ndarray, seed: int, epsilon: float,

@@ -23,10 +23,10 @@ from rich.text import Text
 from . import __version__
 from .diagnose import ranges
 from .errors import GradcheckError
-from .result import ControlCell, ScenarioResult
+from .result import ControlCell, ScenarioResult, controls_verdict
 
 #: Version of the JSON report layout (README "JSON report"). Bumped on any incompatible change.
-JSON_SCHEMA_VERSION = 1
+JSON_SCHEMA_VERSION = 2
 
 
 def _fmt(x: float) -> str:
@@ -90,10 +90,11 @@ def render_scenario(console: Console, r: ScenarioResult, description: str, repro
         relative = c.kind in ("gradient", "reference", "implementation")
         rows.append([c.name, f"{c.tensor} {'x'.join(map(str, c.shape))}" if c.shape else (c.tensor or ""),
                      _fmt(c.max_abs_error), _fmt(c.relative_error) if relative else "", _fmt(c.tolerance),
-                     _fmt(c.noise_floor) if grad else "", {"pass": "pass", "fail": "FAIL"}.get(c.verdict, c.verdict)])
-        styles.append([None] * 6 + [{"pass": "green", "fail": "bold red"}.get(c.verdict, "bold yellow")])
-    _table(console, title, ["check", "tensor", "max abs err", "rel err", "tolerance", "noise floor", "status"],
-           rows, [False, False, True, True, True, True, False], styles)
+                     _fmt(c.noise_floor) if grad else "", _fmt(c.detectable) if c.detectable is not None else "",
+                     {"pass": "pass", "fail": "FAIL"}.get(c.verdict, c.verdict)])
+        styles.append([None] * 7 + [{"pass": "green", "fail": "bold red"}.get(c.verdict, "bold yellow")])
+    _table(console, title, ["check", "tensor", "max abs err", "rel err", "tolerance", "noise floor", "detects",
+                            "status"], rows, [False, False, True, True, True, True, True, False], styles)
     for c in r.checks:
         if c.kind == "experiment" and c.passed:  # an experiment's numbers are its result: always shown
             console.print(f"  {c.name}: {c.detail}", soft_wrap=True)
@@ -105,6 +106,10 @@ def render_scenario(console: Console, r: ScenarioResult, description: str, repro
                 console.print(_heat_text(line) if console.is_terminal else Text(line), soft_wrap=True)
     for hint in r.hints:
         console.print(Text.assemble("  ", ("hint:", "bold cyan"), f" {hint}"), soft_wrap=True)
+    power = r.detectable
+    if power:
+        console.print("  power: would have caught uniform relative errors above "
+                      + ", ".join(f"{_fmt(x)} in d{t}" for t, x in power.items()), highlight=False, soft_wrap=True)
     word = {"pass": "passed", "fail": "FAILED", "inconclusive": "INCONCLUSIVE"}[r.verdict]
     console.print(f"  {r.name}: {word} in {r.elapsed_s:.2f} s", highlight=False)
     if reproduce and not r.passed:
@@ -197,16 +202,23 @@ def render_controls(console: Console, cells: Sequence[ControlCell]) -> None:
     styles = [[None] + [cell.get((fault, name), blank)[1] for fault in faults] for name in scenarios]
     _table(console, "negative controls (scenario x fault)", ["scenario"] + faults, rows,
            [False] * (1 + len(faults)), styles)
-    console.print("  n/a: the fault changes neither the output nor any gradient by more than 10x the "
-                  "tolerance on that scenario (e.g. scale when scale = 1, gqa-sum without shared KV heads)",
+    reasons = list(dict.fromkeys(c.reason for c in cells if c.status == "not applicable" and c.reason))
+    console.print("  n/a: the fault cannot apply to that scenario: " + ("; ".join(reasons) if reasons else
+                  "it changes neither the output nor any gradient by more than 10x the tolerance")
+                  + " (e.g. scale when scale = 1, gqa-sum without shared KV heads, swap-dk-dv when d_head != d_value)",
                   highlight=False, soft_wrap=not console.is_terminal)
     missed = [c for c in cells if c.status == "missed"]
     for c in missed:
         console.print(f"  MISSED {c.fault} on {c.scenario}: it changes the result by {c.effect:.2e} (relative) "
                       "but no check failed; the scenario lacks power for it", highlight=False)
+    outcome, powerless = controls_verdict(cells)
+    for name in powerless:
+        console.print(f"  INCONCLUSIVE {name}: no fault applies to it, so its negative controls prove nothing",
+                      highlight=False)
     applicable = [c for c in cells if c.status != "not applicable"]
     console.print(f"{len(applicable) - len(missed)} of {len(applicable)} applicable fault(s) detected"
-                  + (" -- negative controls FAILED" if missed else ""), highlight=False)
+                  + {"fail": " -- negative controls FAILED", "inconclusive": " -- negative controls INCONCLUSIVE",
+                     "pass": ""}[outcome], highlight=False)
 
 
 def json_report(config: str, faults: Sequence[str], results: Sequence[ScenarioResult],
@@ -236,12 +248,21 @@ def json_report(config: str, faults: Sequence[str], results: Sequence[ScenarioRe
         if out["verdict"] != "fail":
             out["verdict"] = "interrupted"
     if controls is not None:
-        ok = not any(c.status == "missed" for c in controls)
-        out["negative_controls"] = {"passed": ok, "cells": [c.to_json() for c in controls]}
-        out["passed"] = passed and ok
-        if not ok:
-            out["verdict"] = "fail"
+        _controls_into(out, [c.to_json() for c in controls])
     return _json_safe(out)
+
+
+def _controls_into(report: dict, cells: list[dict]) -> None:
+    """Add the negative controls to a report and fold their verdict into the report's."""
+    outcome, powerless = controls_verdict(cells)
+    report["negative_controls"] = {"passed": outcome == "pass", "verdict": outcome, "powerless": powerless,
+                                   "cells": cells}
+    if outcome != "pass":
+        report["passed"] = False
+    if outcome == "fail":
+        report["verdict"] = "fail"
+    elif outcome == "inconclusive" and report["verdict"] == "pass":
+        report["verdict"] = "inconclusive"
 
 
 def merge_reports(reports: Sequence[tuple[str, dict]]) -> dict:
@@ -291,13 +312,7 @@ def merge_reports(reports: Sequence[tuple[str, dict]]) -> dict:
     summary_ = {"scenarios": len(scenarios), "checks": len(checks), "passed": len(checks) - failed - inconclusive,
                 "failed": failed, "inconclusive": inconclusive}
     verdict_ = "fail" if failed else ("inconclusive" if inconclusive else "pass")
-    controls = None
-    if with_controls == {True}:
-        ok = not any(c["status"] == "missed" for _, c in cells)
-        controls = {"passed": ok, "cells": [c for _, c in cells]}
-        if not ok:
-            verdict_ = "fail"
-    return {
+    merged = {
         "tool": "attn-gradcheck",
         "version": __version__,
         "schema_version": JSON_SCHEMA_VERSION,
@@ -308,11 +323,14 @@ def merge_reports(reports: Sequence[tuple[str, dict]]) -> dict:
         "verdict": verdict_,
         "summary": summary_,
         "scenarios": scenarios,
-        "negative_controls": controls,
+        "negative_controls": None,
         "shard": None,
         "interrupted": False,
         "merged_from": [path for path, _ in reports],
     }
+    if with_controls == {True}:
+        _controls_into(merged, [c for _, c in cells])
+    return merged
 
 
 def _check_shards(config, parts: Sequence[tuple[str, dict]]) -> None:

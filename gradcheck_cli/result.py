@@ -13,6 +13,8 @@ class Check:
     ``tensor`` names the input, ``worst_index`` is the index of the worst element (in directional mode:
     ``[direction]``), ``fd_error`` the estimated error of the finite differences themselves, and
     ``verdict`` one of pass / fail / inconclusive (the differences too noisy to decide).
+    ``detectable`` (gradient and reference checks): the smallest uniform relative error of the tensor
+    the check would have caught (README "How verdicts, power and precision work").
     """
     kind: str
     name: str
@@ -28,6 +30,7 @@ class Check:
     verdict: str = ""
     fd_error: float | None = None
     diagnosis: dict | None = field(default=None, compare=False)
+    detectable: float | None = None
 
     def __post_init__(self):
         if not self.verdict:
@@ -47,6 +50,7 @@ class Check:
             "passed": self.passed,
             "verdict": self.verdict,
             "fd_error": self.fd_error,
+            "detectable": self.detectable,
             "detail": self.detail,
             "diagnosis": self.diagnosis,
         }
@@ -78,6 +82,16 @@ class ScenarioResult:
         verdicts = {c.verdict for c in self.checks}
         return "fail" if "fail" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "pass")
 
+    @property
+    def detectable(self) -> dict[str, float]:
+        """Per tensor, the smallest uniform relative error some passing check of it would have caught
+        (the run's power; README "How verdicts, power and precision work")."""
+        out: dict[str, float] = {}
+        for c in self.checks:
+            if c.detectable is not None and c.tensor and c.verdict == "pass":
+                out[c.tensor] = min(out.get(c.tensor, float("inf")), c.detectable)
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -94,7 +108,20 @@ class ScenarioResult:
             "elapsed_s": round(self.elapsed_s, 6),
             "checks": [c.to_json() for c in self.checks],
             "hints": list(self.hints),
+            "detectable": self.detectable,
         }
+
+
+def controls_verdict(cells) -> tuple[str, list[str]]:
+    """(pass | fail | inconclusive, the scenarios no fault applies to) of negative-control cells
+    (``ControlCell`` or their JSON): fail if an applicable fault was missed; inconclusive if some
+    scenario had no applicable fault at all (its controls prove nothing); else pass."""
+    status = [(c.scenario, c.status) if isinstance(c, ControlCell) else (c["scenario"], c["status"]) for c in cells]
+    scenarios = list(dict.fromkeys(s for s, _ in status))
+    powerless = [s for s in scenarios if all(st == "not applicable" for t, st in status if t == s)]
+    if any(st == "missed" for _, st in status):
+        return "fail", powerless
+    return ("inconclusive" if powerless else "pass"), powerless
 
 
 @dataclass(frozen=True)
@@ -102,15 +129,16 @@ class ControlCell:
     """One (fault, scenario) cell of the negative-control matrix.
 
     status: ``detected`` (the run failed), ``missed`` (applicable but every check passed) or
-    ``not applicable`` (the fault changes neither the output nor a gradient by more than 10x the
-    tolerance on this scenario). ``effect`` is that largest relative change.
+    ``not applicable`` (``reason`` says why: e.g. the fault changes neither the output nor a gradient
+    by more than 10x the tolerance on this scenario). ``effect`` is that largest relative change.
     """
     fault: str
     scenario: str
     status: str
     effect: float
     caught_by: tuple[str, ...]
+    reason: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {"fault": self.fault, "scenario": self.scenario, "status": self.status,
-                "effect": self.effect, "caught_by": list(self.caught_by)}
+                "effect": self.effect, "caught_by": list(self.caught_by), "reason": self.reason}

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from . import checker, numeric
-from .ops import OPS
 from .result import ControlCell, ScenarioResult
 from .scenario import Scenario, load
 
@@ -34,7 +33,7 @@ def shard(scenarios: Sequence[Scenario], index: int, count: int) -> list[Scenari
 
 def units(sc: Scenario, controls: bool) -> int:
     """Progress units of one scenario (its finite-difference work, times the faults it runs)."""
-    return checker.work_units(sc) * (1 + (len(OPS[sc.op].faults) if controls else 0))
+    return checker.work_units(sc) * (1 + (len(checker.applicable_faults(sc)) if controls else 0))
 
 
 def _one(sc: Scenario, faults: Sequence[str], controls: bool, memory_budget: int,
@@ -44,7 +43,7 @@ def _one(sc: Scenario, faults: Sequence[str], controls: bool, memory_budget: int
     cells = None
     if controls:
         cells = tuple(checker.negative_controls([sc], memory_budget=memory_budget, progress=progress,
-                                                numeric_cache=cache))
+                                                numeric_cache=cache, clean={sc.name: result}))
     return result, cells
 
 

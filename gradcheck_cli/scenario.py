@@ -42,7 +42,7 @@ ENGINES = ("naive", "tiled")
 SCENARIO_KEYS = tuple(dict.fromkeys(COMMON_KEYS[:2] + BACKEND_KEYS + COMMON_KEYS[2:3] + ATTENTION_KEYS + COMMON_KEYS[3:]
                                     + tuple(k for op in OPS.values() for k in op.keys)))
 MASK_KEYS = ("causal", "window", "key_lengths", "visible")
-CHECK_KEYS = ("mode", "samples", "directions", "colouring", "factor", "slack")
+CHECK_KEYS = ("mode", "samples", "directions", "colouring", "factor", "slack", "nondet_tol")
 BACKENDS = ("numpy", "torch")
 DEVICES = ("cpu", "cuda")
 LOW_PRECISION = ("float16", "bfloat16")
@@ -94,7 +94,8 @@ class Scenario:
     backend: str = "numpy"
     device: str = "cpu"
     factor: float = 2.0
-    slack: float = 1e-5
+    slack: float | None = None  # None: the dtype's default (tolerance.DEFAULT_SLACK)
+    nondet_tol: float = 0.0
     visible: np.ndarray = field(default=None, repr=False, compare=False)
     implementation_object: object = field(default=None, repr=False, compare=False)
 
@@ -440,7 +441,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     allowed |= set(BACKEND_KEYS) if op == "attention" else set()
     for key in f.values:
         top = key.split(".")[0]
-        if top not in allowed or (op != "attention" and key in ("check.factor", "check.slack")):
+        if top not in allowed or (op != "attention" and key in ("check.factor", "check.slack", "check.nondet_tol")):
             owners = [o.name for o in OPS.values() if top in o.keys or (top in ATTENTION_KEYS and o.attention_keys)
                       or (top in BACKEND_KEYS + ("check",) and o.name == "attention")]
             raise f.error(key, f"does not apply to op {op}" + (f" (it is a key of {', '.join(owners)})" if owners else ""),
@@ -495,9 +496,13 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
         if f.has(key) and engine != "tiled":
             raise f.error(key, "block sizes apply to engine: tiled", hint="add 'engine: tiled' or remove it")
     factor = f.float("check.factor", 2.0)
-    slack = f.float("check.slack", 1e-5, positive=False)
-    if slack < 0:
+    slack = f.float("check.slack", None, positive=False)
+    if slack is not None and slack < 0:
         raise f.error("check.slack", f"must be >= 0, got {slack}")
+    nondet_tol = f.float("check.nondet_tol", 0.0, positive=False)
+    if nondet_tol < 0:
+        raise f.error("check.nondet_tol", f"must be >= 0, got {nondet_tol}",
+                      hint="0 (the default) requires two calls on the same inputs to agree bit for bit")
     dtype, epsilon, tolerance, seed, mode, samples, directions, colouring = _precision_and_check(
         f, dtype, op == "attention")
 
@@ -574,7 +579,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                     window=window, key_lengths=key_lengths, visible_source=source, loss_rows=loss_rows,
                     mode=mode, samples=samples, directions=directions, colouring=colouring, dtype=dtype, epsilon=epsilon,
                     tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
-                    implementation=spec, backend=backend, device=device, factor=factor, slack=slack,
+                    implementation=spec, backend=backend, device=device, factor=factor, slack=slack, nondet_tol=nondet_tol,
                     visible=visible, implementation_object=impl, params=tuple(params.items()), engine=engine,
                     block_q=block_q, block_k=block_k)
 
@@ -868,7 +873,7 @@ def json_schema() -> dict:
                     "description": ".npy path (relative to the YAML) or nested list; True = visible"}}}
     check = {"type": "object", "additionalProperties": False, "properties": {
         "mode": {"enum": list(MODES)}, "samples": pos, "directions": {**pos, "maximum": MAX_DIRECTIONS},
-        "colouring": {"type": "boolean"}, "factor": number, "slack": number}}
+        "colouring": {"type": "boolean"}, "factor": number, "slack": number, "nondet_tol": number}}
     fields = {
         "name": {"type": "string", "pattern": NAME_RE.pattern},
         "op": {"enum": sorted(OPS)},

@@ -23,6 +23,19 @@ DEFAULTS: dict[str, dict[str, float]] = {
 #: Invariants that hold exactly in real arithmetic are checked to this many ulps of the values involved.
 INVARIANT_ULPS = 64
 
+#: An implementation's result may differ from the float64 reference by factor x (the error of a plain
+#: computation in the same precision) + slack + AGREEMENT_ULPS x eps x (the root sum of squares of each
+#: element's terms) (gradcheck_cli/precision.py). Measured (benchmarks/agreement_calibration.py, correct
+#: NumPy, torch, SDPA and float64-accumulating implementations, n = 1..128): at most 8.2 such ulps in
+#: float64 (where the reference is the plain computation, E_plain = 0), 1.6 in float32, 0.09 in float16
+#: and bfloat16 beyond 2 x E_plain. The half-precision figure is small because E_plain already carries
+#: most of the rounding; larger values would hide 1% (float16) and 5% (bfloat16) errors.
+AGREEMENT_ULPS: dict[str, float] = {"float64": 64.0, "float32": 8.0, "float16": 0.25, "bfloat16": 0.25}
+#: The absolute slack of that rule (FlashAttention's test-suite figure in half precision).
+DEFAULT_SLACK: dict[str, float] = {"float64": 0.0, "float32": 0.0, "float16": 1e-5, "bfloat16": 1e-5}
+#: The lower precisions an implementation of each dtype is recognised as computing in internally.
+LOWER_PRECISION: dict[str, tuple[str, ...]] = {"float64": ("float32",)}
+
 DTYPES = ("float64", "float32")  # what the NumPy engine computes in; the others need backend: torch
 
 

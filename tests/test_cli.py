@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from gradcheck_cli.ops.attention import ENGINE_FAULTS
 from gradcheck_cli.cli import main
 from gradcheck_cli.ops import FAULTS, OPS
 from reference import attention_loops
@@ -110,10 +111,12 @@ def test_json_report_contract(root, tmp_path):
     assert set(report["summary"]) == {"scenarios", "checks", "passed", "failed", "inconclusive"}
     s = report["scenarios"][0]
     assert set(s) == {"name", "op", "dtype", "epsilon", "tolerance", "mode", "faults", "passed", "verdict",
-                      "elapsed_s", "checks", "hints", "reproduce", "index", "config", "engine"}
+                      "elapsed_s", "checks", "hints", "reproduce", "index", "config", "engine", "detectable"}
     c = s["checks"][0]
     assert set(c) == {"kind", "name", "tensor", "shape", "max_abs_error", "relative_error", "tolerance",
-                      "noise_floor", "worst_index", "passed", "verdict", "fd_error", "detail", "diagnosis"}
+                      "noise_floor", "worst_index", "passed", "verdict", "fd_error", "detail", "diagnosis",
+                      "detectable"}
+    assert report["schema_version"] == 2
     assert c["kind"] == "gradient" and c["tensor"] == "q" and c["passed"] is False
     assert report["summary"]["failed"] == sum(not c["passed"] for s in report["scenarios"] for c in s["checks"])
     assert list(tmp_path.iterdir()) == [path]  # no temp files left behind
@@ -127,12 +130,12 @@ def test_negative_controls_json_and_junit(root, tmp_path):
     nc = json.loads((tmp_path / "r.json").read_text())["negative_controls"]
     assert nc["passed"] is True
     names = ("gqa-4x2", "mqa", "gqa-interleaved", "gqa-plain-differences")
-    assert {(c["fault"], c["scenario"]) for c in nc["cells"]} == {(f, s) for f in OPS["attention"].faults for s in names}
+    assert {(c["fault"], c["scenario"]) for c in nc["cells"]} == {(f, s) for f in ENGINE_FAULTS for s in names}
     assert {c["status"] for c in nc["cells"]} <= {"detected", "not applicable"}
     root_el = ET.parse(tmp_path / "r.xml").getroot()
     suites = {s.get("name"): s for s in root_el.iter("testsuite")}
     assert set(suites) == set(names) | {"negative-controls"}
-    assert suites["gqa-4x2"].get("failures") == "0" and int(suites["gqa-4x2"].get("tests")) == 15  # 3 gradient checks, 3 independence checks, the fast forward, 8 invariants
+    assert suites["gqa-4x2"].get("failures") == "0" and int(suites["gqa-4x2"].get("tests")) == 16  # 3 gradient checks, 3 independence checks, the fast forward, 9 invariants
 
 
 def test_negative_controls_exit_1_when_a_fault_is_missed(tmp_path):

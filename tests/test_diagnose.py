@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from gradcheck_cli.ops.attention import ENGINE_FAULTS
 from gradcheck_cli import checker, diagnose
 from gradcheck_cli.cli import main
 from gradcheck_cli.ops import OPS
@@ -30,11 +31,11 @@ SCENARIOS = {
 
 
 def test_every_fault_has_a_hint():
-    assert set(HINT_OF) == set(OPS["attention"].faults)
+    assert set(HINT_OF) == set(ENGINE_FAULTS)
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
-@pytest.mark.parametrize("fault", [None, *OPS["attention"].faults])
+@pytest.mark.parametrize("fault", [None, *ENGINE_FAULTS])
 def test_hint_names_the_fault_and_only_it(name, fault):
     sc = make(**SCENARIOS[name])
     result = checker.run_scenario(sc, (fault,) if fault else ())

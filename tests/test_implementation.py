@@ -179,25 +179,41 @@ def test_bad_implementation_specs_are_input_errors(root, tmp_path, spec, words):
         cfg.unlink()
 
 
-def test_faults_do_not_apply_to_a_user_implementation(root):
-    scs = scenario.load(root / "examples/attention.yaml")
-    assert {c.status for c in checker.negative_controls(scs[:1])} == {"not applicable"}
-    assert checker.run_scenario(scs[0], ("softmax-term",)).passed
+def test_negative_controls_on_a_user_implementation_are_a_real_matrix(root):
+    """Interface-level faults need no access to the implementation's internals, and each is caught."""
+    (sc,) = scenario.load(root / "examples/attention.yaml")[:1]
+    cells = {c.fault: c for c in checker.negative_controls([sc])}
+    assert set(cells) == set(checker.applicable_faults(sc)) >= {"softmax-term", "mask", "scale-dk", "leak-hidden-key"}
+    applicable = [c for c in cells.values() if c.status != "not applicable"]
+    assert len(applicable) >= 8 and all(c.status == "detected" for c in applicable), cells
+    for c in cells.values():
+        assert c.status != "not applicable" or c.reason, c
+    assert "backward agrees with the reference" in cells["softmax-term"].caught_by
+    assert "forward agrees with the reference" in cells["leak-hidden-key"].caught_by
 
 
-def test_an_implementation_that_changes_its_inputs_in_place_cannot_corrupt_the_check(root, tmp_path, monkeypatch):
+def test_a_named_fault_on_a_user_implementation_is_its_interface_variant(root):
+    (sc,) = scenario.load(root / "examples/attention.yaml")[:1]
+    result = checker.run_scenario(sc, ("softmax-term",))
+    assert result.faults == ("softmax-term",) and result.verdict == "fail"
+    assert {"gradient q", "backward agrees with the reference"} <= {c.name for c in result.checks if c.verdict == "fail"}
+    assert checker.run_scenario(sc).verdict == "pass"
+
+
+def test_an_implementation_that_changes_its_inputs_in_place_is_reported(root, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(root / "examples"))
     write_impl(tmp_path, """
         from my_attention import Attention
         class Impl(Attention):
             @staticmethod
             def forward(q, k, v, visible, scale, kv_map):
-                q *= scale                      # in place: the tool hands over copies
+                q *= scale                      # in place
                 return Attention.forward(q, k, v, visible, 1.0, kv_map)
         impl = Impl()
         """, name="inplace_impl")
     (result,), _ = run_yaml(tmp_path, "- {name: t, implementation: 'inplace_impl:impl'}\n")
-    assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
+    (bad,) = [c for c in result.checks if not c.passed]
+    assert result.verdict == "fail" and bad.tensor == "q" and "changed its argument q in place" in bad.detail
 
 
 def test_a_module_that_exits_on_import_is_bad_input(tmp_path):

@@ -7,6 +7,7 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import assume, given, settings
 
+from gradcheck_cli.ops.attention import ENGINE_FAULTS
 from gradcheck_cli import checker
 from gradcheck_cli.cli import main
 from gradcheck_cli.errors import ScenarioError
@@ -46,7 +47,7 @@ def test_every_fault_is_caught_in_every_precision(dtype):
     assert checker.run_scenario(sc).passed
     cells = checker.negative_controls([sc])
     assert {c.status for c in cells} == {"detected"}, [(c.fault, c.status) for c in cells]
-    assert {c.fault for c in cells} == set(OPS["attention"].faults)
+    assert {c.fault for c in cells} == set(checker.applicable_faults(sc)) == set(ENGINE_FAULTS)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -80,25 +80,35 @@ def sdpa(q, k, v, visible, scale, kv_map, heads_q: int):
 def _autograd(fn, inputs, grad_o):
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     out = fn(*leaves)
-    grads = torch.autograd.grad(out, leaves, grad_o)
+    grads = torch.autograd.grad(out, leaves, grad_o.clone())
     return out.detach(), [g.detach() for g in grads]
 
 
-def build(sc, faults: Collection[str] = ()) -> Problem:
-    """The torch problem: numeric checks as the NumPy engine (float64/float32), plus autograd and SDPA
-    agreement; for float16/bfloat16 the low-precision policy instead of finite differences."""
+#: The checks of a user's implementation in half precision (and of the built-in closed forms there).
+LOW_PRECISION_CHECKS = dict.fromkeys("oqkv", "low-precision error within factor of plain")
+
+
+def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None) -> Problem:
+    """The torch problem: numeric checks as the NumPy engine (float64/float32), plus agreement with the
+    float64 reference (``precision``); for float16/bfloat16 that agreement instead of finite
+    differences. A user's implementation gets the faults' interface variants (``engine.Interface``)."""
+    from .. import precision
     device = torch.device(sc.device)
     dt = DTYPES[sc.dtype]
     low = sc.dtype in LOW_PRECISION
     inputs64, g64 = engine.seeded_inputs(sc, dtype=np.float64)  # the same draws the NumPy engine makes
     to = lambda a, dtype=dt: torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)  # noqa: E731
+    np_ = lambda t: t.detach().to("cpu", torch.float64).numpy().copy()  # noqa: E731
     q, k, v = (to(inputs64[t]) for t in "qkv")
     g = to(g64)
-    vis = torch.from_numpy(sc.visible).to(device)
+    kv_np = np.asarray(sc.kv_map)
     kv_map = torch.as_tensor(sc.kv_map, dtype=torch.long, device=device)
     scale = sc.scale
-
     user = sc.implementation_object
+    interface = engine.Interface(faults, sizes, sc.visible, scale, kv_np) if user is not None else None
+    vis = torch.from_numpy(sc.visible if interface is None else interface.visible).to(device)
+    rounded = {t: np_(x) for t, x in zip("qkv", (q, k, v))}  # the inputs as the dtype holds them
+    g_rounded = np_(g)
 
     def fwd(q_, k_, v_, vis_=vis):
         if user is not None:
@@ -107,25 +117,63 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
         return forward(q_, k_, v_, vis_, scale, kv_map, faults)
 
     def bwd(q_, k_, v_, grad_o):
-        if user is not None:
-            return _user_gradients(user, (q_, k_, v_), (vis, scale, kv_map), grad_o, tuple(g.shape), dt)
-        return backward(q_, k_, v_, vis, scale, kv_map, grad_o, faults)
+        if user is None:
+            return backward(q_, k_, v_, vis, scale, kv_map, grad_o, faults)
+        grads = _user_gradients(user, (q_, k_, v_), (vis, scale, kv_map), grad_o.clone(), tuple(g.shape), dt)
+        if not interface.faults:
+            return grads
+        changed = interface.gradients(*(np_(x) for x in (q_, k_, v_, grad_o)), *(np_(x) for x in grads))
+        return tuple(to(x) for x in changed)
 
     o = fwd(q, k, v)
     dq, dk, dv = bwd(q, k, v, g)
     grads = {"q": dq, "k": dk, "v": dv}
-    np_ = lambda t: t.detach().to("cpu", torch.float64).numpy()  # noqa: E731
-    if low:
-        lowp = _low_precision(sc, q, k, v, g, vis, kv_map, o, grads, np_)
-        policy = lowp.invariants
-        lowp.invariants = lambda: policy() + _output_invariants(
-            sc, fwd, bwd, {t: np_(x) for t, x in zip("qkv", (q, k, v))}, o, to, np_)
-        return lowp
+    results = {"o": np_(o), **{t: np_(x) for t, x in grads.items()}}
+    checks_first = []
+    if user is not None:
+        again = {"o": np_(fwd(q, k, v)), **{t: np_(x) for t, x in zip("qkv", bwd(q, k, v, g))}}
+        checks_first.append(implementation_determinism(results, again, sc.nondet_tol))
+    ref, terms, a64 = engine.reference(rounded, g_rounded, sc.visible, scale, kv_np)
 
-    inputs = {"q": np_(q).astype(sc.dtype), "k": np_(k).astype(sc.dtype), "v": np_(v).astype(sc.dtype)}
-    blocks = engine._Blocks(sc, np.asarray(sc.kv_map))
-    a64 = engine.attention_weights(*(inputs64[t] for t in "qk"), sc.visible, scale, np.asarray(sc.kv_map))
-    rounding, total = blocks.rounding(inputs, g64, a64, scale, np.asarray(sc.kv_map))
+    def plain(precision: str) -> dict:
+        """torch autograd of the plain forward in ``precision``, on the same inputs."""
+        pdt = DTYPES[precision]
+        args = [to(rounded[t], pdt) for t in "qkv"]
+        out, gr = _autograd(lambda q_, k_, v_: forward(q_, k_, v_, vis if user is None else
+                                                      torch.from_numpy(sc.visible).to(device), scale, kv_map),
+                            args, to(g_rounded, pdt))
+        return {"o": np_(out), **{t: np_(x) for t, x in zip("qkv", gr)}}
+
+    if user is not None:
+        names = LOW_PRECISION_CHECKS if low else engine.REFERENCE_CHECKS
+        agree, computes_in = precision.judge(results, ref, terms, sc.dtype, plain, names, sc.factor, sc.slack)
+    elif low:
+        agree, computes_in = precision.judge(results, ref, terms, sc.dtype, plain, LOW_PRECISION_CHECKS,
+                                             sc.factor, sc.slack, what="closed forms")
+    else:
+        agree, computes_in = _opinions(sc, q, k, v, g, vis, kv_map, results, ref, terms, plain, np_), sc.dtype
+
+    def invariants_of_output() -> list[Check]:
+        terms = engine.output_terms(rounded, a64, scale, kv_np)
+        return _output_invariants(sc, fwd, bwd, rounded, o, to, np_, terms, computes_in)
+
+    context = None
+    if user is not None:
+        def impl_forward(q_, k_, v_, visible):
+            return np_(fwd(to(q_), to(k_), to(v_), torch.from_numpy(visible).to(device)))
+        context = engine.hint_context(rounded, g_rounded, sc.visible, scale, kv_np, results, ref, impl_forward)
+    if low:
+        return Problem(inputs={}, loss=None, gradients={t: np_(grads[t]) for t in "qkv"}, rounding={},
+                       rounding_total=0.0, copy_bytes=0,
+                       invariants=lambda: checks_first + agree + invariants_of_output(), output=np_(o),
+                       arrays={**rounded, "visible": sc.visible, "grad_output": g_rounded,
+                               "scale": np.asarray(sc.scale), "kv_map": kv_np, "output": np_(o),
+                               "reference_output": ref["o"], **{f"analytic_{t}": np_(grads[t]) for t in "qkv"}},
+                       **engine.diagnosis_fields(sc, context))
+
+    inputs = {t: rounded[t].astype(sc.dtype) for t in "qkv"}
+    blocks = engine._Blocks(sc, kv_np)
+    rounding, total = blocks.rounding(inputs, g64, a64, scale, kv_np)
 
     def copies_forward(name, x):
         args = {"q": q, "k": k, "v": v}
@@ -150,44 +198,55 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
         return blocks.sums(name, np_(copies_forward(name, x) * g))
 
     def checks():
+        out = list(checks_first)
         if user is None:
-            out = _opinions(sc, q, k, v, g, vis, kv_map, o, grads, np_)
             a = np_(probabilities(q, k, None if "mask" in faults else vis, scale, kv_map))
-            out.insert(0, invariants.bounded("attention is 0 off the visible set", "a", np.where(sc.visible, 0, a),
-                                            0.0, "A_ij must be exactly 0 where key j is not visible to query i"))
-        else:
-            out = _reference(sc, inputs64, g64, o, grads, np_)
-        return out + _output_invariants(sc, fwd, bwd, inputs, o, to, np_)
+            out.append(invariants.bounded("attention is 0 off the visible set", "a", np.where(sc.visible, 0, a),
+                                          0.0, "A_ij must be exactly 0 where key j is not visible to query i"))
+        return out + agree + invariants_of_output()
 
     itemsize = torch.finfo(dt).bits // 8
+    rule = precision.Policy.for_dtype(computes_in)
     return Problem(
         inputs=inputs, loss=loss, gradients={t: np_(grads[t]) for t in "qkv"},
         rounding=rounding, rounding_total=total,
         copy_bytes=3 * a64.size * itemsize + int(o.numel()) * itemsize,
         invariants=checks,
         arrays={**inputs, "visible": sc.visible, "grad_output": g64, "scale": np.asarray(scale),
-                "kv_map": np.asarray(sc.kv_map), "output": np_(o), **{f"analytic_{t}": np_(grads[t]) for t in "qkv"}},
-        output=np_(o), parts=blocks.parts, loss_parts=loss_parts, **engine.diagnosis_fields(sc),
+                "kv_map": kv_np, "output": np_(o), **{f"analytic_{t}": np_(grads[t]) for t in "qkv"}},
+        output=np_(o), parts=blocks.parts, loss_parts=loss_parts,
+        compute_dtype=None if computes_in == sc.dtype else computes_in,
+        analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in "qkv"} if user is not None else None,
+        **engine.diagnosis_fields(sc, context),
     )
 
 
-def _output_invariants(sc, fwd, bwd, inputs, o, to, np_) -> list[Check]:
-    """The output-only invariants on the implementation under test, in its own precision."""
+def implementation_determinism(first: dict, second: dict, tolerance: float) -> Check:
+    from ..implementation import determinism
+    return determinism("forward and backward", first, second, tolerance)
+
+
+def _output_invariants(sc, fwd, bwd, inputs, o, to, np_, terms: dict, precision: str) -> list[Check]:
+    """The output-only invariants on the implementation under test, in the precision it computes in."""
     backward_kv = lambda q_, k_, v_, go: [np_(t) for t in bwd(to(q_), to(k_), to(v_), to(go))[1:]]  # noqa: E731
-    eps = torch.finfo(DTYPES[sc.dtype]).eps
     try:
         return invariants.attention_outputs(lambda q_, k_, v_: np_(fwd(to(q_), to(k_), to(v_))), backward_kv,
                                             inputs, sc.visible, np.asarray(sc.kv_map), np_(o),
-                                            np.random.default_rng([sc.seed, 1]), eps=eps)
+                                            np.random.default_rng([sc.seed, 1]), terms, precision)
     except ImplementationFailure as exc:
         return [failure_check("invariants", exc)]
 
 
 def _call_user(user, args, shape, dtype):
     """The user's torch forward on clones of the inputs (so changing them in place cannot affect the
-    check), so that misbehaviour is a failed check naming the tensor."""
-    args = tuple(a.clone() if isinstance(a, torch.Tensor) and not a.requires_grad else a for a in args)
-    o = guarded("forward", user, *args)
+    check; a change is reported), so that misbehaviour is a failed check naming the tensor."""
+    names = ("q", "k", "v", "visible", "scale", "kv_map")
+    given = tuple(a.clone() if isinstance(a, torch.Tensor) and not a.requires_grad else a for a in args)
+    o = guarded("forward", user, *given)
+    for name, before, after in zip(names, args, given):
+        if isinstance(before, torch.Tensor) and not before.requires_grad and not torch.equal(before, after):
+            raise ImplementationFailure(f"forward changed its argument {name} in place: an implementation must "
+                                        "not modify its inputs", name)
     if not isinstance(o, torch.Tensor):
         raise ImplementationFailure(f"forward must return a torch.Tensor, got {type(o).__name__}", "o")
     if tuple(o.shape) != tuple(shape):
@@ -208,74 +267,43 @@ def _finite(what, name, t):
 
 def _user_gradients(user, qkv, rest, grad_o, shape, dtype):
     """dq, dk, dv of the user's forward by autograd (so a custom autograd.Function's backward is what
-    gets checked)."""
+    gets checked). ``grad_o`` is the implementation's own copy: a backward that changes it in place is
+    reported, and cannot change the checker's upstream gradient."""
     leaves = [t.detach().clone().requires_grad_(True) for t in qkv]
+    kept = grad_o.clone()
     with torch.enable_grad():
         o = _call_user(user, (*leaves, *rest), shape, dtype)
         if not o.requires_grad:
             raise ImplementationFailure("forward's output does not require grad: autograd cannot reach q, k, v", "o")
         grads = guarded("backward", lambda: torch.autograd.grad(o, leaves, grad_o, allow_unused=True))
+    if not torch.equal(grad_o, kept):
+        raise ImplementationFailure("backward changed grad_output in place: an implementation must not modify "
+                                    "its inputs", "grad_o")
+    for name, leaf, before in zip("qkv", leaves, qkv):
+        if not torch.equal(leaf.detach(), before.detach()):
+            raise ImplementationFailure(f"the implementation changed its argument {name} in place: it must not "
+                                        "modify its inputs", name)
     out = []
     for name, leaf, grad in zip(("dq", "dk", "dv"), leaves, grads):
-        grad = torch.zeros_like(leaf) if grad is None else grad.detach()
+        grad = torch.zeros_like(leaf) if grad is None else grad.detach().clone()
         _finite("backward", name, grad)
         out.append(grad)
     return tuple(out)
 
 
-def _reference(sc, inputs64, g64, o, grads, np_) -> list[Check]:
-    """A user's implementation against the NumPy engine in float64 on the same inputs."""
-    kv = np.asarray(sc.kv_map)
-    rounded = {t: np_(torch.from_numpy(inputs64[t]).to(DTYPES[sc.dtype])) for t in "qkv"}
-    ref_o = engine.forward(rounded["q"], rounded["k"], rounded["v"], sc.visible, sc.scale, kv)
-    ref = engine.backward(rounded["q"], rounded["k"], rounded["v"], sc.visible, sc.scale, kv, g64)
-    out = [invariants.agreement("forward agrees with the reference", "o", np_(o), ref_o, sc.tolerance)]
-    out += [invariants.agreement("backward agrees with the reference", t, np_(grads[t]), theirs, sc.tolerance)
-            for t, theirs in (("q", ref.q), ("k", ref.k), ("v", ref.v))]
-    return out
-
-
-def _opinions(sc, q, k, v, g, vis, kv_map, o, grads, np_) -> list[Check]:
-    """Autograd of the same forward, and torch's SDPA, against the closed-form gradients."""
+def _opinions(sc, q, k, v, g, vis, kv_map, results, ref, terms, plain, np_) -> list[Check]:
+    """The built-in closed forms against the float64 reference with autograd of the plain forward as the
+    plain computation (``autograd agrees``: as accurate as autograd), and torch's SDPA likewise."""
+    from .. import precision
+    policy = precision.Policy.for_dtype(sc.dtype, sc.factor, sc.slack)
+    auto = plain(sc.dtype)
     checks = []
-    tol = sc.tolerance
-    auto_o, auto = _autograd(lambda q_, k_, v_: forward(q_, k_, v_, vis, sc.scale, kv_map), (q, k, v), g)
-    for t, got in zip("qkv", auto):
-        checks.append(invariants.agreement("autograd agrees", t, np_(grads[t]), np_(got).astype(np.float64), tol))
+    for t in "qkv":
+        e = float(np.abs(auto[t] - ref[t]).max(initial=0.0))
+        checks.append(precision.agreement("autograd agrees", t, results[t], ref[t], terms[t], policy, e,
+                                          "closed forms"))
     sd_o, sd = _autograd(lambda q_, k_, v_: sdpa(q_, k_, v_, vis, sc.scale, kv_map, sc.heads_q), (q, k, v), g)
-    checks.append(invariants.agreement("SDPA agrees", "o", np_(o), np_(sd_o), tol))
-    for t, got in zip("qkv", sd):
-        checks.append(invariants.agreement("SDPA agrees", t, np_(grads[t]), np_(got), tol))
+    for t, got in zip("oqkv", (sd_o, *sd)):
+        e = float(np.abs(auto[t] - ref[t]).max(initial=0.0))
+        checks.append(precision.agreement("SDPA agrees", t, np_(got), ref[t], terms[t], policy, e, "SDPA"))
     return checks
-
-
-def _low_precision(sc, q, k, v, g, vis, kv_map, o, grads, np_) -> Problem:
-    """FlashAttention's policy: the implementation's error against a float64 reference must be at most
-    ``factor`` times the error of a plain implementation run in the same precision, plus ``slack``."""
-    ref_in = {t: np_(x) for t, x in zip("qkv", (q, k, v))}
-    kv_np = np.asarray(sc.kv_map)
-    ref_o = engine.forward(ref_in["q"], ref_in["k"], ref_in["v"], sc.visible, sc.scale, kv_np)
-    ref = engine.backward(ref_in["q"], ref_in["k"], ref_in["v"], sc.visible, sc.scale, kv_np, np_(g))
-    plain_o, plain = _autograd(lambda q_, k_, v_: forward(q_, k_, v_, vis, sc.scale, kv_map), (q, k, v), g)
-
-    def checks():
-        out = []
-        for t, mine, theirs, reference in (("o", o, plain_o, ref_o), ("q", grads["q"], plain[0], ref.q),
-                                           ("k", grads["k"], plain[1], ref.k), ("v", grads["v"], plain[2], ref.v)):
-            err = np.abs(np_(mine) - reference)
-            err_plain = float(np.abs(np_(theirs) - reference).max())
-            worst = int(np.argmax(err))
-            index = tuple(int(i) for i in np.unravel_index(worst, err.shape))
-            allowed = sc.factor * err_plain + sc.slack
-            out.append(Check("reference", "low-precision error within factor of plain", t, tuple(err.shape),
-                             float(err.max()), float(err.max()) / max(err_plain, 1e-300), allowed, 0.0, index,
-                             bool(err.max() <= allowed),
-                             f"{sc.dtype}: max|impl - float64 ref| = {err.max():.3g} at {t}[{', '.join(map(str, index))}]"
-                             f"; plain {sc.dtype} autograd: {err_plain:.3g}; allowed {sc.factor:g} x plain + {sc.slack:g}"))
-        return out
-
-    return Problem(inputs={}, loss=None, gradients={t: np_(grads[t]) for t in "qkv"}, rounding={},
-                   rounding_total=0.0, copy_bytes=0, invariants=checks, output=np_(o),
-                   arrays={**ref_in, "visible": sc.visible, "grad_output": np_(g), "scale": np.asarray(sc.scale),
-                           "kv_map": kv_np, "output": np_(o), "reference_output": ref_o,
-                           **{f"analytic_{t}": np_(grads[t]) for t in "qkv"}}, **engine.diagnosis_fields(sc))

@@ -21,20 +21,43 @@ from .. import implementation, invariants
 from .dense import RSS_FACTOR
 from .registry import Fault, Op, Problem, Structure
 
+#: What a built-in fault does to a user's implementation: the gradient change the bug makes in the
+#: float64 reference is added to the implementation's gradients.
+_ADDED = "adds to the implementation's gradients the change this bug makes to the float64 reference's"
+
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("softmax-term", "G_S = A * G_A: drops the row-sum subtraction c_i of the softmax backward",
-          ("gradient q", "gradient k", "score-gradient rows sum to 0")),
+          ("gradient q", "gradient k", "score-gradient rows sum to 0", "backward agrees with the reference"),
+          user=_ADDED),
     Fault("mask", "forward and backward ignore the visible set (finite differences agree with it)",
           ("attention is 0 off the visible set", "unseen K/V rows get zero gradient",
-           "hidden K/V rows do not change O", "O rows in the range of visible V rows"), forward=True),
+           "hidden K/V rows do not change O", "O rows in the range of visible V rows",
+           "forward agrees with the reference"), forward=True,
+          user="shows the implementation every key as visible, in its forward and its backward"),
     Fault("mask-backward", "only the backward ignores the visible set: it recomputes A without it",
-          ("gradient q", "gradient k", "gradient v", "unseen K/V rows get zero gradient")),
+          ("gradient q", "gradient k", "gradient v", "unseen K/V rows get zero gradient",
+           "backward agrees with the reference"), user=_ADDED),
     Fault("scale", "G_Q and G_K lose the scale factor (no effect when scale = 1)",
-          ("gradient q", "gradient k")),
+          ("gradient q", "gradient k", "backward agrees with the reference"), user=_ADDED),
     Fault("gqa-sum", "K/V gradients: the last query head of a group overwrites instead of summing "
                      "(no effect without shared KV heads)",
-          ("gradient k", "gradient v")),
+          ("gradient k", "gradient v", "backward agrees with the reference"), user=_ADDED),
+    *(Fault(f"scale-d{t}", f"d{t.upper()} x (1 + 10 x the smallest relative error the clean run would have caught in it)",
+            (f"gradient {t}", "backward agrees with the reference"), engine=False, sized=True,
+            user=f"multiplies the implementation's d{t.upper()} by that factor") for t in "qkv"),
+    Fault("swap-dk-dv", "returns dV as dK and dK as dV (applies when d_head = d_value)",
+          ("gradient k", "gradient v", "backward agrees with the reference"), engine=False,
+          user="swaps the implementation's dK and dV"),
+    Fault("leak-hidden-key", "one hidden key (the first in row-major order) is visible, in forward and backward",
+          ("forward agrees with the reference",), forward=True, engine=False,
+          user="shows the implementation that key as visible, in its forward and its backward"),
 )}
+
+#: The faults of the built-in engines (the others act on a user's implementation only).
+ENGINE_FAULTS: dict[str, Fault] = {name: f for name, f in FAULTS.items() if f.engine}
+
+#: Built-in faults whose effect on a user's implementation is their change to the reference gradients.
+_DIFFERENCE_FAULTS = ("softmax-term", "mask-backward", "scale", "gqa-sum")
 
 
 def repeat_kv(x: np.ndarray, kv_map: np.ndarray) -> np.ndarray:
@@ -173,187 +196,123 @@ class _Blocks:
         ``a`` is A, or a callable giving A's rows for a slice of query rows (``rows`` at a time), so
         the tiled engine never holds all of A."""
         a_rows = a if callable(a) else (lambda span: a[..., span, :])
-        terms = np.abs(g).astype(np.float64) * output_term_sizes(inputs, a_rows, scale, kv_map, rows)
+        g_abs = np.abs(g).astype(np.float64)
+        terms = g_abs * output_term_sizes(inputs, a_rows, scale, kv_map, rows)
+        # Moving V leaves the logits alone: both evaluations of a V difference round S (and A) the same
+        # way, so only the product A V rounds differently (no logit term).
+        terms_v = g_abs * output_term_sizes(inputs, a_rows, scale, kv_map, rows, logits=False)
         # The worst case adds every term's bound; independent rounding errors add in quadrature, so a
         # block of many terms (K's: every query of its group) is charged RSS_FACTOR x their root sum of
         # squares when that is less (the worst case would hide real bugs on large float32 heads).
         out = {}
         for name in inputs:
-            linear = self.sums(name, terms)
-            rss = RSS_FACTOR * np.sqrt(self.sums(name, terms * terms))
+            t = terms_v if name == "v" else terms
+            linear = self.sums(name, t)
+            rss = RSS_FACTOR * np.sqrt(self.sums(name, t * t))
             out[name] = np.minimum(linear, rss)[self.parts[name]]
         return out, float(min(terms.sum(), RSS_FACTOR * np.sqrt(np.sum(terms * terms))))
 
 
-def output_term_sizes(inputs, a_rows, scale, kv_map, rows: int = 256) -> np.ndarray:
-    """sum_j A_ij (1 + |scale| sum_c |q_ic k_jc|) |V_jc| for every element of O, in float64: the size of
-    the terms each output element is made of, from which its rounding comes (a logit carries an error
-    of about eps * |scale| sum_c |q_ic k_jc|, which the softmax passes on relative to A_ij). ``a_rows(span)``
-    gives A's rows for a slice of query rows; ``rows`` query rows are taken at a time."""
-    qa, ka, va = (np.abs(t).astype(np.float64) for t in
-                  (inputs["q"], repeat_kv(inputs["k"], kv_map), repeat_kv(inputs["v"], kv_map)))
+def output_term_sizes(inputs, a_rows, scale, kv_map, rows: int = 256, logits: bool = True) -> np.ndarray:
+    """The size of the terms each element of O is made of, from which its rounding comes, in float64:
+    sum_j A_ij |V_jc| (the product and the normalisation) plus the logits' share. A logit S_ij carries an
+    error of about eps L_ij, L_ij = |scale| sum_c |q_ic k_jc|, which moves O_ic by A_ij (V_jc - O_ic) per
+    unit (a shift common to the row cancels); that share is bounded by Cauchy-Schwarz as
+    sqrt(sum_j A_ij L_ij^2) sqrt(sum_j A_ij (V_jc - O_ic)^2), so a peaked row, whose O is its top V row,
+    is charged nothing for logits it barely weighs. ``a_rows(span)`` gives A's rows for a slice of query
+    rows; ``rows`` query rows are taken at a time. ``logits`` False leaves out the logits' share."""
+    qa, ka = (np.abs(t).astype(np.float64) for t in (inputs["q"], repeat_kv(inputs["k"], kv_map)))
+    v = repeat_kv(inputs["v"], kv_map).astype(np.float64)
+    va = np.abs(v)
     out = np.empty(qa.shape[:-1] + (va.shape[-1],))
     for start in range(0, qa.shape[-2], rows):
         span = slice(start, min(start + rows, qa.shape[-2]))
-        logit_error = 1.0 + abs(scale) * (qa[..., span, :] @ np.swapaxes(ka, -1, -2))
-        out[..., span, :] = (a_rows(span).astype(np.float64) * logit_error) @ va
+        a = a_rows(span).astype(np.float64)
+        out[..., span, :] = a @ va
+        if logits:
+            logit = abs(scale) * (qa[..., span, :] @ np.swapaxes(ka, -1, -2))
+            spread = np.sqrt(np.sum(a * logit * logit, axis=-1, keepdims=True))
+            o = a @ v
+            variance = np.maximum(a @ (v * v) - o * o, 0.0)
+            out[..., span, :] += spread * np.sqrt(variance)
     return out
 
 
-#: Invariants that fail when the forward lets hidden keys reach O.
-FORWARD_MASK_CHECKS = ("attention is 0 off the visible set", "hidden K/V rows do not change O",
-                       "O rows in the range of visible V rows")
+def output_terms(inputs, a, scale, kv_map) -> dict[str, np.ndarray]:
+    """The size of the terms of each element of O, for the invariants: ``o`` with the logits' rounding,
+    ``o_convex`` without it (sum_j A_ij |V_jc|). ``a``: A, or ``a_rows(span)``."""
+    a_rows = a if callable(a) else (lambda span: a[..., span, :])
+    return {"o": output_term_sizes(inputs, a_rows, scale, kv_map),
+            "o_convex": output_term_sizes(inputs, a_rows, scale, kv_map, logits=False)}
 
 
-def diagnosis(sc) -> tuple[dict[str, Structure], object]:
-    """(structure, hints) for the diagnosis of failed checks (README "Diagnosis"): what the axes of
-    q, k, v mean, which rows the mask touches, and the rules that name a likely cause."""
-    kv_map = np.asarray(sc.kv_map, dtype=np.intp)
-    visible = sc.visible
-    sees_all = visible.all(axis=-1)                                        # [B, Hq, n_q]
-    group = np.eye(sc.heads_kv, dtype=np.int64)[kv_map]                     # [Hq, Hkv]
-    seen = np.einsum("bhij,hg->bgj", visible.astype(np.int64), group)        # [B, Hkv, n_k]
-    every = seen == (sc.n_q * group.sum(axis=0))[None, :, None]
-    kv_classes = {"key rows every query sees": every, "key rows hidden from some queries": ~every & (seen > 0),
-                  "key rows no query sees": seen == 0}
-    n_k = visible.shape[-1]
-    first = np.where(visible.any(axis=-1), visible.argmax(axis=-1), 0)
-    last = np.where(visible.any(axis=-1), n_k - 1 - visible[..., ::-1].argmax(axis=-1), n_k - 1)
-    q_classes = {"query rows that see every key": sees_all, "query rows with hidden keys": ~sees_all,
-                 "query rows cut on the left (window edge)": first > 0,
-                 "query rows cut on the right (causal diagonal, padding)": last < n_k - 1}
-    if sc.heads_kv < sc.heads_q:
-        for g in range(sc.heads_kv):
-            heads = kv_map == g
-            q_classes[f"query heads of KV head {g} ({', '.join(map(str, np.flatnonzero(heads)))})"] = \
-                np.broadcast_to(heads[None, :, None], sees_all.shape)
-    structure = {
-        "q": Structure(("batch", "query head", "query row", "feature"), q_classes, ("query head", "query row")),
-        "k": Structure(("batch", "KV head", "key row", "feature"), kv_classes, ("KV head", "key row")),
-        "v": Structure(("batch", "KV head", "key row", "feature"), kv_classes, ("KV head", "key row")),
-    }
-    shared = group.sum(axis=0) > 1                                           # [Hkv]
+def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = 256, rss: bool = False) -> dict[str, np.ndarray]:
+    """The size of the terms each element of O, G_Q, G_K and G_V is made of (float64, by blocks of
+    ``rows`` query rows): rounding in a precision with unit roundoff u puts an error of about
+    u x these in each element, whatever order the implementation sums in.
 
-    def hints(evidence: dict, checks: list) -> list[str]:
-        failed = {c.tensor for c in checks if c.kind == "gradient" and c.verdict == "fail"}
-        broken = {c.name for c in checks if c.kind == "invariant" and not c.passed}
-        out = []
-        forward_mask = [name for name in FORWARD_MASK_CHECKS if name in broken]
-        if forward_mask:
-            out.append("the forward lets hidden keys reach O (" + "; ".join(forward_mask) + ")"
-                       + ("" if failed else ", while finite differences agree with the backward")
-                       + ": apply the visible set in the forward (hidden keys get weight exactly 0)")
-        elif _mask_backward(evidence, failed, broken, sees_all, kv_classes["key rows no query sees"]):
-            out.append("the errors sit only where the mask matters (query rows with hidden keys, or gradient "
-                       "flowing into keys no query sees) while rows that see every key are right: the backward "
-                       "ignores or misapplies the visible set (e.g. recomputes A without it)")
-        shift = _shift_violation(evidence, failed, broken, sc.tolerance)
-        if shift:
-            out.append(shift)
-        ratio = _common_factor(evidence, failed, sc.tolerance)
-        if ratio is not None:
-            why = ""
-            if abs(ratio * sc.scale - 1) < 1e-2:
-                why = f"; it is 1/scale ({1 / sc.scale:.4g}): the backward drops the scale"
-            elif abs(ratio / sc.scale - 1) < 1e-2:
-                why = f"; it is the scale ({sc.scale:.4g}): the backward applies it twice"
-            out.append(f"G_Q and G_K are both {ratio:.4g} x their finite differences while G_V is right: the scale "
-                       f"factor in the backward (G_Q = scale * G_S K, G_K = scale * G_S^T Q){why}")
-        heads = _bad_kv_heads(evidence, failed)
-        if heads is not None and heads.any() and shared[heads].all():
-            bad = [int(h) for h in np.flatnonzero(heads)]
-            sizes = sorted({int(group.sum(axis=0)[h]) for h in bad})
-            out.append(f"errors only in K/V gradients of KV heads shared by several query heads (KV head "
-                       f"{', '.join(map(str, bad))}; {'/'.join(map(str, sizes))} query heads each)"
-                       + ("; unshared KV heads are right" if (~shared).any() else "")
-                       + ", and G_Q is right: the GQA reduction must sum the gradients of every query head "
-                         "in a group (sum_groups)")
-        return out
-
-    return structure, hints
+    With L_ij = |scale| sum_c |q_ic k_jc| (a logit's rounding, passed on relative to A_ij) and
+    Ã = A (1 + L): O ~ Ã |V|; G_A ~ |G_O| |V|^T; G_S ~ Ã (|G_A| + sum_j A_ij |G_A|_ij);
+    G_Q ~ |scale| |G_S| |K|; G_K ~ |scale| |G_S|^T |Q|; G_V ~ Ã^T |G_O| (K/V summed over each group).
+    ``rss``: the root sum of squares of those terms instead of their sum (independent rounding errors
+    add in quadrature: the statistical size of the error, where the sum is its worst case).
+    ``a_rows(span)`` gives A's rows for a slice of query rows."""
+    power = 2 if rss else 1
+    qa, ka, va = (np.abs(t).astype(np.float64) ** power for t in
+                  (inputs["q"], repeat_kv(inputs["k"], kv_map), repeat_kv(inputs["v"], kv_map)))
+    q1, k1 = (np.abs(t).astype(np.float64) for t in (inputs["q"], repeat_kv(inputs["k"], kv_map)))
+    v1 = np.abs(repeat_kv(inputs["v"], kv_map)).astype(np.float64)
+    g1 = np.abs(g).astype(np.float64)
+    ga = g1 ** power
+    t_o = np.empty(ga.shape)
+    t_q = np.empty(qa.shape)
+    t_k, t_v = np.zeros(ka.shape), np.zeros(va.shape)
+    for start in range(0, qa.shape[-2], rows):
+        span = slice(start, min(start + rows, qa.shape[-2]))
+        a = a_rows(span).astype(np.float64)
+        a_err = a * (1.0 + abs(scale) * (q1[..., span, :] @ np.swapaxes(k1, -1, -2)))
+        g_a = g1[..., span, :] @ np.swapaxes(v1, -1, -2)
+        t_s = a_err * (g_a + np.sum(a * g_a, axis=-1, keepdims=True))
+        a_err, t_s = a_err ** power, t_s ** power
+        t_o[..., span, :] = a_err @ va
+        t_q[..., span, :] = abs(scale) ** power * (t_s @ ka)
+        t_k += abs(scale) ** power * (np.swapaxes(t_s, -1, -2) @ qa[..., span, :])
+        t_v += np.swapaxes(a_err, -1, -2) @ ga[..., span, :]
+    heads_kv = inputs["k"].shape[-3]
+    out = {"o": t_o, "q": t_q, "k": sum_groups(t_k, kv_map, heads_kv), "v": sum_groups(t_v, kv_map, heads_kv)}
+    return {t: np.sqrt(x) for t, x in out.items()} if rss else out
 
 
-def diagnosis_fields(sc) -> dict:
-    structure, hints = diagnosis(sc)
+def diagnosis_fields(sc, context=None) -> dict:
+    """The structure and hints of the diagnosis (``attention_hints``); ``context`` for an implementation."""
+    from .attention_hints import diagnosis
+    structure, hints = diagnosis(sc, context)
     return {"structure": structure, "hints": hints}
 
 
-def _mask_backward(evidence, failed, broken, sees_all, nobody) -> bool:
-    """Gradient errors confined to where masking matters, or the unseen-rows invariant failing."""
-    if "unseen K/V rows get zero gradient" in broken:
-        return True
-    for name in ("k", "v"):
-        ev = evidence.get(name)
-        if ev is not None and name in failed and (ev.bad & nobody[..., None]).any():
-            return True
-    ev = evidence.get("q")
-    if ev is None or "q" not in failed:
-        return False
-    full_rows = sees_all[..., None] & ev.checked
-    return bool(full_rows.any() and not (ev.bad & full_rows).any() and ev.bad.any())
+def hint_context(inputs: dict, g, visible, scale, kv_map, results: dict, reference_results: dict, impl_forward=None):
+    """What the hints may consult about an implementation (``attention_hints.Context``)."""
+    from .attention_hints import Context
+    x = {t: val.astype(np.float64) for t, val in inputs.items()}
+
+    def reference_output(visible=visible, kv_map=kv_map):
+        return forward(x["q"], x["k"], x["v"], visible, scale, np.asarray(kv_map, dtype=np.intp))
+
+    return Context(output=np.asarray(results["o"], dtype=np.float64), reference=reference_output,
+                   reference_gradients={t: reference_results[t] for t in "qkv"},
+                   gradients={t: np.asarray(results[t], dtype=np.float64) for t in "qkv"}, forward=impl_forward,
+                   inputs=inputs, g=np.asarray(g, dtype=np.float64))
 
 
-def _shift_violation(evidence, failed, broken, tolerance) -> str | None:
-    """Softmax is shift invariant: moving every key by the same vector moves each score row by a
-    constant, so the K gradients of a (batch, KV head) sum to zero over the keys."""
-    ev = evidence.get("k")
-    message = ("softmax is shift invariant, so the row-sum term of its backward is missing or wrong: "
-               "G_S = A * (G_A - rowsum(A * G_A))")
-    if "score-gradient rows sum to 0" in broken:
-        return "G_S rows do not sum to 0: " + message
-    if ev is None or not ({"q", "k"} & failed) or not ev.checked.all():
-        return None
-    total_a = float(np.abs(ev.analytic.sum(axis=-2)).max(initial=0.0))
-    total_n = float(np.abs(ev.numeric.sum(axis=-2)).max(initial=0.0))
-    size = float(np.abs(ev.analytic).max(initial=0.0))
-    if total_a > 10 * tolerance * size and total_a > 10 * total_n:
-        return (f"the analytic G_K does not sum to 0 over the keys (worst {total_a:.3g}; the finite differences "
-                f"sum to {total_n:.1g}): " + message)
-    return None
-
-
-def _common_factor(evidence, failed, tolerance) -> float | None:
-    """The factor c when analytic = c x numeric for both q and k (and v is right), else None."""
-    if not {"q", "k"} <= failed or "v" in failed or "q" not in evidence or "k" not in evidence:
-        return None
-    factors = []
-    for name in ("q", "k"):
-        ev = evidence[name]
-        a, n = ev.analytic[ev.checked], ev.numeric[ev.checked]
-        nn = float(n @ n)
-        if not np.isfinite(nn) or nn == 0:
-            return None
-        c = float(a @ n) / nn
-        if float(np.abs(a - c * n).max()) > (10 * tolerance + 1e-3) * float(np.abs(a).max()):
-            return None
-        factors.append(c)
-    c_q, c_k = factors
-    if abs(c_q - c_k) > 1e-2 * abs(c_q) or abs(c_q - 1) < 1e-2:
-        return None
-    return (c_q + c_k) / 2
-
-
-def _bad_kv_heads(evidence, failed) -> np.ndarray | None:
-    """bool [Hkv]: KV heads with an out-of-tolerance K or V element, when G_Q is right; else None."""
-    if "q" in failed or not {"k", "v"} & failed:
-        return None
-    heads = None
-    for name in ("k", "v"):
-        ev = evidence.get(name)
-        if ev is not None:
-            bad = ev.bad.any(axis=(0, 2, 3))
-            heads = bad if heads is None else heads | bad
-    return heads
-
-
-def build(sc, faults: Collection[str] = ()) -> Problem:
+def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None) -> Problem:
     """Inputs for scenario ``sc``, the loss L = sum(O * G), analytic gradients and invariants: of the
-    built-in engine with ``faults`` injected, or of the user's implementation when the scenario names one."""
+    built-in engine with ``faults`` injected, or of the user's implementation when the scenario names one
+    (with the faults' ``user`` variants; ``sizes`` sets the sized ones)."""
     if sc.backend == "torch":
         from ..backends import torch_backend  # torch is imported only when a scenario asks for it
-        return torch_backend.build(sc, faults)
+        return torch_backend.build(sc, faults, sizes)
     if sc.implementation is not None:
-        return _build_user(sc)
+        return _build_user(sc, faults, sizes)
     if sc.engine == "tiled":
         from . import tiled
         return tiled.build(sc, faults)
@@ -395,7 +354,8 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
         copy_bytes=3 * a.size * dt.itemsize + o.size * dt.itemsize,
         invariants=lambda: [copies.agreement(fast, reference, inputs, visible, scale, kv_map, faults,
                                              np.random.default_rng([sc.seed, 4]))]
-        + invariants.attention(fwd, bwd, inputs, visible, kv_map, grads, rng_inv),
+        + invariants.attention(fwd, bwd, inputs, visible, kv_map, grads, rng_inv,
+                               output_terms(inputs, a, scale, kv_map)),
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
                 "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
                 "analytic_q": grads.q, "analytic_k": grads.k, "analytic_v": grads.v},
@@ -406,11 +366,70 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
     )
 
 
-def _build_user(sc) -> Problem:
+class Interface:
+    """The interface-level faults for a user's implementation (``Fault.user``): what it is shown
+    (``visible``) and what its gradients become (``gradients``). No fault: both unchanged."""
+
+    def __init__(self, faults: Collection[str], sizes: dict[str, float] | None, visible, scale, kv_map):
+        self.faults, self.sizes, self.scale, self.kv_map = tuple(faults), dict(sizes or {}), scale, kv_map
+        self.true_visible = visible
+        self.visible = visible
+        if "mask" in self.faults:
+            self.visible = np.ones_like(visible)
+        if "leak-hidden-key" in self.faults:
+            hidden = np.argwhere(~visible)
+            if len(hidden):
+                self.visible = visible.copy()
+                self.visible[tuple(hidden[0])] = True
+        self.added = tuple(f for f in self.faults if f in _DIFFERENCE_FAULTS)
+
+    def gradients(self, q, k, v, grad_o, dq, dk, dv):
+        out = {"q": dq, "k": dk, "v": dv}
+        if self.added:
+            args = [x.astype(np.float64) for x in (q, k, v, grad_o)]
+            right = backward(*args[:3], self.true_visible, self.scale, self.kv_map, args[3])
+            wrong = backward(*args[:3], self.true_visible, self.scale, self.kv_map, args[3], self.added)
+            for t in out:
+                out[t] = (out[t].astype(np.float64) + getattr(wrong, t) - getattr(right, t)).astype(out[t].dtype)
+        for t in out:
+            if f"scale-d{t}" in self.faults:
+                out[t] = (out[t] * (1.0 + self.sizes.get(f"scale-d{t}", 0.0))).astype(out[t].dtype)
+        if "swap-dk-dv" in self.faults and out["k"].shape == out["v"].shape:
+            out["k"], out["v"] = out["v"], out["k"]
+        return out["q"], out["k"], out["v"]
+
+
+#: Names of the reference checks of each result.
+REFERENCE_CHECKS = {"o": "forward agrees with the reference", "q": "backward agrees with the reference",
+                    "k": "backward agrees with the reference", "v": "backward agrees with the reference"}
+
+
+def reference(inputs: dict, g: np.ndarray, visible, scale, kv_map) -> tuple[dict, dict, np.ndarray]:
+    """The float64 reference on the given inputs: ({o, q, k, v}, term sizes (root sum of squares) of
+    each, A)."""
+    x = {t: val.astype(np.float64) for t, val in inputs.items()}
+    g64 = np.asarray(g, dtype=np.float64)
+    o = forward(x["q"], x["k"], x["v"], visible, scale, kv_map)
+    grads = backward(x["q"], x["k"], x["v"], visible, scale, kv_map, g64)
+    terms = term_sizes(x, g64, lambda span: grads.a[..., span, :], scale, kv_map, rss=True)
+    return {"o": o, "q": grads.q, "k": grads.k, "v": grads.v}, terms, grads.a
+
+
+def plain(inputs: dict, g: np.ndarray, visible, scale, kv_map, dtype: str) -> dict:
+    """The built-in engine computed in ``dtype`` (float64 or float32) on the inputs: a plain
+    implementation's rounding, for the agreement rule."""
+    x = {t: val.astype(dtype) for t, val in inputs.items()}
+    o = forward(x["q"], x["k"], x["v"], visible, scale, kv_map)
+    grads = backward(x["q"], x["k"], x["v"], visible, scale, kv_map, np.asarray(g).astype(dtype))
+    return {"o": o, "q": grads.q, "k": grads.k, "v": grads.v}
+
+
+def _build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None) -> Problem:
     """The same problem for the user's implementation (README "Checking your own implementation"):
-    its forward and backward are called through ``implementation.call`` (so misbehaviour is a failed
-    check), perturbed copies are stacked along the batch axis, and the built-in engine in float64 is
-    the reference its output and gradients must agree with."""
+    its forward and backward are called through ``implementation.call`` (fresh copies in, copies out;
+    misbehaviour is a failed check), perturbed copies are stacked along the batch axis, and the built-in
+    engine in float64 is the reference its output and gradients must agree with (``precision``)."""
+    from .. import precision
     impl = sc.implementation_object
     inputs, g = seeded_inputs(sc)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
@@ -418,62 +437,70 @@ def _build_user(sc) -> Problem:
     kv_map = np.asarray(sc.kv_map, dtype=np.intp)
     visible, scale, batch = sc.visible, sc.scale, sc.batch
     blocks = _Blocks(sc, kv_map)
+    interface = Interface(faults, sizes, visible, scale, kv_map)
+    names = ("q", "k", "v", "visible", "scale", "kv_map", "grad_o")
 
     def user_forward(q, k, v, visible):
         shape = (q.shape[0], sc.heads_q, sc.n_q, sc.d_value)
-        return implementation.call(impl.forward, "forward", (q, k, v, visible, scale, kv_map), {"o": (shape, dt)})["o"]
+        return implementation.call(impl.forward, "forward", (q, k, v, visible, scale, kv_map), {"o": (shape, dt)},
+                                   names)["o"]
 
     def user_backward(q, k, v, grad_o):
-        out = implementation.call(impl.backward, "backward", (q, k, v, visible, scale, kv_map, grad_o),
-                                  {"dq": (q.shape, dt), "dk": (k.shape, dt), "dv": (v.shape, dt)})
-        return out["dq"], out["dk"], out["dv"]
+        out = implementation.call(impl.backward, "backward", (q, k, v, interface.visible, scale, kv_map, grad_o),
+                                  {"dq": (q.shape, dt), "dk": (k.shape, dt), "dv": (v.shape, dt)}, names)
+        return interface.gradients(q, k, v, grad_o, out["dq"], out["dk"], out["dv"])
 
     def copies_forward(name: str, x: np.ndarray) -> np.ndarray:
         """x [C, B, ...]: C perturbed copies of input ``name``, stacked along the batch axis."""
         c = x.shape[0]
         args = {t: (x if t == name else np.broadcast_to(val, (c,) + val.shape)).reshape((c * batch,) + val.shape[1:])
                 for t, val in inputs.items()}
-        vis = np.broadcast_to(visible, (c,) + visible.shape).reshape((c * batch,) + visible.shape[1:])
+        vis = np.broadcast_to(interface.visible, (c,) + visible.shape).reshape((c * batch,) + visible.shape[1:])
         try:
             return user_forward(args["q"], args["k"], args["v"], vis).reshape((c,) + g.shape)
         except implementation.ImplementationFailure as exc:
             raise implementation.in_copies(exc, batch, name) from None
 
-    o = user_forward(q, k, v, visible)
+    o = user_forward(q, k, v, interface.visible)
     dq, dk, dv = user_backward(q, k, v, g)
-    ref_inputs = {t: val.astype(np.float64) for t, val in inputs.items()}
-    ref_o = forward(**ref_inputs, visible=visible, scale=scale, kv_map=kv_map)
-    ref = backward(**ref_inputs, visible=visible, scale=scale, kv_map=kv_map, grad_o=g.astype(np.float64))
-    rounding, rounding_total = blocks.rounding(inputs, g, ref.a, scale, kv_map)
+    again = {"o": user_forward(q, k, v, interface.visible), **dict(zip("qkv", user_backward(q, k, v, g)))}
+    results = {"o": o, "q": dq, "k": dk, "v": dv}
+    deterministic = implementation.determinism("forward and backward", results, again, sc.nondet_tol)
+    ref, terms, a64 = reference(inputs, g, visible, scale, kv_map)
+    agree, computes_in = precision.judge(results, ref, terms, sc.dtype,
+                                         lambda p: plain(inputs, g, visible, scale, kv_map, p), REFERENCE_CHECKS,
+                                         sc.factor, sc.slack)
+    rounding, rounding_total = blocks.rounding(inputs, g, a64, scale, kv_map)
+    rule = precision.Policy.for_dtype(computes_in)
     rng_inv = np.random.default_rng([sc.seed, 1])
 
     def checks() -> list:
-        agree = [invariants.agreement("forward agrees with the reference", "o", o, ref_o, sc.tolerance)]
-        agree += [invariants.agreement("backward agrees with the reference", t, mine, theirs, sc.tolerance)
-                  for t, mine, theirs in (("q", dq, ref.q), ("k", dk, ref.k), ("v", dv, ref.v))]
         try:
-            return agree + invariants.attention_outputs(
-                lambda q, k, v: user_forward(q, k, v, visible), lambda q, k, v, go: user_backward(q, k, v, go)[1:],
-                inputs, visible, kv_map, o, rng_inv)
+            return [deterministic] + agree + invariants.attention_outputs(
+                lambda q, k, v: user_forward(q, k, v, interface.visible),
+                lambda q, k, v, go: user_backward(q, k, v, go)[1:],
+                inputs, visible, kv_map, o, rng_inv, output_terms(inputs, a64, scale, kv_map), computes_in)
         except implementation.ImplementationFailure as exc:
-            return agree + [implementation.failure_check("invariants", exc)]
+            return [deterministic] + agree + [implementation.failure_check("invariants", exc)]
 
-    tiled = (k.size + v.size + q.size) * dt.itemsize + visible.size
+    copy_bytes = 3 * a64.size * dt.itemsize + o.size * dt.itemsize + (k.size + v.size + q.size) * dt.itemsize
     return Problem(
         inputs=inputs,
         loss=lambda name, x: np.sum(copies_forward(name, x) * g, axis=(-4, -3, -2, -1), dtype=np.float64),
         gradients={"q": dq, "k": dk, "v": dv},
         rounding=rounding,
         rounding_total=rounding_total,
-        copy_bytes=3 * ref.a.size * dt.itemsize + o.size * dt.itemsize + tiled,
+        copy_bytes=copy_bytes + visible.size,
         invariants=checks,
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
                 "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
-                "analytic_q": dq, "analytic_k": dk, "analytic_v": dv, "reference_output": ref_o},
+                "analytic_q": dq, "analytic_k": dk, "analytic_v": dv, "reference_output": ref["o"]},
         output=o,
         parts=blocks.parts,
         loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
-        **diagnosis_fields(sc),
+        compute_dtype=None if computes_in == sc.dtype else computes_in,
+        analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in "qkv"},
+        **diagnosis_fields(sc, hint_context(inputs, g, visible, scale, kv_map, results, ref, user_forward)),
     )
 
 

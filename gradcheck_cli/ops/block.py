@@ -25,7 +25,7 @@ from . import attention, dense, projections, rmsnorm, rope, swiglu
 from .projections import merge, split
 from .registry import Op, Param, Structure
 
-FAULTS = {**attention.FAULTS, **projections.FAULTS, **rope.FAULTS, **rmsnorm.FAULTS, **swiglu.FAULTS}
+FAULTS = {**attention.ENGINE_FAULTS, **projections.FAULTS, **rope.FAULTS, **rmsnorm.FAULTS, **swiglu.FAULTS}
 WEIGHTS = ("w_q", "w_k", "w_v", "w_o", "w1", "w3", "w2")
 
 

@@ -55,7 +55,8 @@ def problem(sc, inputs: dict[str, np.ndarray], forward: Callable[..., np.ndarray
             g: np.ndarray, *, lift: Mapping[str, int] | None = None, invariants: Callable[[], list] = list,
             magnitude: np.ndarray | None = None, rounding: Callable[[np.ndarray], dict] | None = None,
             work_factor: float = 4.0, structure: dict[str, Structure] | None = None,
-            arrays: dict | None = None, step_sizes: dict[str, float] | None = None) -> Problem:
+            arrays: dict | None = None, step_sizes: dict[str, float] | None = None,
+            analytic_rounding: dict[str, np.ndarray] | None = None) -> Problem:
     """``forward(**inputs) -> out`` (copies broadcast), analytic ``gradients`` of L = sum(out * g).
 
     The noise floor: each output's rounding is measured against the same forward in a wider type
@@ -66,6 +67,8 @@ def problem(sc, inputs: dict[str, np.ndarray], forward: Callable[..., np.ndarray
     may return per-element sums over the outputs it really moves (e.g. its row), from the weighted
     errors ``terms``. ``magnitude`` is only the fallback bound where no wider type exists.
     work_factor: how many output-sized arrays one copy needs while the forward runs.
+    analytic_rounding: per input, the rounding allowed in each element of the analytic gradient (where
+    it cancels to nothing, e.g. RMSNorm's G_x with d_model = 1).
     """
     out = forward(**inputs)
     axes = tuple(range(-out.ndim, 0))
@@ -91,4 +94,4 @@ def problem(sc, inputs: dict[str, np.ndarray], forward: Callable[..., np.ndarray
         invariants=invariants,
         arrays={**inputs, "grad_output": g, "output": out, **{f"analytic_{t}": v for t, v in gradients.items()},
                 **(arrays or {})},
-        output=out, structure=structure, step_sizes=step_sizes)
+        output=out, structure=structure, step_sizes=step_sizes, analytic_rounding=analytic_rounding)

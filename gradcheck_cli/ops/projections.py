@@ -32,7 +32,7 @@ FAULTS = {f.name: f for f in (
           ("gradient x", "gradient m", "gradient w_q", "gradient w_k", "gradient w_v")),
 )}
 #: The attention faults flow through unchanged (their names mean the same thing here).
-ALL_FAULTS = {**FAULTS, **attention.FAULTS}
+ALL_FAULTS = {**FAULTS, **attention.ENGINE_FAULTS}
 
 
 def split(t, heads: int, faults: Collection[str] = ()):

@@ -9,11 +9,19 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Fault:
-    """A deliberately wrong variant of an op's forward and/or backward (a negative control)."""
+    """A deliberately wrong variant of an op's forward and/or backward (a negative control).
+
+    ``engine``: it applies to the op's built-in engines. ``user``: what it does to a user's
+    implementation (it needs no access to its internals: it changes what the implementation is
+    shown or what it returns), None when it does not apply to one. ``sized``: its size is set from the
+    clean run (e.g. 10x the smallest error the clean run detects)."""
     name: str
     breaks: str                 # what the fault changes, in one line
     caught_by: tuple[str, ...]  # names of the checks expected to catch it
     forward: bool = False       # True when the fault changes the forward (finite differences change too)
+    engine: bool = True
+    user: str | None = None
+    sized: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,11 @@ class Problem:
     parts / loss_parts: optional, for colouring. ``parts[name]`` (shape of the input) is the id of the
       independent block of the output each element feeds; ``loss_parts(name, x)`` is L split by those
       blocks, shape ``[..., P]``, summing to L. Elements of different blocks can be perturbed at once.
+    compute_dtype: the precision the forward really computes in, when measured lower than the
+      scenario's dtype (a float64 scenario whose implementation computes internally in float32): the
+      noise floor of the finite differences is that precision's.
+    analytic_rounding: optional, per input, the rounding allowed in each element of the analytic
+      gradient (an implementation's backward in its own precision), added to the noise floor.
     structure / hints: optional, for the diagnosis of failures. ``structure[name]`` names the axes of
       input ``name``; ``hints(evidence, checks)`` returns one-line likely causes, given
       ``diagnose.Evidence`` of every gradient check (by input) and all checks of the run.
@@ -68,6 +81,8 @@ class Problem:
     structure: dict[str, Structure] | None = None
     hints: Callable[[dict, list], list[str]] | None = None
     step_sizes: dict[str, float] | None = None  # natural scale of an input for the step policy (default 1)
+    compute_dtype: str | None = None  # the precision the forward was measured to compute in (default: its dtype)
+    analytic_rounding: dict[str, np.ndarray] | None = None  # allowed rounding of each analytic gradient element
 
 
 #: Marks a Param without a default: the key is required.

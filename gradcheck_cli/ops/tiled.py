@@ -71,8 +71,9 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
              block_k: int = 64, saved: tuple | None = None, stats: dict | None = None):
     """(G_Q, G_K, G_V) by blocks, recomputing P from the saved LSE (``saved`` = (O, LSE), else the
     forward is run to get them). No leading copy axes here. ``stats``, when given, receives the row
-    sums of G_S and the sizes of their terms (``gs_rowsum``, ``gs_rowscale``), for the invariant that
-    they vanish.
+    sums of G_S and the sizes of their terms (``gs_rowsum``, ``gs_rowscale``: sum_j P_ij (|dP_ij| + |D_i|)
+    times P's relative rounding 1 + |S_ij - LSE_i| + |scale| |q_i|.|k_j|), for the invariant that they
+    vanish.
 
     ``mask-backward`` recomputes A without the mask as the naive engine's fault does: P from the
     log-sum-exp of an unmasked forward, and D from its output."""
@@ -104,9 +105,13 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
             g_v[..., cols, :] += np.swapaxes(p, -1, -2) @ g_o
             g_p = g_o @ np.swapaxes(v_blk, -1, -2)
             g_s = p * (g_p - d_row[..., rows, None])
-            if stats is not None:
+            if stats is not None:  # P = exp(S - LSE) carries eps (1 + |S - LSE| + S's own rounding) relative
                 rowsum[..., rows] += g_s.sum(axis=-1)
-                rowscale[..., rows] += (p * (np.abs(g_p) + np.abs(d_row[..., rows, None]))).sum(axis=-1)
+                logit = abs(scale) * (np.abs(q[..., rows, :]) @ np.swapaxes(np.abs(k_blk), -1, -2))
+                with np.errstate(invalid="ignore"):
+                    spread = np.where(p > 0, np.abs(s - lse[..., rows, None]), 0.0)
+                rowscale[..., rows] += (p * (np.abs(g_p) + np.abs(d_row[..., rows, None]))
+                                        * (1.0 + spread + logit)).sum(axis=-1)
             g_q[..., rows, :] += (g_s @ k_blk) * s_grad
             g_k[..., cols, :] += (np.swapaxes(g_s, -1, -2) @ q[..., rows, :]) * s_grad
     if stats is not None:
@@ -167,9 +172,10 @@ def build(sc, faults: Collection[str] = ()):
     o, lse = forward(q, k, v, visible, scale, kv_map, faults, bq, bk, with_lse=True)
     stats: dict = {}
     g_q, g_k, g_v = backward(q, k, v, visible, scale, kv_map, g, faults, bq, bk, saved=(o, lse), stats=stats)
-    rounding, rounding_total = blocks.rounding(
-        inputs, g, lambda span: attention.attention_weights(q[..., span, :], k, visible[..., span, :], scale, kv_map,
-                                                          faults), scale, kv_map)
+    def a_rows(span):
+        return attention.attention_weights(q[..., span, :], k, visible[..., span, :], scale, kv_map, faults)
+
+    rounding, rounding_total = blocks.rounding(inputs, g, a_rows, scale, kv_map)
     rng_inv = np.random.default_rng([sc.seed, 1])
     tolerance = AGREEMENT_ULPS * float(np.finfo(dt).eps)
 
@@ -185,12 +191,18 @@ def build(sc, faults: Collection[str] = ()):
         agree = [invariants.agreement(name, t, mine, theirs, tolerance, floor=tolerance * natural[t])
                  for t, mine, theirs in (("o", o, ref[0]), ("q", g_q, ref[1]), ("k", g_k, ref[2]), ("v", g_v, ref[3]))]
         eps = float(np.finfo(dt).eps)
+        terms = attention.output_terms(inputs, a_rows, scale, kv_map)
+        # D = rowsum(G_O * O) comes from the forward's O, which carries the rounding of its own terms
+        scale_rows = stats["gs_rowscale"] + np.sum(np.abs(g).astype(np.float64) * terms["o"], axis=-1)
         rows = invariants.bounded("score-gradient rows sum to 0", "g_s",
-                                  stats["gs_rowsum"] / np.maximum(stats["gs_rowscale"], np.finfo(np.float64).tiny),
+                                  stats["gs_rowsum"] / np.maximum(scale_rows, np.finfo(np.float64).tiny),
                                   INVARIANT_ULPS * eps,
-                                  "|sum_j G_S_ij| / sum_j P_ij (|dP_ij| + |D_i|) per row, accumulated over the "
-                                  "blocks of the tiled backward (softmax is shift invariant)")
-        return agree + [rows] + invariants.attention_outputs(fwd, backward_kv, inputs, visible, kv_map, o, rng_inv)
+                                  "|sum_j G_S_ij| per row over the size of its terms: sum_j P_ij (|dP_ij| + |D_i|) "
+                                  "(1 + |S_ij - LSE_i| + |scale| |q_i|.|k_j|), the rounding P = exp(S - LSE) carries, "
+                                  "plus sum_c |G_O_ic| x the terms of O_ic (D is formed from the forward's O); "
+                                  "accumulated over the blocks of the tiled backward (softmax is shift invariant)")
+        return agree + [rows] + invariants.attention_outputs(fwd, backward_kv, inputs, visible, kv_map, o, rng_inv,
+                                                             terms, sc.dtype)
 
     lead = sc.batch * sc.heads_q
     return Problem(

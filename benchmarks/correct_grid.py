@@ -1,0 +1,237 @@
+"""A random grid of CORRECT scenarios: no run may FAIL, and every inconclusive verdict must name a true
+cause. Draws scenarios over every op, both engines, the torch backend, float64/float32/float16/bfloat16
+and correct user implementations (NumPy, torch, and ones that compute internally in float32: see
+benchmarks/correct_impls.py), runs each through the Python API and counts verdicts.
+
+    python benchmarks/correct_grid.py [--count 1000] [--seed 0] [--jobs 2] [--json out.json] [--only PREFIX]
+
+Exit 1 when any scenario FAILs. Without torch the torch categories are skipped. The counts of a full run
+are in the README ("How verdicts, power and precision work").
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import multiprocessing
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+HERE = Path(__file__).resolve().parent
+
+
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _mask(rng, n_q: int, n_k: int, batch: int) -> dict | None:
+    kind = rng.choice(["none", "causal", "upper", "window", "padding", "causal+padding"],
+                      p=[0.25, 0.2, 0.15, 0.15, 0.15, 0.1])
+    if kind == "none":
+        return None
+    mask: dict = {}
+    if kind in ("causal", "causal+padding") and n_q <= n_k:
+        mask["causal"] = "lower-right"
+    if kind == "upper":
+        mask["causal"] = "upper-left"
+    if kind == "window":
+        mask["causal"] = "lower-right" if n_q <= n_k else "upper-left"
+        if n_q <= n_k:  # upper-left with more queries than keys leaves rows past the window empty
+            mask["window"] = [int(rng.integers(0, 6)), 0]
+    if kind in ("padding", "causal+padding"):
+        lo = n_k if mask.get("causal") == "lower-right" else 1
+        mask["key_lengths"] = [int(rng.integers(max(lo - 2, 1), n_k + 1)) if lo < n_k else n_k for _ in range(batch)]
+        if mask.get("causal") == "lower-right":  # lower-right with fewer keys than queries empties rows
+            mask["key_lengths"] = [n_k] * batch
+    return mask or None
+
+
+def _attention(rng, dtype: str, small: bool = False) -> dict:
+    batch = int(rng.integers(1, 3))
+    heads_q = int(rng.choice([1, 2, 4]))
+    heads_kv = int(rng.choice([h for h in (1, 2, 4) if heads_q % h == 0]))
+    n_q = int(rng.integers(1, 12 if small else 20))
+    n_k = int(rng.integers(max(1, n_q // 2), 24))
+    d_head = int(rng.choice([1, 2, 4, 8, 16, 32, 64] if not small else [2, 4, 8, 16]))
+    sc = {"op": "attention", "batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "n_q": n_q, "n_k": n_k,
+          "d_head": d_head, "dtype": dtype, "seed": int(rng.integers(2**31))}
+    if rng.random() < 0.3:
+        sc["d_value"] = int(rng.choice([1, 4, 8, 16]))
+    if rng.random() < 0.15 and heads_q > heads_kv:
+        sc["kv_map"] = [r % heads_kv for r in range(heads_q)]
+    if rng.random() < 0.3:
+        sc["scale"] = float(np.round(math.exp(rng.uniform(math.log(0.1), math.log(8.0))), 4))
+    mask = _mask(rng, n_q, n_k, batch)
+    if mask:
+        sc["mask"] = mask
+    if dtype in ("float64", "float32"):
+        mode = str(rng.choice(["full", "sample", "directional"], p=[0.6, 0.25, 0.15]))
+        if mode != "full":
+            sc["check"] = {"mode": mode}
+    return sc
+
+
+def _plain_op(rng, op: str, dtype: str) -> dict:
+    sc = {"op": op, "dtype": dtype, "seed": int(rng.integers(2**31)), "batch": int(rng.integers(1, 3))}
+    if op == "attention-projections":
+        heads_q = int(rng.choice([1, 2, 4]))
+        sc.update(heads_q=heads_q, heads_kv=int(rng.choice([h for h in (1, 2) if heads_q % h == 0])),
+                  n_q=int(rng.integers(1, 7)), d_head=int(rng.choice([2, 4])), d_model=int(rng.integers(2, 10)),
+                  source=str(rng.choice(["self", "cross"])))
+        if sc["source"] == "cross":
+            sc["n_k"] = int(rng.integers(1, 8))
+        elif rng.random() < 0.5:
+            sc["mask"] = {"causal": "lower-right"}
+    elif op == "rope":
+        d = int(rng.choice([2, 4, 8, 16]))
+        sc.update(n=int(rng.integers(1, 12)), d_head=d, heads=int(rng.integers(1, 3)),
+                  layout=str(rng.choice(["half", "interleaved"])), position_offset=int(rng.integers(0, 100)))
+        if rng.random() < 0.3 and d > 2:
+            sc["rotary_dim"] = d // 2 if (d // 2) % 2 == 0 else d
+    elif op == "rmsnorm":
+        sc.update(n=int(rng.integers(1, 8)), d_model=int(rng.choice([1, 2, 3, 8, 16, 64])),
+                  eps=float(rng.choice([0.0, 1e-6, 1e-2])))
+    elif op == "swiglu":
+        sc.update(n=int(rng.integers(1, 6)), d_model=int(rng.integers(1, 12)), d_ff=int(rng.integers(1, 16)))
+    elif op == "block":
+        heads_q = int(rng.choice([1, 2, 4]))
+        sc.update(heads_q=heads_q, heads_kv=int(rng.choice([h for h in (1, 2) if heads_q % h == 0])),
+                  n_q=int(rng.integers(1, 6)), d_head=int(rng.choice([2, 4])), d_model=int(rng.integers(2, 10)),
+                  d_ff=int(rng.integers(2, 12)))
+        if rng.random() < 0.6:
+            sc["mask"] = {"causal": "lower-right"}
+    elif op == "infonce":
+        sc.update(dim=int(rng.choice([1, 2, 8, 16])), hard_negatives=int(rng.integers(0, 3)),
+                  in_batch=bool(rng.random() < 0.6), similarity=str(rng.choice(["dot", "cosine"])),
+                  temperature=float(np.round(math.exp(rng.uniform(math.log(0.01), math.log(2.0))), 4)),
+                  learn_temperature=bool(rng.random() < 0.4))
+        sc["batch"] = int(rng.integers(2, 5))
+    return sc
+
+
+def categories(with_torch: bool) -> list[tuple[str, float]]:
+    cats = [("attention/naive", 0.16), ("attention/tiled", 0.10), ("impl/numpy-einsum", 0.06),
+            ("impl/numpy-flash", 0.05), ("impl/numpy-float32-inside", 0.05), ("ops", 0.20)]
+    if with_torch:
+        cats += [("attention/torch", 0.10), ("impl/torch-plain", 0.06), ("impl/torch-custom", 0.06),
+                 ("impl/torch-sdpa", 0.08), ("impl/torch-softmax32", 0.04)]
+    total = sum(w for _, w in cats)
+    return [(c, w / total) for c, w in cats]
+
+
+IMPLS = {"impl/numpy-einsum": "correct_impls:einsum", "impl/numpy-flash": "correct_impls:flash",
+         "impl/numpy-float32-inside": "correct_impls:float32_inside", "impl/torch-plain": "correct_impls:torch_plain",
+         "impl/torch-custom": "correct_impls:torch_custom", "impl/torch-sdpa": "correct_impls:torch_sdpa",
+         "impl/torch-softmax32": "correct_impls:torch_softmax32"}
+
+
+def draw(rng, category: str) -> dict:
+    half = ["float64", "float32", "float16", "bfloat16"]
+    if category == "ops":
+        op = str(rng.choice(["attention-projections", "rope", "rmsnorm", "swiglu", "block", "infonce"]))
+        return _plain_op(rng, op, str(rng.choice(["float64", "float32"])))
+    torch = category in ("attention/torch",) or category.startswith("impl/torch")
+    dtype = str(rng.choice(half if torch else ["float64", "float32"]))
+    sc = _attention(rng, dtype)
+    if category == "attention/tiled":
+        sc.update(engine="tiled", block_q=int(rng.choice([1, 4, 8, 64])), block_k=int(rng.choice([1, 3, 8, 64])))
+    if torch:
+        sc["backend"] = "torch"
+    if category in IMPLS:
+        sc["implementation"] = IMPLS[category]
+    return sc
+
+
+def run_one(args) -> dict:
+    index, category, doc = args
+    from gradcheck_cli.checker import run_scenario
+    from gradcheck_cli.errors import ScenarioError
+    from gradcheck_cli.scenario import loads
+    doc = {**doc, "name": f"case-{index}"}
+    text = yaml.safe_dump({"scenarios": [doc]})
+    try:
+        (sc,) = loads(text, file=f"case-{index}.yaml", base_dir=HERE)
+    except ScenarioError as exc:
+        return {"index": index, "category": category, "doc": doc, "verdict": "rejected", "why": str(exc)}
+    start = time.perf_counter()
+    result = run_scenario(sc)
+    off = [{"name": c.name, "tensor": c.tensor, "verdict": c.verdict, "detail": c.detail[:400]}
+           for c in result.checks if c.verdict != "pass"]
+    return {"index": index, "category": category, "doc": doc, "verdict": result.verdict, "checks": off,
+            "hints": list(result.hints), "seconds": round(time.perf_counter() - start, 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--count", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--json", type=Path, default=None, help="write every case and its verdict here")
+    ap.add_argument("--only", default=None, help="only categories starting with this (e.g. impl/, attention/tiled)")
+    ap.add_argument("--show", type=int, default=20, help="list this many non-passing cases")
+    args = ap.parse_args()
+    sys.path.insert(0, str(HERE))
+    rng = np.random.default_rng(args.seed)
+    cats = categories(_has_torch())
+    if args.only:
+        cats = [(c, w) for c, w in cats if c.startswith(args.only)]
+        total = sum(w for _, w in cats)
+        cats = [(c, w / total) for c, w in cats]
+    names, weights = [c for c, _ in cats], [w for _, w in cats]
+    cases = []
+    for i in range(args.count):
+        cat = str(rng.choice(names, p=weights))
+        cases.append((i, cat, draw(rng, cat)))
+    start = time.perf_counter()
+    if args.jobs > 1:
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            results = pool.map(run_one, cases, chunksize=4)
+    else:
+        results = [run_one(c) for c in cases]
+    counts = collections.defaultdict(collections.Counter)
+    for r in results:
+        counts[r["category"]][r["verdict"]] += 1
+        if r["category"].startswith(("attention", "impl")):
+            counts[f"  dtype {r['doc']['dtype']}"][r["verdict"]] += 1
+        else:
+            counts[f"  op {r['doc']['op']}"][r["verdict"]] += 1
+    verdicts = ("pass", "inconclusive", "fail", "rejected")
+    print(f"{'category':32s}" + "".join(f"{v:>14s}" for v in verdicts))
+    for cat in sorted(counts):
+        print(f"{cat:32s}" + "".join(f"{counts[cat][v]:>14d}" for v in verdicts))
+    overall = collections.Counter(r["verdict"] for r in results)
+    print(f"{'all':32s}" + "".join(f"{overall[v]:>14d}" for v in verdicts))
+    print(f"{len(results)} scenarios in {time.perf_counter() - start:.0f} s")
+    reasons = collections.Counter()
+    for r in results:
+        for c in r.get("checks", []):
+            reasons[(r["verdict"], c["name"], c["verdict"])] += 1
+    if reasons:
+        print("\nchecks that did not pass (scenario verdict, check, check verdict): count")
+        for key, n in reasons.most_common():
+            print(f"  {key}: {n}")
+    shown = [r for r in results if r["verdict"] not in ("pass",)][:args.show]
+    for r in shown:
+        print(f"\n[{r['verdict']}] {r['category']} {json.dumps(r['doc'])}")
+        for c in r.get("checks", []):
+            print(f"   {c['verdict']}: {c['name']} ({c['tensor']}): {c['detail'][:300]}")
+        if r.get("why"):
+            print(f"   {r['why']}")
+        for h in r.get("hints", []):
+            print(f"   hint: {h[:200]}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 1 if overall["fail"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

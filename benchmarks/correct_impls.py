@@ -1,0 +1,136 @@
+"""Correct attention implementations written the ways users write them, for the random grid of correct
+scenarios (benchmarks/correct_grid.py). None of them is the tool's own engine.
+
+NumPy flavour (objects with forward/backward):
+  einsum          full softmax with einsum, K/V gradients summed with np.add.at
+  flash           FlashAttention-style: online softmax over key blocks of 5, LSE saved, blockwise
+                  backward with D = rowsum(dO * O) (float64 accumulation in every dtype)
+  float32_inside  computes everything in float32 and casts back (as libraries that upcast to float32
+                  do): correct, but only float32-accurate in a float64 scenario
+Torch flavour (one callable each, gradients by autograd):
+  torch_plain     plain torch ops, autograd backward
+  torch_custom    a custom autograd.Function with a hand-written backward
+  torch_sdpa      torch.nn.functional.scaled_dot_product_attention with the boolean mask
+  torch_softmax32 softmax in float32 and cast back (transformers' eager attention does this)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _probabilities(q, k_rep, visible, scale):
+    s = np.where(visible, scale * np.einsum("bhid,bhjd->bhij", q, k_rep), -np.inf)
+    e = np.exp(s - s.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+class Einsum:
+    @staticmethod
+    def forward(q, k, v, visible, scale, kv_map):
+        return np.einsum("bhij,bhjd->bhid", _probabilities(q, k[:, kv_map], visible, scale), v[:, kv_map])
+
+    @staticmethod
+    def backward(q, k, v, visible, scale, kv_map, grad_o):
+        k_rep, v_rep = k[:, kv_map], v[:, kv_map]
+        p = _probabilities(q, k_rep, visible, scale)
+        dv_rep = np.einsum("bhij,bhid->bhjd", p, grad_o)
+        dp = np.einsum("bhid,bhjd->bhij", grad_o, v_rep)
+        ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
+        dq = scale * np.einsum("bhij,bhjd->bhid", ds, k_rep)
+        dk_rep = scale * np.einsum("bhij,bhid->bhjd", ds, q)
+        dk, dv = np.zeros_like(k), np.zeros_like(v)
+        np.add.at(dk, (slice(None), kv_map), dk_rep)
+        np.add.at(dv, (slice(None), kv_map), dv_rep)
+        return dq, dk, dv
+
+
+class Flash:
+    """Online softmax over key blocks; every accumulation in float64, results cast to the input dtype."""
+    block = 5
+
+    def _forward(self, q, k, v, visible, scale, kv_map):
+        q64, k64, v64 = (x.astype(np.float64) for x in (q, k[:, kv_map], v[:, kv_map]))
+        n_k = k.shape[-2]
+        m = np.full(q.shape[:-1] + (1,), -np.inf)
+        l = np.zeros_like(m)
+        acc = np.zeros(q.shape[:-1] + (v.shape[-1],))
+        for j0 in range(0, n_k, self.block):
+            cols = slice(j0, j0 + self.block)
+            vis = visible[..., cols]
+            s = np.where(vis, scale * q64 @ np.swapaxes(k64[..., cols, :], -1, -2), -np.inf)
+            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+            base = np.where(np.isfinite(m_new), m_new, 0.0)
+            p = np.exp(s - base)
+            rescale = np.exp(m - base)
+            l = l * rescale + p.sum(axis=-1, keepdims=True)
+            acc = acc * rescale + p @ v64[..., cols, :]
+            m = m_new
+        o = acc / l
+        return o, (m + np.log(l))
+
+    def forward(self, q, k, v, visible, scale, kv_map):
+        return self._forward(q, k, v, visible, scale, kv_map)[0].astype(q.dtype)
+
+    def backward(self, q, k, v, visible, scale, kv_map, grad_o):
+        o, lse = self._forward(q, k, v, visible, scale, kv_map)
+        q64, k64, v64, g64 = (x.astype(np.float64) for x in (q, k[:, kv_map], v[:, kv_map], grad_o))
+        d_row = np.sum(g64 * o, axis=-1, keepdims=True)
+        dq, dk_rep, dv_rep = np.zeros_like(q64), np.zeros_like(k64), np.zeros_like(v64)
+        for j0 in range(0, k.shape[-2], self.block):
+            cols = slice(j0, j0 + self.block)
+            s = np.where(visible[..., cols], scale * q64 @ np.swapaxes(k64[..., cols, :], -1, -2), -np.inf)
+            p = np.exp(s - lse)
+            dv_rep[..., cols, :] += np.swapaxes(p, -1, -2) @ g64
+            ds = p * (g64 @ np.swapaxes(v64[..., cols, :], -1, -2) - d_row)
+            dq += scale * ds @ k64[..., cols, :]
+            dk_rep[..., cols, :] += scale * np.swapaxes(ds, -1, -2) @ q64
+        dk, dv = np.zeros(k.shape), np.zeros(v.shape)
+        np.add.at(dk, (slice(None), kv_map), dk_rep)
+        np.add.at(dv, (slice(None), kv_map), dv_rep)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+class Float32Inside:
+    """Everything in float32, cast back to the caller's dtype."""
+
+    def forward(self, q, k, v, visible, scale, kv_map):
+        args = (q.astype(np.float32), k.astype(np.float32), v.astype(np.float32))
+        return Einsum.forward(*args, visible, np.float32(scale), kv_map).astype(q.dtype)
+
+    def backward(self, q, k, v, visible, scale, kv_map, grad_o):
+        args = (q.astype(np.float32), k.astype(np.float32), v.astype(np.float32))
+        out = Einsum.backward(*args, visible, np.float32(scale), kv_map, grad_o.astype(np.float32))
+        return tuple(x.astype(q.dtype) for x in out)
+
+
+einsum, flash, float32_inside = Einsum(), Flash(), Float32Inside()
+
+
+def torch_plain(q, k, v, visible, scale, kv_map):
+    k_rep, v_rep = k.index_select(1, kv_map), v.index_select(1, kv_map)
+    s = (q @ k_rep.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    return s.softmax(dim=-1) @ v_rep
+
+
+def torch_custom(q, k, v, visible, scale, kv_map):
+    from pathlib import Path
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "examples" / "torch_attention.py"
+    spec = importlib.util.spec_from_file_location("_example_torch_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    globals()["torch_custom"] = module.attention
+    return module.attention(q, k, v, visible, scale, kv_map)
+
+
+def torch_sdpa(q, k, v, visible, scale, kv_map):
+    import torch.nn.functional as F
+    return F.scaled_dot_product_attention(q, k.index_select(1, kv_map), v.index_select(1, kv_map),
+                                          attn_mask=visible, scale=scale)
+
+
+def torch_softmax32(q, k, v, visible, scale, kv_map):
+    import torch
+    k_rep, v_rep = k.index_select(1, kv_map), v.index_select(1, kv_map)
+    s = (q @ k_rep.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v_rep

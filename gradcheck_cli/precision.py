@@ -1,0 +1,165 @@
+"""How far an implementation may differ from the float64 reference, and what precision it really
+computes in.
+
+One rule for every dtype (README "How verdicts, power and precision work"): element i of a result may
+differ from the reference by
+
+    factor x E_plain + slack + ulps x eps x T_i
+
+where E_plain is the largest error of a plain computation in the same precision on the same inputs
+(FlashAttention's test policy), T_i the size of the terms element i is made of (so that rounding is
+judged against what it comes from, never against a result that cancels to nearly nothing), and eps the
+dtype's machine epsilon. The second term keeps small tensors, whose plain error is the maximum of a
+handful of elements, from false alarms; the first keeps the rule honest on large ones. In float64 the
+plain computation is the reference itself (E_plain = 0).
+
+An implementation that computes internally in a lower precision than its dtype (float32 inside a
+float64 scenario) is recognised by its forward: its error fits the float32 rule but not the float64
+one. It gets a verdict of its own, inconclusive, instead of failing on rounding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import verdict
+from .tolerance import AGREEMENT_ULPS, DEFAULT_SLACK, LOWER_PRECISION, machine_epsilon
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The allowed difference from the float64 reference of a computation in ``dtype``."""
+    dtype: str
+    factor: float
+    slack: float
+    ulps: float
+
+    @classmethod
+    def for_dtype(cls, dtype: str, factor: float = 2.0, slack: float | None = None) -> "Policy":
+        return cls(dtype, factor, DEFAULT_SLACK[dtype] if slack is None else slack, AGREEMENT_ULPS[dtype])
+
+    @property
+    def eps(self) -> float:
+        return machine_epsilon(self.dtype)
+
+    def allowed(self, plain_error: float, terms: np.ndarray) -> np.ndarray:
+        """Per element: factor x E_plain + slack + ulps x eps x T_i."""
+        return self.factor * plain_error + self.slack + self.ulps * self.eps * np.asarray(terms, dtype=np.float64)
+
+    def describe(self, plain_error: float | None) -> str:
+        plain = f"{self.factor:g} x plain {self.dtype} error ({plain_error:.2g}) + " if plain_error else ""
+        slack = f"{self.slack:g} + " if self.slack else ""
+        return f"allowed {plain}{slack}{self.ulps:g} ulps of {self.dtype} of each element's terms"
+
+
+def detectable(got: np.ndarray, reference: np.ndarray, allowed: np.ndarray) -> float:
+    """The smallest uniform relative error r such that ``got * (1 + r)`` or ``got * (1 - r)`` puts some
+    element out of ``allowed`` (whichever sign is harder to see): errors of that size are caught,
+    smaller ones may not be. 0 when an element is out already; inf when ``got`` is all zero."""
+    a = np.asarray(got, dtype=np.float64)
+    lim = np.broadcast_to(np.asarray(allowed, dtype=np.float64), a.shape).ravel()
+    e = (a - np.asarray(reference, dtype=np.float64)).ravel()
+    a = a.ravel()
+    if not (np.isfinite(a).all() and np.isfinite(e).all()) or (np.abs(e) > lim).any():
+        return 0.0
+    return verdict.detectable(a, a - e, lim, np.zeros_like(lim))
+
+
+def effective_ulps(diff: np.ndarray, terms: np.ndarray, dtype: str) -> float:
+    """max_i |diff_i| / (eps x T_i): the error in units of the dtype's rounding of each element's terms."""
+    scale = machine_epsilon(dtype) * np.asarray(terms, dtype=np.float64)
+    d = np.abs(np.asarray(diff, dtype=np.float64))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(d > 0, d / np.where(scale > 0, scale, np.finfo(np.float64).tiny), 0.0)
+    return float(ratio.max(initial=0.0))
+
+
+def lower_precision(dtype: str, diff: np.ndarray, terms: np.ndarray, plain_error: float = 0.0) -> str | None:
+    """The lower precision an implementation's result looks computed in, when its difference from the
+    reference (``diff``) is too large for ``dtype`` but fits that precision's rule; else None."""
+    for lower in LOWER_PRECISION.get(dtype, ()):
+        policy = Policy.for_dtype(lower)
+        if (np.abs(diff) <= policy.allowed(plain_error, terms)).all():
+            return lower
+    return None
+
+
+def agreement(name: str, tensor: str, mine: np.ndarray, reference: np.ndarray, terms: np.ndarray, policy: Policy,
+              plain_error: float = 0.0, what: str = "implementation"):
+    """A ``reference`` check: ``mine`` against the float64 ``reference`` under ``policy`` (per element
+    ``policy.allowed(plain_error, terms)``). ``tolerance`` holds the allowed difference at the element
+    closest to failing; ``detectable`` the smallest uniform relative error the check would catch."""
+    from .result import Check
+    mine64 = np.asarray(mine, dtype=np.float64)
+    diff = np.abs(mine64 - reference)
+    allowed = np.broadcast_to(policy.allowed(plain_error, terms), diff.shape)
+    scale = max(float(np.abs(reference).max(initial=0.0)), float(np.abs(mine64).max(initial=0.0)))
+    if diff.size == 0:
+        return Check("reference", name, tensor, tuple(mine64.shape), 0.0, 0.0, 0.0, 0.0, None, True, "empty")
+    bad = ~np.isfinite(diff)
+    with np.errstate(invalid="ignore"):
+        margin = np.where(bad, -np.inf, allowed - diff)
+    tight = int(np.argmin(margin))
+    worst = int(np.argmax(np.where(bad, np.inf, diff)))
+    index = tuple(int(i) for i in np.unravel_index(tight, diff.shape))
+    where = f"{tensor}[{', '.join(map(str, index))}]" if index else tensor
+    max_abs = float(diff.ravel()[worst])
+    ulps = effective_ulps(np.where(bad, 0.0, diff), terms, policy.dtype)
+    passed = bool(margin.ravel()[tight] >= 0)
+    detect = detectable(mine64, reference, allowed) if passed else 0.0
+    detail = (f"closest to failing at {where}: {what} {mine64.ravel()[tight]:.9g}, reference "
+              f"{reference.ravel()[tight]:.9g} (allowed {allowed.ravel()[tight]:.3g}); worst {ulps:.3g} ulps of "
+              f"{policy.dtype} of its terms; {policy.describe(plain_error)}")
+    return Check("reference", name, tensor, tuple(mine64.shape), max_abs, max_abs / scale if scale > 0 else 0.0,
+                 float(allowed.ravel()[tight]), 0.0, index, passed, detail, detectable=detect)
+
+
+def judge(results: dict[str, np.ndarray], reference: dict[str, np.ndarray], terms: dict[str, np.ndarray],
+          dtype: str, plain, names: dict[str, str], factor: float = 2.0, slack: float | None = None,
+          what: str = "implementation") -> tuple[list, str]:
+    """``reference`` checks of each result (``o`` first, then ``q``, ...) under the rule of ``dtype``;
+    ``plain(dtype)`` gives a plain computation's results in that precision (called only for dtypes other
+    than float64). The forward decides the precision the implementation computes in: when ``o`` is out
+    of the rule of ``dtype`` but fits that of a lower precision (LOWER_PRECISION), it "computes in about
+    float32", and every result is judged by that rule: within it is inconclusive (run it with that
+    dtype), beyond it a FAIL. Returns (checks, the precision it computes in)."""
+    import dataclasses
+    plains: dict[str, dict] = {}
+
+    def plain_error(precision: str, t: str) -> float:
+        if precision == "float64":
+            return 0.0
+        if precision not in plains:
+            plains[precision] = plain(precision)
+        return float(np.abs(np.asarray(plains[precision][t], dtype=np.float64) - reference[t]).max(initial=0.0))
+
+    def check(t: str, precision: str):
+        policy = Policy.for_dtype(precision, factor, slack if precision == dtype else None)
+        return agreement(names[t], t, results[t], reference[t], terms[t], policy, plain_error(precision, t), what)
+
+    computes_in = dtype
+    first = check("o", dtype) if "o" in results else None
+    if first is not None and not first.passed and np.isfinite(first.max_abs_error):
+        for lower in LOWER_PRECISION.get(dtype, ()):
+            if check("o", lower).passed:
+                computes_in = lower
+                break
+    checks = []
+    for t in results:
+        c = first if t == "o" and computes_in == dtype else check(t, dtype)
+        if computes_in != dtype and not c.passed:
+            lower = check(t, computes_in)
+            if lower.passed:
+                diff = np.abs(np.asarray(results[t], dtype=np.float64) - reference[t])
+                c = dataclasses.replace(
+                    c, verdict="inconclusive",
+                    detail=(f"computes in about {computes_in}, not {dtype}: its difference from the float64 "
+                            f"reference ({c.max_abs_error:.3g}, {effective_ulps(diff, terms[t], computes_in):.3g} "
+                            f"ulps of {computes_in} of its terms) is {computes_in} rounding, far above {dtype}'s; "
+                            f"run the scenario with dtype: {computes_in} to check it at that precision; " + c.detail))
+            else:
+                c = dataclasses.replace(lower, detail=f"beyond {computes_in} rounding, the precision its forward "
+                                                      f"computes in: " + lower.detail)
+        checks.append(c)
+    return checks, computes_in
