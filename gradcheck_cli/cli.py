@@ -194,7 +194,13 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
                 report.render_scenario(out, result, sc.describe(),
                                        report.reproduce_command(config, sc.name, faults, engine))
                 for fault in faults:
-                    if fault in OPS[sc.op].faults and not checker.fault_applies(sc, fault):
+                    if fault not in OPS[sc.op].faults:
+                        continue
+                    if fault not in checker.applicable_faults(sc):
+                        kind = "your implementation" if sc.implementation else "the built-in engine"
+                        out.print(f"  note: fault {fault} does not apply to {kind} (see 'attn-gradcheck faults')\n")
+                    elif fault not in result.faults or (not OPS[sc.op].faults[fault].sized
+                                                         and not checker.fault_applies(sc, fault)):
                         out.print(f"  note: fault {fault} has no effect on this scenario (not applicable)\n")
     except KeyboardInterrupt:
         interrupted = True
@@ -351,6 +357,8 @@ def faults():
                   style="bold" if out.is_terminal else None)
         out.print(f"    breaks:    {f.breaks}")
         out.print(f"    caught by: {'; '.join(f.caught_by)}")
+        out.print("    on your implementation: " + (f.user if f.user else "does not apply (built-in engines only)")
+                  + ("" if f.engine else "; not a fault of the built-in engines"))
         if len(ops) > 1:
             out.print(f"    also in:   {', '.join(ops[1:])} (same name, same bug)")
 

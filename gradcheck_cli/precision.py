@@ -107,7 +107,7 @@ def agreement(name: str, tensor: str, mine: np.ndarray, reference: np.ndarray, t
     max_abs = float(diff.ravel()[worst])
     ulps = effective_ulps(np.where(bad, 0.0, diff), terms, policy.dtype)
     passed = bool(margin.ravel()[tight] >= 0)
-    detect = detectable(mine64, reference, allowed) if passed else 0.0
+    detect = detectable(mine64, reference, allowed) if passed else None
     detail = (f"closest to failing at {where}: {what} {mine64.ravel()[tight]:.9g}, reference "
               f"{reference.ravel()[tight]:.9g} (allowed {allowed.ravel()[tight]:.3g}); worst {ulps:.3g} ulps of "
               f"{policy.dtype} of its terms; {policy.describe(plain_error)}")

@@ -109,7 +109,8 @@ def render_scenario(console: Console, r: ScenarioResult, description: str, repro
     power = r.detectable
     if power:
         console.print("  power: would have caught uniform relative errors above "
-                      + ", ".join(f"{_fmt(x)} in d{t}" for t, x in power.items()), highlight=False, soft_wrap=True)
+                      + ", ".join(f"{_fmt(x)} in {'O' if t == 'o' else 'd' + t}" for t, x in power.items()),
+                      highlight=False, soft_wrap=True)
     word = {"pass": "passed", "fail": "FAILED", "inconclusive": "INCONCLUSIVE"}[r.verdict]
     console.print(f"  {r.name}: {word} in {r.elapsed_s:.2f} s", highlight=False)
     if reproduce and not r.passed:
@@ -434,7 +435,8 @@ def junit_xml(report: dict) -> bytes:
             if c["status"] == "missed":
                 ET.SubElement(case, "failure", message=f"fault {c['fault']} not detected (effect {_num(c['effect'], '.2e')})")
             elif c["status"] == "not applicable":
-                ET.SubElement(case, "skipped", message=f"not applicable (effect {_num(c['effect'], '.2e')})")
+                ET.SubElement(case, "skipped", message=f"not applicable (effect {_num(c['effect'], '.2e')})"
+                              + (f": {c['reason']}" if c.get("reason") else ""))
     buf = io.BytesIO()
     ET.ElementTree(root).write(buf, encoding="utf-8", xml_declaration=True)
     return buf.getvalue()
