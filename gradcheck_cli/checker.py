@@ -216,6 +216,14 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
     problem_scale = _problem_scale(problem)
     negligible = size <= top_floor <= verdict.POWER_LIMIT * problem_scale
     blind = outcome == "pass" and resolvable and not negligible and top_floor > verdict.POWER_LIMIT * size
+    measured = False
+    if blind:  # the a-priori floor is a bound: the differences may be far more accurate than it says
+        refined = _measured_floor(sc, problem, name, x, num, floor, sites, direction_seed, rng, chunking)
+        allowed_m = sc.tolerance * size + refined
+        if float(refined.max(initial=0.0)) <= verdict.POWER_LIMIT * size and (np.abs(ana - num) <= allowed_m).all():
+            blind, measured, floor, allowed = False, True, refined, allowed_m
+            noise = passes(ana, num, sc.tolerance, floor)[1]
+            top_floor = float(np.max(floor, initial=0.0))
     if blind:  # passing says nothing when the noise floor is as large as the gradient
         outcome = "inconclusive"
     power = verdict.detectable(ana, num, allowed, fd_estimate) if outcome == "pass" else None
@@ -229,7 +237,18 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
               f"{len(num)} {'directions' if sc.mode == 'directional' else 'elements'} checked; "
               f"finite-difference error ~{fd_error:.2g}")
     lower = computes_in != sc.dtype
-    if blind:
+    if measured:
+        detail += (f"; noise floor measured: the a-priori bound on rounding was over {verdict.POWER_LIMIT:.0%} of "
+                   f"the gradient, the finite differences of {MEASURED_PROBES} random elements show it "
+                   f"{MEASURED_MARGIN:g}x their median error at most ({top_floor:.2g})")
+    # flat: every gradient of the problem is below sqrt(eps) x the size of the terms of L that move (a
+    # function that barely depends on its inputs), not merely below a floor that a small step inflated
+    flat = max(size, problem_scale) <= float(np.max(floor * step, initial=0.0)) / np.sqrt(eps_m)
+    if blind and flat:
+        detail += (f"; both sides are below the noise floor ({top_floor:.2g}), and the problem's largest gradient "
+                   f"({problem_scale:.2g}) is below sqrt(eps) x the size of the terms of L: nothing here is large "
+                   "enough to check (L barely depends on this input)")
+    elif blind:
         usual = defaults_for(sc.dtype)["epsilon"]
         if lower:
             remedy = f"dtype {computes_in} (the forward computes in about {computes_in})"
@@ -258,6 +277,34 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
 def _problem_scale(problem) -> float:
     """The largest analytic gradient of any input: the size a bug would have to reach to matter."""
     return max((float(np.max(np.abs(g), initial=0.0)) for g in problem.gradients.values()), default=0.0)
+
+
+#: A check whose a-priori noise floor leaves it without power re-takes this many random elements (or
+#: directions) at half the step; its floor becomes MEASURED_MARGIN x their median error, in units of the
+#: a-priori floor, when that is smaller.
+MEASURED_PROBES = 8
+MEASURED_MARGIN = 10.0
+
+
+def _measured_floor(sc, problem, name, x, num, floor, sites, direction_seed, rng, chunking) -> np.ndarray:
+    """The noise floor as the finite differences themselves measure it (never above the a-priori one)."""
+    candidates = np.flatnonzero(num != 0)  # elements L depends on: the others say nothing of rounding
+    if len(candidates) < MEASURED_PROBES // 2:
+        return floor
+    probe = np.sort(rng.choice(candidates, size=min(MEASURED_PROBES, len(candidates)), replace=False))
+    half = sc.epsilon / 2
+    if sc.mode == "directional":
+        num_half, _ = numeric.directions(lambda c: problem.loss(name, c), x, problem.gradients[name], probe,
+                                         direction_seed, half, chunking, size=_size(problem, name))
+    else:
+        num_half = numeric.elements(lambda c: problem.loss(name, c), x, sites[probe], half, chunking,
+                                    size=_size(problem, name))
+    with np.errstate(invalid="ignore"):
+        fd_err = 4.0 / 3.0 * np.abs(num[probe] - num_half)
+    moving = (num[probe] != 0) | (num_half != 0)  # an element L does not depend on says nothing of rounding
+    if not np.isfinite(fd_err).all() or moving.sum() < MEASURED_PROBES // 2:
+        return floor
+    return np.minimum(floor, MEASURED_MARGIN * verdict.pooled_scale(fd_err[moving], floor[probe][moving]) * floor)
 
 
 #: Elements (or directions) whose finite differences are re-taken at half the step to estimate their
@@ -291,7 +338,8 @@ def _verdict(sc, problem, name, x, ana, num, allowed, floor, sites, ok, directio
         fd_err = 4.0 / 3.0 * np.abs(num[probe] - num_half)
     if not np.isfinite(fd_err).all():
         return ("pass" if ok else "fail"), float("inf"), np.full(len(num), np.inf)
-    pooled = verdict.pooled_scale(fd_err, floor[probe])
+    moving = (num[probe] != 0) | (num_half != 0)  # an element L does not depend on says nothing of rounding
+    pooled = verdict.pooled_scale(fd_err[moving], floor[probe][moving])
     estimate = pooled * floor
     estimate[probe] = verdict.estimate(fd_err, floor[probe], pooled)
     fd_error = float(fd_err.max(initial=0.0))
