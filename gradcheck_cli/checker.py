@@ -94,7 +94,8 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     try:
         problem = _build(sc, active, sizes)
     except ImplementationFailure as exc:
-        return result((failure_check("implementation runs", exc),))
+        return result((failure_check("implementation runs", exc),),
+                      hints=(_range_hint(sc),) if "non-finite" in exc.message else ())
     broken = _non_finite(sc, problem)
     if broken:  # differences of NaN/inf say nothing: report where they first appear, and stop there
         return result(broken, arrays=dict(problem.arrays), hints=(_range_hint(sc),))
@@ -103,23 +104,33 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     checks: list[Check] = []
     evidence: dict[str, diagnose.Evidence] = {}
     arrays = dict(problem.arrays)
+    # Colouring rests on the blocks' independence: tested first, and a tensor whose blocks are not
+    # independent is differenced one element at a time instead.
+    independence: list[Check] = []
+    if _coloured(sc, problem):
+        try:
+            independence = _independence(sc, problem, np.random.default_rng([sc.seed, 3]), chunking)
+        except ImplementationFailure as exc:
+            independence = [failure_check("perturbations stay in their block", exc)]
+    coupled = {c.tensor for c in independence if not c.passed}
     for name, x in problem.inputs.items():
         try:
             check, numeric_values, evidence[name] = _gradient_check(sc, problem, name, x, active, rng, chunking,
-                                                                    progress, numeric_cache)
+                                                                    progress, numeric_cache, name not in coupled)
         except ImplementationFailure as exc:
             checks.append(failure_check(f"gradient {name}", exc, name, "while differencing its forward: "))
             continue
         checks.append(check)
         if sc.mode == "full":
             arrays[f"numeric_{name}"] = numeric_values.reshape(x.shape)
+    checks.extend(independence)
     try:
-        if _coloured(sc, problem):
-            checks.extend(_independence(sc, problem, np.random.default_rng([sc.seed, 3]), chunking))
         checks.extend(problem.invariants())
     except ImplementationFailure as exc:
         checks.append(failure_check("invariants", exc))
     checks, hints = _diagnose(sc, problem, checks, evidence)
+    if not hints and any(c.kind == "implementation" and "non-finite" in c.detail for c in checks):
+        hints = [_range_hint(sc)]
     return result(checks, arrays=arrays, hints=tuple(hints))
 
 
@@ -171,13 +182,14 @@ def _diagnose(sc: Scenario, problem, checks: list[Check], evidence: dict) -> tup
 
 
 def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng, chunking, progress,
-                    numeric_cache) -> tuple[Check, np.ndarray, diagnose.Evidence | None]:
+                    numeric_cache, colour: bool = True) -> tuple[Check, np.ndarray, diagnose.Evidence | None]:
     """The analytic gradient of input ``name`` against central differences: (check, numeric values,
     the evidence element by element for a diagnosis; None in directional mode)."""
     computes_in = problem.compute_dtype or sc.dtype
     eps_m = machine_epsilon(computes_in)
     grad = problem.gradients[name]
-    key = (sc, name, _forward_faults(active))
+    colour = colour and _coloured(sc, problem)
+    key = (sc, name, _forward_faults(active), colour)
     direction_seed = int(rng.integers(2**32))
     if sc.mode == "directional":  # the analytic side depends on the gradient: never cached
         num, ana = numeric.directions(lambda c, name=name: problem.loss(name, c), x, grad, np.arange(sc.directions),
@@ -188,7 +200,7 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
         if progress:
             progress(len(sites))
     else:
-        num, sites, step = _differences(sc, problem, name, x, rng, chunking, progress)
+        num, sites, step = _differences(sc, problem, name, x, rng, chunking, progress, colour)
         if numeric_cache is not None:
             numeric_cache[key] = (num, sites, step)
     if sc.mode != "directional":
@@ -262,7 +274,12 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
         detail += (f"; zero to within the noise floor ({top_floor:.2g}), which is small against the largest "
                    f"gradient of the problem ({problem_scale:.2g}): verified negligible, not to "
                    f"{sc.tolerance:g} relative")
-    elif outcome == "inconclusive":
+    if not colour and _coloured(sc, problem):
+        detail += f"; differenced one element at a time: the blocks of {name} are not independent"
+    if outcome == "inconclusive" and problem.nondeterministic:
+        detail += ("; the finite differences mean nothing here: the forward's output changes from call to call "
+                   "(see the check 'deterministic')")
+    elif outcome == "inconclusive" and not blind and not measured:
         detail += "; the finite differences are too inaccurate here to decide: " + (
             f"the forward computes in about {computes_in}: run it with dtype {computes_in}" if lower else
             "use dtype float64 (or a smaller epsilon on peaked rows)" if sc.dtype != "float64" else
@@ -380,7 +397,7 @@ def _independence(sc: Scenario, problem, rng: np.random.Generator, chunking: num
 
 
 def _differences(sc: Scenario, problem, name: str, x: np.ndarray, rng: np.random.Generator, chunking: numeric.Chunking,
-                 progress: Progress | None):
+                 progress: Progress | None, colour: bool = True):
     """(numeric values, sites, steps) for full and sample mode: sites are flat indices."""
     def loss(copies):
         return problem.loss(name, copies)
@@ -390,7 +407,7 @@ def _differences(sc: Scenario, problem, name: str, x: np.ndarray, rng: np.random
     else:
         sites = np.sort(rng.choice(x.size, size=min(sc.samples, x.size), replace=False))
     steps = numeric.step_size(np.abs(x.ravel()[sites]).astype(np.float64), sc.epsilon, _size(problem, name))
-    if _coloured(sc, problem):
+    if colour:
         num = numeric.coloured(lambda c: problem.loss_parts(name, c), x, problem.parts[name], sc.epsilon,
                                chunking, progress)
         return num, sites, steps

@@ -137,13 +137,18 @@ def determinism(name: str, first: dict[str, np.ndarray], second: dict[str, np.nd
             worst, worst_t, allowed_w = float(diff.ravel()[flat]), t, allowed
             worst_i = tuple(int(i) for i in np.unravel_index(flat, diff.shape))
     passed = worst <= allowed_w
+    differing = [t for t, a in first.items() if float(np.abs(a.astype(np.float64) - second[t].astype(np.float64))
+                                                       .max(initial=0.0)) > tolerance * float(np.abs(a).max(initial=0.0))]
     where = f"{worst_t}[{', '.join(map(str, worst_i))}]" if worst_i else (worst_t or "-")
     detail = (f"{name} run twice on the same inputs: " + ("identical results" if worst == 0 else
               f"largest difference {worst:.3g} at {where}") + (f" (nondet_tol {tolerance:g} of the largest value)"
                                                               if tolerance else " (nondet_tol 0: must be identical)"))
     if not passed:
-        detail += ("; a backward whose result changes from call to call cannot be checked (finite differences "
-                   "and the reference compare one call); set check: {nondet_tol: ...} if that is intended")
+        part = "forward" if "o" in differing else "backward"
+        detail += (f"; {', '.join('O' if t == 'o' else 'd' + t.upper() for t in differing)} differ; a {part} whose "
+                   "result changes from call to call cannot be checked (finite differences, the "
+                   "reference and the invariants compare separate calls); set check: {nondet_tol: ...} if that is "
+                   "intended")
     return Check("implementation", "deterministic", worst_t or "-", tuple(first[worst_t].shape) if worst_t else None,
                  worst, worst, tolerance, 0.0, worst_i, bool(passed), detail)
 

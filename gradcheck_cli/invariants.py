@@ -92,10 +92,10 @@ def bounded_each(name: str, tensor: str, values: np.ndarray, bounds: np.ndarray,
                  outcome == "pass", detail, outcome)
 
 
-#: "O rows in the range of visible V rows" allows this many ulps of sum_j A_ij |V_jc| (the rounding of
-#: the weights' normalisation and of the product; a logit's rounding changes the weights but keeps
-#: them a convex combination). Half precision accumulates in float32 and rounds once: fewer ulps, or
-#: the check could not see a leak at all.
+#: The invariants of O allow this many ulps of the size of its terms ("O rows in the range of visible V
+#: rows": of sum_j A_ij |V_jc|, the rounding of the weights' normalisation and of the product; a logit's
+#: rounding changes the weights but keeps them a convex combination). Half precision accumulates in
+#: float32 and rounds once: fewer ulps, or the checks could not see a leak at all.
 CONVEX_ULPS = {"float64": 64.0, "float32": 64.0, "float16": 4.0, "bfloat16": 4.0}
 
 
@@ -131,18 +131,20 @@ def attention_outputs(forward, backward_kv, inputs, visible, kv_map, o, rng, ter
     k2 = np.where(hidden[..., None], rng.standard_normal(k.shape).astype(k.dtype) * 10, k)
     v2 = np.where(hidden[..., None], rng.standard_normal(v.shape).astype(v.dtype) * 10, v)
     o2 = forward(q, k2, v2)
+    ulps = CONVEX_ULPS.get(precision, INVARIANT_ULPS)
     checks.append(bounded_each("hidden K/V rows do not change O", "o", np.asarray(o2, dtype=np.float64) - o,
-                               INVARIANT_ULPS * eps * terms["o"],
+                               ulps * eps * terms["o_convex"],
                                (f"{n_hidden} (batch, kv head, key) rows visible to no query replaced by random values"
                                 if n_hidden else "every key row is visible to some query: nothing to replace")
-                               + f"; allowed {INVARIANT_ULPS} ulps of {precision} of each element's terms"))
+                               + f"; allowed {ulps:g} ulps of {precision} of sum_j A_ij |V_jc| (the visible keys' "
+                               "logits do not move)",
+                               guarded=float(np.abs(o).max(initial=0.0)) if n_hidden else None))
 
     # The weights of each row sum to 1: adding the same vector to every V row adds it to every O row.
     shift = np.random.default_rng(rng.integers(2**32)).standard_normal(v.shape[:-2] + (1, v.shape[-1]))
     shift = (shift * max(float(np.abs(v).max(initial=0.0)), 1.0)).astype(v.dtype)
     o3 = np.asarray(forward(q, k, v + shift), dtype=np.float64)
     moved = np.take(shift.astype(np.float64), kv_map, axis=-3)  # [B, Hq, 1, d_v]: each query head's KV head
-    ulps = CONVEX_ULPS.get(precision, INVARIANT_ULPS)
     checks.append(bounded_each("shifting every V row shifts O by as much", "o", o3 - o - moved,
                                ulps * eps * (terms["o_convex"] + 2 * np.abs(moved)),
                                "O(V + c) - O(V) - c per element, c one random vector per (batch, KV head) added to every V "

@@ -67,11 +67,12 @@ def detectable(got: np.ndarray, reference: np.ndarray, allowed: np.ndarray) -> f
 
 
 def effective_ulps(diff: np.ndarray, terms: np.ndarray, dtype: str) -> float:
-    """max_i |diff_i| / (eps x T_i): the error in units of the dtype's rounding of each element's terms."""
-    scale = machine_epsilon(dtype) * np.asarray(terms, dtype=np.float64)
+    """max_i |diff_i| / (eps x T_i): the error in units of the dtype's rounding of each element's terms
+    (inf where an element with no terms at all, exactly 0 in the reference, is not 0)."""
+    scale = np.broadcast_to(machine_epsilon(dtype) * np.asarray(terms, dtype=np.float64), np.shape(diff))
     d = np.abs(np.asarray(diff, dtype=np.float64))
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(d > 0, d / np.where(scale > 0, scale, np.finfo(np.float64).tiny), 0.0)
+        ratio = np.where(d > 0, np.where(scale > 0, d / np.where(scale > 0, scale, 1.0), np.inf), 0.0)
     return float(ratio.max(initial=0.0))
 
 
@@ -108,9 +109,11 @@ def agreement(name: str, tensor: str, mine: np.ndarray, reference: np.ndarray, t
     ulps = effective_ulps(np.where(bad, 0.0, diff), terms, policy.dtype)
     passed = bool(margin.ravel()[tight] >= 0)
     detect = detectable(mine64, reference, allowed) if passed else None
+    worst_ulps = (f"worst {ulps:.3g} ulps of {policy.dtype} of its terms" if np.isfinite(ulps) else
+                  "nonzero where the reference is exactly 0 (an element with no terms at all)")
     detail = (f"closest to failing at {where}: {what} {mine64.ravel()[tight]:.9g}, reference "
-              f"{reference.ravel()[tight]:.9g} (allowed {allowed.ravel()[tight]:.3g}); worst {ulps:.3g} ulps of "
-              f"{policy.dtype} of its terms; {policy.describe(plain_error)}")
+              f"{reference.ravel()[tight]:.9g} (allowed {allowed.ravel()[tight]:.3g}); {worst_ulps}; "
+              f"{policy.describe(plain_error)}")
     return Check("reference", name, tensor, tuple(mine64.shape), max_abs, max_abs / scale if scale > 0 else 0.0,
                  float(allowed.ravel()[tight]), 0.0, index, passed, detail, detectable=detect)
 

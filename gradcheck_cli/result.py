@@ -90,7 +90,7 @@ class ScenarioResult:
         for c in self.checks:
             if c.detectable is not None and c.tensor and c.verdict == "pass":
                 out[c.tensor] = min(out.get(c.tensor, float("inf")), c.detectable)
-        return out
+        return dict(sorted(out.items(), key=lambda item: item[0] == "o"))  # the inputs first, then the output
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -24,6 +24,7 @@ PHRASES = {
     "factor-k": "constant factor on dK alone",
     "factor-v": "constant factor on dV alone",
     "gqa": "GQA reduction",
+    "nondeterminism": "not deterministic",
 }
 
 GQA = dict(batch=2, heads_q=4, heads_kv=2, n_q=5, n_k=7, d_head=4, mask={"causal": "lower-right",
@@ -32,6 +33,9 @@ CACHE = dict(batch=2, heads_q=4, heads_kv=2, n_q=6, n_k=20, d_head=8, mask={"cau
 SQUARE = dict(batch=2, heads_q=2, heads_kv=2, n_q=6, n_k=6, d_head=4, mask={"causal": "lower-right"})
 PLAIN = dict(batch=2, heads_q=2, heads_kv=2, n_q=6, n_k=9, d_head=4)
 TAIL = dict(batch=2, heads_q=2, heads_kv=1, n_q=5, n_k=11, d_head=4)
+WINDOW = dict(batch=2, heads_q=2, n_q=12, d_head=8, mask={"causal": "lower-right", "window": [3, 0]})
+CACHE_6x10 = dict(batch=2, heads_q=2, n_q=6, n_k=10, d_head=8, mask={"causal": "lower-right"})
+SQUARE_12 = dict(batch=2, heads_q=2, n_q=12, d_head=8, mask={"causal": "lower-right"})
 
 #: (bug in tests/buggy_attention.py, scenario, dtype, expected cause or None for "no specific hint")
 TABLE = [
@@ -57,15 +61,29 @@ TABLE = [
     ("additive_dv", GQA, "float64", None),
     ("float32_internal_correct", GQA, "float64", "precision"),
     ("float32_internal_correct", CACHE, "float64", "precision"),
+    # written by an independent review (tests/buggy_attention_more.py)
+    ("more:window_one_too_wide", WINDOW, "float64", "forward-mask"),
+    ("more:causal_offset_swapped", CACHE_6x10, "float64", "forward-mask"),
+    ("more:tiled_local_mask_index", SQUARE_12, "float64", "forward-mask"),
+    ("more:multiplicative_mask", GQA, "float64", "forward-mask"),
+    ("more:softmax_query_axis", PLAIN, "float64", "normalisation"),
+    ("more:stale_workspace", GQA, "float64", "nondeterminism"),
+    ("more:rowsum_unmasked_p", GQA, "float64", "row-sum"),
+    ("more:dk_wrong_kv_head", GQA, "float64", None),
+    ("more:backward_transposed_mask", GQA, "float64", None),
+    ("more:dq_layout_reshape", GQA, "float64", None),
 ]
 
 
 def _run(bug, shape, dtype, faults=()):
-    sc = make(**shape, dtype=dtype, implementation=f"buggy_attention:{bug}")
+    module, _, name = bug.rpartition(":")
+    module = {"": "buggy_attention", "more": "buggy_attention_more"}[module]
+    sc = make(**shape, dtype=dtype, implementation=f"{module}:{name}")
     return checker.run_scenario(sc, faults)
 
 
-@pytest.mark.parametrize("bug,shape,dtype,cause", TABLE, ids=[f"{b}-{d}-{i}" for i, (b, _, d, _) in enumerate(TABLE)])
+@pytest.mark.parametrize("bug,shape,dtype,cause", TABLE, ids=[f"{b.split(':')[-1]}-{d}-{i}"
+                                                               for i, (b, _, d, _) in enumerate(TABLE)])
 def test_each_hint_fires_on_its_cause_and_no_other(bug, shape, dtype, cause):
     result = _run(bug, shape, dtype)
     text = " | ".join(result.hints)
@@ -78,7 +96,24 @@ def test_each_hint_fires_on_its_cause_and_no_other(bug, shape, dtype, cause):
 
 
 def test_the_table_holds_at_least_fifteen_distinct_bugs():
-    assert len({bug for bug, *_ in TABLE}) >= 15 and len({c for *_, c in TABLE if c}) >= 13
+    assert len({bug for bug, *_ in TABLE}) >= 25 and len({c for *_, c in TABLE if c}) >= 15
+
+
+@pytest.mark.parametrize("scale", [50.0, 2000.0])
+def test_a_correct_implementation_at_a_large_scale(scale):
+    """Terms under ~1e-154 (keys almost no query weighs) must not make the allowance 0."""
+    result = checker.run_scenario(make(**dict(SQUARE_12, d_head=16), scale=scale,
+                                       implementation="buggy_attention:correct"))
+    assert result.verdict == "pass" and result.hints == (), [(c.name, c.detail) for c in result.checks
+                                                               if not c.passed]
+
+
+def test_dropout_left_on_is_named_as_nondeterminism_and_nothing_else():
+    pytest.importorskip("torch")
+    sc = make(**GQA, backend="torch", implementation="buggy_torch_attention_more:dropout_left_on")
+    result = checker.run_scenario(sc)
+    assert result.verdict == "fail" and len(result.hints) == 1 and PHRASES["nondeterminism"] in result.hints[0]
+    assert all("from call to call" in c.detail for c in result.checks if c.kind == "gradient" and not c.passed)
 
 
 def test_a_correct_implementation_gets_no_hint():

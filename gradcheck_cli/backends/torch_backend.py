@@ -129,7 +129,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     dq, dk, dv = bwd(q, k, v, g)
     grads = {"q": dq, "k": dk, "v": dv}
     results = {"o": np_(o), **{t: np_(x) for t, x in grads.items()}}
-    checks_first = []
+    checks_first, again = [], None
     if user is not None:
         again = {"o": np_(fwd(q, k, v)), **{t: np_(x) for t, x in zip("qkv", bwd(q, k, v, g))}}
         checks_first.append(implementation_determinism(results, again, sc.nondet_tol))
@@ -217,6 +217,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         output=np_(o), parts=blocks.parts, loss_parts=loss_parts,
         compute_dtype=None if computes_in == sc.dtype else computes_in,
         analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in "qkv"} if user is not None else None,
+        nondeterministic=user is not None and engine._varies(results["o"], again["o"], sc.nondet_tol),
         **engine.diagnosis_fields(sc, context),
     )
 

@@ -208,7 +208,8 @@ class _Blocks:
         for name in inputs:
             t = terms_v if name == "v" else terms
             linear = self.sums(name, t)
-            rss = RSS_FACTOR * np.sqrt(self.sums(name, t * t))
+            # (squares of terms below ~1e-154 underflow: the root sum of squares is at least sum / sqrt(count))
+            rss = RSS_FACTOR * np.maximum(np.sqrt(self.sums(name, t * t)), linear / np.sqrt(t.size))
             out[name] = np.minimum(linear, rss)[self.parts[name]]
         return out, float(min(terms.sum(), RSS_FACTOR * np.sqrt(np.sum(terms * terms))))
 
@@ -280,7 +281,13 @@ def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = 256, rss: bool = Fa
         t_v += np.swapaxes(a_err, -1, -2) @ ga[..., span, :]
     heads_kv = inputs["k"].shape[-3]
     out = {"o": t_o, "q": t_q, "k": sum_groups(t_k, kv_map, heads_kv), "v": sum_groups(t_v, kv_map, heads_kv)}
-    return {t: np.sqrt(x) for t, x in out.items()} if rss else out
+    if not rss:
+        return out
+    # Terms below ~1e-154 square to 0 (a key almost no query weighs, at a large scale): the root sum of
+    # squares is never below sum / sqrt(number of terms), which does not underflow.
+    linear = term_sizes(inputs, g, a_rows, scale, kv_map, rows)
+    count = qa.shape[-2] * ka.shape[-2] * max(1, int(np.bincount(np.asarray(kv_map)).max()))
+    return {t: np.maximum(np.sqrt(x), linear[t] / np.sqrt(count)) for t, x in out.items()}
 
 
 def diagnosis_fields(sc, context=None) -> dict:
@@ -424,6 +431,12 @@ def plain(inputs: dict, g: np.ndarray, visible, scale, kv_map, dtype: str) -> di
     return {"o": o, "q": grads.q, "k": grads.k, "v": grads.v}
 
 
+def _varies(first: np.ndarray, second: np.ndarray, tolerance: float) -> bool:
+    """Two calls on the same inputs differ by more than ``tolerance`` x the largest value."""
+    gap = float(np.abs(np.asarray(first, dtype=np.float64) - second).max(initial=0.0))
+    return gap > tolerance * float(np.abs(first).max(initial=0.0))
+
+
 def _build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None) -> Problem:
     """The same problem for the user's implementation (README "Checking your own implementation"):
     its forward and backward are called through ``implementation.call`` (fresh copies in, copies out;
@@ -500,6 +513,7 @@ def _build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None
         loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
         compute_dtype=None if computes_in == sc.dtype else computes_in,
         analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in "qkv"},
+        nondeterministic=_varies(o, again["o"], sc.nondet_tol),
         **diagnosis_fields(sc, hint_context(inputs, g, visible, scale, kv_map, results, ref, user_forward)),
     )
 

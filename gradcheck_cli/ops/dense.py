@@ -47,8 +47,10 @@ def rounding_errors(forward: Callable[..., np.ndarray], inputs: dict, out: np.nd
 
 
 def rss(t: np.ndarray, axis=None) -> np.ndarray:
-    """Root sum of squares (of independent rounding errors)."""
-    return np.sqrt(np.sum(t * t, axis=axis))
+    """Root sum of squares (of independent rounding errors); never below sum / sqrt(count), which the
+    squares of terms under ~1e-154 would otherwise underflow to."""
+    count = t.size if axis is None else np.prod([t.shape[a] for a in np.atleast_1d(axis)])
+    return np.maximum(np.sqrt(np.sum(t * t, axis=axis)), np.sum(np.abs(t), axis=axis) / np.sqrt(max(count, 1)))
 
 
 def problem(sc, inputs: dict[str, np.ndarray], forward: Callable[..., np.ndarray], gradients: dict[str, np.ndarray],

@@ -83,6 +83,7 @@ class Problem:
     step_sizes: dict[str, float] | None = None  # natural scale of an input for the step policy (default 1)
     compute_dtype: str | None = None  # the precision the forward was measured to compute in (default: its dtype)
     analytic_rounding: dict[str, np.ndarray] | None = None  # allowed rounding of each analytic gradient element
+    nondeterministic: bool = False  # the implementation's forward changes from call to call
 
 
 #: Marks a Param without a default: the key is required.
