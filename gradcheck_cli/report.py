@@ -204,10 +204,11 @@ def render_controls(console: Console, cells: Sequence[ControlCell]) -> None:
     _table(console, "negative controls (scenario x fault)", ["scenario"] + faults, rows,
            [False] * (1 + len(faults)), styles)
     reasons = list(dict.fromkeys(c.reason for c in cells if c.status == "not applicable" and c.reason))
-    console.print("  n/a: the fault cannot apply to that scenario: " + ("; ".join(reasons) if reasons else
-                  "it changes neither the output nor any gradient by more than 10x the tolerance")
-                  + " (e.g. scale when scale = 1, gqa-sum without shared KV heads, swap-dk-dv when d_head != d_value)",
-                  highlight=False, soft_wrap=not console.is_terminal)
+    if any(c.status == "not applicable" for c in cells):
+        console.print("  n/a: the fault cannot apply to that scenario: " + ("; ".join(reasons) if reasons else
+                      "it changes neither the output nor any gradient by more than 10x the tolerance")
+                      + " (e.g. scale when scale = 1, gqa-sum without shared KV heads, swap-dk-dv when d_head != "
+                      "d_value)", highlight=False, soft_wrap=not console.is_terminal)
     missed = [c for c in cells if c.status == "missed"]
     for c in missed:
         console.print(f"  MISSED {c.fault} on {c.scenario}: it changes the result by {c.effect:.2e} (relative) "
