@@ -177,23 +177,3 @@ def _outside_visible_range(o, v, visible, kv_map, block_elements: int = 1 << 22)
                 oi = o[b, r, i0:i0 + rows]
                 out[b, r, i0:i0 + rows] = np.maximum(lo - oi, 0) + np.maximum(oi - hi, 0)
     return out
-
-
-def agreement(name: str, tensor: str, mine: np.ndarray, reference: np.ndarray, tolerance: float,
-              floor: float = 0.0) -> Check:
-    """The implementation's values against the float64 reference engine's: relative error within
-    ``tolerance`` (what finite differences cannot check: the forward's semantics), plus an absolute
-    ``floor`` (the rounding of the terms behind values that cancel to nearly zero)."""
-    diff = np.abs(mine.astype(np.float64) - reference)
-    scale = max(float(np.abs(reference).max(initial=0.0)), float(np.abs(mine).max(initial=0.0)))
-    flat = int(np.argmax(diff)) if diff.size else 0
-    worst = float(diff.ravel()[flat]) if diff.size else 0.0
-    rel = worst / scale if scale > 0 else 0.0
-    # rounding of values that are exactly 0 in one and tiny in the other is not a disagreement
-    floor = floor + INVARIANT_ULPS * float(np.finfo(np.float64 if mine.dtype.kind != "f" else mine.dtype).eps)
-    index = tuple(int(i) for i in np.unravel_index(flat, diff.shape)) if diff.size else None
-    where = f"{tensor}[{', '.join(map(str, index))}]" if index is not None else tensor
-    detail = (f"worst at {where}: implementation {mine.ravel()[flat]:.9g}, reference {reference.ravel()[flat]:.9g}"
-              if diff.size else "empty")
-    return Check("reference", name, tensor, tuple(mine.shape), worst, rel, tolerance, 0.0, index,
-                 bool(worst <= tolerance * scale + floor), detail)

@@ -149,7 +149,7 @@ AGREEMENT_ULPS = 256
 def build(sc, faults: Collection[str] = ()):
     """The problem of ``engine: tiled``: finite differences, analytic gradients and invariants all
     through the tiled engine, plus its agreement with the naive engine (a check of its own)."""
-    from .. import invariants
+    from .. import invariants, precision
     from ..tolerance import INVARIANT_ULPS
     from . import attention
     from .registry import Problem
@@ -177,19 +177,16 @@ def build(sc, faults: Collection[str] = ()):
 
     rounding, rounding_total = blocks.rounding(inputs, g, a_rows, scale, kv_map)
     rng_inv = np.random.default_rng([sc.seed, 1])
-    tolerance = AGREEMENT_ULPS * float(np.finfo(dt).eps)
 
     def checks() -> list:
-        ref = naive_by_rows(q, k, v, visible, scale, kv_map, g, bq, faults)
-        name = "tiled agrees with the naive engine"
-        # Rounding is relative to the size of the terms, not of the result: a gradient that is zero to
-        # rounding (a saturated softmax row) differs between the two engines by eps x its terms.
-        size = {t: float(np.abs(x).max(initial=0.0)) for t, x in (*inputs.items(), ("g", g))}
-        natural = {"o": size["v"], "v": size["g"] * sc.n_q,
-                   "q": abs(scale) * size["k"] * size["g"] * size["v"] * 2,
-                   "k": abs(scale) * size["q"] * size["g"] * size["v"] * 2 * sc.n_q}
-        agree = [invariants.agreement(name, t, mine, theirs, tolerance, floor=tolerance * natural[t])
-                 for t, mine, theirs in (("o", o, ref[0]), ("q", g_q, ref[1]), ("k", g_k, ref[2]), ("v", g_v, ref[3]))]
+        ref = dict(zip("oqkv", (np.asarray(r, dtype=np.float64) for r in
+                                naive_by_rows(q, k, v, visible, scale, kv_map, g, bq, faults))))
+        # Both engines round: they may differ by AGREEMENT_ULPS x eps x the (worst-case) size of each
+        # element's terms, never by a fraction of the result (a saturated row's gradient is zero to rounding).
+        sizes = attention.term_sizes(inputs, g, a_rows, scale, kv_map)
+        policy = precision.Policy(sc.dtype, 0.0, 0.0, AGREEMENT_ULPS)
+        agree = [precision.agreement("tiled agrees with the naive engine", t, mine, ref[t], sizes[t], policy,
+                                     what="tiled") for t, mine in (("o", o), ("q", g_q), ("k", g_k), ("v", g_v))]
         eps = float(np.finfo(dt).eps)
         terms = attention.output_terms(inputs, a_rows, scale, kv_map)
         # D = rowsum(G_O * O) comes from the forward's O, which carries the rounding of its own terms
