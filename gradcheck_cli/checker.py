@@ -130,7 +130,7 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
         checks.append(failure_check("invariants", exc))
     checks, hints = _diagnose(sc, problem, checks, evidence)
     if not hints and any(c.kind == "implementation" and "non-finite" in c.detail for c in checks):
-        hints = [_range_hint(sc)]
+        hints = [_copies_hint(sc)]
     return result(checks, arrays=arrays, hints=tuple(hints))
 
 
@@ -159,6 +159,13 @@ def _range_hint(sc: Scenario) -> str:
              if sc.op == "attention" else "; use a wider dtype or smaller values")
     return ("NaN or inf before any difference is taken: the computation leaves the range of " + sc.dtype
             + (f" (largest finite {top:g})" if top else "") + cause)
+
+
+def _copies_hint(sc: Scenario) -> str:
+    return ("NaN or inf only on perturbed copies stacked along the batch axis, while the inputs alone give finite "
+            f"values: the forward is unstable to small moves (near the range of {sc.dtype}: "
+            + (f"scale is {sc.scale:g}" if sc.op == "attention" else "large values") + "), or it mixes batch elements "
+            "(a max or sum over the batch axis, which the stacked copies then share)")
 
 
 def _diagnose(sc: Scenario, problem, checks: list[Check], evidence: dict) -> tuple[list[Check], list[str]]:

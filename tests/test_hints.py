@@ -31,6 +31,7 @@ GQA = dict(batch=2, heads_q=4, heads_kv=2, n_q=5, n_k=7, d_head=4, mask={"causal
                                                                        "key_lengths": [7, 6]})
 CACHE = dict(batch=2, heads_q=4, heads_kv=2, n_q=6, n_k=20, d_head=8, mask={"causal": "lower-right"})
 SQUARE = dict(batch=2, heads_q=2, heads_kv=2, n_q=6, n_k=6, d_head=4, mask={"causal": "lower-right"})
+GQA_SQUARE = dict(SQUARE, heads_q=4)
 PLAIN = dict(batch=2, heads_q=2, heads_kv=2, n_q=6, n_k=9, d_head=4)
 TAIL = dict(batch=2, heads_q=2, heads_kv=1, n_q=5, n_k=11, d_head=4)
 WINDOW = dict(batch=2, heads_q=2, n_q=12, d_head=8, mask={"causal": "lower-right", "window": [3, 0]})
@@ -58,6 +59,8 @@ TABLE = [
     ("batch_mixing_mean", PLAIN, "float64", "batch-mixing"),
     ("dropped_tail_block", TAIL, "float64", "missing-keys"),
     ("transposed_dv", SQUARE, "float64", None),
+    ("transposed_dv", GQA_SQUARE, "float64", None),          # every KV head shared: still no GQA hint
+    ("dv_unmasked", GQA_SQUARE, "float64", "backward-mask"),
     ("additive_dv", GQA, "float64", None),
     ("float32_internal_correct", GQA, "float64", "precision"),
     ("float32_internal_correct", CACHE, "float64", "precision"),

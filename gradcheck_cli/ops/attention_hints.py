@@ -85,8 +85,9 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
         if lower:
             precision = lower[0].detail.split()[3].rstrip(",")
             out.append(f"the implementation computes internally in about {precision}: it agrees with the float64 "
-                       f"reference to {precision} rounding only, so a {sc.dtype} scenario cannot check it to "
-                       f"{sc.tolerance:g}; run it with dtype: {precision} to check it at that precision")
+                       f"reference to {precision} rounding only (or its forward differs from attention by no more "
+                       f"than that), so a {sc.dtype} scenario cannot check it to {sc.tolerance:g}; run it with "
+                       f"dtype: {precision} to check it at that precision")
         nondeterministic = [c for c in checks if c.name == "deterministic" and c.verdict == "fail"]
         if nondeterministic:  # every other test compares separate calls: their failures may be this alone
             detail = nondeterministic[0].detail
@@ -156,7 +157,7 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
             if c is not None and not (scale_hint and t in "qk"):
                 out.append(f"G_{t.upper()} is {c:.6g} x {against[t]} everywhere: a constant factor on "
                            f"d{t.upper()} alone (a scale applied {'too often' if c > 1 else 'too rarely'}, a wrong "
-                           "normaliser, or an averaged instead of summed reduction)")
+                           "divisor, or an averaged instead of summed reduction)")
         gqa = _gqa(sc, evidence, verdicts, kv_map, factors)
         if gqa:
             out.append(gqa)
