@@ -177,7 +177,7 @@ def _diagnose(sc: Scenario, problem, checks: list[Check], evidence: dict) -> tup
     out = []
     for c in checks:
         ev = evidence.get(c.tensor) if c.kind == "gradient" else None
-        if ev is not None and not c.passed and sc.mode != "directional":
+        if ev is not None and c.verdict == "fail" and sc.mode != "directional":
             c = dataclasses.replace(c, diagnosis=diagnose.breakdown(c.tensor, ev, structure.get(c.tensor)))
         out.append(c)
     found = {name: ev for name, ev in evidence.items() if ev is not None}
@@ -275,7 +275,7 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
             remedy = (f"a larger epsilon (now {sc.epsilon:g}; the {sc.dtype} default is {usual:g}), "
                       if sc.epsilon < usual else "") + ("float64, or smaller shapes" if sc.dtype != "float64"
                                                          else "smaller shapes")
-        detail += (f"; no power: the noise floor ({float(np.max(floor)):.2g}) is over {verdict.POWER_LIMIT:.0%} of "
+        detail += (f"; no power: the largest noise floor ({float(np.max(floor)):.2g}) is over {verdict.POWER_LIMIT:.0%} of "
                    f"the largest gradient ({size:.2g}), so errors that size would pass unseen: use {remedy}")
     elif outcome == "pass" and resolvable and negligible:
         detail += (f"; zero to within the noise floor ({top_floor:.2g}), which is small against the largest "
@@ -456,9 +456,14 @@ def fault_applies(sc: Scenario, fault: str, sizes: dict[str, float] | None = Non
 
 
 def _not_applicable_reason(sc: Scenario, fault: str, sizes: dict[str, float]) -> str:
-    if OPS[sc.op].faults[fault].sized:
-        return "the clean run detects no error in that tensor, so no size can be set" if not np.isfinite(
-            sizes.get(fault, np.inf)) else "it changes nothing here"
+    op = OPS[sc.op]
+    why = op.why_not(sc, fault) if op.why_not else None
+    if why:
+        return why
+    if op.faults[fault].sized:
+        return ("no check of that tensor passed in the clean run (inconclusive or failed), so no error size is "
+                "known to be detectable there" if not np.isfinite(sizes.get(fault, np.inf)) else
+                "it changes nothing here")
     return (f"it changes neither the output nor any gradient by more than {APPLICABLE_FACTOR:g}x the tolerance "
             "on this scenario")
 

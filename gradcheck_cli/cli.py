@@ -1,6 +1,7 @@
 """Command line: a thin shell over the Python API. The only module that prints errors or picks exit codes.
 
-Exit codes: 0 every check passed, 1 a check failed (or a negative control was missed), 2 bad input or usage.
+Exit codes: 0 every check passed, 1 a check failed (or a negative control was missed), 2 bad input or usage,
+3 inconclusive (no failure, but some check could not decide), 130 interrupted.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from .scenario import json_schema, load, select, with_engine
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 3, 130, 141
 EPILOG = ("Exit codes: 0 all checks passed, 1 a check failed, 2 bad input or usage, 3 inconclusive "
-          "(no failure, but finite differences too inaccurate to decide), 130 interrupted.")
+          "(no failure, but some check could not decide; each says why), 130 interrupted.")
 EPILOG_INFO = "Exit codes: 0 ok, 2 bad input or usage."
 
 
@@ -159,7 +160,9 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
 
     Prints a table per scenario as it finishes. Exit 0: every check passed; 1: a check failed, or
     with --negative-controls an applicable fault went undetected; 2: bad input or usage (nothing runs);
-    3: no failure, but some finite differences too inaccurate to decide; 130: interrupted (the reports
+    3: no failure, but some check could not decide (finite differences too inaccurate, no power, code that
+    computes in a lower precision than its dtype, or with --negative-controls a scenario no fault applies
+    to); 130: interrupted (the reports
     hold the scenarios that finished and say "interrupted": true).
     """
     faults = tuple(dict.fromkeys(faults + (("softmax-term",) if break_softmax_term else ())))
@@ -195,6 +198,9 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
                                        report.reproduce_command(config, sc.name, faults, engine))
                 for fault in faults:
                     if fault not in OPS[sc.op].faults:
+                        owners = ", ".join(op.name for op in OPS.values() if fault in op.faults)
+                        out.print(f"  note: fault {fault} is a fault of op {owners}, not of op {sc.op}: not injected "
+                                  "here (see 'attn-gradcheck faults')\n")
                         continue
                     if fault not in checker.applicable_faults(sc):
                         kind = "your implementation" if sc.implementation else "the built-in engine"

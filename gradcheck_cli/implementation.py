@@ -47,8 +47,12 @@ def load(spec: str, base_dir: Path, flavour: str = "numpy") -> Any:
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # the user's module may raise anything while importing, SystemExit too
-        raise ValueError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc} (the module must be "
-                         "importable from the YAML's folder or PYTHONPATH)") from None
+        missing = isinstance(exc, ModuleNotFoundError) and exc.name is not None and \
+            module_name.split(".")[0] != exc.name.split(".")[0]
+        where = (f" (it was found, but it imports {exc.name!r}, which is not installed here)" if missing else
+                 " (the module must be importable from the YAML's folder or PYTHONPATH)"
+                 if isinstance(exc, ModuleNotFoundError) else " (raised while importing it)")
+        raise ValueError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}{where}") from None
     obj: Any = module
     for part in attr_path.split("."):
         if not hasattr(obj, part):

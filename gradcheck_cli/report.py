@@ -183,7 +183,8 @@ def render_summary(console: Console, results: Sequence[ScenarioResult], interrup
     elif s["failed"]:
         word = f"{s['failed']} check(s) FAILED"
     elif s["inconclusive"]:
-        word = f"{s['inconclusive']} check(s) INCONCLUSIVE (finite differences too inaccurate to decide)"
+        word = (f"{s['inconclusive']} check(s) INCONCLUSIVE (they cannot decide: each says why, e.g. finite "
+                "differences too inaccurate, no power, or code that computes in a lower precision)")
     else:
         word = "all checks passed"
     console.print(f"{s['scenarios']} scenario(s), {s['checks']} checks: {s['passed']} passed, {s['failed']} failed"

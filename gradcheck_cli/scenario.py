@@ -500,6 +500,9 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     if slack is not None and slack < 0:
         raise f.error("check.slack", f"must be >= 0, got {slack}")
     nondet_tol = f.float("check.nondet_tol", 0.0, positive=False)
+    if f.has("check.nondet_tol") and not f.has("implementation") and f.where("check.nondet_tol")[0] != "defaults":
+        raise f.error("check.nondet_tol", "applies to a scenario with an implementation: the built-in engines are "
+                      "deterministic and are not run twice", hint="remove it, or add 'implementation: module:attribute'")
     if nondet_tol < 0:
         raise f.error("check.nondet_tol", f"must be >= 0, got {nondet_tol}",
                       hint="0 (the default) requires two calls on the same inputs to agree bit for bit")
@@ -738,7 +741,8 @@ def _load_visible(f: _Fields, base_dir: Path, shape: tuple[int, ...]) -> tuple[n
         if arr.dtype.kind in "iu" and arr.size and np.isin(arr, (0, 1)).all():
             arr = arr.astype(bool)
         else:
-            raise f.error("mask.visible", f"expected booleans (True = visible), got dtype {arr.dtype}")
+            raise f.error("mask.visible", f"expected booleans (True = visible) or the integers 0 and 1, got dtype "
+                                          f"{arr.dtype}" + (" with other values" if arr.dtype.kind in "iu" else ""))
     try:
         np.broadcast_shapes(arr.shape, shape)
         if np.broadcast_shapes(arr.shape, shape) != shape:

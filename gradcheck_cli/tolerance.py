@@ -35,6 +35,11 @@ AGREEMENT_ULPS: dict[str, float] = {"float64": 64.0, "float32": 8.0, "float16": 
 DEFAULT_SLACK: dict[str, float] = {"float64": 0.0, "float32": 0.0, "float16": 1e-5, "bfloat16": 1e-5}
 #: The lower precisions an implementation of each dtype is recognised as computing in internally.
 LOWER_PRECISION: dict[str, tuple[str, ...]] = {"float64": ("float32",)}
+#: ... when its forward's error is at least this many ulps of that precision of its terms: code that
+#: computes in float32 rounds its inputs to float32 and so errs by 0.12 to 3 such ulps (measured on the
+#: float32-internal implementations of benchmarks/correct_grid.py); an error far smaller than float32's
+#: rounding yet above float64's is no precision of any kind, but a FAIL.
+LOWER_MIN_ULPS = 1.0 / 64
 
 DTYPES = ("float64", "float32")  # what the NumPy engine computes in; the others need backend: torch
 

@@ -200,6 +200,8 @@ def test_sigint_at_any_moment_ends_with_130_and_no_traceback(tmp_path, delay):
     assert time.monotonic() - start < 10
     if proc.returncode == -signal.SIGINT:  # before Python set its handler: the default action, which a
         return                             # shell reports as 130 too
+    if delay == 0.0 and "Fatal Python error: init_import_site" in err:
+        return  # the interpreter's own start-up (site.py) took the Ctrl-C, before any of our code ran
     assert proc.returncode == 130, (out, err)
     assert "Traceback" not in err and "interrupted" in err
     leftovers = [p.name for p in tmp_path.iterdir() if p.name not in ("slow.yaml", "r.json")]

@@ -523,5 +523,18 @@ def shapes(sc) -> dict:
             "v": (sc.batch, sc.heads_kv, sc.n_k, sc.d_value)}
 
 
+def why_not(sc, fault: str) -> str | None:
+    """Why a fault cannot apply to a scenario, where its structure says so."""
+    if fault == "swap-dk-dv" and sc.d_head != sc.d_value:
+        return f"dK and dV differ in shape (d_head {sc.d_head}, d_value {sc.d_value}): they cannot be swapped"
+    if fault in ("mask", "mask-backward", "leak-hidden-key") and sc.visible.all():
+        return "every key is visible to every query: there is no mask to ignore"
+    if fault == "gqa-sum" and sc.heads_kv == sc.heads_q:
+        return "no KV head is shared by several query heads"
+    if fault == "scale" and sc.scale == 1.0:
+        return "scale is 1: dropping it changes nothing"
+    return None
+
+
 OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradients of q, k, v",
-        tensors=("q", "k", "v"), faults=FAULTS, build=build, attention_keys=True, shapes=shapes)
+        tensors=("q", "k", "v"), faults=FAULTS, build=build, attention_keys=True, shapes=shapes, why_not=why_not)

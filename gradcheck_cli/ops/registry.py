@@ -129,3 +129,4 @@ class Op:
     describe: Callable[[Any], str] | None = None
     common_keys: tuple[str, ...] | None = None  # the shared keys it takes (default: all of them)
     memory: Callable[[Any], int] | None = None  # bytes it needs beyond its inputs (load-time estimate)
+    why_not: Callable[[Any, str], str | None] | None = None  # why a fault cannot apply to a scenario, if known
