@@ -154,6 +154,26 @@ def _non_finite(sc: Scenario, problem) -> list[Check]:
 
 
 def _range_hint(sc: Scenario) -> str:
+    if sc.implementation is not None and sc.op == "attention":
+        from .ops import attention  # the built-in engine on the same inputs: is the range really exceeded?
+        kv_map = np.asarray(sc.kv_map, dtype=np.intp)
+        if sc.backend == "torch":
+            import torch
+            from .backends import torch_backend as tb
+            x, _ = attention.seeded_inputs(sc, dtype=np.float64)
+            t = [torch.from_numpy(x[n]).to(tb.DTYPES[sc.dtype]) for n in "qkv"]
+            o = tb.forward(*t, torch.from_numpy(sc.visible), sc.scale, torch.as_tensor(kv_map))
+            finite = bool(torch.isfinite(o).all())
+        else:
+            x, _ = attention.seeded_inputs(sc)
+            with np.errstate(all="ignore"):
+                finite = bool(np.isfinite(attention.forward(x["q"], x["k"], x["v"], sc.visible, sc.scale,
+                                                            kv_map)).all())
+        if finite:
+            return (f"NaN or inf from your implementation where the built-in engine, in {sc.dtype} on the same "
+                    "inputs, stays finite: it overflows or underflows where it need not (subtract each row's "
+                    "maximum before exp, mask with -inf rather than a large negative number, or accumulate in a "
+                    "wider type)")
     top = float(np.finfo(np.float16).max) if sc.dtype == "float16" else None
     cause = (f", e.g. scores scale * q.k (scale is {sc.scale:g}) overflow; lower scale or use a wider dtype"
              if sc.op == "attention" else "; use a wider dtype or smaller values")

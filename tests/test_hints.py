@@ -179,3 +179,12 @@ def test_torch_flavour_nondeterminism_is_reported():
     pytest.importorskip("torch")
     sc = make(**GQA, backend="torch", implementation="buggy_torch_attention:nondeterministic_backward")
     assert "deterministic" in {c.name for c in checker.run_scenario(sc).checks if c.verdict == "fail"}
+
+
+@pytest.mark.parametrize("dtype,scale", [("float16", 3.0), ("float32", 30.0)])
+def test_an_overflow_the_engine_avoids_is_blamed_on_the_implementation(dtype, scale):
+    pytest.importorskip("torch")
+    sc = make(**GQA, dtype=dtype, scale=scale, backend="torch",
+              implementation="buggy_torch_attention_more:no_max_subtraction")
+    result = checker.run_scenario(sc)
+    assert result.verdict == "fail" and result.hints and "subtract each row's maximum" in result.hints[0]
