@@ -13,6 +13,8 @@ along the batch axis, so batch elements must be independent.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -31,42 +33,142 @@ class ImplementationFailure(Exception):
         self.message, self.tensor, self.index = message, tensor, index
 
 
-def load(spec: str, base_dir: Path, flavour: str = "numpy") -> Any:
-    """Import ``module:attribute`` with the YAML's folder first on sys.path. ``flavour`` numpy needs
-    ``forward``/``backward`` callables; torch needs the attribute itself to be callable. Raises
-    ValueError with a message for the scenario loader to place (file, line, key)."""
+class LoadError(ValueError):
+    """The implementation a scenario names cannot be found, imported or used; the message says why
+    (the caller places it: file, line, key)."""
+
+
+def locate(spec: str, base_dir: Path) -> None:
+    """Check ``module:attribute`` without running any of it: the spelling, and that the module's file
+    exists in the YAML's folder or on the import path. Raises LoadError."""
     if not SPEC_RE.match(spec):
-        raise ValueError(f"expected 'module:attribute', got {spec!r}")
-    module_name, attr_path = spec.split(":", 1)
-    folder = str(base_dir.resolve())
-    added = folder not in sys.path
-    if added:
-        sys.path.insert(0, folder)
+        raise LoadError(f"expected 'module:attribute', got {spec!r}")
+    top = spec.split(":", 1)[0].split(".")[0]
+    if _local_file(top, base_dir) is not None:
+        return
     try:
+        found = importlib.machinery.PathFinder.find_spec(top) or importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise LoadError(f"cannot find module {top!r} in the YAML's folder ({base_dir}) or on the import path "
+                        "(PYTHONPATH)")
+
+
+def _local_file(top: str, base_dir: Path) -> Path | None:
+    """The module file or package folder named ``top`` in the YAML's folder, if there is one."""
+    folder = Path(base_dir).resolve()
+    for candidate in (folder / f"{top}.py", folder / top / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+#: Implementations imported by this process: (folder, spec, flavour) -> object.
+_LOADED: dict[tuple[str, str, str], Any] = {}
+
+
+def load(spec: str, base_dir: Path, flavour: str = "numpy") -> Any:
+    """Import ``module:attribute`` (once per process) and check it. A module in the YAML's folder is
+    loaded from its file, so it can neither shadow nor be shadowed by an installed module of the same
+    name; the folder is then appended to sys.path (after site-packages) for the module's own imports of
+    its neighbours. ``flavour`` numpy needs ``forward``/``backward`` callables; torch needs the
+    attribute itself to be callable. Raises LoadError."""
+    key = (str(Path(base_dir).resolve()), spec, flavour)
+    if key in _LOADED:
+        return _LOADED[key]
+    locate(spec, base_dir)
+    module_name, attr_path = spec.split(":", 1)
+    top = module_name.split(".")[0]
+    folder = key[0]
+    if folder not in sys.path:
+        sys.path.append(folder)
+    try:
+        local = _local_file(top, Path(folder))
+        if local is not None:
+            _import_from_file(top, local)
         module = importlib.import_module(module_name)
+    except LoadError:
+        raise
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # the user's module may raise anything while importing, SystemExit too
-        missing = isinstance(exc, ModuleNotFoundError) and exc.name is not None and \
-            module_name.split(".")[0] != exc.name.split(".")[0]
+        missing = isinstance(exc, ModuleNotFoundError) and exc.name is not None and top != exc.name.split(".")[0]
         where = (f" (it was found, but it imports {exc.name!r}, which is not installed here)" if missing else
                  " (the module must be importable from the YAML's folder or PYTHONPATH)"
                  if isinstance(exc, ModuleNotFoundError) else " (raised while importing it)")
-        raise ValueError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}{where}") from None
+        raise LoadError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}{where}") from None
     obj: Any = module
     for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"module {module_name!r} has no attribute {attr_path!r}")
-        obj = getattr(obj, part)
+        obj = _attribute(obj, part, module_name, attr_path)
     if flavour == "torch":
-        if not callable(obj):
-            raise ValueError(f"{spec} must be callable as f(q, k, v, visible, scale, kv_map) -> o "
-                             "(see the README: the torch interface)")
-        return obj
-    missing = [name for name in ("forward", "backward") if not callable(getattr(obj, name, None))]
-    if missing:
-        raise ValueError(f"{spec} needs callable {' and '.join(missing)} (see the README: the NumPy interface)")
+        if not _safe(callable, obj):
+            raise LoadError(f"{spec} must be callable as f(q, k, v, visible, scale, kv_map) -> o "
+                            "(see the README: the torch interface)")
+    else:
+        missing = [name for name in ("forward", "backward")
+                   if not _safe(callable, _attribute(obj, name, module_name, f"{attr_path}.{name}", missing_ok=True))]
+        if missing:
+            raise LoadError(f"{spec} needs callable {' and '.join(missing)} (see the README: the NumPy interface)")
+    _LOADED[key] = obj
     return obj
+
+
+#: Modules this process imported from a YAML's folder: name -> file.
+_FROM_FILES: dict[str, Path] = {}
+
+
+def _import_from_file(top: str, path: Path) -> None:
+    """Import module ``top`` from ``path`` (a file or a package's __init__.py) under its own name,
+    refusing a name that an installed module already holds in this process (a module of another
+    scenario file's folder by the same name is replaced)."""
+    existing = sys.modules.get(top)
+    if existing is not None:
+        where = getattr(existing, "__file__", None)
+        if where is not None and Path(where).resolve() == path.resolve():
+            return
+        if _FROM_FILES.get(top) is None:
+            raise LoadError(f"module {top!r} in the YAML's folder has the name of a module this process already "
+                            f"imported ({where or 'built in'}): rename the file")
+        for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+            del sys.modules[name]  # the same name from another scenario file's folder
+    spec = importlib.util.spec_from_file_location(
+        top, path, submodule_search_locations=[str(path.parent)] if path.name == "__init__.py" else None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[top] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(top, None)
+        raise
+    _FROM_FILES[top] = path
+
+
+_MISSING = object()
+
+
+def _attribute(obj, name: str, module_name: str, attr_path: str, missing_ok: bool = False):
+    """getattr, with anything but a missing attribute (a property or module __getattr__ that raises)
+    reported as such."""
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        if missing_ok:
+            return _MISSING
+        raise LoadError(f"module {module_name!r} has no attribute {attr_path!r}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        raise LoadError(f"reading {attr_path!r} of module {module_name!r} raised {type(exc).__name__}: {exc}") from None
+
+
+def _safe(test, obj) -> bool:
+    if obj is _MISSING:
+        return False
+    try:
+        return bool(test(obj))
+    except Exception:
+        return False
 
 
 def guarded(what: str, fn, *args):

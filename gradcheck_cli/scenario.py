@@ -15,9 +15,11 @@ Format (the key names are the contract):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import re
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from . import implementation, masks
+from . import files, implementation, masks
 from .errors import GradcheckError, ScenarioError
 from .ops import OPS
 from .ops.registry import REQUIRED, Param
@@ -42,7 +44,7 @@ ENGINES = ("naive", "tiled")
 SCENARIO_KEYS = tuple(dict.fromkeys(COMMON_KEYS[:2] + BACKEND_KEYS + COMMON_KEYS[2:3] + ATTENTION_KEYS + COMMON_KEYS[3:]
                                     + tuple(k for op in OPS.values() for k in op.keys)))
 MASK_KEYS = ("causal", "window", "key_lengths", "visible")
-CHECK_KEYS = ("mode", "samples", "directions", "colouring", "factor", "slack", "nondet_tol")
+CHECK_KEYS = ("mode", "samples", "directions", "colouring", "factor", "slack", "nondet_tol", "timeout")
 BACKENDS = ("numpy", "torch")
 DEVICES = ("cpu", "cuda")
 LOW_PRECISION = ("float16", "bfloat16")
@@ -97,11 +99,26 @@ class Scenario:
     slack: float | None = None  # None: the dtype's default (tolerance.DEFAULT_SLACK)
     nondet_tol: float = 0.0
     visible: np.ndarray = field(default=None, repr=False, compare=False)
-    implementation_object: object = field(default=None, repr=False, compare=False)
+    base_dir: str = "."          # the YAML's folder: where ``implementation`` and mask files are found
+    implementation_line: int = 0  # the line of the ``implementation`` key
+    timeout: float = 900.0       # seconds an isolated run of an implementation may take (``check.timeout``)
 
     def p(self, key: str):
         """The value of the op-specific key ``key``."""
         return dict(self.params)[key]
+
+    @property
+    def implementation_object(self):
+        """The user's implementation, imported on first use (in the process that checks it: the loader
+        never runs user code). Raises ScenarioError, placed at the ``implementation`` key, when it
+        cannot be imported or used."""
+        if self.implementation is None:
+            return None
+        try:
+            return implementation.load(self.implementation, Path(self.base_dir), flavour=self.backend)
+        except implementation.LoadError as exc:
+            raise ScenarioError(str(exc), file=self.file, line=self.implementation_line or self.line,
+                                key=f"scenarios[{self.index}].implementation") from None
 
     def describe(self) -> str:
         spec = OPS[self.op]
@@ -129,6 +146,18 @@ def default_kv_map(heads_q: int, heads_kv: int) -> tuple[int, ...]:
 # --------------------------------------------------------------------------------------------------
 # YAML with line numbers
 
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 6
+_SHORT.maxlevel = 3
+
+
+def _show(value: Any) -> str:
+    """A value as error messages echo it: its repr, cut to a readable length (a 10 MB string is not
+    repeated back)."""
+    return _SHORT.repr(value)
+
+
 def _yaml_problem(exc: yaml.YAMLError) -> str:
     if isinstance(exc, yaml.reader.ReaderError):
         return f"unacceptable character {exc.character!r} (only printable UTF-8 text is allowed)"
@@ -150,6 +179,12 @@ def _key(path: tuple) -> str:
     return out
 
 
+#: The tags of YAML's core schema (and the merge key '<<', and timestamps, which YAML 1.1 resolves
+#: plain dates to: the field readers refuse them by type). Any other tag is refused where it stands.
+SAFE_TAGS = frozenset(f"tag:yaml.org,2002:{t}" for t in ("null", "bool", "int", "float", "str", "seq", "map",
+                                                          "merge", "timestamp"))
+
+
 class _Doc:
     """A parsed YAML document and the line of every key and item in it."""
 
@@ -159,7 +194,7 @@ class _Doc:
         self.values = 0
         self._constructor = yaml.SafeLoader("")
         try:
-            node = yaml.compose(text, Loader=yaml.SafeLoader)
+            node = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
             self.value = self._convert(node, ()) if node is not None else None
         except yaml.YAMLError as exc:
             raise ScenarioError(f"not valid YAML: {_yaml_problem(exc)}", file=file, line=_yaml_line(exc, text)) from None
@@ -167,6 +202,12 @@ class _Doc:
             raise ScenarioError("the YAML is nested too deeply to be a scenario file", file=file) from None
 
     def _convert(self, node, path: tuple) -> Any:
+        if node.tag not in SAFE_TAGS:  # explicit tags outside YAML's core schema (!!python/object, !custom, ...)
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            raise ScenarioError(f"the YAML tag {_show(tag)} is not allowed: scenario files hold plain "
+                                "mappings, lists, strings, numbers, booleans and nulls", file=self.file,
+                                line=node.start_mark.line + 1, key=_key(path) or None,
+                                hint="remove the tag")
         self.values += 1
         if self.values > MAX_VALUES:
             raise ScenarioError(f"the document expands to more than {MAX_VALUES:,} values (YAML aliases?)",
@@ -186,7 +227,7 @@ class _Doc:
                     continue
                 key = self._constructor.construct_object(k_node)
                 if not isinstance(key, str):
-                    raise ScenarioError(f"keys must be names, got {key!r}", file=self.file,
+                    raise ScenarioError(f"keys must be names, got {_show(key)}", file=self.file,
                                         line=k_node.start_mark.line + 1, key=_key(path) or None)
                 if key in out:
                     raise ScenarioError(f"duplicate key '{key}'", file=self.file,
@@ -236,7 +277,7 @@ class _Fields:
             return default
         v = self.raw(key)
         if isinstance(v, bool) or not isinstance(v, int):
-            raise self.error(key, f"expected an integer, got {v!r}")
+            raise self.error(key, f"expected an integer, got {_show(v)}")
         if v < minimum:
             raise self.error(key, f"must be >= {minimum}, got {v}")
         return v
@@ -249,9 +290,9 @@ class _Fields:
             try:
                 v = float(v)
             except ValueError:
-                raise self.error(key, f"expected a number, got {v!r}") from None
+                raise self.error(key, f"expected a number, got {_show(v)}") from None
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise self.error(key, f"expected a finite number, got {v!r}")
+            raise self.error(key, f"expected a finite number, got {_show(v)}")
         if positive and v <= 0:
             raise self.error(key, f"must be > 0, got {v}")
         return float(v)
@@ -263,7 +304,7 @@ class _Fields:
         if v not in choices:
             import difflib
             close = difflib.get_close_matches(str(v), choices, n=1) if isinstance(v, str) else []
-            raise self.error(key, f"expected one of {', '.join(choices)}; got {v!r}",
+            raise self.error(key, f"expected one of {', '.join(choices)}; got {_show(v)}",
                              hint=f"did you mean '{close[0]}'?" if close else None)
         return v
 
@@ -272,10 +313,10 @@ class _Fields:
             return None
         v = self.raw(key)
         if not isinstance(v, list) or not v:
-            raise self.error(key, f"expected a non-empty list of integers, got {v!r}")
+            raise self.error(key, f"expected a non-empty list of integers, got {_show(v)}")
         for i, x in enumerate(v):
             if isinstance(x, bool) or not isinstance(x, int):
-                raise self.doc.error(self.where(key) + (i,), f"expected an integer, got {x!r}")
+                raise self.doc.error(self.where(key) + (i,), f"expected an integer, got {_show(x)}")
             if x < lo or (hi is not None and x > hi):
                 bounds = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
                 raise self.doc.error(self.where(key) + (i,), f"{x} is out of range: {what} must be {bounds}")
@@ -308,7 +349,7 @@ def _merge(doc: _Doc, defaults: dict, scenario: dict, index: int) -> dict[str, t
 def _nested(doc: _Doc, key: str, value: Any, path: tuple) -> dict[str, tuple[Any, tuple]]:
     """A ``mask`` or ``check`` mapping flattened to {'mask.causal': (value, path)}, its keys checked."""
     if not isinstance(value, dict):
-        raise doc.error(path, f"expected a mapping with keys {', '.join(NESTED[key])}, got {value!r}")
+        raise doc.error(path, f"expected a mapping with keys {', '.join(NESTED[key])}, got {_show(value)}")
     out = {}
     for sub, subvalue in value.items():
         if sub not in NESTED[key]:
@@ -342,7 +383,7 @@ def _sweep_axes(doc: _Doc, defaults: dict, scenario: dict, index: int) -> list[t
         if sweep is None:
             continue
         if not isinstance(sweep, dict) or not sweep:
-            raise doc.error(base, f"expected a mapping of keys to lists of values, got {sweep!r}",
+            raise doc.error(base, f"expected a mapping of keys to lists of values, got {_show(sweep)}",
                             hint="e.g. 'sweep: {n_q: [1, 17, 64], mask.causal: [upper-left, lower-right]}'")
         for key, values in sweep.items():
             path = base + (key,)
@@ -353,7 +394,7 @@ def _sweep_axes(doc: _Doc, defaults: dict, scenario: dict, index: int) -> list[t
                     f"{n}.{k}" for n, keys in NESTED.items() for k in keys)
                 raise doc.error(path, f"cannot sweep '{key}'", hint=_suggest(str(key), allowed))
             if not isinstance(values, list) or not values:
-                raise doc.error(path, f"expected a non-empty list of values, got {values!r}",
+                raise doc.error(path, f"expected a non-empty list of values, got {_show(values)}",
                                 hint=f"list the values to try, e.g. '{key}: [a, b]'")
             for i, v in enumerate(values):
                 if any(type(w) is type(v) and w == v for w in values[:i]):  # True == 1 in Python: not a repeat
@@ -432,7 +473,7 @@ def available_memory() -> int:
 def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) -> Scenario:
     name = f.raw("name")
     if not isinstance(name, str) or not NAME_RE.match(name):
-        raise f.error("name", f"expected a name of letters, digits, '.', '_' or '-', got {name!r}"
+        raise f.error("name", f"expected a name of letters, digits, '.', '_' or '-', got {_show(name)}"
                       if name is not None else "is required", hint="e.g. 'name: causal-gqa'")
     op = f.choice("op", tuple(OPS), "attention")
     op_spec = OPS[op]
@@ -441,7 +482,8 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     allowed |= set(BACKEND_KEYS) if op == "attention" else set()
     for key in f.values:
         top = key.split(".")[0]
-        if top not in allowed or (op != "attention" and key in ("check.factor", "check.slack", "check.nondet_tol")):
+        if top not in allowed or (op != "attention" and key in ("check.factor", "check.slack", "check.nondet_tol",
+                                                               "check.timeout")):
             owners = [o.name for o in OPS.values() if top in o.keys or (top in ATTENTION_KEYS and o.attention_keys)
                       or (top in BACKEND_KEYS + ("check",) and o.name == "attention")]
             raise f.error(key, f"does not apply to op {op}" + (f" (it is a key of {', '.join(owners)})" if owners else ""),
@@ -456,7 +498,8 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     d_value = f.int("d_value", d_head)
 
     if f.has("kv_map"):
-        kv_map = f.int_list("kv_map", 0, None, "a KV head index")
+        kv_map = f.int_list("kv_map", 0, heads_q - 1, "a KV head index (every KV head serves a query head, so "
+                                                      "there are at most heads_q of them)")
         if len(kv_map) != heads_q:
             raise f.error("kv_map", f"has {len(kv_map)} entries but heads_q is {heads_q}",
                           hint="give one KV head index per query head")
@@ -465,6 +508,9 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
         if bad:
             raise f.error("kv_map", f"KV head {bad[0]} is out of range for heads_kv={heads_kv}",
                           hint=f"use indices 0..{heads_kv - 1} or raise heads_kv")
+        if heads_kv > heads_q:  # checked before anything of size heads_kv is built
+            raise f.error("heads_kv", f"{heads_kv} KV heads for {heads_q} query heads: some KV head would serve no "
+                          "query head", hint="every KV head must serve at least one query head; lower heads_kv")
         unused = sorted(set(range(heads_kv)) - set(kv_map))
         if unused:
             raise f.error("kv_map", f"KV head {unused[0]} of heads_kv={heads_kv} is read by no query head",
@@ -506,6 +552,10 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     if nondet_tol < 0:
         raise f.error("check.nondet_tol", f"must be >= 0, got {nondet_tol}",
                       hint="0 (the default) requires two calls on the same inputs to agree bit for bit")
+    timeout = f.float("check.timeout", 900.0)
+    if f.has("check.timeout") and not f.has("implementation") and f.where("check.timeout")[0] != "defaults":
+        raise f.error("check.timeout", "applies to a scenario with an implementation (run in a process of its own, "
+                      "stopped after this many seconds)", hint="remove it, or add 'implementation: module:attribute'")
     dtype, epsilon, tolerance, seed, mode, samples, directions, colouring = _precision_and_check(
         f, dtype, op == "attention")
 
@@ -514,14 +564,14 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     if f.has("mask.window"):
         w = f.raw("mask.window")
         if not isinstance(w, list) or len(w) != 2:
-            raise f.error("mask.window", f"expected [left, right], got {w!r}",
+            raise f.error("mask.window", f"expected [left, right], got {_show(w)}",
                           hint="e.g. window: [4, 0]; null or -1 means unbounded on that side")
         sides = []
         for i, x in enumerate(w):
             if x is None or x == -1:
                 sides.append(None)
             elif isinstance(x, bool) or not isinstance(x, int) or x < 0:
-                raise doc.error(f.where("mask.window") + (i,), f"expected an integer >= 0, null or -1, got {x!r}")
+                raise doc.error(f.where("mask.window") + (i,), f"expected an integer >= 0, null or -1, got {_show(x)}")
             else:
                 sides.append(x)
         window = (sides[0], sides[1])
@@ -546,15 +596,16 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                         hint="reduce batch, heads, n_q, n_k or the head dimensions"
                              + ("" if op == "attention" else " (or d_model, d_ff)"))
 
-    spec, impl = None, None
+    spec, spec_line = None, 0
     if f.has("implementation"):
         spec = f.raw("implementation")
         if not isinstance(spec, str):
-            raise f.error("implementation", f"expected 'module:attribute', got {spec!r}")
+            raise f.error("implementation", f"expected 'module:attribute', got {_show(spec)}")
         try:
-            impl = implementation.load(spec, base_dir, flavour=backend)
-        except ValueError as exc:
+            implementation.locate(spec, base_dir)  # found, not run: the loader never runs user code
+        except implementation.LoadError as exc:
             raise f.error("implementation", str(exc)) from None
+        spec_line = doc.line(f.where("implementation")) or 0
 
     explicit, source = None, None
     if f.has("mask.visible"):
@@ -583,7 +634,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                     mode=mode, samples=samples, directions=directions, colouring=colouring, dtype=dtype, epsilon=epsilon,
                     tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
                     implementation=spec, backend=backend, device=device, factor=factor, slack=slack, nondet_tol=nondet_tol,
-                    visible=visible, implementation_object=impl, params=tuple(params.items()), engine=engine,
+                    visible=visible, base_dir=str(base_dir), implementation_line=spec_line, timeout=timeout, params=tuple(params.items()), engine=engine,
                     block_q=block_q, block_k=block_k)
 
 
@@ -605,7 +656,7 @@ def _precision_and_check(f: _Fields, dtype: str, colouring_default: bool = True)
                       hint="use mode: full to check every element")
     colouring = f.raw("check.colouring", mode == "full" and colouring_default)
     if not isinstance(colouring, bool):
-        raise f.error("check.colouring", f"expected true or false, got {colouring!r}")
+        raise f.error("check.colouring", f"expected true or false, got {_show(colouring)}")
     if colouring and mode != "full" and f.has("check.colouring"):
         raise f.error("check.colouring", f"colouring applies to mode full only (mode is {mode})",
                       hint="remove colouring, or use mode: full")
@@ -635,7 +686,7 @@ def _read_param(f: _Fields, key: str, param: Param):
     if kind == "bool":
         v = f.raw(key)
         if not isinstance(v, bool):
-            raise f.error(key, f"expected true or false, got {v!r}")
+            raise f.error(key, f"expected true or false, got {_show(v)}")
         return v
     if kind == "ints":
         return f.int_list(key, int(param.minimum if param.minimum is not None else 1), None, f"each {key} entry",
@@ -721,13 +772,11 @@ def _load_visible(f: _Fields, base_dir: Path, shape: tuple[int, ...]) -> tuple[n
     if isinstance(raw, str):
         path = base_dir / raw
         try:
-            arr = np.load(path, allow_pickle=False)
-        except OSError as exc:
-            raise f.error("mask.visible", f"cannot read {path}: {exc.strerror or exc}",
-                          hint="give a .npy file of booleans, relative to the YAML file") from None
-        except ValueError:
-            raise f.error("mask.visible", f"{path} is not a .npy file of booleans",
-                          hint="write it with numpy.save(path, mask.astype(bool))") from None
+            arr = files.load_npy(path, max_elements=math.prod(shape))
+        except files.FileProblem as exc:
+            raise f.error("mask.visible", f"{_show(raw)} {exc}",
+                          hint="give a .npy file of booleans, relative to the YAML file, written with "
+                               "numpy.save(path, mask.astype(bool))") from None
         source = raw
     elif isinstance(raw, list):
         try:
@@ -736,7 +785,7 @@ def _load_visible(f: _Fields, base_dir: Path, shape: tuple[int, ...]) -> tuple[n
             raise f.error("mask.visible", "inline mask rows must all have the same length") from None
         source = "inline"
     else:
-        raise f.error("mask.visible", f"expected a .npy path or a nested list of booleans, got {raw!r}")
+        raise f.error("mask.visible", f"expected a .npy path or a nested list of booleans, got {_show(raw)}")
     if arr.dtype != bool:
         if arr.dtype.kind in "iu" and arr.size and np.isin(arr, (0, 1)).all():
             arr = arr.astype(bool)
@@ -762,9 +811,9 @@ def load(path: str | os.PathLike, *, memory_limit: int | None = None) -> list[Sc
     if path.is_dir():
         raise ScenarioError("is a folder; give a YAML scenario file", file=str(path))
     try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ScenarioError(f"cannot read the file: {exc.strerror or exc}", file=str(path)) from None
+        data = files.read_regular(path, files.MAX_CONFIG_BYTES)
+    except files.FileProblem as exc:
+        raise ScenarioError(str(exc), file=str(path), hint="give a YAML scenario file") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -787,7 +836,7 @@ def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".
                             hint=_suggest(key, TOP_KEYS) + "; keys starting with 'x-' are ignored (for YAML anchors)")
     defaults = top.get("defaults") or {}
     if not isinstance(defaults, dict):
-        raise doc.error(("defaults",), f"expected a mapping, got {defaults!r}")
+        raise doc.error(("defaults",), f"expected a mapping, got {_show(defaults)}")
     items = top.get("scenarios")
     if not isinstance(items, list) or not items:
         raise doc.error(("scenarios",), "expected a non-empty list of scenarios",
@@ -795,9 +844,10 @@ def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".
     limit = available_memory() if memory_limit is None else memory_limit
     seen: dict[str, int] = {}
     out = []
+    held = 0  # bytes of the masks the scenarios loaded so far hold (a sweep of cases that each fit may not)
     for i, item in enumerate(items):
         if not isinstance(item, dict):
-            raise doc.error(("scenarios", i), f"expected a mapping, got {item!r}")
+            raise doc.error(("scenarios", i), f"expected a mapping, got {_show(item)}")
         flat = _merge(doc, defaults, item, i)
         cases: dict = {}
         for suffix, case in _sweep_cases(doc, flat, _sweep_axes(doc, defaults, item, i), i):
@@ -808,8 +858,14 @@ def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".
                     exc.message += f" (in the sweep case {item.get('name')}{suffix})"
                 raise
             sc = dataclasses.replace(sc, name=sc.name + suffix, index=len(out))
+            held += sc.visible.nbytes if sc.visible is not None else 0
+            if held > limit // 2:
+                raise doc.error(("scenarios", i), f"the scenarios up to {sc.name} hold masks of {held / 2**30:.1f} GiB "
+                                f"together, more than half of the {limit / 2**30:.1f} GiB available",
+                                hint="sweep fewer cases or smaller shapes, or split the file")
             if suffix:  # two spellings of one value (1e-6 and 1.0e-6) make the same scenario twice
-                same = (dataclasses.replace(sc, name="", index=0), sc.visible.tobytes() if sc.visible is not None else b"")
+                digest = hashlib.sha256(sc.visible.tobytes()).hexdigest() if sc.visible is not None else ""
+                same = (dataclasses.replace(sc, name="", index=0), digest)
                 if same in cases:
                     raise doc.error(("scenarios", i, "sweep"), f"the sweep cases {cases[same]} and {sc.name} are the "
                                     "same scenario", hint="list each value once")
@@ -877,7 +933,8 @@ def json_schema() -> dict:
                     "description": ".npy path (relative to the YAML) or nested list; True = visible"}}}
     check = {"type": "object", "additionalProperties": False, "properties": {
         "mode": {"enum": list(MODES)}, "samples": pos, "directions": {**pos, "maximum": MAX_DIRECTIONS},
-        "colouring": {"type": "boolean"}, "factor": number, "slack": number, "nondet_tol": number}}
+        "colouring": {"type": "boolean"}, "factor": number, "slack": number, "nondet_tol": number,
+        "timeout": number}}
     fields = {
         "name": {"type": "string", "pattern": NAME_RE.pattern},
         "op": {"enum": sorted(OPS)},

@@ -160,21 +160,27 @@ def test_misbehaving_implementations_fail_with_a_message(root, tmp_path, monkeyp
     assert cli.exit_code == 1 and "Traceback" not in cli.output and words in cli.stdout
 
 
-@pytest.mark.parametrize("spec,words", [
-    ("not a spec", "expected 'module:attribute'"),
-    ("no_such_module_xyz:impl", "cannot import 'no_such_module_xyz'"),
-    ("my_attention:nothing_here", "has no attribute 'nothing_here'"),
-    ("my_attention:_probabilities", "needs callable forward and backward"),
+@pytest.mark.parametrize("spec,words,at_load", [
+    ("not a spec", "expected 'module:attribute'", True),
+    ("no_such_module_xyz:impl", "cannot find module 'no_such_module_xyz'", True),
+    ("my_attention:nothing_here", "has no attribute 'nothing_here'", False),
+    ("my_attention:_probabilities", "needs callable forward and backward", False),
 ])
-def test_bad_implementation_specs_are_input_errors(root, tmp_path, spec, words):
+def test_bad_implementation_specs_are_input_errors(root, tmp_path, spec, words, at_load):
+    """Spelling and a missing module are found when the file loads (without running any user code);
+    the rest when the implementation is imported to be checked. Both are bad input with the key."""
     cfg = root / "examples" / f".tmp-{abs(hash(spec)) % 10**8}.yaml"
     cfg.write_text(SHAPES + f"  - name: t\n    implementation: '{spec}'\n")
     try:
         with pytest.raises(ScenarioError) as err:
-            scenario.load(cfg)
+            (sc,) = scenario.load(cfg)
+            sc.implementation_object
         assert err.value.key == "scenarios[0].implementation" and err.value.line == 11 and words in str(err.value)
+        if not at_load:
+            assert len(scenario.load(cfg)) == 1
         result = CliRunner().invoke(main, ["run", str(cfg)])
         assert result.exit_code == 2 and words in result.stderr and "Traceback" not in result.stderr
+        assert "scenarios[0].implementation" in result.stderr and ":11:" in result.stderr
     finally:
         cfg.unlink()
 
