@@ -19,12 +19,13 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from . import __version__, checker, report, runner
-from .errors import GradcheckError
+from . import __version__, checker, files, report, runner
+from .errors import GradcheckError, Terminated
 from .ops import FAULTS, OPS
-from .scenario import json_schema, load, select, with_engine
+from .scenario import json_schema, load, read_files, select, with_engine
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 3, 130, 141
+EXIT_TERMINATED = 143
 EPILOG = ("Exit codes: 0 all checks passed, 1 a check failed, 2 bad input or usage, 3 inconclusive "
           "(no failure, but some check could not decide; each says why), 130 interrupted.")
 EPILOG_INFO = "Exit codes: 0 ok, 2 bad input or usage."
@@ -176,7 +177,8 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
                           "deselect": list(deselects)}
             scenarios = runner.shard(scenarios, *shard)
         report.prepare_outputs({"--json": json_path, "--junit": junit_path}, {"--save-arrays": arrays_dir},
-                               {"--save-arrays": [f"{sc.name}.npz" for sc in scenarios]}, inputs=[config])
+                               {"--save-arrays": [f"{sc.name}.npz" for sc in scenarios]},
+                               inputs=[config, *read_files(scenarios)])
     except GradcheckError as exc:
         raise _fail(str(exc)) from None
 
@@ -184,7 +186,7 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
     if shard and not scenarios:
         out.print(f"shard {shard[0]}/{shard[1]} of {config}: no scenario falls in this shard")
     bar = _ProgressBar(progress, sum(runner.units(sc, negative_controls) for sc in scenarios), "checking")
-    results, cells, interrupted = [], [] if negative_controls else None, False
+    results, cells, interrupted, stop_code = [], [] if negative_controls else None, False, EXIT_INTERRUPTED
     try:
         for outcome in runner.run(config, scenarios, faults, controls=negative_controls, jobs=jobs,
                                   memory_budget=memory_budget * 2**20, progress=bar.advance):
@@ -208,8 +210,9 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
                     elif fault not in result.faults or (not OPS[sc.op].faults[fault].sized
                                                          and not checker.fault_applies(sc, fault)):
                         out.print(f"  note: fault {fault} has no effect on this scenario (not applicable)\n")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         interrupted = True
+        stop_code = EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
     except MemoryError:
         bar.close()
         name = scenarios[len(results)].name if len(results) < len(scenarios) else "negative controls"
@@ -230,14 +233,20 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
                              report.junit_xml(data) if junit_path else None, arrays_dir, results)
     except OSError as exc:
         raise _fail(f"cannot write the reports: {exc}") from None
-    except KeyboardInterrupt:  # a second Ctrl-C while writing: nothing half-written stays behind
-        click.echo("interrupted while writing the reports; none written", err=True)
-        raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+    except KeyboardInterrupt as exc:  # a second Ctrl-C while writing: nothing half-written stays behind
+        written = getattr(exc, "written", [])
+        pending = getattr(exc, "pending", None)
+        click.echo("interrupted while writing the reports; " + (
+            f"written: {', '.join(written) or 'none'}; not written (the old files, if any, are as they were): "
+            f"{', '.join(pending)}" if pending is not None else "none written"), err=True)
+        terminated = isinstance(exc, Terminated) or getattr(exc, "terminated", False)
+        raise click.exceptions.Exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED) from None
     if interrupted:
         written = [p for p in (json_path, junit_path) if p] + ([f"{arrays_dir}/"] if arrays_dir else [])
-        click.echo(f"interrupted after {len(results)} of {len(scenarios)} scenario(s)"
+        click.echo(f"{'terminated' if stop_code == EXIT_TERMINATED else 'interrupted'} after {len(results)} of "
+                   f"{len(scenarios)} scenario(s)"
                    + (f"; partial report(s) written: {', '.join(written)}" if written else ""), err=True)
-        raise click.exceptions.Exit(EXIT_INTERRUPTED)
+        raise click.exceptions.Exit(stop_code)
     codes = {"pass": EXIT_OK, "fail": EXIT_FAILED, "inconclusive": EXIT_INCONCLUSIVE}
     raise click.exceptions.Exit(codes[data["verdict"]])
 
@@ -258,13 +267,17 @@ def merge(reports, json_path, junit_path):
     loaded = []
     for path in reports:
         try:
-            text = open(path, encoding="utf-8").read()
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise _fail(f"{path!r}: cannot read the report ({getattr(exc, 'strerror', None) or exc})") from None
+            text = files.read_regular(path, files.MAX_REPORT_BYTES).decode("utf-8")
+        except files.FileProblem as exc:
+            raise _fail(f"{path}: {exc}") from None
+        except UnicodeDecodeError:
+            raise _fail(f"{path}: not UTF-8 text, so not a JSON report") from None
         try:
-            loaded.append((path, json.loads(text)))
+            loaded.append((path, json.loads(text, parse_constant=_no_constant)))
         except json.JSONDecodeError as exc:
             raise _fail(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from None
+        except (ValueError, RecursionError) as exc:  # NaN, nesting or integers beyond what a report holds
+            raise _fail(f"{path}: not an attn-gradcheck JSON report ({str(exc)[:120] or type(exc).__name__})") from None
     try:
         report.prepare_outputs({"--json": json_path, "--junit": junit_path}, {}, inputs=list(reports))
         data = report.merge_reports(loaded)
@@ -277,6 +290,10 @@ def merge(reports, json_path, junit_path):
         raise _fail(f"cannot write the report: {exc}") from None
     codes = {"pass": EXIT_OK, "fail": EXIT_FAILED, "inconclusive": EXIT_INCONCLUSIVE}
     raise click.exceptions.Exit(codes[data["verdict"]])
+
+
+def _no_constant(name: str):
+    raise ValueError(f"it holds {name}, which a report never does (non-finite numbers are written as null)")
 
 
 @main.command("sweep-eps", epilog=EPILOG_INFO, short_help="Error against the finite-difference step (the V curve).")
@@ -302,8 +319,7 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
         scenarios = [sc for sc in select(load(config), selects, deselects) if OPS[sc.op].tensors]
         if not scenarios:
             raise GradcheckError(f"{config}: no selected scenario has gradients to sweep")
-        files = {"--json": json_path, "--plot": plot_path}
-        report.prepare_outputs(files, {}, inputs=[config])
+        report.prepare_outputs({"--json": json_path, "--plot": plot_path}, {}, inputs=[config])
         if plot_path:
             _require_matplotlib()
             if Path(plot_path).suffix.lower() not in (".png", ".pdf", ".svg"):
@@ -369,10 +385,14 @@ def faults():
             out.print(f"    also in:   {', '.join(ops[1:])} (same name, same bug)")
 
 
-@main.command(epilog=EPILOG_INFO, short_help="Print the JSON Schema of the scenario format.")
-def schema():
-    """Print the JSON Schema of scenario files (shipped as schema/scenario.schema.json for editors)."""
-    click.echo(json.dumps(json_schema(), indent=2))
+@main.command(epilog=EPILOG_INFO, short_help="Print the JSON Schema of the scenario format (or of the report).")
+@click.option("--report", "of_report", is_flag=True,
+              help="The schema of the --json report instead (shipped as schema/report.schema.json).")
+def schema(of_report):
+    """Print the JSON Schema of scenario files (shipped as schema/scenario.schema.json for editors), or
+    with --report that of the JSON report (what 'merge' checks its inputs against)."""
+    from .report_schema import report_schema
+    click.echo(json.dumps(report_schema() if of_report else json_schema(), indent=2))
 
 
 @main.command(epilog=EPILOG_INFO, short_help="Check scenario files without running them.")

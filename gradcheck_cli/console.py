@@ -10,6 +10,7 @@ import os
 import sys
 
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 EXIT_BROKEN_PIPE = 141
 
 
@@ -33,13 +34,22 @@ def _caused_by_interrupt(exc: BaseException) -> bool:
     return False
 
 
+def _terminate(signum, frame) -> None:
+    from .errors import Terminated
+    raise Terminated()
+
+
 def main() -> None:
+    import signal
+    signal.signal(signal.SIGTERM, _terminate)  # SIGTERM stops a run as Ctrl-C does (exit 143)
     try:
         import click
 
         from .cli import main as command
         code = command.main(prog_name="attn-gradcheck", standalone_mode=False)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        if type(exc).__name__ == "Terminated":
+            _leave(EXIT_TERMINATED, "terminated")
         _leave(EXIT_INTERRUPTED, "interrupted")
     except click.exceptions.Abort:  # click's own reading of Ctrl-C (and of EOF at a prompt)
         _leave(EXIT_INTERRUPTED, "interrupted")
@@ -57,6 +67,6 @@ def main() -> None:
         if _caused_by_interrupt(exc):  # from __set_name__): it is still a Ctrl-C
             _leave(EXIT_INTERRUPTED, "interrupted")
         raise
-    if code == EXIT_INTERRUPTED:
-        _leave(EXIT_INTERRUPTED)
+    if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+        _leave(code)
     sys.exit(code or 0)

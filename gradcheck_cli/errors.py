@@ -6,6 +6,18 @@ class GradcheckError(Exception):
     """Any error that is the user's input, not a bug: the CLI prints it and exits 2."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is (partial reports, workers stopped), ending with exit 143."""
+
+
+class ReportsInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) while the reports were being put in place: which are new and which are not."""
+
+    def __init__(self, written: list[str], pending: list[str], terminated: bool = False):
+        super().__init__()
+        self.written, self.pending, self.terminated = written, pending, terminated
+
+
 class ScenarioError(GradcheckError):
     """A scenario file is wrong: names the file, the line and the key, and suggests a fix.
 

@@ -55,6 +55,25 @@ def locate(spec: str, base_dir: Path) -> None:
                         "(PYTHONPATH)")
 
 
+def source_files(spec: str, base_dir: Path) -> list[Path]:
+    """The files of the module ``spec`` names, where they can be found without running it (a run must
+    never write a report over them)."""
+    module = spec.split(":", 1)[0]
+    top = module.split(".")[0]
+    local = _local_file(top, base_dir)
+    if local is not None:
+        if local.name == "__init__.py":
+            tail = module.split(".")[1:]
+            candidate = local.parent.joinpath(*tail)
+            return [local] + [p for p in (candidate.with_suffix(".py"), candidate / "__init__.py") if p.is_file()]
+        return [local]
+    try:
+        found = importlib.machinery.PathFinder.find_spec(top)
+    except (ImportError, ValueError):
+        found = None
+    return [Path(found.origin)] if found is not None and found.origin and Path(found.origin).is_file() else []
+
+
 def _local_file(top: str, base_dir: Path) -> Path | None:
     """The module file or package folder named ``top`` in the YAML's folder, if there is one."""
     folder = Path(base_dir).resolve()

@@ -8,6 +8,7 @@ import json
 import math
 import shlex
 import os
+import stat
 import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -20,13 +21,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from . import __version__
+from . import __version__, report_schema
+from . import files as _files
 from .diagnose import ranges
-from .errors import GradcheckError
+from .errors import GradcheckError, ReportsInterrupted, Terminated
 from .result import ControlCell, ScenarioResult, controls_verdict
 
 #: Version of the JSON report layout (README "JSON report"). Bumped on any incompatible change.
-JSON_SCHEMA_VERSION = 2
+JSON_SCHEMA_VERSION = report_schema.SCHEMA_VERSION
 
 
 def _fmt(x: float) -> str:
@@ -279,6 +281,10 @@ def merge_reports(reports: Sequence[tuple[str, dict]]) -> dict:
         if data.get("schema_version") != JSON_SCHEMA_VERSION:
             raise GradcheckError(f"{path}: schema_version {data.get('schema_version')!r}; this version merges "
                                  f"schema_version {JSON_SCHEMA_VERSION}")
+        problems = report_schema.problems(data)
+        if problems:
+            raise GradcheckError(f"{path}: not a valid attn-gradcheck JSON report (schema/report.schema.json): "
+                                 + "; ".join(problems))
         if data.get("interrupted"):
             raise GradcheckError(f"{path}: from an interrupted run; re-run it before merging")
         groups.setdefault(os.path.normpath(str(data.get("config"))), []).append((path, data))
@@ -482,24 +488,53 @@ def prepare_outputs(files: dict[str, str | None], folders: dict[str, str | None]
             else:
                 if p.is_dir():
                     raise GradcheckError(f"{opt} {p}: is a folder; give a file path")
+                if not _files.is_regular_or_absent(p):
+                    mode = os.stat(p).st_mode
+                    if not (stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
+                        raise GradcheckError(f"{opt} {p}: is neither a regular file nor a device or FIFO to write "
+                                             "through; give a file path")
+                    continue  # written through (``--json /dev/null`` discards), never renamed over
                 p.parent.mkdir(parents=True, exist_ok=True)
                 _probe(p.parent)
         except OSError as exc:
             raise GradcheckError(f"{opt} {p}: cannot write there ({exc.strerror or exc})") from None
+    for _, p in wanted:
+        try:
+            longest = os.pathconf(p.parent if p.parent.exists() else ".", "PC_NAME_MAX")
+        except (OSError, ValueError):
+            longest = 255
+        if len(os.fsencode(p.name)) > longest:
+            raise GradcheckError(f"{p}: the file name is {len(os.fsencode(p.name))} bytes; this file system allows "
+                                 f"{longest}")
+    remove_stale_stages({p.parent for _, p in wanted if p.parent.exists()})
+
+
+#: Staged report files are named .attn-gradcheck-<pid>-<random>.tmp beside their targets, whatever the
+#: target's name (a long name cannot make the staging name too long), so a later run can recognise and
+#: remove those that a killed run (kill -9) left behind.
+STAGE_PREFIX = ".attn-gradcheck-"
 
 
 class StagedWrites:
     """Write every report to a temp file beside its target, then rename them all into place, so no
-    report is ever half-written and a failure leaves the old files as they were."""
+    report is ever half-written and a failure leaves the old files as they were. A target that is a
+    character device or a FIFO (``--json /dev/null``) is written through, never renamed over."""
 
     def __init__(self) -> None:
         self._staged: list[tuple[str, Path]] = []
+        self._through: list[tuple[Path, bytes]] = []
+        self.committed: list[Path] = []
 
     def add(self, path: str | os.PathLike, write: Callable[[io.BufferedWriter], None]) -> None:
         path = Path(path)
         if path.is_dir():
             raise IsADirectoryError(errno.EISDIR, "is a folder", str(path))
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        if not _files.is_regular_or_absent(path):  # /dev/null, a FIFO: written through at commit
+            buffer = io.BytesIO()
+            write(buffer)
+            self._through.append((path, buffer.getvalue()))
+            return
+        fd, tmp = tempfile.mkstemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-", suffix=".tmp", dir=path.parent)
         self._staged.append((tmp, path))
         with os.fdopen(fd, "wb") as fh:
             write(fh)
@@ -511,12 +546,63 @@ class StagedWrites:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
+        if exc_type is not None:
+            self._discard()
+            return
+        try:
             for tmp, path in self._staged:
                 os.replace(tmp, path)
-        else:
-            for tmp, _ in self._staged:
-                Path(tmp).unlink(missing_ok=True)
+                self.committed.append(path)
+            for path, data in self._through:
+                _write_through(path, data)
+                self.committed.append(path)
+        except BaseException as failure:
+            self._discard()
+            written = [str(p) for p in self.committed]
+            pending = [str(p) for _, p in self._staged if p not in self.committed] + \
+                [str(p) for p, _ in self._through if p not in self.committed]
+            if isinstance(failure, KeyboardInterrupt):
+                raise ReportsInterrupted(written, pending, isinstance(failure, Terminated)) from None
+            raise
+
+    def _discard(self) -> None:
+        for tmp, _ in self._staged:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def _write_through(path: Path, data: bytes) -> None:
+    """Write into a special file in place: a FIFO without a reader is an error, not a wait."""
+    fd = os.open(path, os.O_WRONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        os.set_blocking(fd, True)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def remove_stale_stages(folders) -> None:
+    """Staged files that runs killed with -9 left behind (their process is gone)."""
+    for folder in {Path(f).resolve() for f in folders}:
+        try:
+            entries = list(folder.glob(f"{STAGE_PREFIX}*.tmp"))
+        except OSError:
+            continue
+        for entry in entries:
+            pid = entry.name[len(STAGE_PREFIX):].split("-", 1)[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                entry.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def write_reports(json_path=None, json_data: dict | None = None, junit_path=None, junit_data: bytes | None = None,

@@ -8,11 +8,13 @@ import functools
 import multiprocessing
 import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from . import checker, numeric
-from .result import ControlCell, ScenarioResult
+from .errors import GradcheckError
+from .result import Check, ControlCell, ScenarioResult
 from .scenario import Scenario, load
 
 
@@ -52,38 +54,223 @@ def run(config: str, scenarios: Sequence[Scenario], faults: Sequence[str] = (), 
         progress: Callable[[int], None] | None = None) -> Iterator[Outcome]:
     """Check ``scenarios`` (loaded from ``config``), yielding outcomes in their order.
 
-    With ``jobs`` > 1 the scenarios run in that many worker processes (started fresh, each loading
-    ``config`` itself), and results are identical to a run in this process: every number depends only
-    on the scenario and its seeds. Closing the generator early (Ctrl-C) stops the workers at once.
+    A scenario that names an implementation always runs in a worker process of its own kind: the
+    user's code can then neither end the run (``os._exit``, a crash, a kill: a failed check naming
+    it) nor hang it (stopped after ``check.timeout`` seconds: a failed check). With ``jobs`` > 1 every
+    scenario runs in one of that many worker processes (started fresh, each loading ``config``
+    itself), and results are identical to a run in this process: every number depends only on the
+    scenario and its seeds. Closing the generator early (Ctrl-C) stops the workers at once.
     """
-    if jobs <= 1 or len(scenarios) <= 1:
+    isolated = [sc.implementation is not None for sc in scenarios]
+    if jobs <= 1 and not any(isolated):
         for sc in scenarios:
             result, cells = _one(sc, faults, controls, memory_budget, progress)
             yield Outcome(sc.index, result, cells)
         return
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    pool = multiprocessing.get_context("spawn").Pool(min(jobs, len(scenarios)), initializer=_init_worker,
-                                                     initargs=(threads,))
+    threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
+    pool = _Workers(max(1, min(jobs, len(scenarios))), threads)
     try:
-        def done(n: int):
-            return (lambda _: progress(n)) if progress else None
-
-        pending = [pool.apply_async(_work, (config, sc.name, sc.engine, tuple(faults), controls, memory_budget),
-                                    callback=done(units(sc, controls))) for sc in scenarios]
-        for sc, job in zip(scenarios, pending):
-            result, cells = job.get()
-            yield Outcome(sc.index, result, cells)
-        pool.close()
+        if jobs <= 1:  # built-in scenarios here, implementations one at a time in a worker
+            for sc in scenarios:
+                if sc.implementation is None:
+                    result, cells = _one(sc, faults, controls, memory_budget, progress)
+                    yield Outcome(sc.index, result, cells)
+                    continue
+                (outcome,) = pool.map(config, [sc], faults, controls, memory_budget, progress)
+                yield outcome
+        else:
+            yield from pool.map(config, scenarios, faults, controls, memory_budget, progress)
     finally:
-        pool.terminate()
-        pool.join()
+        pool.close()
+
+
+def check_isolated(config: str, sc: Scenario, faults: Sequence[str] = (), *, controls: bool = False,
+                   memory_budget: int = checker.DEFAULT_MEMORY_BUDGET) -> Outcome:
+    """One scenario in a worker process of its own (as ``run`` checks an implementation)."""
+    pool = _Workers(1, os.cpu_count() or 1)
+    try:
+        (outcome,) = pool.map(config, [sc], faults, controls, memory_budget, None)
+        return outcome
+    finally:
+        pool.close()
+
+
+#: How often a waiting parent looks at its workers (seconds): the granularity of timeouts, deaths and
+#: Ctrl-C.
+POLL_S = 0.05
+
+
+class _Workers:
+    """``size`` worker processes (spawned, connected by pipes), each checking one scenario at a time.
+    A worker that dies or outlives its scenario's timeout is replaced; its scenario is a failed check."""
+
+    def __init__(self, size: int, threads: int):
+        self.ctx = multiprocessing.get_context("spawn")
+        self.size, self.threads = size, threads
+        self.idle: list[_Worker] = []
+
+    def _get(self) -> "_Worker":
+        return self.idle.pop() if self.idle else _Worker(self.ctx, self.threads)
+
+    def map(self, config, scenarios, faults, controls, memory_budget, progress) -> Iterator[Outcome]:
+        pending = list(scenarios)
+        running: dict[int, tuple[_Worker, Scenario, float | None]] = {}
+        done: dict[int, Outcome] = {}
+        order = [sc.index for sc in scenarios]
+        try:
+            yield from self._loop(config, pending, running, done, order, faults, controls, memory_budget, progress)
+        finally:  # Ctrl-C, an error, or the caller stopped early: nothing keeps running
+            for worker, _, _ in running.values():
+                worker.kill()
+
+    def _loop(self, config, pending, running, done, order, faults, controls, memory_budget, progress):
+        emitted = 0
+        while emitted < len(order):
+            while pending and len(running) < self.size:
+                sc = pending.pop(0)
+                worker = self._get()
+                worker.send((config, sc.name, sc.engine, tuple(faults), controls, memory_budget))
+                worker.started = time.monotonic()
+                deadline = worker.started + sc.timeout if sc.implementation is not None else None
+                running[sc.index] = (worker, sc, deadline)
+            for index, (worker, sc, deadline) in list(running.items()):
+                outcome = worker.collect(sc, deadline)
+                if outcome is None:
+                    continue
+                del running[index]
+                done[index] = outcome
+                if worker.alive:
+                    self.idle.append(worker)
+                if progress:
+                    progress(units(sc, controls))
+            while emitted < len(order) and order[emitted] in done:
+                yield done.pop(order[emitted])
+                emitted += 1
+            if running and emitted < len(order) and order[emitted] not in done:
+                _wait([w for w, _, _ in running.values()], POLL_S)
+
+    def close(self) -> None:
+        for worker in self.idle:
+            worker.stop()
+        self.idle.clear()
+
+
+def _wait(workers, timeout: float) -> None:
+    from multiprocessing.connection import wait
+    wait([w.conn for w in workers] + [w.proc.sentinel for w in workers], timeout)
+
+
+class _Worker:
+    def __init__(self, ctx, threads: int):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, threads), daemon=True)
+        # A worker starts with Ctrl-C ignored (the disposition survives exec, and Python keeps it): a
+        # Ctrl-C that reaches the whole process group while it is still importing must not make it
+        # print a traceback. The parent handles Ctrl-C and stops its workers.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            self.proc.start()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        child.close()
+        self.alive = True
+        self.started = time.monotonic()
+
+    def send(self, task) -> None:
+        self.conn.send(task)
+
+    def collect(self, sc: Scenario, deadline: float | None) -> Outcome | None:
+        """The outcome when the worker answered, died or overran; None while it is still working."""
+        try:
+            if self.conn.poll():
+                kind, payload = self.conn.recv()
+                if kind == "ok":
+                    result, cells = payload
+                    return Outcome(sc.index, result, cells)
+                self.stop()
+                if kind == "bad":
+                    raise payload
+                raise GradcheckError(f"{sc.file}: scenario '{sc.name}': {payload}")
+        except (EOFError, OSError):
+            pass  # the worker is gone: below
+        if self.proc.is_alive() and (deadline is None or time.monotonic() < deadline):
+            return None
+        if self.proc.is_alive():
+            self.kill()
+            return Outcome(sc.index, _failed(sc, f"did not finish within {sc.timeout:g} s (check.timeout): the "
+                                                 "implementation hangs or is far slower than expected; it was stopped",
+                                             time.monotonic() - self.started))
+        self.kill()
+        code = self.proc.exitcode
+        how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else
+               f"exited with code {code}")
+        return Outcome(sc.index, _failed(sc, f"the process checking it {how} before the scenario finished: the "
+                                             "implementation (or a library it calls) ended the process (os._exit, "
+                                             "sys.exit in a thread, a crash); an implementation must return",
+                                         time.monotonic() - self.started))
+
+    def kill(self) -> None:
+        self.alive = False
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+    def stop(self) -> None:
+        """Ask the worker to leave, and make sure it does."""
+        self.alive = False
+        try:
+            self.conn.send(None)
+        except (OSError, ValueError):
+            pass
+        self.proc.join(timeout=1)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=5)
+        self.conn.close()
+
+
+def _failed(sc: Scenario, detail: str, elapsed: float) -> ScenarioResult:
+    check = Check("implementation", "implementation runs", "-", None, float("inf"), float("inf"), 0.0, 0.0, None,
+                  False, detail)
+    return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
+                          mode=sc.mode, faults=(), checks=(check,), elapsed_s=elapsed, index=sc.index, engine=sc.engine)
+
+
+def _serve(conn, threads: int) -> None:
+    """A worker: checks the scenarios it is sent until told to stop or its parent goes away."""
+    _init_worker(threads)
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError, KeyboardInterrupt):
+            return
+        if task is None:
+            return
+        try:
+            reply = ("ok", _work(*task))
+        except GradcheckError as exc:
+            reply = ("bad", exc)
+        except BaseException as exc:  # noqa: BLE001 -- reported to the parent, which says so
+            reply = ("error", f"{type(exc).__name__}: {exc}")
+        try:
+            conn.send(reply)
+        except (OSError, ValueError):
+            return
 
 
 def _init_worker(threads: int) -> None:
-    """Workers leave Ctrl-C to the parent (which terminates them) and share the cores between them:
-    ``threads`` chunk threads and as many BLAS threads each, so N jobs do not oversubscribe the cores."""
+    """Workers leave Ctrl-C to the parent (which stops them), die with it (Linux: the parent's death
+    signals them), and share the cores: ``threads`` chunk threads and as many BLAS threads each, so N
+    jobs do not oversubscribe the cores."""
     from threadpoolctl import threadpool_limits
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError, TypeError):
+        pass
     numeric.WORKERS = threads
     threadpool_limits(limits=threads, user_api="blas")  # for the life of the worker
 

@@ -152,6 +152,10 @@ _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 6
 _SHORT.maxlevel = 3
 
 
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def _show(value: Any) -> str:
     """A value as error messages echo it: its repr, cut to a readable length (a 10 MB string is not
     repeated back)."""
@@ -860,8 +864,8 @@ def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".
             sc = dataclasses.replace(sc, name=sc.name + suffix, index=len(out))
             held += sc.visible.nbytes if sc.visible is not None else 0
             if held > limit // 2:
-                raise doc.error(("scenarios", i), f"the scenarios up to {sc.name} hold masks of {held / 2**30:.1f} GiB "
-                                f"together, more than half of the {limit / 2**30:.1f} GiB available",
+                raise doc.error(("scenarios", i), f"the scenarios up to {sc.name} hold masks of {_size(held)} "
+                                f"together, more than half of the {_size(limit)} available",
                                 hint="sweep fewer cases or smaller shapes, or split the file")
             if suffix:  # two spellings of one value (1e-6 and 1.0e-6) make the same scenario twice
                 digest = hashlib.sha256(sc.visible.tobytes()).hexdigest() if sc.visible is not None else ""
@@ -876,6 +880,18 @@ def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".
             seen[sc.name] = i
             out.append(sc)
     return out
+
+
+def read_files(scenarios: list[Scenario]) -> list[str]:
+    """The files checking these scenarios reads besides the scenario file: mask files and the modules of
+    implementations (a run never writes a report over any of them)."""
+    out: list[str] = []
+    for sc in scenarios:
+        if sc.visible_source and sc.visible_source != "inline":
+            out.append(str(Path(sc.base_dir) / sc.visible_source))
+        if sc.implementation:
+            out += [str(p) for p in implementation.source_files(sc.implementation, Path(sc.base_dir))]
+    return list(dict.fromkeys(out))
 
 
 def with_engine(scenarios: list[Scenario], engine: str | None, *, memory_limit: int | None = None) -> list[Scenario]:

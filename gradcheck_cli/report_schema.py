@@ -1,0 +1,96 @@
+"""The JSON Schema (draft 2020-12) of the ``--json`` report, schema_version 2: published as
+``schema/report.schema.json``, and what ``merge`` checks every input against before using it. Keys are
+only added within a version, so objects admit keys this schema does not name. Imports nothing of ours."""
+from __future__ import annotations
+
+SCHEMA_VERSION = 2
+
+_NUMBER = {"type": ["number", "null"]}  # non-finite numbers are written as null
+_VERDICT = {"enum": ["pass", "fail", "inconclusive"]}
+_STRINGS = {"type": "array", "items": {"type": "string"}}
+_INTS = {"type": "array", "items": {"type": "integer"}}
+
+_CHECK = {
+    "type": "object",
+    "required": ["kind", "name", "tensor", "shape", "max_abs_error", "relative_error", "tolerance",
+                 "noise_floor", "worst_index", "passed", "verdict", "detail"],
+    "properties": {
+        "kind": {"enum": ["gradient", "invariant", "reference", "implementation", "experiment"]},
+        "name": {"type": "string"}, "tensor": {"type": ["string", "null"]},
+        "shape": {"oneOf": [_INTS, {"type": "null"}]}, "max_abs_error": _NUMBER, "relative_error": _NUMBER,
+        "tolerance": _NUMBER, "noise_floor": _NUMBER, "worst_index": {"oneOf": [_INTS, {"type": "null"}]},
+        "passed": {"type": "boolean"}, "verdict": _VERDICT, "fd_error": _NUMBER, "detectable": _NUMBER,
+        "detail": {"type": "string"}, "diagnosis": {"type": ["object", "null"]},
+    },
+}
+
+_SCENARIO = {
+    "type": "object",
+    "required": ["name", "index", "op", "dtype", "mode", "faults", "passed", "verdict", "checks", "hints", "config"],
+    "properties": {
+        "name": {"type": "string"}, "index": {"type": "integer", "minimum": 0}, "op": {"type": "string"},
+        "engine": {"type": "string"}, "dtype": {"type": "string"}, "epsilon": _NUMBER, "tolerance": _NUMBER,
+        "mode": {"type": "string"}, "faults": _STRINGS, "passed": {"type": "boolean"}, "verdict": _VERDICT,
+        "elapsed_s": _NUMBER, "checks": {"type": "array", "items": _CHECK}, "hints": _STRINGS,
+        "detectable": {"type": "object", "additionalProperties": _NUMBER}, "config": {"type": "string"},
+        "reproduce": {"type": "string"},
+    },
+}
+
+_CELL = {
+    "type": "object",
+    "required": ["fault", "scenario", "status", "effect", "caught_by"],
+    "properties": {
+        "fault": {"type": "string"}, "scenario": {"type": "string"},
+        "status": {"enum": ["detected", "missed", "not applicable"]}, "effect": _NUMBER, "caught_by": _STRINGS,
+        "reason": {"type": "string"},
+    },
+}
+
+
+def report_schema() -> dict:
+    """The schema of a JSON report of this schema_version."""
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://attn-gradcheck/report.schema.json",
+        "title": "attn-gradcheck JSON report",
+        "type": "object",
+        "required": ["tool", "version", "schema_version", "config", "faults", "passed", "verdict", "summary",
+                     "scenarios", "negative_controls", "shard", "interrupted"],
+        "properties": {
+            "tool": {"const": "attn-gradcheck"},
+            "version": {"type": "string"},
+            "schema_version": {"const": SCHEMA_VERSION},
+            "config": {"type": ["string", "null"]},
+            "faults": {"oneOf": [_STRINGS, {"type": "null"}]},
+            "passed": {"type": "boolean"},
+            "verdict": {"enum": ["pass", "fail", "inconclusive", "interrupted"]},
+            "summary": {"type": "object", "required": ["scenarios", "checks", "passed", "failed", "inconclusive"],
+                        "additionalProperties": {"type": "integer", "minimum": 0}},
+            "engine": {"type": ["string", "null"]},
+            "scenarios": {"type": "array", "items": _SCENARIO},
+            "negative_controls": {"oneOf": [{"type": "null"}, {
+                "type": "object", "required": ["passed", "cells"],
+                "properties": {"passed": {"type": "boolean"}, "verdict": _VERDICT, "powerless": _STRINGS,
+                               "cells": {"type": "array", "items": _CELL}}}]},
+            "shard": {"oneOf": [{"type": "null"}, {
+                "type": "object", "required": ["index", "count"],
+                "properties": {"index": {"type": "integer", "minimum": 1}, "count": {"type": "integer", "minimum": 1},
+                               "of": {"type": ["integer", "null"], "minimum": 0}, "select": _STRINGS,
+                               "deselect": _STRINGS}}]},
+            "interrupted": {"type": "boolean"},
+            "merged_from": _STRINGS,
+        },
+    }
+
+
+def problems(data) -> list[str]:
+    """What makes ``data`` not a JSON report of this schema_version: '' when it is one."""
+    import jsonschema
+    validator = jsonschema.Draft202012Validator(report_schema())
+    out = []
+    for error in sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))[:3]:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path).lstrip(".")
+        message = error.message if len(error.message) < 160 else error.message[:157] + "..."
+        out.append(f"{where or 'the top level'}: {message}")
+    return out

@@ -1,0 +1,190 @@
+"""Hostile inputs and user code that misbehaves (issue 12): never a traceback, a hang, an endless read
+or a false pass; one message, the documented exit code, and files left intact."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from gradcheck_cli import scenario
+from gradcheck_cli.cli import main
+from gradcheck_cli.errors import ScenarioError
+
+CORRECT = "import sys\nsys.path.insert(0, {examples!r})\nfrom my_attention import Attention\n"
+
+
+def _cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def _module(tmp_path, root, name, body):
+    (tmp_path / f"{name}.py").write_text(CORRECT.format(examples=str(root / "examples")) + textwrap.dedent(body))
+
+
+@pytest.mark.parametrize("name,body,words", [
+    ("exits_on_import", "import os\nos._exit(0)\n", "exited with code 0"),
+    ("exits_in_forward", """
+        import os
+        class Impl(Attention):
+            @staticmethod
+            def forward(q, k, v, visible, scale, kv_map):
+                if q.shape[0] > 2:
+                    os._exit(0)
+                return Attention.forward(q, k, v, visible, scale, kv_map)
+        impl = Impl()
+        """, "exited with code 0"),
+    ("kills_itself", """
+        import os, signal
+        class Impl(Attention):
+            @staticmethod
+            def backward(*args):
+                os.kill(os.getpid(), signal.SIGKILL)
+        impl = Impl()
+        """, "killed by signal SIGKILL"),
+    ("hangs", """
+        import time
+        class Impl(Attention):
+            @staticmethod
+            def forward(*args):
+                while True:
+                    time.sleep(0.05)
+        impl = Impl()
+        """, "did not finish within 2 s"),
+])
+def test_user_code_cannot_end_or_hang_the_run(root, tmp_path, name, body, words):
+    _module(tmp_path, root, name, body)
+    (tmp_path / "c.yaml").write_text(
+        "defaults: {batch: 2, heads_q: 2, n_q: 4, d_head: 4}\n"
+        f"scenarios:\n  - {{name: mine, implementation: '{name}:impl', check: {{timeout: 2}}}}\n"
+        "  - {name: builtin}\n")
+    proc = subprocess.run([sys.executable, "-m", "gradcheck_cli", "run", str(tmp_path / "c.yaml"), "--no-progress",
+                           "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and words in proc.stdout and "builtin: passed" in proc.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [s["verdict"] for s in report["scenarios"]] == ["fail", "pass"]
+
+
+def test_a_module_beside_the_config_does_not_shadow_an_installed_one(root, tmp_path):
+    """A yaml.py next to the config must not replace PyYAML, here or in --jobs workers."""
+    (tmp_path / "yaml.py").write_text("raise RuntimeError('the wrong yaml')\n")
+    _module(tmp_path, root, "mine", "impl = Attention()\n")
+    (tmp_path / "c.yaml").write_text("scenarios:\n  - {name: a, n_q: 3, d_head: 2, implementation: 'mine:impl'}\n"
+                                     "  - {name: b, n_q: 3, d_head: 2}\n")
+    for jobs in ("1", "2"):
+        proc = subprocess.run([sys.executable, "-m", "gradcheck_cli", "run", str(tmp_path / "c.yaml"), "--no-progress",
+                               "--jobs", jobs], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, (proc.stdout, proc.stderr)
+
+
+def test_an_attribute_that_raises_is_bad_input_not_a_traceback(root, tmp_path):
+    (tmp_path / "raising.py").write_text("def __getattr__(name):\n    raise RuntimeError('no ' + name)\n")
+    (tmp_path / "c.yaml").write_text("scenarios:\n  - {name: a, n_q: 3, d_head: 2, implementation: 'raising:impl'}\n")
+    result = _cli("run", tmp_path / "c.yaml", "--no-progress")
+    assert result.exit_code == 2 and "raised RuntimeError: no impl" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_a_masked_array_returned_is_a_failed_check(root, tmp_path):
+    _module(tmp_path, root, "masked", """
+        import numpy as np
+        class Impl(Attention):
+            @staticmethod
+            def forward(*args):
+                return np.ma.masked_array(Attention.forward(*args))
+        impl = Impl()
+        """)
+    (tmp_path / "c.yaml").write_text("scenarios:\n  - {name: a, n_q: 3, d_head: 2, implementation: 'masked:impl'}\n")
+    result = _cli("run", tmp_path / "c.yaml", "--no-progress")
+    assert result.exit_code == 1 and "o is a masked array" in result.stdout
+
+
+@pytest.mark.parametrize("tag", ["!!python/object:os.system", "!custom", "!!set"])
+def test_yaml_tags_outside_the_core_schema_are_refused_on_mappings_and_lists(tag):
+    for text in (f"scenarios:\n  - {tag} {{name: a, n_q: 2, d_head: 2}}\n",
+                 f"scenarios: {tag}\n  - {{name: a, n_q: 2, d_head: 2}}\n" if tag != "!!set" else
+                 "scenarios:\n  - {name: a, n_q: 2, d_head: 2, kv_map: !!set {0: null}}\n"):
+        with pytest.raises(ScenarioError) as err:
+            scenario.loads(text, file="x.yaml")
+        assert "is not allowed" in str(err.value) and err.value.line in (1, 2)
+
+
+def test_sizes_are_checked_before_anything_that_size_is_built():
+    start = time.monotonic()
+    with pytest.raises(ScenarioError, match="out of range"):
+        scenario.loads("scenarios: [{name: a, n_q: 2, d_head: 2, heads_q: 2, kv_map: [0, 100000000000000000000]}]\n")
+    with pytest.raises(ScenarioError, match="serve no query head"):
+        scenario.loads("scenarios: [{name: a, n_q: 2, d_head: 2, heads_q: 2, kv_map: [0, 1], heads_kv: 10000000000000}]\n")
+    with pytest.raises(ScenarioError) as err:
+        scenario.loads("scenarios: [{name: " + "x" * 5_000_000 + "}]\n")
+    assert len(str(err.value)) < 400
+    assert time.monotonic() - start < 30
+
+
+def test_a_sweep_whose_masks_together_exceed_the_memory_is_refused():
+    text = ("scenarios:\n  - {name: a, n_q: 600, d_head: 2,\n"  # each case fits; 128 of them do not
+            "     sweep: {seed: [" + ", ".join(map(str, range(128))) + "]}}\n")
+    with pytest.raises(ScenarioError, match="hold masks of"):
+        scenario.loads(text, memory_limit=64 * 2**20)
+
+
+def test_npy_headers_are_checked_before_their_data(tmp_path):
+    shape = (3, 3)
+
+    def load(name):
+        (tmp_path / "c.yaml").write_text(f"scenarios: [{{name: a, n_q: 3, d_head: 2, mask: {{visible: {name}}}}}]\n")
+        return scenario.load(tmp_path / "c.yaml")
+
+    header = b"\x93NUMPY\x01\x00" + b"v\x00{'descr': '|b1', 'fortran_order': False, 'shape': (100000, 100000, 100000), }"
+    (tmp_path / "huge.npy").write_bytes(header.ljust(128 - 1, b" ") + b"\n")
+    with pytest.raises(ScenarioError, match="claims 1,000,000,000,000,000 elements"):
+        load("huge.npy")
+    np.savez(tmp_path / "arch.npz", m=np.ones(shape, bool))
+    with pytest.raises(ScenarioError, match=r"\.npz archive"):
+        load("arch.npz")
+    (tmp_path / "empty.npy").write_bytes(b"")
+    with pytest.raises(ScenarioError, match="is empty"):
+        load("empty.npy")
+    np.save(tmp_path / "ok.npy", np.tril(np.ones(shape, bool)))
+    assert load("ok.npy")[0].visible.shape == (1, 1, 3, 3)
+    (tmp_path / "cut.npy").write_bytes((tmp_path / "ok.npy").read_bytes()[:-4])
+    with pytest.raises(ScenarioError, match="truncated"):
+        load("cut.npy")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_special_files_never_hang_or_read_forever(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    for target in (tmp_path / "fifo", "/dev/zero", "/dev/null"):
+        start = time.monotonic()
+        result = _cli("run", target)
+        assert result.exit_code == 2 and "not a regular file" in result.stderr or "is empty" in result.stderr
+        assert time.monotonic() - start < 10
+        (tmp_path / "c.yaml").write_text(f"scenarios: [{{name: a, n_q: 3, d_head: 2, mask: {{visible: '{target}'}}}}]\n")
+        result = _cli("run", tmp_path / "c.yaml")
+        assert result.exit_code == 2 and "Traceback" not in result.output and "mask.visible" in result.stderr
+        result = _cli("merge", target)
+        assert result.exit_code == 2 and "Traceback" not in result.output
+
+
+def test_sigterm_ends_the_run_like_ctrl_c_with_143(tmp_path):
+    cfg = tmp_path / "slow.yaml"
+    cfg.write_text("scenarios:\n  - {name: quick, n_q: 4, d_head: 4}\n"
+                   "  - {name: slow, n_q: 128, d_head: 64, heads_q: 4, check: {colouring: false}}\n")
+    for jobs in ("1", "2"):
+        report = tmp_path / f"r{jobs}.json"
+        proc = subprocess.Popen([sys.executable, "-m", "gradcheck_cli", "run", str(cfg), "--no-progress", "--jobs",
+                                 jobs, "--json", str(report)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        time.sleep(3)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 143 and "Traceback" not in err and "terminated after 1 of 2" in err, err
+        data = json.loads(report.read_text())
+        assert data["interrupted"] is True and [s["name"] for s in data["scenarios"]] == ["quick"]
