@@ -50,6 +50,8 @@ DEVICES = ("cpu", "cuda")
 LOW_PRECISION = ("float16", "bfloat16")
 NESTED = {"mask": MASK_KEYS, "check": CHECK_KEYS}
 TOP_KEYS = ("defaults", "scenarios")
+#: The largest finite-difference step (relative to the inputs' scale) a scenario may ask for.
+MAX_EPSILON = 0.1
 #: Larger scales only saturate the softmax (and overflow the logits near 1e300).
 MAX_SCALE = 1e6
 #: More random directions than this cost more than checking every element would.
@@ -446,9 +448,26 @@ def _suggest(key: str, allowed: tuple[str, ...]) -> str:
 
 # --------------------------------------------------------------------------------------------------
 
+def cgroup_room(root: str | os.PathLike = "/sys/fs/cgroup") -> list[int]:
+    """Bytes left under the cgroup's memory limit: v2's memory.max - memory.current, v1's
+    memory/memory.limit_in_bytes - memory/memory.usage_in_bytes (each where it is set)."""
+    root = Path(root)
+    out = []
+    for cap_file, used_file in (("memory.max", "memory.current"),
+                                ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            cap = (root / cap_file).read_text().strip()
+            if cap != "max" and int(cap) < 2**60:  # v1 writes "no limit" as a number near 2^63
+                out.append(int(cap) - int((root / used_file).read_text()))
+        except (OSError, ValueError):
+            pass
+    return out
+
+
 def available_memory() -> int:
-    """Bytes this process may still use: the least of MemAvailable, the cgroup's memory.max minus
-    what the cgroup uses, and the address-space rlimit (where each is known)."""
+    """Bytes this process may still use: the least of MemAvailable, the cgroup's limit minus what the
+    cgroup uses (cgroup v2's memory.max, or v1's memory.limit_in_bytes), and the address-space rlimit
+    (where each is known)."""
     limits = []
     try:
         with open("/proc/meminfo") as fh:
@@ -457,13 +476,7 @@ def available_memory() -> int:
                     limits.append(int(line.split()[1]) * 1024)
     except OSError:
         limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    try:
-        cap = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if cap != "max":
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            limits.append(int(cap) - used)
-    except (OSError, ValueError):
-        pass
+    limits += cgroup_room()
     try:
         import resource
         soft = resource.getrlimit(resource.RLIMIT_AS)[0]
@@ -646,6 +659,11 @@ def _precision_and_check(f: _Fields, dtype: str, colouring_default: bool = True)
     """The keys every op shares: (dtype, epsilon, tolerance, seed, mode, samples, directions, colouring)."""
     dflt = defaults_for(dtype)
     epsilon = f.float("epsilon", dflt["epsilon"])
+    if epsilon > MAX_EPSILON:
+        raise f.error("epsilon", f"{epsilon:g} is too large a step: central differences converge only as the step "
+                      f"shrinks (error ~ step^2), and beyond {MAX_EPSILON:g} x the inputs' scale they estimate nothing "
+                      "a verdict could rest on", hint=f"omit it for the {dtype} default ({dflt['epsilon']:g}); "
+                      "'attn-gradcheck sweep-eps' shows the error against the step")
     resolution = machine_epsilon(dtype)
     if epsilon < 8 * resolution and dtype not in LOW_PRECISION:  # no finite differences in half precision
         raise f.error("epsilon", f"{epsilon:g} is below what {dtype} can resolve ({resolution:.2g}): the "

@@ -177,7 +177,7 @@ def test_sigterm_ends_the_run_like_ctrl_c_with_143(tmp_path):
     cfg = tmp_path / "slow.yaml"
     cfg.write_text("scenarios:\n  - {name: quick, n_q: 4, d_head: 4}\n"
                    "  - {name: slow, n_q: 128, d_head: 64, heads_q: 4, check: {colouring: false}}\n")
-    for jobs in ("1", "2"):
+    for jobs in ("2",):  # the parent's handling is the same with one job; workers must stop too
         report = tmp_path / f"r{jobs}.json"
         proc = subprocess.Popen([sys.executable, "-m", "gradcheck_cli", "run", str(cfg), "--no-progress", "--jobs",
                                  jobs, "--json", str(report)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -188,3 +188,169 @@ def test_sigterm_ends_the_run_like_ctrl_c_with_143(tmp_path):
         assert proc.returncode == 143 and "Traceback" not in err and "terminated after 1 of 2" in err, err
         data = json.loads(report.read_text())
         assert data["interrupted"] is True and [s["name"] for s in data["scenarios"]] == ["quick"]
+
+
+def test_both_cgroup_versions_limit_the_memory(tmp_path):
+    v1 = tmp_path / "v1" / "memory"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("1073741824\n")
+    (v1 / "memory.usage_in_bytes").write_text("73741824\n")
+    assert scenario.cgroup_room(tmp_path / "v1") == [1_000_000_000]
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert scenario.cgroup_room(tmp_path / "v1") == []
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("2000\n")
+    (v2 / "memory.current").write_text("500\n")
+    assert scenario.cgroup_room(v2) == [1500]
+    (v2 / "memory.max").write_text("max\n")
+    assert scenario.cgroup_room(v2) == []
+
+
+@pytest.mark.parametrize("epsilon", ["100.0", "1.0e+300", "0.5"])
+def test_an_absurd_step_is_refused_before_anything_runs(epsilon):
+    with pytest.raises(ScenarioError, match="too large a step") as err:
+        scenario.loads(f"scenarios: [{{name: a, n_q: 3, d_head: 2, epsilon: {epsilon}}}]\n", file="x.yaml")
+    assert err.value.key == "scenarios[0].epsilon"
+
+
+def test_reports_never_replace_a_file_the_run_reads(root, tmp_path):
+    _module(tmp_path, root, "mine", "impl = Attention()\n")
+    np.save(tmp_path / "m.npy", np.tril(np.ones((3, 3), bool)))
+    (tmp_path / "c.yaml").write_text("scenarios:\n  - {name: a, n_q: 3, d_head: 2, implementation: 'mine:impl'}\n"
+                                     "  - {name: b, n_q: 3, d_head: 2, mask: {visible: m.npy}}\n")
+    for target in ("mine.py", "m.npy", "c.yaml"):
+        before = (tmp_path / target).read_bytes()
+        result = _cli("run", tmp_path / "c.yaml", "--json", tmp_path / target)
+        assert result.exit_code == 2 and "would overwrite the input" in result.stderr, result.stderr
+        assert (tmp_path / target).read_bytes() == before
+
+
+def test_a_device_is_written_through_never_renamed_over(root):
+    import stat
+    result = _cli("run", root / "configs/quickstart.yaml", "--select", "causal-self", "--json", "/dev/null")
+    assert result.exit_code == 0, result.output
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_a_name_too_long_is_refused_before_the_run_and_staging_does_not_lengthen_names(root, tmp_path):
+    fits = tmp_path / ("r" * 250 + ".json")  # 255 bytes: legal, and the staged file's name is short
+    result = _cli("run", root / "configs/quickstart.yaml", "--select", "causal-self", "--json", fits)
+    assert result.exit_code == 0 and fits.exists(), result.output
+    start = time.monotonic()
+    result = _cli("run", root / "configs/quickstart.yaml", "--json", tmp_path / ("r" * 300 + ".json"))
+    assert result.exit_code == 2 and ("file name is 305 bytes" in result.stderr or "too long" in result.stderr)
+    assert time.monotonic() - start < 5  # refused before the run
+
+
+def test_staged_files_of_killed_runs_are_removed_and_live_ones_kept(root, tmp_path):
+    from gradcheck_cli.report import STAGE_PREFIX
+    dead = tmp_path / f"{STAGE_PREFIX}999999999-x.tmp"
+    live = tmp_path / f"{STAGE_PREFIX}{os.getppid()}-y.tmp"
+    dead.write_text("old")
+    live.write_text("busy")
+    result = _cli("run", root / "configs/quickstart.yaml", "--select", "causal-self", "--json", tmp_path / "r.json")
+    assert result.exit_code == 0
+    assert not dead.exists() and live.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["r.json", live.name])
+
+
+def test_an_interrupted_commit_says_exactly_which_reports_are_new(tmp_path, monkeypatch):
+    from gradcheck_cli import report
+    from gradcheck_cli.errors import ReportsInterrupted
+    calls = {"n": 0}
+    real = os.replace
+
+    def replace(a, b):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        real(a, b)
+
+    (tmp_path / "r.xml").write_bytes(b"old")
+    monkeypatch.setattr(report.os, "replace", replace)
+    with pytest.raises(ReportsInterrupted) as info:
+        report.write_reports(tmp_path / "r.json", {"a": 1}, tmp_path / "r.xml", b"<new/>")
+    assert info.value.written == [str(tmp_path / "r.json")] and info.value.pending == [str(tmp_path / "r.xml")]
+    assert (tmp_path / "r.xml").read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.xml"]  # no staged file left
+
+
+def _good_report(root, tmp_path):
+    path = tmp_path / "good.json"
+    assert _cli("run", root / "configs/quickstart.yaml", "--select", "causal-self", "--json", path).exit_code == 0
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda r: r["scenarios"][0].pop("checks"),
+    lambda r: r["scenarios"][0].pop("name"),
+    lambda r: r.__setitem__("scenarios", [1]),
+    lambda r: r.__setitem__("shard", "1/3"),
+    lambda r: r["scenarios"][0].__setitem__("verdict", "maybe"),
+    lambda r: r.__setitem__("summary", {"scenarios": -1}),
+    lambda r: r["scenarios"][0]["checks"][0].__setitem__("passed", "yes"),
+    lambda r: r.__setitem__("negative_controls", {"passed": True, "cells": [{"fault": 1}]}),
+])
+def test_merge_refuses_malformed_reports_with_one_message(root, tmp_path, mutate):
+    data = _good_report(root, tmp_path)
+    mutate(data)
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    result = _cli("merge", tmp_path / "bad.json", "--json", tmp_path / "m.json")
+    assert result.exit_code == 2 and "Traceback" not in result.output and "not a valid" in result.stderr, result.output
+    assert not (tmp_path / "m.json").exists()
+
+
+@pytest.mark.parametrize("text,words", [
+    ("[" * 100_000 + "]" * 100_000, "not an attn-gradcheck JSON report"),
+    ('{"tool": "attn-gradcheck", "n": ' + "9" * 5000 + "}", "not an attn-gradcheck JSON report"),
+    ('{"tool": "attn-gradcheck", "x": NaN}', "NaN"),
+    ("\xff\xfe", "not UTF-8"),
+])
+def test_merge_survives_pathological_json(tmp_path, text, words):
+    path = tmp_path / "bad.json"
+    path.write_bytes(text.encode("latin-1") if text.startswith("\xff") else text.encode())
+    result = _cli("merge", path)
+    assert result.exit_code == 2 and "Traceback" not in result.output and words in result.stderr, result.output
+
+
+def test_merge_fuzzed_reports_never_trace_back(root, tmp_path_factory):
+    """Hypothesis over report-like JSON: any subtree of a real report replaced by any JSON value."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+    folder = tmp_path_factory.mktemp("fuzz")
+    base = _good_report(root, folder)
+    leaves = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**6), st.floats(allow_nan=False),
+                       st.text(max_size=8))
+    values = st.recursive(leaves, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                          st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+                          max_leaves=8)
+
+    def paths(node, here=()):
+        yield here
+        if isinstance(node, dict):
+            for k, v in node.items():
+                yield from paths(v, here + (k,))
+        elif isinstance(node, list):
+            for i, v in enumerate(node[:3]):
+                yield from paths(v, here + (i,))
+
+    every = list(paths(base))
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(every), values)
+    def check(path, value):
+        data = json.loads(json.dumps(base))
+        if path:
+            node = data
+            for p in path[:-1]:
+                node = node[p]
+            node[path[-1]] = value
+        else:
+            data = value
+        target = folder / "f.json"
+        target.write_text(json.dumps(data))
+        result = _cli("merge", target)
+        assert result.exit_code in (0, 1, 2, 3), result.output
+        assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+
+    check()

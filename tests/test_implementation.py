@@ -156,8 +156,9 @@ def test_misbehaving_implementations_fail_with_a_message(root, tmp_path, monkeyp
     (result,), cfg = run_yaml(tmp_path, f"- {{name: t, implementation: '{module}:impl'}}\n")
     bad = [c for c in result.checks if not c.passed]
     assert any(c.name == check and words in c.detail for c in bad), [(c.name, c.detail) for c in bad]
-    cli = CliRunner().invoke(main, ["run", str(cfg), "--json", str(tmp_path / "r.json")])
-    assert cli.exit_code == 1 and "Traceback" not in cli.output and words in cli.stdout
+    if check != "implementation runs" or "SystemExit" in words:  # a few through the command's worker too
+        cli = CliRunner().invoke(main, ["run", str(cfg), "--json", str(tmp_path / "r.json")])
+        assert cli.exit_code == 1 and "Traceback" not in cli.output and words in cli.stdout
 
 
 @pytest.mark.parametrize("spec,words,at_load", [
