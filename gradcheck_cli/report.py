@@ -9,6 +9,7 @@ import math
 import shlex
 import os
 import stat
+import hashlib
 import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -254,7 +255,20 @@ def json_report(config: str, faults: Sequence[str], results: Sequence[ScenarioRe
             out["verdict"] = "interrupted"
     if controls is not None:
         _controls_into(out, [c.to_json() for c in controls])
-    return _json_safe(out)
+    return _with_id(_json_safe(out))
+
+
+def _with_id(report: dict) -> dict:
+    """The report with its ``run_id``: a digest of everything in it but timings, which its JUnit report
+    carries too (the same results always get the same id, so reports stay byte-identical)."""
+    stable = json.loads(json.dumps(report))
+    stable.pop("run_id", None)
+    stable.pop("merged_from", None)  # the merge of a run's shards has the run's id
+    for sc in stable.get("scenarios", []):
+        if isinstance(sc, dict):
+            sc.pop("elapsed_s", None)
+    report["run_id"] = hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
+    return report
 
 
 def _controls_into(report: dict, cells: list[dict]) -> None:
@@ -339,7 +353,7 @@ def merge_reports(reports: Sequence[tuple[str, dict]]) -> dict:
     }
     if with_controls == {True}:
         _controls_into(merged, [c for _, c in cells])
-    return merged
+    return _with_id(merged)
 
 
 def _check_shards(config, parts: Sequence[tuple[str, dict]]) -> None:
@@ -416,7 +430,7 @@ def _num(x, spec: str) -> str:
 def junit_xml(report: dict) -> bytes:
     """JUnit XML of a JSON report (``json_report`` or ``merge_reports``): one testsuite per scenario,
     one testcase per check, and one per negative-control cell."""
-    root = ET.Element("testsuites", name="attn-gradcheck")
+    root = ET.Element("testsuites", name="attn-gradcheck", id=str(report.get("run_id", "")))
     for r in report["scenarios"]:
         checks = [SimpleNamespace(**c) for c in r["checks"]]
         suite = ET.SubElement(root, "testsuite", name=r["name"], tests=str(len(checks)),

@@ -80,6 +80,7 @@ def report_schema() -> dict:
                                "deselect": _STRINGS}}]},
             "interrupted": {"type": "boolean"},
             "merged_from": _STRINGS,
+            "run_id": {"type": "string"},
         },
     }
 

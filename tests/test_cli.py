@@ -106,7 +106,7 @@ def test_json_report_contract(root, tmp_path):
     assert result.exit_code == 1
     report = json.loads(path.read_text())
     assert set(report) == {"tool", "version", "schema_version", "config", "faults", "passed", "verdict",
-                           "summary", "scenarios", "negative_controls", "shard", "interrupted", "engine"}
+                           "summary", "scenarios", "negative_controls", "shard", "interrupted", "engine", "run_id"}
     assert report["tool"] == "attn-gradcheck" and report["faults"] == ["scale"] and report["passed"] is False
     assert set(report["summary"]) == {"scenarios", "checks", "passed", "failed", "inconclusive"}
     s = report["scenarios"][0]
