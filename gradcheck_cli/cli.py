@@ -312,7 +312,9 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
     """Sweep the finite-difference step for every scenario of CONFIG: the relative error of the sampled
     elements at each step, as a table per scenario. The curve is V-shaped: truncation error (~h^2) on
     the large-step side, rounding (~eps/h) on the small one. The step the run uses is marked '<- run',
-    the best one '*'. Exit 0, or 2 on bad input."""
+    the best one '*'. An implementation runs in a process of its own (as in 'run'); one that raises,
+    ends that process or outlives check.timeout is named and not swept. Exit 0; 1 when an
+    implementation failed so; 2 on bad input."""
     from . import stepsweep
     try:
         steps = _parse_steps(step_range)
@@ -326,9 +328,17 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
                 raise GradcheckError(f"--plot {plot_path}: name a .png, .pdf or .svg file")
     except GradcheckError as exc:
         raise _fail(str(exc)) from None
-    out, sweeps = _console(), []
+    from .runner import sweep_isolated
+    out, sweeps, failed = _console(), [], False
     for sc in scenarios:
-        result = stepsweep.sweep(sc, steps, samples)
+        try:  # an implementation runs in a process of its own, as in 'run'
+            result = sweep_isolated(config, sc, steps, samples) if sc.implementation else stepsweep.sweep(sc, steps, samples)
+        except GradcheckError as exc:
+            raise _fail(str(exc)) from None
+        if isinstance(result, str):
+            click.echo(f"error: {sc.file}: scenario '{sc.name}': not swept: {result}", err=True)
+            failed = True
+            continue
         sweeps.append(result)
         report.render_sweep(out, result, sc.describe())
     try:
@@ -341,6 +351,8 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
                 stage.add(plot_path, lambda fh: report.plot_sweeps(sweeps, fh, Path(plot_path).suffix[1:].lower()))
     except OSError as exc:
         raise _fail(f"cannot write the outputs: {exc}") from None
+    if failed:
+        raise click.exceptions.Exit(EXIT_FAILED)
 
 
 def _parse_steps(text: str) -> tuple[float, ...]:

@@ -36,6 +36,8 @@ def open_regular(path: str | os.PathLike):
     checked."""
     try:
         fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except ValueError:  # a NUL byte in the path
+        raise FileProblem("cannot read the file: the path contains a NUL byte") from None
     except OSError as exc:
         raise FileProblem(f"cannot read the file: {exc.strerror or exc}") from None
     try:
@@ -58,45 +60,60 @@ def read_regular(path: str | os.PathLike, limit: int) -> bytes:
             raise FileProblem(f"is {size / 2**20:.1f} MiB; at most {limit / 2**20:.0f} MiB is read")
         try:
             data = fh.read(limit + 1)
-        except OSError as exc:
+        except OSError as exc:  # EIO, a file of /proc that refuses to be read
             raise FileProblem(f"cannot read the file: {exc.strerror or exc}") from None
     if len(data) > limit:
         raise FileProblem(f"is over {limit / 2**20:.0f} MiB; at most that is read")
     return data
 
 
-def load_npy(path: str | os.PathLike, max_elements: int) -> np.ndarray:
-    """A ``.npy`` array of booleans or integers with at most ``max_elements`` elements, its header read
-    and checked (kind, size, file length) before its data is."""
+def load_npy(path: str | os.PathLike, max_elements: int, max_dims: int = 4) -> np.ndarray:
+    """A ``.npy`` array of booleans or integers with at most ``max_elements`` elements and ``max_dims``
+    dimensions, its header read and checked (kind, shape, size, file length) before its data is."""
+    try:
+        with open_regular(path) as fh:
+            return _load_npy(fh, max_elements, max_dims)
+    except OSError as exc:  # a file that fails while read (EIO, a vanished mount)
+        raise FileProblem(f"cannot read the file: {exc.strerror or exc}") from None
+
+
+def _load_npy(fh, max_elements: int, max_dims: int) -> np.ndarray:
     from numpy.lib import format as npy
-    with open_regular(path) as fh:
-        size = os.fstat(fh.fileno()).st_size
-        head = fh.read(6)
-        fh.seek(0)
-        if head[:4] == b"PK\x03\x04":
-            raise FileProblem("is a .npz archive, not a .npy array: save the mask with numpy.save(path, mask)")
-        if head != b"\x93NUMPY":
-            raise FileProblem("is not a .npy file (no NumPy header)" if size else "is empty, not a .npy file")
-        try:
-            version = npy.read_magic(fh)
-            shape, fortran, dtype = (npy.read_array_header_1_0 if version == (1, 0) else
-                                     npy.read_array_header_2_0)(fh, max_header_size=10_000)
-        except (ValueError, OSError, EOFError, SyntaxError) as exc:
-            raise FileProblem(f"has a damaged .npy header ({exc})") from None
-        if dtype.hasobject or dtype.kind not in "biu":
-            raise FileProblem(f"holds {dtype}, not booleans (or the integers 0 and 1)")
-        count = int(np.prod(shape, dtype=object)) if shape else 1
-        if count > max_elements:
-            raise FileProblem(f"claims {count:,} elements (shape {list(shape)}); a mask of this scenario has at most "
-                              f"{max_elements:,}")
-        if size - fh.tell() < count * dtype.itemsize:
-            raise FileProblem(f"is truncated: its header claims shape {list(shape)} ({count * dtype.itemsize:,} bytes) "
-                              f"but only {size - fh.tell():,} follow")
-        fh.seek(0)
-        try:
-            return np.load(fh, allow_pickle=False)
-        except (ValueError, OSError, EOFError) as exc:
-            raise FileProblem(f"cannot be read as a .npy array ({exc})") from None
+    size = os.fstat(fh.fileno()).st_size
+    head = fh.read(6)
+    fh.seek(0)
+    if head[:4] == b"PK\x03\x04":
+        raise FileProblem("is a .npz archive, not a .npy array: save the mask with numpy.save(path, mask)")
+    if head != b"\x93NUMPY":
+        raise FileProblem("is not a .npy file (no NumPy header)" if size else "is empty, not a .npy file")
+    try:
+        version = npy.read_magic(fh)
+        shape, fortran, dtype = (npy.read_array_header_1_0 if version == (1, 0) else
+                                 npy.read_array_header_2_0)(fh, max_header_size=10_000)
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- numpy's header parser raises what its tokenizer does
+        raise FileProblem(f"has a damaged .npy header ({type(exc).__name__}: {str(exc)[:200]})") from None
+    if not isinstance(shape, tuple) or not all(type(n) is int and n >= 0 for n in shape):
+        raise FileProblem(f"has a damaged .npy header (shape {str(shape)[:200]} is not a tuple of sizes)")
+    if len(shape) > max_dims:
+        raise FileProblem(f"has {len(shape)} dimensions; a mask has at most {max_dims} ([B, Hq, n_q, n_k])")
+    if dtype.hasobject or dtype.kind not in "biu":
+        raise FileProblem(f"holds {dtype}, not booleans (or the integers 0 and 1)")
+    count = int(np.prod(shape, dtype=object)) if shape else 1
+    if count > max_elements:
+        raise FileProblem(f"claims {count:,} elements (shape {list(shape)}); a mask of this scenario has at most "
+                          f"{max_elements:,}")
+    if size - fh.tell() < count * dtype.itemsize:
+        raise FileProblem(f"is truncated: its header claims shape {list(shape)} ({count * dtype.itemsize:,} bytes) "
+                          f"but only {size - fh.tell():,} follow")
+    fh.seek(0)
+    try:
+        return np.load(fh, allow_pickle=False)
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise FileProblem(f"cannot be read as a .npy array ({type(exc).__name__}: {str(exc)[:200]})") from None
 
 
 def is_regular_or_absent(path: str | os.PathLike) -> bool:

@@ -41,7 +41,7 @@ class LoadError(ValueError):
 def locate(spec: str, base_dir: Path) -> None:
     """Check ``module:attribute`` without running any of it: the spelling, and that the module's file
     exists in the YAML's folder or on the import path. Raises LoadError."""
-    if not SPEC_RE.match(spec):
+    if not SPEC_RE.fullmatch(spec):
         raise LoadError(f"expected 'module:attribute', got {spec!r}")
     top = spec.split(":", 1)[0].split(".")[0]
     if _local_file(top, base_dir) is not None:
@@ -109,9 +109,9 @@ def load(spec: str, base_dir: Path, flavour: str = "numpy") -> Any:
         module = importlib.import_module(module_name)
     except LoadError:
         raise
-    except KeyboardInterrupt:
-        raise
     except BaseException as exc:  # the user's module may raise anything while importing, SystemExit too
+        if _ctrl_c(exc):
+            raise
         missing = isinstance(exc, ModuleNotFoundError) and exc.name is not None and top != exc.name.split(".")[0]
         where = (f" (it was found, but it imports {exc.name!r}, which is not installed here)" if missing else
                  " (the module must be importable from the YAML's folder or PYTHONPATH)"
@@ -175,9 +175,9 @@ def _attribute(obj, name: str, module_name: str, attr_path: str, missing_ok: boo
         if missing_ok:
             return _MISSING
         raise LoadError(f"module {module_name!r} has no attribute {attr_path!r}") from None
-    except KeyboardInterrupt:
-        raise
     except BaseException as exc:
+        if _ctrl_c(exc):
+            raise
         raise LoadError(f"reading {attr_path!r} of module {module_name!r} raised {type(exc).__name__}: {exc}") from None
 
 
@@ -190,16 +190,25 @@ def _safe(test, obj) -> bool:
         return False
 
 
+#: Whether a KeyboardInterrupt can be the user's Ctrl-C (then it propagates). Worker processes ignore
+#: SIGINT and set this to False: there, one can only come from the implementation, and is its failure.
+CTRL_C_REACHES_HERE = True
+
+
+def _ctrl_c(exc: BaseException) -> bool:
+    return isinstance(exc, KeyboardInterrupt) and CTRL_C_REACHES_HERE
+
+
 def guarded(what: str, fn, *args):
     """``fn(*args)``, with anything it raises (SystemExit included, Ctrl-C excepted) turned into an
     ImplementationFailure."""
     try:
         return fn(*args)
-    except KeyboardInterrupt:
-        raise
     except ImplementationFailure:
         raise
     except BaseException as exc:  # whatever the implementation raises is a failed check
+        if _ctrl_c(exc):
+            raise
         raise ImplementationFailure(f"{what} raised {type(exc).__name__}: {exc}") from None
 
 
@@ -215,9 +224,12 @@ def call(fn, what: str, args: tuple, expected: dict[str, tuple[tuple[int, ...], 
     given = tuple(a.copy() if isinstance(a, np.ndarray) else a for a in args)
     out = guarded(what, fn, *given)
     for i, (before, after) in enumerate(zip(args, given)):
-        if isinstance(before, np.ndarray) and not np.array_equal(before, after, equal_nan=before.dtype.kind == "f"):
+        if not isinstance(before, np.ndarray):
+            continue
+        same_kind = (isinstance(after, np.ndarray) and after.shape == before.shape and after.dtype == before.dtype)
+        if not same_kind or not np.array_equal(before, after, equal_nan=before.dtype.kind == "f"):
             name = names[i] if i < len(names) else f"argument {i + 1}"
-            changed = np.argwhere(before != after)
+            changed = np.argwhere(before != after) if same_kind else []
             index = tuple(int(x) for x in changed[0]) if len(changed) else None
             raise ImplementationFailure(f"{what} changed its argument {name} in place"
                                         + (f" (first at {name}[{', '.join(map(str, index))}])" if index else "")

@@ -8,6 +8,7 @@ import json
 import math
 import shlex
 import os
+import re
 import stat
 import hashlib
 import tempfile
@@ -136,6 +137,11 @@ def _heat_text(line: str) -> Text:
     return text
 
 
+def _g(x, spec: str = ".6g") -> str:
+    """A number of a report's JSON, where a non-finite one is null."""
+    return "non-finite" if x is None else format(x, spec)
+
+
 def diagnosis_lines(c, indent: str = "    ") -> list[str]:
     """Plain text of a failed gradient check's diagnosis (README "Diagnosis"); [] when it has none."""
     d = c.diagnosis
@@ -150,7 +156,7 @@ def diagnosis_lines(c, indent: str = "    ") -> list[str]:
     for cls in d["classes"]:
         if cls["checked"]:
             lines.append(f"{indent}  {cls['label']}: {cls['out_of_tolerance']} of {cls['checked']} out of tolerance"
-                         + (f" (max |error| {cls['max_abs_error']:.2e})" if cls["out_of_tolerance"] else ""))
+                         + (f" (max |error| {_g(cls['max_abs_error'], '.2e')})" if cls["out_of_tolerance"] else ""))
     heat = d["heat"]
     if heat:
         per = [f"{b} {name}s" for b, name in zip(heat["bin"], (heat["rows"], heat["columns"])) if b > 1]
@@ -163,7 +169,7 @@ def diagnosis_lines(c, indent: str = "    ") -> list[str]:
             lines.append(f"{indent}  {str(i * heat['bin'][0]).rjust(width)} |{cells}|")
     if d["worst"]:
         lines.append(indent + "worst: " + "; ".join(
-            f"{c.tensor}{'[' + ', '.join(map(str, w['index'])) + ']' if w['index'] else ''} analytic {w['analytic']:.6g} numeric {w['numeric']:.6g}"
+            f"{c.tensor}{'[' + ', '.join(map(str, w['index'])) + ']' if w['index'] else ''} analytic {_g(w['analytic'])} numeric {_g(w['numeric'])}"
             for w in d["worst"]))
     return lines
 
@@ -172,7 +178,7 @@ def failure_message(c) -> str:
     """One line: the check, the tensor and where it is worst."""
     where = ""
     if c.worst_index is not None and c.kind == "invariant":
-        where = f" at {c.tensor}[{', '.join(map(str, c.worst_index))}] (violation {c.max_abs_error:.3g}, allowed {c.tolerance:.3g})"
+        where = f" at {c.tensor}[{', '.join(map(str, c.worst_index))}] (violation {_g(c.max_abs_error, '.3g')}, allowed {_g(c.tolerance, '.3g')})"
     return f"{c.name} ({c.tensor}){where}: {c.detail}"
 
 
@@ -215,7 +221,7 @@ def render_controls(console: Console, cells: Sequence[ControlCell]) -> None:
                       "d_value)", highlight=False, soft_wrap=not console.is_terminal)
     missed = [c for c in cells if c.status == "missed"]
     for c in missed:
-        console.print(f"  MISSED {c.fault} on {c.scenario}: it changes the result by {c.effect:.2e} (relative) "
+        console.print(f"  MISSED {c.fault} on {c.scenario}: it changes the result by {_g(c.effect, '.2e')} (relative) "
                       "but no check failed; the scenario lacks power for it", highlight=False)
     outcome, powerless = controls_verdict(cells)
     for name in powerless:
@@ -520,7 +526,7 @@ def prepare_outputs(files: dict[str, str | None], folders: dict[str, str | None]
         if len(os.fsencode(p.name)) > longest:
             raise GradcheckError(f"{p}: the file name is {len(os.fsencode(p.name))} bytes; this file system allows "
                                  f"{longest}")
-    remove_stale_stages({p.parent for _, p in wanted if p.parent.exists()})
+    remove_stale_stages({p.parent for _, p in wanted if p.parent.exists()}, keep=inputs)
 
 
 #: Staged report files are named .attn-gradcheck-<pid>-<random>.tmp beside their targets, whatever the
@@ -584,29 +590,54 @@ class StagedWrites:
             Path(tmp).unlink(missing_ok=True)
 
 
+#: Seconds a special file may refuse every byte before the write is given up (a FIFO whose reader
+#: holds it open but stopped reading).
+STALL_S = 60.0
+
+
 def _write_through(path: Path, data: bytes) -> None:
-    """Write into a special file in place: a FIFO without a reader is an error, not a wait."""
+    """Write into a special file in place: a FIFO without a reader is an error, not a wait, and one
+    whose reader stops reading for STALL_S seconds is an error too."""
+    import select
     fd = os.open(path, os.O_WRONLY | getattr(os, "O_NONBLOCK", 0))
     try:
-        os.set_blocking(fd, True)
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:
+                if not select.select([], [fd], [], STALL_S)[1]:
+                    raise OSError(errno.ETIMEDOUT, f"nothing could be written to {path} for {STALL_S:g} s (its "
+                                                   "reader stopped reading)") from None
     finally:
         os.close(fd)
 
 
-def remove_stale_stages(folders) -> None:
-    """Staged files that runs killed with -9 left behind (their process is gone)."""
+#: The exact shape of a staged file's name (tempfile.mkstemp's 8 random characters): nothing else that
+#: merely starts with the prefix is ever removed.
+_STAGE_NAME = re.compile(re.escape(STAGE_PREFIX) + r"(\d{1,7})-[a-z0-9_]{8}\.tmp")
+
+
+def remove_stale_stages(folders, keep=()) -> None:
+    """Staged files that runs killed with -9 left behind: a regular file of this user whose name has
+    exactly the staging shape, whose process is gone, and that is not one of ``keep`` (this run's
+    inputs)."""
+    kept = {Path(p).resolve() for p in keep}
     for folder in {Path(f).resolve() for f in folders}:
         try:
             entries = list(folder.glob(f"{STAGE_PREFIX}*.tmp"))
         except OSError:
             continue
         for entry in entries:
-            pid = entry.name[len(STAGE_PREFIX):].split("-", 1)[0]
-            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-                entry.unlink(missing_ok=True)
+            match = _STAGE_NAME.fullmatch(entry.name)
+            if not match or entry in kept or int(match.group(1)) == os.getpid() or _alive(int(match.group(1))):
+                continue
+            try:
+                info = entry.lstat()
+                if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid():
+                    entry.unlink()
+            except OSError:
+                pass
 
 
 def _alive(pid: int) -> bool:

@@ -8,6 +8,7 @@ import functools
 import multiprocessing
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -68,7 +69,8 @@ def run(config: str, scenarios: Sequence[Scenario], faults: Sequence[str] = (), 
             yield Outcome(sc.index, result, cells)
         return
     threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
-    pool = _Workers(max(1, min(jobs, len(scenarios))), threads)
+    pool = _Workers(max(1, min(jobs, len(scenarios))), threads,
+                    torch=any(sc.backend == "torch" for sc in scenarios))
     try:
         if jobs <= 1:  # built-in scenarios here, implementations one at a time in a worker
             for sc in scenarios:
@@ -87,7 +89,7 @@ def run(config: str, scenarios: Sequence[Scenario], faults: Sequence[str] = (), 
 def check_isolated(config: str, sc: Scenario, faults: Sequence[str] = (), *, controls: bool = False,
                    memory_budget: int = checker.DEFAULT_MEMORY_BUDGET) -> Outcome:
     """One scenario in a worker process of its own (as ``run`` checks an implementation)."""
-    pool = _Workers(1, os.cpu_count() or 1)
+    pool = _Workers(1, os.cpu_count() or 1, torch=sc.backend == "torch")
     try:
         (outcome,) = pool.map(config, [sc], faults, controls, memory_budget, None)
         return outcome
@@ -95,17 +97,52 @@ def check_isolated(config: str, sc: Scenario, faults: Sequence[str] = (), *, con
         pool.close()
 
 
+def sweep_isolated(config: str, sc: Scenario, steps, samples: int):
+    """``stepsweep.sweep`` of one scenario in a fresh worker process: its Sweep, or a sentence saying
+    how the implementation failed (raised, ended the process, or outlived ``check.timeout``)."""
+    worker = _Worker(_context(sc.backend == "torch"), os.cpu_count() or 1)
+    try:
+        worker.send(("sweep", (config, sc.name, tuple(steps), samples)))
+        deadline = worker.started + sc.timeout
+        while True:
+            answer = worker.collect(deadline)
+            if answer is None:
+                _wait([worker], POLL_S)
+                continue
+            kind, payload = answer
+            if kind == "ok":
+                return payload
+            if kind == "bad":
+                raise payload
+            return _failure_text(sc, kind, payload)
+    finally:
+        worker.stop()
+
+
 #: How often a waiting parent looks at its workers (seconds): the granularity of timeouts, deaths and
 #: Ctrl-C.
 POLL_S = 0.05
 
 
-class _Workers:
-    """``size`` worker processes (spawned, connected by pipes), each checking one scenario at a time.
-    A worker that dies or outlives its scenario's timeout is replaced; its scenario is a failed check."""
+def _context(torch: bool):
+    """Workers are forked from a fork server that imported this package (and torch, when a scenario
+    uses it) once, so a fresh process per implementation costs milliseconds, not an interpreter start;
+    where there is no fork server (Windows), they are spawned."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["gradcheck_cli.runner", "gradcheck_cli.ops"] + (["torch"] if torch else []))
+    return ctx
 
-    def __init__(self, size: int, threads: int):
-        self.ctx = multiprocessing.get_context("spawn")
+
+class _Workers:
+    """``size`` worker processes (connected by pipes), each checking one scenario at a time. A worker
+    that checked an implementation is never reused (the user's code may have changed its process:
+    imports, monkeypatches, global settings, threads): the next scenario gets a fresh one. A worker that
+    dies or outlives its scenario's timeout is replaced; its scenario is a failed check."""
+
+    def __init__(self, size: int, threads: int, torch: bool = False):
+        self.ctx = _context(torch)
         self.size, self.threads = size, threads
         self.idle: list[_Worker] = []
 
@@ -114,13 +151,13 @@ class _Workers:
 
     def map(self, config, scenarios, faults, controls, memory_budget, progress) -> Iterator[Outcome]:
         pending = list(scenarios)
-        running: dict[int, tuple[_Worker, Scenario, float | None]] = {}
+        running: dict[int, tuple[_Worker, Scenario]] = {}
         done: dict[int, Outcome] = {}
         order = [sc.index for sc in scenarios]
         try:
             yield from self._loop(config, pending, running, done, order, faults, controls, memory_budget, progress)
         finally:  # Ctrl-C, an error, or the caller stopped early: nothing keeps running
-            for worker, _, _ in running.values():
+            for worker, _ in running.values():
                 worker.kill()
 
     def _loop(self, config, pending, running, done, order, faults, controls, memory_budget, progress):
@@ -129,30 +166,55 @@ class _Workers:
             while pending and len(running) < self.size:
                 sc = pending.pop(0)
                 worker = self._get()
-                worker.send((config, sc.name, sc.engine, tuple(faults), controls, memory_budget))
-                worker.started = time.monotonic()
-                deadline = worker.started + sc.timeout if sc.implementation is not None else None
-                running[sc.index] = (worker, sc, deadline)
-            for index, (worker, sc, deadline) in list(running.items()):
-                outcome = worker.collect(sc, deadline)
-                if outcome is None:
+                worker.send(("check", (config, sc.name, sc.engine, tuple(faults), controls, memory_budget)))
+                worker.deadline = worker.started + sc.timeout if sc.implementation is not None else None
+                running[sc.index] = (worker, sc)
+            for index, (worker, sc) in list(running.items()):
+                answer = worker.collect(worker.deadline)
+                if answer is None:
                     continue
                 del running[index]
-                done[index] = outcome
-                if worker.alive:
+                done[index] = _outcome(sc, *answer, time.monotonic() - worker.started)
+                if worker.alive and sc.implementation is None:
                     self.idle.append(worker)
+                else:
+                    worker.stop()
                 if progress:
                     progress(units(sc, controls))
             while emitted < len(order) and order[emitted] in done:
                 yield done.pop(order[emitted])
                 emitted += 1
             if running and emitted < len(order) and order[emitted] not in done:
-                _wait([w for w, _, _ in running.values()], POLL_S)
+                _wait([w for w, _ in running.values()], POLL_S)
 
     def close(self) -> None:
         for worker in self.idle:
             worker.stop()
         self.idle.clear()
+
+
+def _outcome(sc: Scenario, kind: str, payload, elapsed: float) -> Outcome:
+    if kind == "ok":
+        result, cells = payload
+        return Outcome(sc.index, result, cells)
+    if kind == "bad":
+        raise payload
+    if kind == "error" and sc.implementation is None:  # not the user's code: an error of this tool
+        raise GradcheckError(f"{sc.file}: scenario '{sc.name}': {payload}")
+    return Outcome(sc.index, _failed(sc, _failure_text(sc, kind, payload), elapsed))
+
+
+def _failure_text(sc: Scenario, kind: str, payload) -> str:
+    if kind == "timeout":
+        return (f"did not finish within {sc.timeout:g} s (check.timeout): the implementation hangs or is far "
+                "slower than expected; it was stopped")
+    if kind == "died":
+        return (f"the process checking it {payload} before the scenario finished: the implementation (or a "
+                "library it calls) ended the process (os._exit, sys.exit in a thread, a crash); an "
+                "implementation must return")
+    return (f"checking it raised {payload}, outside any single call of the implementation: its module or what "
+            "it returned broke the process it runs in (e.g. a recursion limit, closed files, patched modules, a "
+            "value whose methods raise)")
 
 
 def _wait(workers, timeout: float) -> None:
@@ -164,8 +226,8 @@ class _Worker:
     def __init__(self, ctx, threads: int):
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child, threads), daemon=True)
-        # A worker starts with Ctrl-C ignored (the disposition survives exec, and Python keeps it): a
-        # Ctrl-C that reaches the whole process group while it is still importing must not make it
+        # A worker starts with Ctrl-C ignored (the disposition survives exec and fork, and Python keeps
+        # it): a Ctrl-C that reaches the whole process group while it is still starting must not make it
         # print a traceback. The parent handles Ctrl-C and stops its workers.
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
@@ -175,39 +237,32 @@ class _Worker:
         child.close()
         self.alive = True
         self.started = time.monotonic()
+        self.deadline: float | None = None
 
     def send(self, task) -> None:
         self.conn.send(task)
+        self.started = time.monotonic()
 
-    def collect(self, sc: Scenario, deadline: float | None) -> Outcome | None:
-        """The outcome when the worker answered, died or overran; None while it is still working."""
+    def collect(self, deadline: float | None):
+        """(kind, payload) once the worker answered ("ok", "bad": bad input, "error": an exception's
+        text), died ("died", how) or overran ``deadline`` ("timeout"); None while it is still working."""
         try:
             if self.conn.poll():
-                kind, payload = self.conn.recv()
-                if kind == "ok":
-                    result, cells = payload
-                    return Outcome(sc.index, result, cells)
-                self.stop()
-                if kind == "bad":
-                    raise payload
-                raise GradcheckError(f"{sc.file}: scenario '{sc.name}': {payload}")
+                return self.conn.recv()
         except (EOFError, OSError):
             pass  # the worker is gone: below
+        except Exception as exc:  # noqa: BLE001 -- an answer that cannot be unpickled
+            self.kill()
+            return "error", f"{type(exc).__name__}: {exc}"
         if self.proc.is_alive() and (deadline is None or time.monotonic() < deadline):
             return None
         if self.proc.is_alive():
             self.kill()
-            return Outcome(sc.index, _failed(sc, f"did not finish within {sc.timeout:g} s (check.timeout): the "
-                                                 "implementation hangs or is far slower than expected; it was stopped",
-                                             time.monotonic() - self.started))
+            return "timeout", None
         self.kill()
         code = self.proc.exitcode
-        how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else
-               f"exited with code {code}")
-        return Outcome(sc.index, _failed(sc, f"the process checking it {how} before the scenario finished: the "
-                                             "implementation (or a library it calls) ended the process (os._exit, "
-                                             "sys.exit in a thread, a crash); an implementation must return",
-                                         time.monotonic() - self.started))
+        return "died", (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else
+                        f"exited with code {code}")
 
     def kill(self) -> None:
         self.alive = False
@@ -218,6 +273,8 @@ class _Worker:
 
     def stop(self) -> None:
         """Ask the worker to leave, and make sure it does."""
+        if self.conn.closed:
+            return
         self.alive = False
         try:
             self.conn.send(None)
@@ -238,34 +295,60 @@ def _failed(sc: Scenario, detail: str, elapsed: float) -> ScenarioResult:
 
 
 def _serve(conn, threads: int) -> None:
-    """A worker: checks the scenarios it is sent until told to stop or its parent goes away."""
+    """A worker: runs the tasks it is sent until told to stop or its parent goes away, then leaves at
+    once (os._exit: no atexit handler or finalizer of the user's code runs, none can print or hang)."""
     _init_worker(threads)
     while True:
         try:
             task = conn.recv()
-        except (EOFError, OSError, KeyboardInterrupt):
-            return
+        except BaseException:  # noqa: BLE001 -- the parent is gone, or the user's code closed the pipe
+            break
         if task is None:
-            return
+            break
+        kind, args = task
         try:
-            reply = ("ok", _work(*task))
+            reply = ("ok", _TASKS[kind](*args))
         except GradcheckError as exc:
             reply = ("bad", exc)
         except BaseException as exc:  # noqa: BLE001 -- reported to the parent, which says so
-            reply = ("error", f"{type(exc).__name__}: {exc}")
+            reply = ("error", _describe(exc))
         try:
             conn.send(reply)
-        except (OSError, ValueError):
-            return
+        except BaseException as exc:  # noqa: BLE001 -- an answer that cannot be pickled, or the pipe is gone
+            try:
+                conn.send(("error", f"its answer could not be sent back ({_describe(exc)})"))
+            except BaseException:  # noqa: BLE001
+                break
+    _leave()
+
+
+def _describe(exc: BaseException) -> str:
+    try:
+        text = str(exc)
+    except BaseException:  # noqa: BLE001 -- an exception whose __str__ raises
+        text = "(its message cannot be shown)"
+    return f"{type(exc).__name__}: {text[:500]}"
+
+
+def _leave() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001
+            pass
+    os._exit(0)
 
 
 def _init_worker(threads: int) -> None:
     """Workers leave Ctrl-C to the parent (which stops them), die with it (Linux: the parent's death
     signals them), and share the cores: ``threads`` chunk threads and as many BLAS threads each, so N
-    jobs do not oversubscribe the cores."""
+    jobs do not oversubscribe the cores. A KeyboardInterrupt in a worker can only be raised by the
+    implementation, so there it is the implementation's failure."""
     from threadpoolctl import threadpool_limits
+    from . import implementation
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    implementation.CTRL_C_REACHES_HERE = False
     try:
         import ctypes
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -286,3 +369,15 @@ def _work(config: str, name: str, engine: str, faults: tuple[str, ...], controls
         sc = dataclasses.replace(sc, engine=engine)
     result, cells = _one(sc, faults, controls, memory_budget, None)
     return result, cells
+
+
+def _sweep(config: str, name: str, steps: tuple[float, ...], samples: int):
+    from . import stepsweep
+    from .implementation import ImplementationFailure
+    try:
+        return stepsweep.sweep(_scenarios(config)[name], steps, samples)
+    except ImplementationFailure as exc:
+        return f"the implementation failed: {exc.message}"
+
+
+_TASKS = {"check": _work, "sweep": _sweep}

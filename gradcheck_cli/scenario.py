@@ -52,6 +52,9 @@ NESTED = {"mask": MASK_KEYS, "check": CHECK_KEYS}
 TOP_KEYS = ("defaults", "scenarios")
 #: The largest finite-difference step (relative to the inputs' scale) a scenario may ask for.
 MAX_EPSILON = 0.1
+#: The largest relative tolerance: a check blind to errors of this fraction of a gradient has no power
+#: (verdict.POWER_LIMIT).
+MAX_TOLERANCE = 0.25
 #: Larger scales only saturate the softmax (and overflow the logits near 1e300).
 MAX_SCALE = 1e6
 #: More random directions than this cost more than checking every element would.
@@ -393,8 +396,8 @@ def _sweep_axes(doc: _Doc, defaults: dict, scenario: dict, index: int) -> list[t
                             hint="e.g. 'sweep: {n_q: [1, 17, 64], mask.causal: [upper-left, lower-right]}'")
         for key, values in sweep.items():
             path = base + (key,)
-            top, _, sub = str(key).partition(".")
-            known = (top in NESTED and sub in NESTED[top]) if sub else (top in SCENARIO_KEYS and top not in ("name",))
+            top, dot, sub = str(key).partition(".")
+            known = (top in NESTED and sub in NESTED[top]) if dot else (top in SCENARIO_KEYS and top not in ("name",))
             if not known:
                 allowed = tuple(k for k in SCENARIO_KEYS if k != "name") + tuple(
                     f"{n}.{k}" for n, keys in NESTED.items() for k in keys)
@@ -489,7 +492,7 @@ def available_memory() -> int:
 
 def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) -> Scenario:
     name = f.raw("name")
-    if not isinstance(name, str) or not NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise f.error("name", f"expected a name of letters, digits, '.', '_' or '-', got {_show(name)}"
                       if name is not None else "is required", hint="e.g. 'name: causal-gqa'")
     op = f.choice("op", tuple(OPS), "attention")
@@ -537,7 +540,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
         if heads_q % heads_kv:
             raise f.error("heads_kv", f"{heads_kv} does not divide heads_q={heads_q}",
                           hint="use a divisor of heads_q, or give an explicit kv_map")
-        kv_map = default_kv_map(heads_q, heads_kv)
+        kv_map = None  # built after the memory check (heads_q may be absurd)
 
     scale = f.float("scale", 1.0 / math.sqrt(d_head), positive=False)
     if scale == 0 or abs(scale) > MAX_SCALE:
@@ -612,6 +615,8 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                         f"more than the {memory_limit / 2**30:.1f} GiB available",
                         hint="reduce batch, heads, n_q, n_k or the head dimensions"
                              + ("" if op == "attention" else " (or d_model, d_ff)"))
+    if kv_map is None:
+        kv_map = default_kv_map(heads_q, heads_kv)
 
     spec, spec_line = None, 0
     if f.has("implementation"):
@@ -669,6 +674,11 @@ def _precision_and_check(f: _Fields, dtype: str, colouring_default: bool = True)
         raise f.error("epsilon", f"{epsilon:g} is below what {dtype} can resolve ({resolution:.2g}): the "
                       "perturbed values would round back", hint=f"use at least {8 * resolution:.2g}")
     tolerance = f.float("tolerance", dflt["tolerance"])
+    if tolerance > MAX_TOLERANCE:
+        raise f.error("tolerance", f"{tolerance:g} would accept gradients wrong by {tolerance:.0%} of their size (a "
+                      f"zero gradient at 1): a check that blind cannot pass anything; at most {MAX_TOLERANCE:g}",
+                      hint=f"omit it for the {dtype} default ({dflt['tolerance']:g}); for float16/bfloat16 the "
+                           "check.factor / check.slack policy applies")
     seed = f.int("seed", 0, minimum=0)
     mode = f.choice("check.mode", MODES, "full")
     samples = f.int("check.samples", 256)
@@ -801,6 +811,12 @@ def _load_visible(f: _Fields, base_dir: Path, shape: tuple[int, ...]) -> tuple[n
                                "numpy.save(path, mask.astype(bool))") from None
         source = raw
     elif isinstance(raw, list):
+        depth, inner = 0, raw
+        while isinstance(inner, list) and depth <= 4:
+            depth, inner = depth + 1, inner[0] if inner else None
+        if depth > 4:
+            raise f.error("mask.visible", "an inline mask is nested more than 4 lists deep; a mask has at most 4 "
+                                          "dimensions ([batch, heads_q, n_q, n_k])")
         try:
             arr = np.array(raw)
         except ValueError:
@@ -808,6 +824,8 @@ def _load_visible(f: _Fields, base_dir: Path, shape: tuple[int, ...]) -> tuple[n
         source = "inline"
     else:
         raise f.error("mask.visible", f"expected a .npy path or a nested list of booleans, got {_show(raw)}")
+    if arr.ndim > 4:
+        raise f.error("mask.visible", f"has {arr.ndim} dimensions; a mask has at most 4 ([batch, heads_q, n_q, n_k])")
     if arr.dtype != bool:
         if arr.dtype.kind in "iu" and arr.size and np.isin(arr, (0, 1)).all():
             arr = arr.astype(bool)
@@ -856,7 +874,8 @@ def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".
         if key not in TOP_KEYS and not key.startswith("x-"):
             raise doc.error((key,), f"unknown top-level key '{key}'",
                             hint=_suggest(key, TOP_KEYS) + "; keys starting with 'x-' are ignored (for YAML anchors)")
-    defaults = top.get("defaults") or {}
+    defaults = top.get("defaults")
+    defaults = {} if defaults is None else defaults  # 'defaults:' with nothing under it
     if not isinstance(defaults, dict):
         raise doc.error(("defaults",), f"expected a mapping, got {_show(defaults)}")
     items = top.get("scenarios")
@@ -976,7 +995,8 @@ def json_schema() -> dict:
         "backend": {"enum": list(BACKENDS)}, "device": {"enum": list(DEVICES)},
         "batch": pos, "heads_q": pos, "heads_kv": pos, "kv_map": ints, "n_q": pos, "n_k": pos,
         "d_head": pos, "d_value": pos, "scale": number, "mask": mask, "loss_rows": ints, "check": check,
-        "dtype": {"enum": list(DTYPES) + list(LOW_PRECISION)}, "epsilon": number, "tolerance": number,
+        "dtype": {"enum": list(DTYPES) + list(LOW_PRECISION)}, "epsilon": {**number, "maximum": MAX_EPSILON},
+        "tolerance": {**number, "maximum": MAX_TOLERANCE},
         "seed": {"type": "integer", "minimum": 0},
         "engine": {"enum": list(ENGINES), "description": "naive (default) or tiled (FlashAttention-style: online "
                    "softmax, log-sum-exp, no n_q x n_k arrays)"},

@@ -71,6 +71,130 @@ def test_user_code_cannot_end_or_hang_the_run(root, tmp_path, name, body, words)
     assert [s["verdict"] for s in report["scenarios"]] == ["fail", "pass"]
 
 
+def test_whatever_user_code_raises_or_breaks_is_its_failed_check_and_stays_in_its_scenario(root, tmp_path):
+    """Exceptions the run would otherwise take for Ctrl-C or for its own errors, a process the
+    implementation broke, and a module that patches NumPy: each a failed scenario (exit 1), never exit 2,
+    and nothing one implementation does reaches the next scenario's process."""
+    _module(tmp_path, root, "interrupts", """
+        class Impl(Attention):
+            @staticmethod
+            def forward(*args):
+                raise KeyboardInterrupt
+        impl = Impl()
+        """)
+    _module(tmp_path, root, "badtuple", """
+        class Tuple(tuple):
+            def __len__(self):
+                raise RuntimeError("len")
+        class Impl(Attention):
+            @staticmethod
+            def backward(*args):
+                return Tuple(Attention.backward(*args))
+        impl = Impl()
+        """)
+    _module(tmp_path, root, "reshapes", """
+        class Impl(Attention):
+            @staticmethod
+            def forward(q, k, v, visible, scale, kv_map):
+                o = Attention.forward(q, k, v, visible, scale, kv_map)
+                q.shape = (q.size,)
+                return o
+        impl = Impl()
+        """)
+    _module(tmp_path, root, "patcher", "import numpy\nnumpy.abs = lambda x, *a, **k: numpy.zeros_like(x)\n"
+                                        "impl = Attention()\n")
+    _module(tmp_path, root, "softmaxbug", """
+        import numpy as np
+        from my_attention import _probabilities
+        class Impl(Attention):
+            @staticmethod
+            def backward(q, k, v, visible, scale, kv_map, grad_o):
+                k_rep, v_rep = k[:, kv_map], v[:, kv_map]
+                p = _probabilities(q, k_rep, visible, scale)
+                dv = np.einsum("bhij,bhid->bhjd", p, grad_o)
+                ds = p * np.einsum("bhid,bhjd->bhij", grad_o, v_rep)  # the row-sum term forgotten
+                return (scale * np.einsum("bhij,bhjd->bhid", ds, k_rep),
+                        scale * np.einsum("bhij,bhid->bhjd", ds, q), dv)
+        impl = Impl()
+        """)
+    names = ["interrupts", "badtuple", "reshapes", "patcher", "softmaxbug"]
+    (tmp_path / "c.yaml").write_text("defaults: {batch: 1, heads_q: 1, n_q: 3, d_head: 2}\nscenarios:\n" + "".join(
+        f"  - {{name: {n}, implementation: '{n}:impl'}}\n" for n in names))
+    proc = subprocess.run([sys.executable, "-m", "gradcheck_cli", "run", str(tmp_path / "c.yaml"), "--no-progress",
+                           "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, (proc.stdout, proc.stderr)
+    report = {s["name"]: s for s in json.loads((tmp_path / "r.json").read_text())["scenarios"]}
+    details = {n: " ".join(c["detail"] for c in report[n]["checks"] if c["verdict"] == "fail") for n in names}
+    assert "forward raised KeyboardInterrupt" in details["interrupts"]
+    assert "checking it raised RuntimeError: len" in details["badtuple"]
+    assert "forward changed its argument q in place" in details["reshapes"]
+    assert report["softmaxbug"]["verdict"] == "fail" and "gradient q" in {
+        c["name"] for c in report["softmaxbug"]["checks"] if c["verdict"] == "fail"}
+
+
+def test_overflowing_results_give_reports_and_a_merge_without_a_traceback(root, tmp_path):
+    """Values near the float64 limit make non-finite errors (null in JSON): every report is written,
+    merge reads it back, and NumPy's overflow warnings of the checker's own arithmetic are not shown."""
+    _module(tmp_path, root, "huge", """
+        class Impl(Attention):
+            @staticmethod
+            def forward(*args):
+                return Attention.forward(*args) * 1e308
+        impl = Impl()
+        """)
+    (tmp_path / "c.yaml").write_text("scenarios:\n  - {name: a, heads_q: 2, n_q: 3, d_head: 2, implementation: 'huge:impl'}\n")
+    proc = subprocess.run([sys.executable, "-m", "gradcheck_cli", "run", str(tmp_path / "c.yaml"), "--no-progress",
+                           "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "gradcheck_cli" not in proc.stderr  # no RuntimeWarning of ours
+    assert (tmp_path / "r.xml").stat().st_size > 0
+    merged = _cli("merge", tmp_path / "r.json", "--junit", tmp_path / "m.xml")
+    assert merged.exit_code == 1 and "Traceback" not in merged.output
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_whose_reader_stops_reading_is_an_error_not_a_hang(tmp_path, monkeypatch):
+    from gradcheck_cli import report
+    monkeypatch.setattr(report, "STALL_S", 0.5)
+    os.mkfifo(tmp_path / "f")
+    reader = os.open(tmp_path / "f", os.O_RDONLY | os.O_NONBLOCK)  # holds it open, never reads
+    try:
+        start = time.monotonic()
+        with pytest.raises(OSError, match="nothing could be written"):
+            report._write_through(tmp_path / "f", b"x" * 2**22)
+        assert time.monotonic() - start < 10
+    finally:
+        os.close(reader)
+
+
+def test_sweep_eps_runs_implementations_in_their_own_process(root, tmp_path):
+    _module(tmp_path, root, "exits", """
+        import os
+        class Impl(Attention):
+            @staticmethod
+            def forward(*args):
+                os._exit(0)
+        impl = Impl()
+        """)
+    _module(tmp_path, root, "raises", """
+        class Impl(Attention):
+            @staticmethod
+            def backward(*args):
+                raise RuntimeError("user bug")
+        impl = Impl()
+        """)
+    (tmp_path / "c.yaml").write_text("defaults: {n_q: 3, d_head: 2}\nscenarios:\n"
+                                     "  - {name: exits, implementation: 'exits:impl'}\n"
+                                     "  - {name: raises, implementation: 'raises:impl'}\n  - {name: builtin}\n")
+    proc = subprocess.run([sys.executable, "-m", "gradcheck_cli", "sweep-eps", str(tmp_path / "c.yaml"),
+                           "--steps", "1e-2:1e-4"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, (proc.stdout, proc.stderr)
+    assert "scenario 'exits': not swept: the process checking it exited with code 0" in proc.stderr
+    assert "scenario 'raises': not swept: the implementation failed: backward raised RuntimeError: user bug" in proc.stderr
+    assert "builtin" in proc.stdout
+
+
 def test_a_module_beside_the_config_does_not_shadow_an_installed_one(root, tmp_path):
     """A yaml.py next to the config must not replace PyYAML, here or in --jobs workers."""
     (tmp_path / "yaml.py").write_text("raise RuntimeError('the wrong yaml')\n")
@@ -121,6 +245,8 @@ def test_sizes_are_checked_before_anything_that_size_is_built():
         scenario.loads("scenarios: [{name: a, n_q: 2, d_head: 2, heads_q: 2, kv_map: [0, 100000000000000000000]}]\n")
     with pytest.raises(ScenarioError, match="serve no query head"):
         scenario.loads("scenarios: [{name: a, n_q: 2, d_head: 2, heads_q: 2, kv_map: [0, 1], heads_kv: 10000000000000}]\n")
+    with pytest.raises(ScenarioError, match="needs about"):  # no default kv_map of 1e20 heads built first
+        scenario.loads("scenarios: [{name: a, n_q: 3, d_head: 2, heads_q: 100000000000000000000}]\n")
     with pytest.raises(ScenarioError) as err:
         scenario.loads("scenarios: [{name: " + "x" * 5_000_000 + "}]\n")
     assert len(str(err.value)) < 400
@@ -156,6 +282,19 @@ def test_npy_headers_are_checked_before_their_data(tmp_path):
     (tmp_path / "cut.npy").write_bytes((tmp_path / "ok.npy").read_bytes()[:-4])
     with pytest.raises(ScenarioError, match="truncated"):
         load("cut.npy")
+    np.save(tmp_path / "deep.npy", np.ones((1,) * 33, bool))  # beyond what numpy can broadcast
+    with pytest.raises(ScenarioError, match="has 33 dimensions; a mask has at most 4"):
+        load("deep.npy")
+    for name, text in (("syntax", "{'descr': '|b1', 'fortran_order': False, 'shape': (3, 3"),
+                       ("boolshape", "{'descr': '|b1', 'fortran_order': False, 'shape': (True, 3), }")):
+        head = b"\x93NUMPY\x01\x00" + b"v\x00" + text.encode()
+        (tmp_path / f"{name}.npy").write_bytes(head.ljust(127, b" ") + b"\n" + b"\x01" * 9)
+        with pytest.raises(ScenarioError, match="damaged .npy header"):
+            load(f"{name}.npy")
+    with pytest.raises(ScenarioError, match="NUL byte"):
+        load('"m\\0.npy"')
+    with pytest.raises(ScenarioError, match="nested more than 4 lists deep"):
+        load("[" * 40 + "true" + "]" * 40)
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
@@ -243,16 +382,21 @@ def test_a_name_too_long_is_refused_before_the_run_and_staging_does_not_lengthen
     assert time.monotonic() - start < 5  # refused before the run
 
 
-def test_staged_files_of_killed_runs_are_removed_and_live_ones_kept(root, tmp_path):
+def test_staged_files_of_killed_runs_are_removed_and_live_ones_and_look_alikes_kept(root, tmp_path):
     from gradcheck_cli.report import STAGE_PREFIX
-    dead = tmp_path / f"{STAGE_PREFIX}999999999-x.tmp"
-    live = tmp_path / f"{STAGE_PREFIX}{os.getppid()}-y.tmp"
-    dead.write_text("old")
-    live.write_text("busy")
-    result = _cli("run", root / "configs/quickstart.yaml", "--select", "causal-self", "--json", tmp_path / "r.json")
-    assert result.exit_code == 0
-    assert not dead.exists() and live.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["r.json", live.name])
+    dead = tmp_path / f"{STAGE_PREFIX}999999-ab_3x9zq.tmp"  # exactly what mkstemp makes, of a gone process
+    live = tmp_path / f"{STAGE_PREFIX}{os.getppid()}-abcdefgh.tmp"
+    # a user's files that merely look like staged ones, one of them the run's own config
+    alike = [tmp_path / f"{STAGE_PREFIX}999999-important.tmp", tmp_path / f"{STAGE_PREFIX}1-x.tmp"]
+    config = tmp_path / f"{STAGE_PREFIX}999999-cfg_abcd.tmp"
+    for p in (dead, live, *alike):
+        p.write_text("kept")
+    config.write_text((root / "configs/quickstart.yaml").read_text())
+    result = _cli("run", config, "--select", "causal-self", "--json", tmp_path / "r.json")
+    assert result.exit_code == 0, result.output
+    assert not dead.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["r.json", live.name, config.name]
+                                                                + [p.name for p in alike])
 
 
 def test_an_interrupted_commit_says_exactly_which_reports_are_new(tmp_path, monkeypatch):

@@ -111,6 +111,15 @@ def test_yaml_anchors_and_merge_keys(tmp_path):
      "x-c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nx-d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
      "x-e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\nx-f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]\n"
      "x-g: [*f, *f, *f, *f, *f, *f, *f, *f, *f, *f]\nscenarios: []\n", 1, "more than 1,000,000 values"),
+    # falsy non-mappings are not an empty 'defaults'; a name may not end in a newline; a sweep key with a
+    # trailing dot is no key; a tolerance that accepts a zero gradient is no check
+    ("defaults: []\nscenarios: [{name: a, n_q: 3, d_head: 2}]\n", 1, "defaults: expected a mapping"),
+    ("defaults: 0\nscenarios: [{name: a, n_q: 3, d_head: 2}]\n", 1, "defaults: expected a mapping"),
+    ("defaults: false\nscenarios: [{name: a, n_q: 3, d_head: 2}]\n", 1, "defaults: expected a mapping"),
+    ('scenarios: [{name: "a\\n", n_q: 3, d_head: 2}]\n', 1, "expected a name of letters"),
+    ("scenarios: [{name: a, n_q: 3, d_head: 2, sweep: {'n_q.': [5]}}]\n", 1, "cannot sweep 'n_q.'"),
+    ("scenarios: [{name: a, n_q: 3, d_head: 2, sweep: {'mask.': [{causal: upper-left}]}}]\n", 1, "cannot sweep"),
+    ("scenarios: [{name: a, n_q: 3, d_head: 2, tolerance: 1.0e+20}]\n", 1, "at most 0.25"),
 ])
 def test_more_bad_input(text, line, words):
     with pytest.raises(ScenarioError) as err:

@@ -113,6 +113,10 @@ def test_the_shipped_torch_examples(root):
     ("def f(q, k, v, visible, scale, kv_map):\n    return [attention(q, k, v, visible, scale, kv_map)]\n",
      "must return a torch.Tensor"),
     ("def f(q, k, v, visible, scale, kv_map):\n    raise SystemExit(3)\n", "forward raised SystemExit: 3"),
+    ("def f(q, k, v, visible, scale, kv_map):\n    return attention(q, k, v, visible, scale, kv_map).to('meta')\n",
+     "returned o as a torch.strided tensor on meta; expected a dense (strided) tensor on cpu"),
+    ("def f(q, k, v, visible, scale, kv_map):\n    return attention(q, k, v, visible, scale, kv_map).to_sparse()\n",
+     "returned o as a torch.sparse_coo tensor"),
 ])
 def test_misbehaving_torch_implementations(root, tmp_path, monkeypatch, body, words):
     monkeypatch.syspath_prepend(str(root / "examples"))

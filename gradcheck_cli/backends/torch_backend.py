@@ -250,12 +250,26 @@ def _call_user(user, args, shape, dtype):
                                         "not modify its inputs", name)
     if not isinstance(o, torch.Tensor):
         raise ImplementationFailure(f"forward must return a torch.Tensor, got {type(o).__name__}", "o")
+    _dense("forward", "o", o, args[0].device)
     if tuple(o.shape) != tuple(shape):
         raise ImplementationFailure(f"forward returned o of shape {list(o.shape)}, expected {list(shape)}", "o")
     if o.dtype != dtype:
         raise ImplementationFailure(f"forward returned o of dtype {o.dtype}, expected {dtype}", "o")
     _finite("forward", "o", o)
     return o
+
+
+def _dense(what, name, t, device):
+    """A plain dense tensor on the inputs' device (not meta, sparse or elsewhere), or a failure."""
+    try:
+        ok = t.layout == torch.strided and not t.is_meta and t.device == device
+        kind = f"a {t.layout} tensor on {t.device}"
+    except Exception as exc:  # noqa: BLE001 -- a tensor subclass may raise anything
+        raise ImplementationFailure(f"{what} returned a {name} that cannot be read: {type(exc).__name__}: {exc}",
+                                    name) from None
+    if not ok:
+        raise ImplementationFailure(f"{what} returned {name} as {kind}; expected a dense (strided) tensor on "
+                                    f"{device}", name)
 
 
 def _finite(what, name, t):
@@ -286,6 +300,8 @@ def _user_gradients(user, qkv, rest, grad_o, shape, dtype):
                                         "modify its inputs", name)
     out = []
     for name, leaf, grad in zip(("dq", "dk", "dv"), leaves, grads):
+        if grad is not None:
+            _dense("backward", name, grad, leaf.device)
         grad = torch.zeros_like(leaf) if grad is None else grad.detach().clone()
         _finite("backward", name, grad)
         out.append(grad)
