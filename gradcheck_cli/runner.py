@@ -339,6 +339,23 @@ def _leave() -> None:
     os._exit(0)
 
 
+def _drop_fork_server_fds() -> None:
+    """A child of the fork server holds the write end of the pipe by which the server learns that the
+    run is gone (and the resource tracker's): while it or any process the user's code forks holds it,
+    the server would outlive a killed run, and so would the workers (they die with the server). Closed
+    here, the chain holds: run killed -> server leaves -> workers are killed."""
+    from multiprocessing import forkserver, resource_tracker
+    for owner, attr in ((getattr(forkserver, "_forkserver", None), "_forkserver_alive_fd"),
+                        (getattr(resource_tracker, "_resource_tracker", None), "_fd")):
+        fd = getattr(owner, attr, None)
+        if isinstance(fd, int):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            setattr(owner, attr, None)
+
+
 def _init_worker(threads: int) -> None:
     """Workers leave Ctrl-C to the parent (which stops them), die with it (Linux: the parent's death
     signals them), and share the cores: ``threads`` chunk threads and as many BLAS threads each, so N
@@ -349,9 +366,10 @@ def _init_worker(threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     implementation.CTRL_C_REACHES_HERE = False
+    _drop_fork_server_fds()
     try:
         import ctypes
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the fork server's death kills us
     except (OSError, AttributeError, TypeError):
         pass
     numeric.WORKERS = threads

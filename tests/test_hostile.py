@@ -168,6 +168,59 @@ def test_a_fifo_whose_reader_stops_reading_is_an_error_not_a_hang(tmp_path, monk
         os.close(reader)
 
 
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_and_what_they_fork_do_not_keep_a_killed_run_alive(root, tmp_path):
+    """kill -9 of the run: its hung worker dies too (the fork server leaves, and the workers die with it),
+    even when the user's code forked a process of its own that keeps running."""
+    _module(tmp_path, root, "hangs", f"""
+        import os, time
+        class Impl(Attention):
+            @staticmethod
+            def forward(*args):
+                child = os.fork()
+                if child == 0:
+                    time.sleep(20)
+                    os._exit(0)
+                with open({str(tmp_path / "child")!r}, "w") as fh:
+                    fh.write(str(child))
+                with open({str(tmp_path / "pid")!r}, "w") as fh:
+                    fh.write(str(os.getpid()))
+                while True:
+                    time.sleep(0.05)
+        impl = Impl()
+        """)
+    (tmp_path / "c.yaml").write_text("scenarios:\n  - {name: a, n_q: 3, d_head: 2, implementation: 'hangs:impl'}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "gradcheck_cli", "run", str(tmp_path / "c.yaml"), "--no-progress"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        worker = int((tmp_path / "pid").read_text())
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while not _gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        assert _gone(worker)
+    finally:
+        for pid in (worker, int((tmp_path / "child").read_text())):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_sweep_eps_runs_implementations_in_their_own_process(root, tmp_path):
     _module(tmp_path, root, "exits", """
         import os
