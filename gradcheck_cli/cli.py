@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import threading
@@ -273,7 +274,12 @@ def merge(reports, json_path, junit_path):
         except UnicodeDecodeError:
             raise _fail(f"{path}: not UTF-8 text, so not a JSON report") from None
         try:
-            loaded.append((path, json.loads(text, parse_constant=_no_constant)))
+            data = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+            json.dumps(data, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape is no text
+            loaded.append((path, data))
+        except UnicodeEncodeError:
+            raise _fail(f"{path}: not an attn-gradcheck JSON report (it holds a lone surrogate escape such as "
+                        "\\ud800, which is not text)") from None
         except json.JSONDecodeError as exc:
             raise _fail(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from None
         except (ValueError, RecursionError) as exc:  # NaN, nesting or integers beyond what a report holds
@@ -290,6 +296,13 @@ def merge(reports, json_path, junit_path):
         raise _fail(f"cannot write the report: {exc}") from None
     codes = {"pass": EXIT_OK, "fail": EXIT_FAILED, "inconclusive": EXIT_INCONCLUSIVE}
     raise click.exceptions.Exit(codes[data["verdict"]])
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"it holds the number {text[:40]}, beyond float64 (a report holds finite numbers or null)")
+    return value
 
 
 def _no_constant(name: str):

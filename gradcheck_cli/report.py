@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import io
+import itertools
 import json
 import math
 import shlex
@@ -305,6 +306,7 @@ def merge_reports(reports: Sequence[tuple[str, dict]]) -> dict:
         if problems:
             raise GradcheckError(f"{path}: not a valid attn-gradcheck JSON report (schema/report.schema.json): "
                                  + "; ".join(problems))
+        _consistent(path, data)
         if data.get("interrupted"):
             raise GradcheckError(f"{path}: from an interrupted run; re-run it before merging")
         groups.setdefault(os.path.normpath(str(data.get("config"))), []).append((path, data))
@@ -362,6 +364,32 @@ def merge_reports(reports: Sequence[tuple[str, dict]]) -> dict:
     return _with_id(merged)
 
 
+def _consistent(path: str, data: dict) -> None:
+    """What the schema cannot say: each check's ``passed`` is its verdict, each scenario's verdict is
+    its checks' (fail if any fails, else inconclusive if any is), and the summary counts what is there.
+    A report that contradicts itself was edited or damaged: merging it would give a verdict nobody ran."""
+    def bad(where: str, what: str):
+        return GradcheckError(f"{path}: {where}: {what}: the report contradicts itself (edited or damaged); "
+                              "use the report the run wrote")
+    counts = {"scenarios": len(data["scenarios"]), "checks": 0, "passed": 0, "failed": 0, "inconclusive": 0}
+    for i, sc in enumerate(data["scenarios"]):
+        verdicts = set()
+        for j, c in enumerate(sc["checks"]):
+            if c["passed"] != (c["verdict"] == "pass"):
+                raise bad(f"scenarios[{i}].checks[{j}]", f"passed is {str(c['passed']).lower()} but its verdict is "
+                                                         f"{c['verdict']}")
+            verdicts.add(c["verdict"])
+            counts["checks"] += 1
+            counts[{"pass": "passed", "fail": "failed", "inconclusive": "inconclusive"}[c["verdict"]]] += 1
+        derived = "fail" if "fail" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "pass")
+        if sc["verdict"] != derived or sc["passed"] != (derived == "pass"):
+            raise bad(f"scenarios[{i}] ({sc['name']})", f"its verdict is {sc['verdict']} (passed "
+                                                        f"{str(sc['passed']).lower()}) but its checks say {derived}")
+    summary_ = {k: data["summary"].get(k) for k in counts}
+    if summary_ != counts:
+        raise bad("summary", f"it counts {summary_} but the report holds {counts}")
+
+
 def _check_shards(config, parts: Sequence[tuple[str, dict]]) -> None:
     """The shards of one config: all of 1..N, each once (reports without --shard are whole runs)."""
     shards = [(path, data.get("shard")) for path, data in parts]
@@ -381,12 +409,16 @@ def _check_shards(config, parts: Sequence[tuple[str, dict]]) -> None:
     of = runs.pop()[2]
     given: dict[int, str] = {}
     for path, s in shards:
+        if s["index"] > count:
+            raise GradcheckError(f"{path}: shard {s['index']}/{count}: there is no such shard (index above count)")
         if s["index"] in given:
             raise GradcheckError(f"shard {s['index']}/{count} of {config} is given twice ({given[s['index']]}, {path})")
         given[s["index"]] = path
-    missing = [f"{i}/{count}" for i in range(1, count + 1) if i not in given]
-    if missing:
-        raise GradcheckError(f"shard {', '.join(missing)} of {config} missing; merge every shard of the run")
+    if len(given) < count:  # name the first few missing without counting up to a huge N
+        missing = [f"{i}/{count}" for i in itertools.islice((i for i in itertools.count(1) if i not in given), 5)]
+        more = count - len(given) - len(missing)
+        raise GradcheckError(f"shard {', '.join(missing)}{f' and {more:,} more' if more > 0 else ''} of {config} "
+                             "missing; merge every shard of the run")
     held = sum(len(data["scenarios"]) for _, data in parts)
     if of is not None and held != of:
         raise GradcheckError(f"the shards of {config} hold {held} scenario(s) but the run selected {of}")

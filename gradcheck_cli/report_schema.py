@@ -10,28 +10,59 @@ _VERDICT = {"enum": ["pass", "fail", "inconclusive"]}
 _STRINGS = {"type": "array", "items": {"type": "string"}}
 _INTS = {"type": "array", "items": {"type": "integer"}}
 
+_COUNT = {"type": "integer", "minimum": 0}
+_NUMBERS = {"type": "array", "items": _NUMBER}
+
+_DIAGNOSIS = {
+    "type": "object",
+    "required": ["checked", "out_of_tolerance", "axes", "classes", "heat", "worst"],
+    "properties": {
+        "checked": _COUNT, "out_of_tolerance": _COUNT,
+        "axes": {"type": "object", "additionalProperties": {
+            "type": "object", "required": ["max_abs_error", "out_of_tolerance"],
+            "properties": {"max_abs_error": _NUMBERS, "out_of_tolerance": {"type": "array", "items": _COUNT}}}},
+        "classes": {"type": "array", "items": {
+            "type": "object", "required": ["label", "checked", "out_of_tolerance", "max_abs_error"],
+            "properties": {"label": {"type": "string"}, "checked": _COUNT, "out_of_tolerance": _COUNT,
+                           "max_abs_error": _NUMBER}}},
+        "heat": {"oneOf": [{"type": "null"}, {
+            "type": "object", "required": ["rows", "columns", "bin", "levels"],
+            "properties": {"rows": {"type": "string"}, "columns": {"type": "string"},
+                           "bin": {"type": "array", "items": {"type": "integer", "minimum": 1},
+                                   "minItems": 2, "maxItems": 2},
+                           "levels": {"type": "array", "items": {"type": "array", "items": {
+                               "type": "integer", "minimum": -1, "maximum": 9}}}}}]},
+        "worst": {"type": "array", "items": {
+            "type": "object", "required": ["index", "analytic", "numeric"],
+            "properties": {"index": {"oneOf": [_INTS, {"type": "null"}]}, "analytic": _NUMBER,
+                           "numeric": _NUMBER, "allowed": _NUMBER}}},
+    },
+}
+
 _CHECK = {
     "type": "object",
     "required": ["kind", "name", "tensor", "shape", "max_abs_error", "relative_error", "tolerance",
-                 "noise_floor", "worst_index", "passed", "verdict", "detail"],
+                 "noise_floor", "worst_index", "passed", "verdict", "detail", "diagnosis"],
     "properties": {
         "kind": {"enum": ["gradient", "invariant", "reference", "implementation", "experiment"]},
         "name": {"type": "string"}, "tensor": {"type": ["string", "null"]},
         "shape": {"oneOf": [_INTS, {"type": "null"}]}, "max_abs_error": _NUMBER, "relative_error": _NUMBER,
         "tolerance": _NUMBER, "noise_floor": _NUMBER, "worst_index": {"oneOf": [_INTS, {"type": "null"}]},
         "passed": {"type": "boolean"}, "verdict": _VERDICT, "fd_error": _NUMBER, "detectable": _NUMBER,
-        "detail": {"type": "string"}, "diagnosis": {"type": ["object", "null"]},
+        "detail": {"type": "string"}, "diagnosis": {"oneOf": [{"type": "null"}, _DIAGNOSIS]},
     },
 }
 
 _SCENARIO = {
     "type": "object",
-    "required": ["name", "index", "op", "dtype", "mode", "faults", "passed", "verdict", "checks", "hints", "config"],
+    "required": ["name", "index", "op", "dtype", "mode", "faults", "passed", "verdict", "checks", "hints", "config",
+                 "reproduce", "elapsed_s"],
     "properties": {
         "name": {"type": "string"}, "index": {"type": "integer", "minimum": 0}, "op": {"type": "string"},
         "engine": {"type": "string"}, "dtype": {"type": "string"}, "epsilon": _NUMBER, "tolerance": _NUMBER,
         "mode": {"type": "string"}, "faults": _STRINGS, "passed": {"type": "boolean"}, "verdict": _VERDICT,
-        "elapsed_s": _NUMBER, "checks": {"type": "array", "items": _CHECK}, "hints": _STRINGS,
+        "elapsed_s": {"type": "number", "minimum": 0},
+        "checks": {"type": "array", "items": _CHECK, "minItems": 1}, "hints": _STRINGS,
         "detectable": {"type": "object", "additionalProperties": _NUMBER}, "config": {"type": "string"},
         "reproduce": {"type": "string"},
     },

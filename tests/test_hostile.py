@@ -488,14 +488,37 @@ def _good_report(root, tmp_path):
     lambda r: r.__setitem__("summary", {"scenarios": -1}),
     lambda r: r["scenarios"][0]["checks"][0].__setitem__("passed", "yes"),
     lambda r: r.__setitem__("negative_controls", {"passed": True, "cells": [{"fault": 1}]}),
+    # keys the rendering of a merge uses
+    lambda r: r["scenarios"][0].pop("reproduce"),
+    lambda r: r["scenarios"][0].pop("elapsed_s"),
+    lambda r: r["scenarios"][0].__setitem__("elapsed_s", None),
+    lambda r: r["scenarios"][0]["checks"][0].pop("diagnosis"),
+    lambda r: r["scenarios"][0]["checks"][0].__setitem__("diagnosis", {"x": 1}),
+    lambda r: r["scenarios"][0].__setitem__("checks", []),
+    # reports that contradict themselves: a merge must not turn them into a verdict
+    lambda r: r["scenarios"][0]["checks"][0].__setitem__("verdict", "fail"),
+    lambda r: r["scenarios"][0].update(verdict="fail", passed=False),
+    lambda r: r.__setitem__("scenarios", []),
+    lambda r: r.__setitem__("shard", {"index": 5, "count": 3}),
 ])
 def test_merge_refuses_malformed_reports_with_one_message(root, tmp_path, mutate):
     data = _good_report(root, tmp_path)
     mutate(data)
     (tmp_path / "bad.json").write_text(json.dumps(data))
     result = _cli("merge", tmp_path / "bad.json", "--json", tmp_path / "m.json")
-    assert result.exit_code == 2 and "Traceback" not in result.output and "not a valid" in result.stderr, result.output
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert any(w in result.stderr for w in ("not a valid", "contradicts itself", "no such shard")), result.stderr
     assert not (tmp_path / "m.json").exists()
+
+
+def test_merge_names_missing_shards_without_counting_to_a_huge_count(root, tmp_path):
+    data = _good_report(root, tmp_path)
+    data["shard"] = {"index": 1, "count": 10**15, "of": None, "select": [], "deselect": []}
+    (tmp_path / "s.json").write_text(json.dumps(data))
+    start = time.monotonic()
+    result = _cli("merge", tmp_path / "s.json")
+    assert result.exit_code == 2 and "shard 2/1000000000000000" in result.stderr and "more of" in result.stderr
+    assert time.monotonic() - start < 10
 
 
 @pytest.mark.parametrize("text,words", [
@@ -503,6 +526,8 @@ def test_merge_refuses_malformed_reports_with_one_message(root, tmp_path, mutate
     ('{"tool": "attn-gradcheck", "n": ' + "9" * 5000 + "}", "not an attn-gradcheck JSON report"),
     ('{"tool": "attn-gradcheck", "x": NaN}', "NaN"),
     ("\xff\xfe", "not UTF-8"),
+    ('{"tool": "attn-gradcheck", "x": 1e999}', "beyond float64"),
+    ('{"tool": "attn-gradcheck", "x": "\\ud800"}', "lone surrogate"),
 ])
 def test_merge_survives_pathological_json(tmp_path, text, words):
     path = tmp_path / "bad.json"
