@@ -435,6 +435,13 @@ def test_a_name_too_long_is_refused_before_the_run_and_staging_does_not_lengthen
     assert time.monotonic() - start < 5  # refused before the run
 
 
+def test_a_config_name_too_long_for_the_file_system_is_one_line(tmp_path):
+    name = str(tmp_path / ("x" * 300 + ".yaml"))
+    for command in ("run", "validate", "sweep-eps"):
+        result = _cli(command, name)
+        assert result.exit_code == 2 and "File name too long" in result.stderr and "Traceback" not in result.output
+
+
 def test_staged_files_of_killed_runs_are_removed_and_live_ones_and_look_alikes_kept(root, tmp_path):
     from gradcheck_cli.report import STAGE_PREFIX
     dead = tmp_path / f"{STAGE_PREFIX}999999-ab_3x9zq.tmp"  # exactly what mkstemp makes, of a gone process
