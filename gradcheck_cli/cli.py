@@ -51,8 +51,15 @@ def _console(stderr: bool = False) -> Console:
                     width=None if tty else 200)
 
 
+def _error(message: str) -> None:
+    """One line on stderr: control characters of a path or value are shown escaped."""
+    text = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in message)
+    click.echo(f"error: {text}", err=True)
+
+
 def _fail(message: str) -> "click.exceptions.Exit":
-    click.echo(f"error: {message}", err=True)
+    """Print the one-line error and return the exit (2) to raise."""
+    _error(message)
     return click.exceptions.Exit(EXIT_BAD_INPUT)
 
 
@@ -222,6 +229,11 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
     except GradcheckError as exc:  # a worker could not load the file (changed while running)
         bar.close()
         raise _fail(str(exc)) from None
+    except Exception as exc:  # Ctrl-C inside a lazy import or a pool comes wrapped: still a Ctrl-C
+        from .console import _caused_by_interrupt
+        if not _caused_by_interrupt(exc):
+            raise
+        interrupted = True
     bar.close()
 
     report.render_summary(out, results, len(scenarios) if interrupted else None)
@@ -233,7 +245,7 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
         report.write_reports(json_path, data, junit_path,
                              report.junit_xml(data) if junit_path else None, arrays_dir, results)
     except OSError as exc:
-        raise _fail(f"cannot write the reports: {exc}") from None
+        raise _fail(f"cannot write the reports: {_unwritten(exc)}") from None
     except KeyboardInterrupt as exc:  # a second Ctrl-C while writing: nothing half-written stays behind
         written = getattr(exc, "written", [])
         pending = getattr(exc, "pending", None)
@@ -293,9 +305,15 @@ def merge(reports, json_path, junit_path):
     try:
         report.write_reports(json_path, data, junit_path, report.junit_xml(data) if junit_path else None)
     except OSError as exc:
-        raise _fail(f"cannot write the report: {exc}") from None
+        raise _fail(f"cannot write the report: {_unwritten(exc)}") from None
     codes = {"pass": EXIT_OK, "fail": EXIT_FAILED, "inconclusive": EXIT_INCONCLUSIVE}
     raise click.exceptions.Exit(codes[data["verdict"]])
+
+
+def _unwritten(exc: OSError) -> str:
+    """What a failed write left: a failure while staging leaves every file as it was."""
+    from .errors import ReportsFailed
+    return str(exc) if isinstance(exc, ReportsFailed) else f"{exc}; none written (every file is as it was)"
 
 
 def _finite_float(text: str) -> float:
@@ -349,7 +367,7 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
         except GradcheckError as exc:
             raise _fail(str(exc)) from None
         if isinstance(result, str):
-            click.echo(f"error: {sc.file}: scenario '{sc.name}': not swept: {result}", err=True)
+            _error(f"{sc.file}: scenario '{sc.name}': not swept: {result}")
             failed = True
             continue
         sweeps.append(result)
@@ -363,7 +381,7 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
             if plot_path:
                 stage.add(plot_path, lambda fh: report.plot_sweeps(sweeps, fh, Path(plot_path).suffix[1:].lower()))
     except OSError as exc:
-        raise _fail(f"cannot write the outputs: {exc}") from None
+        raise _fail(f"cannot write the outputs: {_unwritten(exc)}") from None
     if failed:
         raise click.exceptions.Exit(EXIT_FAILED)
 
@@ -430,7 +448,7 @@ def validate(configs):
         try:
             scenarios = load(config)
         except GradcheckError as exc:
-            click.echo(f"error: {exc}", err=True)
+            _error(str(exc))
             bad = True
             continue
         for sc in scenarios:

@@ -39,8 +39,35 @@ def _terminate(signum, frame) -> None:
     raise Terminated()
 
 
+def _standard_streams() -> None:
+    """Standard input, output or error closed (``>&-``): /dev/null in its place, so the run goes on
+    with that output discarded (its exit code and reports unchanged), and no file opened later takes
+    descriptor 1 or 2 and receives what was meant for the terminal."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        new = os.open(os.devnull, os.O_RDWR)
+        if new != fd:
+            os.dup2(new, fd)
+            os.close(new)
+        setattr(sys, name, open(fd, mode, closefd=False, encoding="utf-8", errors="replace"))
+
+
+def quiet_numpy_arithmetic() -> None:
+    """NumPy's overflow/invalid-value warnings raised inside NumPy's own functions while the checks
+    judge values near the float64 limit: the verdict says what is wrong; the warnings only add noise
+    (this package's own lines are silenced in its __init__; the user's code keeps its warnings)."""
+    import warnings
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"numpy(\.|$)")
+
+
 def main() -> None:
     import signal
+    _standard_streams()
+    quiet_numpy_arithmetic()
     signal.signal(signal.SIGTERM, _terminate)  # SIGTERM stops a run as Ctrl-C does (exit 143)
     try:
         import click

@@ -18,6 +18,19 @@ class ReportsInterrupted(KeyboardInterrupt):
         self.written, self.pending, self.terminated = written, pending, terminated
 
 
+class ReportsFailed(OSError):
+    """A report could not be put in place: which are new (``written``: a device or FIFO already sent
+    to, or a file whose old version could not be put back) and which are as they were (``pending``)."""
+
+    def __init__(self, written: list[str], pending: list[str], cause: BaseException):
+        super().__init__(getattr(cause, "errno", None), str(cause))
+        self.written, self.pending, self.cause = written, pending, cause
+
+    def __str__(self) -> str:
+        return (f"{self.cause}; " + (f"written: {', '.join(self.written)}; as they were: {', '.join(self.pending)}"
+                                    if self.written else "none written (every report is as it was)"))
+
+
 class ScenarioError(GradcheckError):
     """A scenario file is wrong: names the file, the line and the key, and suggests a fix.
 

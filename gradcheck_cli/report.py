@@ -27,7 +27,7 @@ from rich.text import Text
 from . import __version__, report_schema
 from . import files as _files
 from .diagnose import ranges
-from .errors import GradcheckError, ReportsInterrupted, Terminated
+from .errors import GradcheckError, ReportsFailed, ReportsInterrupted, Terminated
 from .result import ControlCell, ScenarioResult, controls_verdict
 
 #: Version of the JSON report layout (README "JSON report"). Bumped on any incompatible change.
@@ -508,12 +508,20 @@ def _probe(folder: Path) -> None:
     os.unlink(tmp)
 
 
+#: Kinds of file a run reads that no report replaces, wherever they are (a helper module that an
+#: implementation imports is not known before the run).
+INPUT_SUFFIXES = {".py": "Python module", ".pyi": "Python stub", ".yaml": "YAML file", ".yml": "YAML file",
+                  ".npy": "NumPy array", ".npz": "NumPy archive"}
+
+
 def prepare_outputs(files: dict[str, str | None], folders: dict[str, str | None],
                     folder_files: dict[str, Sequence[str]] | None = None, inputs: Sequence[str] = ()) -> None:
     """Before anything runs: every file a run will write (``files``, and ``folder_files[opt]`` inside
     ``folders[opt]``) is distinct and is none of ``inputs``; folders exist (created if missing) and
     can be written."""
     for opt, p in [*files.items(), *folders.items()]:
+        if p is not None and not str(p).strip():
+            raise GradcheckError(f"{opt} {p!r}: an empty path; give a file path")
         if p and "\x00" in p:
             raise GradcheckError(f"{opt} {p!r}: the path contains a NUL byte")
     for opt, p in files.items():
@@ -528,6 +536,10 @@ def prepare_outputs(files: dict[str, str | None], folders: dict[str, str | None]
         key = p.resolve()
         if key in targets:
             raise GradcheckError(f"{what} would overwrite {targets[key]} ({p}); give another path")
+        if p.suffix.lower() in INPUT_SUFFIXES and p.suffix.lower() != ".npz" and _files.is_regular_or_absent(p) \
+                and p.exists():
+            raise GradcheckError(f"{what} would overwrite {p}, a {INPUT_SUFFIXES[p.suffix.lower()]} (perhaps one "
+                                 "the run reads); a report never replaces one: give another path")
         targets[key] = what
     for opt, p in [(o, Path(p)) for o, p in {**files, **folders}.items() if p]:
         is_folder = opt in folders
@@ -545,12 +557,16 @@ def prepare_outputs(files: dict[str, str | None], folders: dict[str, str | None]
                     if not (stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
                         raise GradcheckError(f"{opt} {p}: is neither a regular file nor a device or FIFO to write "
                                              "through; give a file path")
+                    if stat.S_ISFIFO(mode):
+                        _hold_fifo(opt, p)
                     continue  # written through (``--json /dev/null`` discards), never renamed over
                 p.parent.mkdir(parents=True, exist_ok=True)
                 _probe(p.parent)
         except OSError as exc:
             raise GradcheckError(f"{opt} {p}: cannot write there ({exc.strerror or exc})") from None
-    for _, p in wanted:
+    for what, p in wanted:
+        if what not in files and (p.is_dir() or not _files.is_regular_or_absent(p)):  # a --save-arrays member
+            raise GradcheckError(f"{what}: {p} exists and is not a regular file; remove it or choose another folder")
         try:
             longest = os.pathconf(p.parent if p.parent.exists() else ".", "PC_NAME_MAX")
         except (OSError, ValueError):
@@ -568,9 +584,12 @@ STAGE_PREFIX = ".attn-gradcheck-"
 
 
 class StagedWrites:
-    """Write every report to a temp file beside its target, then rename them all into place, so no
-    report is ever half-written and a failure leaves the old files as they were. A target that is a
-    character device or a FIFO (``--json /dev/null``) is written through, never renamed over."""
+    """Write every report to a temp file beside its target, then put them all in place, so no report
+    is ever half-written and the reports are all new or all as they were: each target that existed is
+    kept under a hard link until every rename succeeded, and a failure (or Ctrl-C) while putting them
+    in place puts the old ones back. A target that is a character device or a FIFO (``--json
+    /dev/null``) is written through, never renamed over, and first: what it was sent cannot be taken
+    back, but a failure there leaves every file as it was."""
 
     def __init__(self) -> None:
         self._staged: list[tuple[str, Path]] = []
@@ -586,7 +605,7 @@ class StagedWrites:
             write(buffer)
             self._through.append((path, buffer.getvalue()))
             return
-        fd, tmp = tempfile.mkstemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-", suffix=".tmp", dir=path.parent)
+        fd, tmp = _stage_file(path.parent)
         self._staged.append((tmp, path))
         with os.fdopen(fd, "wb") as fh:
             write(fh)
@@ -601,25 +620,72 @@ class StagedWrites:
         if exc_type is not None:
             self._discard()
             return
+        replaced: list[tuple[Path, str | None]] = []  # (target, the hard link keeping its old file)
         try:
-            for tmp, path in self._staged:
-                os.replace(tmp, path)
-                self.committed.append(path)
             for path, data in self._through:
                 _write_through(path, data)
                 self.committed.append(path)
+            for tmp, path in self._staged:
+                replaced.append((path, _keep_old(path)))
+                os.replace(tmp, path)
+                self.committed.append(path)
         except BaseException as failure:
+            restored = _put_back(replaced, self.committed)
             self._discard()
-            written = [str(p) for p in self.committed]
-            pending = [str(p) for _, p in self._staged if p not in self.committed] + \
+            written = [str(p) for p in self.committed if p not in restored]
+            pending = [str(p) for _, p in self._staged if str(p) not in written] + \
                 [str(p) for p, _ in self._through if p not in self.committed]
             if isinstance(failure, KeyboardInterrupt):
                 raise ReportsInterrupted(written, pending, isinstance(failure, Terminated)) from None
-            raise
+            raise ReportsFailed(written, pending, failure) from None
+        for _, old in replaced:
+            if old:
+                Path(old).unlink(missing_ok=True)
 
     def _discard(self) -> None:
         for tmp, _ in self._staged:
             Path(tmp).unlink(missing_ok=True)
+
+
+def _stage_file(folder: Path) -> tuple[int, str]:
+    return tempfile.mkstemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-", suffix=".tmp", dir=folder)
+
+
+def _keep_old(path: Path) -> str | None:
+    """A hard link to the file at ``path`` (a staging name); "" when there is no file there; None when
+    the file system has no hard links (then a failure cannot put that one back, and says so)."""
+    if not path.exists():
+        return ""
+    fd, name = _stage_file(path.parent)
+    os.close(fd)
+    os.unlink(name)
+    try:
+        os.link(path, name)
+    except OSError:
+        return None
+    return name
+
+
+def _put_back(replaced: list[tuple[Path, str | None]], committed: list[Path]) -> set[Path]:
+    """Undo the renames that happened: the old file back where there was one, the new one removed where
+    there was none. The targets put back (best effort: a second failure leaves that one new)."""
+    done = set()
+    for path, old in reversed(replaced):
+        if path not in committed:
+            if old:
+                Path(old).unlink(missing_ok=True)
+            continue
+        if old is None:
+            continue  # no hard link to put back: that report stays new, and is named so
+        try:
+            if old:
+                os.replace(old, path)
+            else:
+                path.unlink()  # there was no file: the new one goes
+            done.add(path)
+        except BaseException:  # noqa: BLE001 -- a second Ctrl-C: that report stays new, and is named so
+            pass
+    return done
 
 
 #: Seconds a special file may refuse every byte before the write is given up (a FIFO whose reader
@@ -627,11 +693,31 @@ class StagedWrites:
 STALL_S = 60.0
 
 
+#: FIFOs given as report targets, opened for writing when the run starts (so one without a reader is
+#: refused before the run) and kept open until the report is written through (closing it in between
+#: would end its reader's input).
+_HELD_FIFOS: dict[str, int] = {}
+
+
+def _hold_fifo(opt: str, path: Path) -> None:
+    key = os.path.abspath(path)
+    if key in _HELD_FIFOS:
+        return
+    try:
+        _HELD_FIFOS[key] = os.open(path, os.O_WRONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise GradcheckError(f"{opt} {path}: a FIFO with no reader; start its reader first") from None
+        raise
+
+
 def _write_through(path: Path, data: bytes) -> None:
     """Write into a special file in place: a FIFO without a reader is an error, not a wait, and one
     whose reader stops reading for STALL_S seconds is an error too."""
     import select
-    fd = os.open(path, os.O_WRONLY | getattr(os, "O_NONBLOCK", 0))
+    fd = _HELD_FIFOS.pop(os.path.abspath(path), None)
+    if fd is None:
+        fd = os.open(path, os.O_WRONLY | getattr(os, "O_NONBLOCK", 0))
     try:
         view = memoryview(data)
         while view:

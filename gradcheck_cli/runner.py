@@ -131,8 +131,35 @@ def _context(torch: bool):
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["gradcheck_cli.runner", "gradcheck_cli.ops"] + (["torch"] if torch else []))
+    _start_fork_server(ctx, ["gradcheck_cli.runner", "gradcheck_cli.ops"] + (["torch"] if torch else []))
     return ctx
+
+
+#: Set in the fork server's environment by this package (and removed again in each worker).
+_SAFE_PATH_MARK = "ATTN_GRADCHECK_SAFE_PATH"
+
+
+def _start_fork_server(ctx, preload: list[str]) -> None:
+    """Start the fork server now, with Ctrl-C ignored (its workers inherit that, so a Ctrl-C to the
+    process group never reaches one while it starts; the run itself stays interruptible while it waits
+    for the server) and without the current folder on its module path: it is started with ``python
+    -c``, which would put the current folder first, and a numpy.py or yaml.py there would then run in
+    it. Python 3.10 has no way to say so (PYTHONSAFEPATH is 3.11's): there it preloads nothing, and
+    each worker imports what it needs after taking the run's own module path."""
+    from multiprocessing import forkserver
+    safe = sys.version_info >= (3, 11)
+    ctx.set_forkserver_preload(preload if safe else [])
+    added = safe and "PYTHONSAFEPATH" not in os.environ
+    if added:
+        os.environ["PYTHONSAFEPATH"] = os.environ[_SAFE_PATH_MARK] = "1"
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()  # returns at once when it runs; (re)starts it otherwise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if added:
+            os.environ.pop("PYTHONSAFEPATH", None)
+            os.environ.pop(_SAFE_PATH_MARK, None)
 
 
 class _Workers:
@@ -225,15 +252,19 @@ def _wait(workers, timeout: float) -> None:
 class _Worker:
     def __init__(self, ctx, threads: int):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, threads), daemon=True)
-        # A worker starts with Ctrl-C ignored (the disposition survives exec and fork, and Python keeps
-        # it): a Ctrl-C that reaches the whole process group while it is still starting must not make it
-        # print a traceback. The parent handles Ctrl-C and stops its workers.
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
+        server = _server_pid(ctx)
+        self.proc = ctx.Process(target=_serve, args=(child, threads, server), daemon=True)
+        if server is not None:  # forked by the fork server, which started with Ctrl-C ignored
             self.proc.start()
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        else:
+            # A spawned worker starts with Ctrl-C ignored (the disposition survives exec, and Python
+            # keeps it): a Ctrl-C that reaches the whole process group while it is still starting must
+            # not make it print a traceback. The parent handles Ctrl-C and stops its workers.
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                self.proc.start()
+            finally:
+                signal.signal(signal.SIGINT, previous)
         child.close()
         self.alive = True
         self.started = time.monotonic()
@@ -269,6 +300,7 @@ class _Worker:
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=5)
+        _kill_group(self.proc.pid)
         self.conn.close()
 
     def stop(self) -> None:
@@ -284,7 +316,19 @@ class _Worker:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(timeout=5)
+        _kill_group(self.proc.pid)
         self.conn.close()
+
+
+def _kill_group(pid: int | None) -> None:
+    """Whatever the user's code forked and left running (the worker leads a process group of its
+    own, so that is everything in it that did not leave it) goes with the worker."""
+    if pid is None or not hasattr(os, "killpg"):
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:  # nothing left in the group (the usual case), or not ours
+        pass
 
 
 def _failed(sc: Scenario, detail: str, elapsed: float) -> ScenarioResult:
@@ -294,10 +338,17 @@ def _failed(sc: Scenario, detail: str, elapsed: float) -> ScenarioResult:
                           mode=sc.mode, faults=(), checks=(check,), elapsed_s=elapsed, index=sc.index, engine=sc.engine)
 
 
-def _serve(conn, threads: int) -> None:
+def _server_pid(ctx) -> int | None:
+    if ctx.get_start_method() != "forkserver":
+        return None
+    from multiprocessing import forkserver
+    return forkserver._forkserver._forkserver_pid
+
+
+def _serve(conn, threads: int, server: int | None = None) -> None:
     """A worker: runs the tasks it is sent until told to stop or its parent goes away, then leaves at
     once (os._exit: no atexit handler or finalizer of the user's code runs, none can print or hang)."""
-    _init_worker(threads)
+    _init_worker(threads, server)
     while True:
         try:
             task = conn.recv()
@@ -356,7 +407,7 @@ def _drop_fork_server_fds() -> None:
             setattr(owner, attr, None)
 
 
-def _init_worker(threads: int) -> None:
+def _init_worker(threads: int, server: int | None = None) -> None:
     """Workers leave Ctrl-C to the parent (which stops them), die with it (Linux: the parent's death
     signals them), and share the cores: ``threads`` chunk threads and as many BLAS threads each, so N
     jobs do not oversubscribe the cores. A KeyboardInterrupt in a worker can only be raised by the
@@ -367,13 +418,24 @@ def _init_worker(threads: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     implementation.CTRL_C_REACHES_HERE = False
     _drop_fork_server_fds()
+    if hasattr(os, "setpgid"):
+        try:
+            os.setpgid(0, 0)  # a process group of its own: what user code forks is killed with it
+        except OSError:
+            pass
+    if os.environ.pop(_SAFE_PATH_MARK, None):  # the fork server's setting, not the user's
+        os.environ.pop("PYTHONSAFEPATH", None)
     try:
         import ctypes
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the fork server's death kills us
     except (OSError, AttributeError, TypeError):
         pass
+    if server is not None and os.getppid() != server:  # it left before the line above took effect
+        os._exit(0)
     numeric.WORKERS = threads
     threadpool_limits(limits=threads, user_api="blas")  # for the life of the worker
+    from .console import quiet_numpy_arithmetic
+    quiet_numpy_arithmetic()
 
 
 @functools.lru_cache(maxsize=4)

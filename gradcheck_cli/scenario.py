@@ -234,6 +234,10 @@ class _Doc:
                             raise self.error(path, "'<<' must merge a mapping")
                         merged = {**value, **merged}
                     continue
+                if not isinstance(k_node, yaml.ScalarNode):  # a list or mapping as a key
+                    kind = "a list" if isinstance(k_node, yaml.SequenceNode) else "a mapping"
+                    raise ScenarioError(f"keys must be names, got {kind}", file=self.file,
+                                        line=k_node.start_mark.line + 1, key=_key(path) or None)
                 key = self._constructor.construct_object(k_node)
                 if not isinstance(key, str):
                     raise ScenarioError(f"keys must be names, got {_show(key)}", file=self.file,

@@ -1,5 +1,6 @@
 """The command line and its reports, through click's runner with stderr kept separate."""
 import json
+import os
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -84,12 +85,22 @@ def test_unwritable_or_clashing_reports_fail_before_running(root, tmp_path, args
     assert result.exit_code == 2 and words in result.stderr and result.stdout == ""
 
 
-def test_a_report_that_cannot_be_written_leaves_none(root, tmp_path):
-    (tmp_path / "arrays" / "cache-gqa.npz").mkdir(parents=True)  # a folder where a file must go
+def test_a_report_that_cannot_be_written_leaves_none(root, tmp_path, monkeypatch):
+    """The third rename fails at the end of the run (a full or vanished disk): none is written."""
+    from gradcheck_cli import report
+    calls, real = {"n": 0}, os.replace
+
+    def replace(a, b):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(28, "No space left on device")
+        real(a, b)
+
+    monkeypatch.setattr(report.os, "replace", replace)
     result = run("run", root / "configs/quickstart.yaml", "--json", tmp_path / "r.json", "--save-arrays", tmp_path / "arrays")
-    assert result.exit_code == 2 and "cannot write the reports" in result.stderr
+    assert result.exit_code == 2 and "cannot write the reports" in result.stderr and "none written" in result.stderr
     assert not (tmp_path / "r.json").exists()
-    assert sorted(p.name for p in (tmp_path / "arrays").iterdir()) == ["cache-gqa.npz"]
+    assert list((tmp_path / "arrays").iterdir()) == []
 
 
 def test_plain_output_ignores_a_narrow_columns_setting(root):

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 import time
 
 import numpy as np
@@ -219,6 +220,81 @@ def test_workers_and_what_they_fork_do_not_keep_a_killed_run_alive(root, tmp_pat
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="needs process groups")
+def test_what_user_code_forks_ends_with_its_scenario(root, tmp_path):
+    _module(tmp_path, root, "forks", f"""
+        import os, time
+        class Impl(Attention):
+            @staticmethod
+            def forward(*args):
+                child = os.fork()
+                if child == 0:
+                    null = os.open(os.devnull, os.O_RDWR)
+                    for fd in (0, 1, 2):
+                        os.dup2(null, fd)
+                    time.sleep(30)
+                    os._exit(0)
+                with open({str(tmp_path / "child")!r}, "a") as fh:
+                    fh.write(f"{{child}}\\n")
+                return Attention.forward(*args)
+        impl = Impl()
+        """)
+    (tmp_path / "c.yaml").write_text("scenarios:\n  - {name: a, n_q: 3, d_head: 2, implementation: 'forks:impl'}\n")
+    proc = subprocess.run([sys.executable, "-m", "gradcheck_cli", "run", str(tmp_path / "c.yaml"), "--no-progress"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    children = [int(x) for x in (tmp_path / "child").read_text().split()]
+    deadline = time.monotonic() + 10
+    while not all(_gone(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(c) for c in children)
+
+
+@pytest.mark.parametrize("delay", [0.25, 0.4, 0.55, 0.8])
+def test_ctrl_c_while_the_first_worker_starts_is_not_lost(root, tmp_path, delay):
+    """The fork server imports NumPy and this package while the run waits for its first worker: a
+    Ctrl-C then must end the run (130), not be swallowed into a full run that exits 0."""
+    _module(tmp_path, root, "slow", """
+        import time
+        class Impl(Attention):
+            @staticmethod
+            def forward(*args):
+                time.sleep(0.5)
+                return Attention.forward(*args)
+        impl = Impl()
+        """)
+    (tmp_path / "c.yaml").write_text("scenarios:\n  - {name: a, n_q: 3, d_head: 2, implementation: 'slow:impl'}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "gradcheck_cli", "run", str(tmp_path / "c.yaml"), "--no-progress",
+                             "--json", str(tmp_path / "r.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, text=True)
+    time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    if proc.returncode == -signal.SIGINT:  # before Python set its handler
+        return
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err
+
+
+def test_modules_in_the_current_folder_never_run_in_the_workers(root, tmp_path):
+    """The fork server is started with 'python -c', which would put the current folder first on its
+    module path: a numpy.py there must not run (here it would end the process with 7)."""
+    script = Path(sys.executable).parent / "attn-gradcheck"
+    if not script.exists():
+        pytest.skip("the console script is not installed beside this interpreter")
+    (tmp_path / "numpy.py").write_text("print('CODE FROM CWD RAN')\nimport os\nos._exit(7)\n")
+    (tmp_path / "yaml.py").write_text("raise SystemExit(0)\n")
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    _module(sub, root, "mine", "impl = Attention()\n")
+    (sub / "c.yaml").write_text("scenarios:\n  - {name: a, n_q: 3, d_head: 2, implementation: 'mine:impl'}\n"
+                                "  - {name: b, n_q: 3, d_head: 2}\n")
+    for jobs in ("1", "2"):
+        proc = subprocess.run([str(script), "run", "sub/c.yaml", "--no-progress", "--jobs", jobs], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "CODE FROM CWD" not in proc.stdout + proc.stderr, (proc.stdout, proc.stderr)
 
 
 def test_sweep_eps_runs_implementations_in_their_own_process(root, tmp_path):
@@ -442,6 +518,35 @@ def test_a_config_name_too_long_for_the_file_system_is_one_line(tmp_path):
         assert result.exit_code == 2 and "File name too long" in result.stderr and "Traceback" not in result.output
 
 
+def test_report_paths_that_are_empty_inputs_or_folders_are_refused_before_the_run(root, tmp_path):
+    quick = ("run", root / "configs/quickstart.yaml", "--select", "causal-self")
+    (tmp_path / "helper.py").write_text("x = 1\n")  # e.g. a module an implementation imports
+    (tmp_path / "arr" / "causal-self.npz").mkdir(parents=True)
+    for args, words in ((("--json", ""), "an empty path"),
+                        (("--json", tmp_path / "helper.py"), "a Python module"),
+                        (("--junit", tmp_path / "helper.py"), "a Python module"),
+                        (("--save-arrays", tmp_path / "arr"), "exists and is not a regular file")):
+        start = time.monotonic()
+        result = _cli(*quick, *args)
+        assert result.exit_code == 2 and words in result.stderr, result.output
+        assert time.monotonic() - start < 5
+    assert (tmp_path / "helper.py").read_text() == "x = 1\n"
+
+
+def test_errors_stay_on_one_line_and_closed_streams_do_not_change_the_verdict(root, tmp_path):
+    result = _cli("run", tmp_path / "a\nb.yaml")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "a\\nb.yaml" in result.stderr
+    (tmp_path / "k.yaml").write_text("scenarios:\n  - {name: a, n_q: 3, d_head: 2, ? [1, 2] : 3}\n")
+    result = _cli("validate", tmp_path / "k.yaml")
+    assert result.exit_code == 2 and "keys must be names, got a list" in result.stderr
+    for close in (">&-", "2>&-", ">&- 2>&-"):  # a verdict, not a traceback or a false 'check failed'
+        proc = subprocess.run(f"{sys.executable} -m gradcheck_cli run {root / 'configs/quickstart.yaml'} "
+                              f"--select causal-self --json {tmp_path / 'r.json'} {close}", shell=True,
+                              capture_output=close == "2>&-", text=True, timeout=120)
+        assert proc.returncode == 0, (close, proc.stdout, proc.stderr)
+        assert json.loads((tmp_path / "r.json").read_text())["verdict"] == "pass"
+
+
 def test_staged_files_of_killed_runs_are_removed_and_live_ones_and_look_alikes_kept(root, tmp_path):
     from gradcheck_cli.report import STAGE_PREFIX
     dead = tmp_path / f"{STAGE_PREFIX}999999-ab_3x9zq.tmp"  # exactly what mkstemp makes, of a gone process
@@ -459,25 +564,43 @@ def test_staged_files_of_killed_runs_are_removed_and_live_ones_and_look_alikes_k
                                                                 + [p.name for p in alike])
 
 
-def test_an_interrupted_commit_says_exactly_which_reports_are_new(tmp_path, monkeypatch):
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, OSError])
+def test_a_failed_or_interrupted_commit_puts_the_old_reports_back(tmp_path, monkeypatch, failure):
+    """The second rename fails (or Ctrl-C arrives there): the first report, already renamed, goes back
+    to its old content (r.json existed) or away (r.md did not): all new or all as they were."""
     from gradcheck_cli import report
-    from gradcheck_cli.errors import ReportsInterrupted
+    from gradcheck_cli.errors import ReportsFailed, ReportsInterrupted
     calls = {"n": 0}
     real = os.replace
 
     def replace(a, b):
         calls["n"] += 1
         if calls["n"] == 2:
-            raise KeyboardInterrupt
+            raise failure(5, "I/O error") if failure is OSError else failure()
         real(a, b)
 
-    (tmp_path / "r.xml").write_bytes(b"old")
+    (tmp_path / "r.json").write_bytes(b"old json")
+    (tmp_path / "r.xml").write_bytes(b"old xml")
     monkeypatch.setattr(report.os, "replace", replace)
-    with pytest.raises(ReportsInterrupted) as info:
+    expected = ReportsInterrupted if failure is KeyboardInterrupt else ReportsFailed
+    with pytest.raises(expected) as info:
         report.write_reports(tmp_path / "r.json", {"a": 1}, tmp_path / "r.xml", b"<new/>")
-    assert info.value.written == [str(tmp_path / "r.json")] and info.value.pending == [str(tmp_path / "r.xml")]
-    assert (tmp_path / "r.xml").read_bytes() == b"old"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.xml"]  # no staged file left
+    assert info.value.written == [] and sorted(info.value.pending) == sorted([str(tmp_path / "r.json"),
+                                                                              str(tmp_path / "r.xml")])
+    assert (tmp_path / "r.json").read_bytes() == b"old json" and (tmp_path / "r.xml").read_bytes() == b"old xml"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.xml"]  # no staged or kept file left
+    calls["n"] = 0
+    (tmp_path / "r.json").unlink()
+    with pytest.raises(expected):
+        report.write_reports(tmp_path / "r.json", {"a": 1}, tmp_path / "r.xml", b"<new/>")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.xml"]  # the new r.json taken away again
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_without_a_reader_is_refused_before_the_run(root, tmp_path):
+    os.mkfifo(tmp_path / "f")
+    result = _cli("run", root / "configs/quickstart.yaml", "--json", tmp_path / "r.json", "--junit", tmp_path / "f")
+    assert result.exit_code == 2 and "no reader" in result.stderr and not (tmp_path / "r.json").exists()
 
 
 def _good_report(root, tmp_path):
