@@ -4,7 +4,7 @@ float32, float16 and bfloat16, over random shapes and masks.
 The rule (gradcheck_cli/precision.py): element i of O, dQ, dK, dV may differ from the float64 reference
 by  factor x E_plain + slack + ulps x eps x T_i, where E_plain is the largest error of a plain
 computation in the same precision on the same inputs, T_i the size of the terms element i is made of
-(ops/attention.py term_sizes) and eps the dtype's machine epsilon. For each correct implementation this
+(ops/attention/rounding.py term_sizes) and eps the dtype's machine epsilon. For each correct implementation this
 prints the ulps it NEEDS (the largest (e_i - factor E_plain - slack) / (eps T_i); <= 0: the plain error
 alone covers it), and for the rule's ulps the smallest uniform relative error in a gradient that the rule
 detects (both signs), for n >= 16 (the issue's targets: 0.1% float32, 1% float16, 5% bfloat16).
@@ -47,7 +47,7 @@ def _case(rng):
 
 def _torch_impls(dtype):
     import torch
-    from gradcheck_cli.backends import torch_backend as tb
+    from gradcheck_cli.ops.attention import torch_engine as tb
     import correct_impls as ci
     dt = tb.DTYPES[dtype]
 

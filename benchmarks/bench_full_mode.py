@@ -109,7 +109,7 @@ def main() -> None:
     figures = []
     for keys in SCENARIOS:
         sc = scenario.loads(yaml.safe_dump({"scenarios": [keys]}))[0]
-        problem = attention.build(sc)
+        problem = attention.OP.problem(sc)
         elements = sum(x.size for x in problem.inputs.values())
         coloured_forwards = sum(2 * len(colours(problem.parts[t])) for t in problem.inputs)
         fig = {"scenario": sc.name, "shape": sc.describe(), "elements": elements, "forwards": 2 * elements,

@@ -20,7 +20,8 @@ CHILD = r"""
 import json, resource, sys, time, tracemalloc
 import numpy as np
 from gradcheck_cli import masks
-from gradcheck_cli.ops import attention, tiled
+from gradcheck_cli.ops import attention
+from gradcheck_cli.ops.attention import tiled
 engine, n, d, block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 rng = np.random.default_rng(0)
 q, k, v, g = (rng.standard_normal((1, 1, n, d)) for _ in range(4))

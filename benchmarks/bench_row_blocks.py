@@ -1,4 +1,4 @@
-"""Why the fast forward (gradcheck_cli/ops/copies.py) works in blocks of 32 query rows: the float64 GEMM
+"""Why the fast forward (gradcheck_cli/ops/attention/copies.py) works in blocks of 32 query rows: the float64 GEMM
 rate of stacked products of the shapes one copy of the n=128, d=64 causal forward needs, on one BLAS
 thread (as each finite-difference worker runs), as one 128-row product or as 32-row blocks over the keys
 each block sees. Prints GFLOP/s and microseconds per copy, best of R.

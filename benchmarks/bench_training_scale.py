@@ -15,7 +15,8 @@ import numpy as np
 import yaml
 
 from gradcheck_cli import checker, numeric, scenario
-from gradcheck_cli.ops import OPS, tiled
+from gradcheck_cli.ops import OPS
+from gradcheck_cli.ops.attention import tiled
 
 
 def main() -> None:
@@ -33,7 +34,7 @@ def main() -> None:
     sc = scenario.loads(yaml.safe_dump({"scenarios": [keys]}))[0]
     print(f"{sc.name}: {sc.describe()}", flush=True)
 
-    problem = OPS["attention"].build(sc)
+    problem = OPS["attention"].problem(sc)
     q, k, v = (problem.inputs[t] for t in "qkv")
     kv_map = np.asarray(sc.kv_map)
     g = problem.arrays["grad_output"]

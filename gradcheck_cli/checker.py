@@ -12,6 +12,7 @@ import numpy as np
 from . import diagnose, numeric, verdict
 from .implementation import ImplementationFailure, failure_check
 from .ops import FAULTS, OPS
+from .ops.registry import NonFinite
 from .result import Check, ControlCell, ScenarioResult
 from .scenario import Scenario
 from .tolerance import EPS64, INVARIANT_ULPS, defaults_for, machine_epsilon, passes, relative_error
@@ -48,8 +49,7 @@ def applicable_faults(sc: Scenario) -> tuple[str, ...]:
 
 
 def _build(sc: Scenario, active: Sequence[str], sizes: dict[str, float] | None):
-    op = OPS[sc.op]
-    return op.build(sc, active, sizes) if sizes else op.build(sc, active)
+    return OPS[sc.op].problem(sc, active, sizes)
 
 
 def fault_sizes(clean: ScenarioResult, faults: Iterable[str]) -> dict[str, float]:
@@ -153,38 +153,24 @@ def _non_finite(sc: Scenario, problem) -> list[Check]:
     return checks
 
 
+def _non_finite_words(sc: Scenario) -> NonFinite:
+    op = OPS[sc.op]
+    return op.non_finite(sc) if op.non_finite else NonFinite()
+
+
 def _range_hint(sc: Scenario) -> str:
-    if sc.implementation is not None and sc.op == "attention":
-        from .ops import attention  # the built-in engine on the same inputs: is the range really exceeded?
-        kv_map = np.asarray(sc.kv_map, dtype=np.intp)
-        if sc.backend == "torch":
-            import torch
-            from .backends import torch_backend as tb
-            x, _ = attention.seeded_inputs(sc, dtype=np.float64)
-            t = [torch.from_numpy(x[n]).to(tb.DTYPES[sc.dtype]) for n in "qkv"]
-            o = tb.forward(*t, torch.from_numpy(sc.visible), sc.scale, torch.as_tensor(kv_map))
-            finite = bool(torch.isfinite(o).all())
-        else:
-            x, _ = attention.seeded_inputs(sc)
-            with np.errstate(all="ignore"):
-                finite = bool(np.isfinite(attention.forward(x["q"], x["k"], x["v"], sc.visible, sc.scale,
-                                                            kv_map)).all())
-        if finite:
-            return (f"NaN or inf from your implementation where the built-in engine, in {sc.dtype} on the same "
-                    "inputs, stays finite: it overflows or underflows where it need not (subtract each row's "
-                    "maximum before exp, mask with -inf rather than a large negative number, or accumulate in a "
-                    "wider type)")
+    words = _non_finite_words(sc)
+    if words.hint:
+        return words.hint
     top = float(np.finfo(np.float16).max) if sc.dtype == "float16" else None
-    cause = (f", e.g. scores scale * q.k (scale is {sc.scale:g}) overflow; lower scale or use a wider dtype"
-             if sc.op == "attention" else "; use a wider dtype or smaller values")
     return ("NaN or inf before any difference is taken: the computation leaves the range of " + sc.dtype
-            + (f" (largest finite {top:g})" if top else "") + cause)
+            + (f" (largest finite {top:g})" if top else "") + words.cause)
 
 
 def _copies_hint(sc: Scenario) -> str:
     return ("NaN or inf only on perturbed copies stacked along the batch axis, while the inputs alone give finite "
             f"values: the forward is unstable to small moves (near the range of {sc.dtype}: "
-            + (f"scale is {sc.scale:g}" if sc.op == "attention" else "large values") + "), or it mixes batch elements "
+            + _non_finite_words(sc).unstable + "), or it mixes batch elements "
             "(a max or sum over the batch axis, which the stacked copies then share)")
 
 

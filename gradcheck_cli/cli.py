@@ -230,7 +230,7 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
         bar.close()
         raise _fail(str(exc)) from None
     except Exception as exc:  # Ctrl-C inside a lazy import or a pool comes wrapped: still a Ctrl-C
-        from .console import _caused_by_interrupt
+        from .errors import caused_by_interrupt as _caused_by_interrupt
         if not _caused_by_interrupt(exc):
             raise
         interrupted = True

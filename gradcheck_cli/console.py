@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
+from .errors import caused_by_interrupt as _caused_by_interrupt
+
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 EXIT_BROKEN_PIPE = 141
@@ -22,16 +24,6 @@ def _leave(code: int, message: str | None = None) -> None:
         sys.stderr.flush()
     finally:
         os._exit(code)
-
-
-def _caused_by_interrupt(exc: BaseException) -> bool:
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, KeyboardInterrupt):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def _terminate(signum, frame) -> None:
@@ -56,21 +48,15 @@ def _standard_streams() -> None:
         setattr(sys, name, open(fd, mode, closefd=False, encoding="utf-8", errors="replace"))
 
 
-def quiet_numpy_arithmetic() -> None:
-    """NumPy's overflow/invalid-value warnings raised inside NumPy's own functions while the checks
-    judge values near the float64 limit: the verdict says what is wrong; the warnings only add noise
-    (this package's own lines are silenced in its __init__; the user's code keeps its warnings)."""
-    import warnings
-    warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"numpy(\.|$)")
-
-
 def main() -> None:
     import signal
     _standard_streams()
-    quiet_numpy_arithmetic()
     signal.signal(signal.SIGTERM, _terminate)  # SIGTERM stops a run as Ctrl-C does (exit 143)
     try:
         import click
+
+        from .numeric import quiet_numpy_arithmetic
+        quiet_numpy_arithmetic()
 
         from .cli import main as command
         code = command.main(prog_name="attn-gradcheck", standalone_mode=False)

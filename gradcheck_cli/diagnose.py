@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .indices import ranges  # noqa: F401  (re-exported: reports format index ranges)
 from .ops.registry import Structure
 
 #: Worst elements listed per failed check.
@@ -104,18 +105,3 @@ def _heat(ratio: np.ndarray, axes: tuple[str, ...], pair: tuple[str, str]) -> di
             row.append(_level(float(cell.max())) if seen else -1)
         levels.append(row)
     return {"rows": pair[0], "columns": pair[1], "bin": bins, "levels": levels}
-
-
-def ranges(indices) -> str:
-    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
-    out, run = [], []
-    for i in indices:
-        if run and i == run[-1] + 1:
-            run.append(i)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [i]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ", ".join(out)

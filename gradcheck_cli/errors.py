@@ -10,6 +10,18 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, handled as Ctrl-C is (partial reports, workers stopped), ending with exit 143."""
 
 
+def caused_by_interrupt(exc: BaseException) -> bool:
+    """``exc`` is a Ctrl-C, or was raised while handling one (a lazy import wraps it, e.g. a RuntimeError
+    from ``__set_name__``)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 class ReportsInterrupted(KeyboardInterrupt):
     """Ctrl-C (or SIGTERM) while the reports were being put in place: which are new and which are not."""
 

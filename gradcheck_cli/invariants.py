@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import masks
 from .result import Check
 from .tolerance import INVARIANT_ULPS
 
@@ -25,43 +24,6 @@ def bounded(name: str, tensor: str, values: np.ndarray, bound: float, detail: st
     index = tuple(int(i) for i in np.unravel_index(flat, index_shape or values.shape))
     return Check("invariant", name, tensor, tuple(index_shape or values.shape), worst, worst, bound, 0.0,
                  index, bool(worst <= bound), detail)
-
-
-def attention(fwd, bwd, inputs, visible, kv_map, grads, rng, terms: dict[str, np.ndarray]) -> list[Check]:
-    """All attention invariants for the engine. ``fwd(q, k, v) -> (o, a)`` and
-    ``bwd(q, k, v, grad_o) -> Gradients`` are the implementation under test; ``grads`` is its backward
-    at ``inputs`` (with the A and G_A the backward used, and G_S); ``terms`` as for
-    :func:`attention_outputs`."""
-    o, a = fwd(inputs["q"], inputs["k"], inputs["v"])
-
-    def backward_kv(q, k, v, grad_o):
-        g = bwd(q, k, v, grad_o)
-        return g.k, g.v
-
-    return (attention_weights(a, visible, grads)
-            + attention_outputs(lambda q, k, v: fwd(q, k, v)[0], backward_kv, inputs, visible, kv_map, o, rng,
-                                terms, o.dtype.name))
-
-
-def attention_weights(a, visible, grads) -> list[Check]:
-    """Invariants of the attention matrix A and of the score gradient G_S."""
-    g_s = grads.s
-    eps = float(np.finfo(a.dtype).eps)
-    checks = [
-        bounded("attention is non-negative", "a", np.minimum(a, 0), 0.0, "min over all entries of A must be >= 0"),
-        bounded("attention rows sum to 1", "a", a.sum(axis=-1) - 1, INVARIANT_ULPS * eps * a.shape[-1],
-               "|sum_j A_ij - 1| per row"),
-        bounded("attention is 0 off the visible set", "a", np.where(visible, 0, a), 0.0,
-               "A_ij must be exactly 0 where key j is not visible to query i"),
-    ]
-    # Rounding of sum_j A_ij (G_A_ij - c_i) is bounded by eps * sum_j A_ij (|G_A_ij| + |c_i|).
-    c = (grads.a * grads.ga).sum(axis=-1, keepdims=True)
-    row_scale = (grads.a * (np.abs(grads.ga) + np.abs(c))).sum(axis=-1)
-    checks.append(bounded("score-gradient rows sum to 0", "g_s",
-                         g_s.sum(axis=-1) / np.maximum(row_scale, np.finfo(a.dtype).tiny),
-                         INVARIANT_ULPS * eps,
-                         "|sum_j G_S_ij| / sum_j A_ij (|G_A_ij| + |c_i|) per row (softmax is shift invariant)"))
-    return checks
 
 
 def bounded_each(name: str, tensor: str, values: np.ndarray, bounds: np.ndarray, detail: str,
@@ -90,90 +52,3 @@ def bounded_each(name: str, tensor: str, values: np.ndarray, bounds: np.ndarray,
                    f"({guarded:.3g}), so a violation that size would pass unseen")
     return Check("invariant", name, tensor, tuple(values.shape), worst, worst, allowed, 0.0, index,
                  outcome == "pass", detail, outcome)
-
-
-#: The invariants of O allow this many ulps of the size of its terms ("O rows in the range of visible V
-#: rows": of sum_j A_ij |V_jc|, the rounding of the weights' normalisation and of the product; a logit's
-#: rounding changes the weights but keeps them a convex combination). Half precision accumulates in
-#: float32 and rounds once: fewer ulps, or the checks could not see a leak at all.
-CONVEX_ULPS = {"float64": 64.0, "float32": 64.0, "float16": 4.0, "bfloat16": 4.0}
-
-
-def attention_outputs(forward, backward_kv, inputs, visible, kv_map, o, rng, terms: dict[str, np.ndarray],
-                      precision: str) -> list[Check]:
-    """Invariants that need only the output and the K/V gradients, so they apply to any
-    implementation: ``forward(q, k, v) -> o``, ``backward_kv(q, k, v, grad_o) -> (g_k, g_v)``.
-    ``terms``: the size of the terms of each element of O, ``o`` (with the logits' rounding) and
-    ``o_convex`` (sum_j A_ij |V_jc|), in float64; ``precision``: the dtype the computation rounds in."""
-    from .tolerance import machine_epsilon
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    eps = machine_epsilon(precision)
-    heads_kv = k.shape[-3]
-    checks = []
-
-    # The seed's causal test, for any mask: upstream gradient only on query row 0; K/V rows that no
-    # query head sharing them sees from row 0 must get exactly zero gradient.
-    first = np.zeros_like(o)
-    first[..., 0, :] = np.random.default_rng(rng.integers(2**32)).standard_normal(first[..., 0, :].shape)
-    first_k, first_v = backward_kv(q, k, v, first)
-    row0 = visible[..., :1, :]
-    unseen = ~masks.kv_rows_seen(row0, kv_map, heads_kv)  # [B, Hkv, n_k]
-    n_unseen = int(unseen.sum())
-    for name, grad in (("k", first_k), ("v", first_v)):
-        checks.append(bounded("unseen K/V rows get zero gradient", name,
-                             np.where(unseen[..., None], grad, 0), 0.0,
-                             f"loss on query row 0 only; {n_unseen} (batch, kv head, key) rows it cannot see "
-                             "must get exactly zero gradient"))
-
-    # Replacing K/V rows that no query sees must not change O (beyond the rounding of O's own terms).
-    hidden = ~masks.kv_rows_seen(visible, kv_map, heads_kv)
-    n_hidden = int(hidden.sum())
-    k2 = np.where(hidden[..., None], rng.standard_normal(k.shape).astype(k.dtype) * 10, k)
-    v2 = np.where(hidden[..., None], rng.standard_normal(v.shape).astype(v.dtype) * 10, v)
-    o2 = forward(q, k2, v2)
-    ulps = CONVEX_ULPS.get(precision, INVARIANT_ULPS)
-    checks.append(bounded_each("hidden K/V rows do not change O", "o", np.asarray(o2, dtype=np.float64) - o,
-                               ulps * eps * terms["o_convex"],
-                               (f"{n_hidden} (batch, kv head, key) rows visible to no query replaced by random values"
-                                if n_hidden else "every key row is visible to some query: nothing to replace")
-                               + f"; allowed {ulps:g} ulps of {precision} of sum_j A_ij |V_jc| (the visible keys' "
-                               "logits do not move)",
-                               guarded=float(np.abs(o).max(initial=0.0)) if n_hidden else None))
-
-    # The weights of each row sum to 1: adding the same vector to every V row adds it to every O row.
-    shift = np.random.default_rng(rng.integers(2**32)).standard_normal(v.shape[:-2] + (1, v.shape[-1]))
-    shift = (shift * max(float(np.abs(v).max(initial=0.0)), 1.0)).astype(v.dtype)
-    o3 = np.asarray(forward(q, k, v + shift), dtype=np.float64)
-    moved = np.take(shift.astype(np.float64), kv_map, axis=-3)  # [B, Hq, 1, d_v]: each query head's KV head
-    checks.append(bounded_each("shifting every V row shifts O by as much", "o", o3 - o - moved,
-                               ulps * eps * (terms["o_convex"] + 2 * np.abs(moved)),
-                               "O(V + c) - O(V) - c per element, c one random vector per (batch, KV head) added to every V "
-                               f"row: the attention weights of each row sum to 1; allowed {ulps:g} ulps of "
-                               f"{precision} of sum_j A_ij |V_jc| + 2 |c|",
-                               guarded=float(np.abs(moved).max(initial=0.0))))
-
-    # Each O row is a convex combination of its visible V rows.
-    checks.append(bounded_each("O rows in the range of visible V rows", "o",
-                               _outside_visible_range(o, v, visible, kv_map), ulps * eps * terms["o_convex"],
-                               "distance of O_i outside [min, max] of the V rows visible to query i, per column; "
-                               f"allowed {ulps:g} ulps of {precision} of sum_j A_ij |V_jc|",
-                               guarded=float(np.abs(o).max(initial=0.0))))
-    return checks
-
-
-def _outside_visible_range(o, v, visible, kv_map, block_elements: int = 1 << 22) -> np.ndarray:
-    """Per element of o [B, Hq, n_q, d_v]: how far it lies outside [min, max] over the V rows
-    visible to its query row. Evaluated in blocks of query rows to bound memory."""
-    out = np.zeros(o.shape, dtype=np.float64)
-    n_q, n_k, d_v = o.shape[-2], v.shape[-2], v.shape[-1]
-    rows = max(1, block_elements // max(1, n_k * d_v))
-    for b in range(o.shape[0]):
-        for r, kv in enumerate(kv_map):
-            vals = v[b, kv][None, :, :]                       # [1, n_k, d_v]
-            for i0 in range(0, n_q, rows):
-                vis = visible[b, r, i0:i0 + rows, :, None]    # [rows, n_k, 1]
-                lo = np.where(vis, vals, np.inf).min(axis=1)
-                hi = np.where(vis, vals, -np.inf).max(axis=1)
-                oi = o[b, r, i0:i0 + rows]
-                out[b, r, i0:i0 + rows] = np.maximum(lo - oi, 0) + np.maximum(oi - hi, 0)
-    return out

@@ -21,6 +21,14 @@ Loss = Callable[[np.ndarray], np.ndarray]
 Progress = Callable[[int], None]
 
 
+def quiet_numpy_arithmetic() -> None:
+    """NumPy's overflow/invalid-value warnings raised inside NumPy's own functions while the checks
+    judge values near the float64 limit: the verdict says what is wrong; the warnings only add noise
+    (this package's own lines are silenced in its __init__; the user's code keeps its warnings)."""
+    import warnings
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"numpy(\.|$)")
+
+
 def step_size(x, epsilon: float, size: float = 1.0):
     """The one step policy: h = epsilon * max(size, |x|). ``size`` is the input's natural scale, below
     which the step stops shrinking with |x| (1 for the standard-normal inputs; |tau| for a temperature,

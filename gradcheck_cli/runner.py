@@ -434,8 +434,7 @@ def _init_worker(threads: int, server: int | None = None) -> None:
         os._exit(0)
     numeric.WORKERS = threads
     threadpool_limits(limits=threads, user_api="blas")  # for the life of the worker
-    from .console import quiet_numpy_arithmetic
-    quiet_numpy_arithmetic()
+    numeric.quiet_numpy_arithmetic()
 
 
 @functools.lru_cache(maxsize=4)

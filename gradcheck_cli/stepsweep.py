@@ -41,7 +41,7 @@ class Sweep:
 
 def sweep(sc: Scenario, steps=DEFAULT_STEPS, samples: int = 32, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> Sweep:
     """Difference ``samples`` elements of every input at each step (the scenario's own seed picks them)."""
-    problem = OPS[sc.op].build(sc, ())
+    problem = OPS[sc.op].problem(sc)
     steps = tuple(sorted(set(float(s) for s in steps) | {float(sc.epsilon)}, reverse=True))
     chunking = numeric.plan(problem.copy_bytes, memory_budget)
     rng = np.random.default_rng([sc.seed, 9])

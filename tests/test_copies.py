@@ -1,4 +1,4 @@
-"""The finite differences' fast forward (ops/copies.py): the reference forward's values for any shape,
+"""The finite differences' fast forward (ops/attention/copies.py): the reference forward's values for any shape,
 mask, GQA map and block size, on copies stacked on any input; it skips the key blocks no query of a row
 block sees; the max-subtraction is dropped only under its bound; and the check in every run catches a
 fast path that drifts from the reference."""
@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from gradcheck_cli import checker, numeric
-from gradcheck_cli.ops import attention, copies
+from gradcheck_cli.ops import attention
+from gradcheck_cli.ops.attention import copies, naive
 from helpers import make
 from test_tiled import problems
 
@@ -156,7 +157,7 @@ def test_below_the_floor_a_wrong_zero_and_the_right_tiny_gradient_get_the_same_v
         import dataclasses
         g = backward(*args, **kwargs)
         return dataclasses.replace(g, q=np.zeros_like(g.q))
-    monkeypatch.setattr(attention, "backward", zero_q)
+    monkeypatch.setattr(naive, "backward", zero_q)  # the built-in engine's backward
     wrong = checker.run_scenario(make(**keys))
     verdict = {name: {c.tensor: c.verdict for c in r.checks if c.kind == "gradient"}["q"]
                for name, r in (("right", right), ("wrong", wrong))}

@@ -66,7 +66,7 @@ def test_softmax_hint_from_the_k_gradients_alone():
     """A user implementation has no G_S invariant: the hint then comes from sum_j G_K[j] != 0."""
     sc = make(heads_q=2, n_q=5, n_k=6, d_head=4, mask={"causal": "lower-right"})
     res, ev = _full_evidence(sc, "softmax-term", "k")
-    problem = OPS["attention"].build(sc, ("softmax-term",))
+    problem = OPS["attention"].problem(sc, ("softmax-term",))
     without = [c for c in res.checks if c.name != "score-gradient rows sum to 0"]
     hints = problem.hints({"k": ev}, without)
     assert any("does not sum to 0 over the keys" in h for h in hints), hints
@@ -177,7 +177,7 @@ def test_torch_backend_hints(fault):
 def test_non_finite_values_fail_naming_the_first_bad_element(monkeypatch):
     import dataclasses
     sc = make(n_q=3, d_head=2)
-    real = OPS["attention"].build
+    real = OPS["attention"].problem
 
     def nan_build(sc, faults=()):
         problem = real(sc, faults)
@@ -185,7 +185,7 @@ def test_non_finite_values_fail_naming_the_first_bad_element(monkeypatch):
         problem.gradients["k"][0, 0, 2, 1] = np.nan
         problem.gradients["k"][0, 0, 2, 0] = np.inf  # earlier in C order: named first
         return problem
-    monkeypatch.setitem(OPS, "attention", dataclasses.replace(OPS["attention"], build=nan_build))
+    monkeypatch.setitem(OPS, "attention", dataclasses.replace(OPS["attention"], engines={}, build=nan_build))
     res = checker.run_scenario(sc)
     assert res.verdict == "fail"
     [check] = res.checks

@@ -103,9 +103,9 @@ def test_colouring_gives_the_same_numbers_and_catches_the_same_faults():
 
 def test_colouring_catches_a_forward_that_mixes_rows(monkeypatch):
     """If the forward leaked between query rows, colouring would be invalid: the check must say so.
-    Finite differences evaluate the fast forward (ops/copies.py), so that is the one made to leak (the
-    reference too, so that only the independence check can see it)."""
-    from gradcheck_cli.ops import attention, copies
+    Finite differences evaluate the fast forward (ops/attention/copies.py), so that is the one made to leak
+    (the naive engine's reference too, so that only the independence check can see it)."""
+    from gradcheck_cli.ops.attention import copies, naive as attention
 
     def mix(o, q):
         return o + 0.1 * q[..., :1, : o.shape[-1]].sum(axis=-2, keepdims=True)  # row 0 of q feeds every row
@@ -183,7 +183,7 @@ def test_an_error_a_few_times_the_tolerance_fails_when_the_differences_are_accur
     ~1e-9 was 'inconclusive: the finite differences are too inaccurate', contradicting its own estimate.
     Out of tolerance by far more than the finite-difference error is a failure."""
     import dataclasses
-    from gradcheck_cli.ops import attention
+    from gradcheck_cli.ops.attention import naive as attention  # the built-in engine
     backward = attention.backward
 
     def off(*args, **kwargs):

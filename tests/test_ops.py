@@ -87,9 +87,9 @@ def test_invariants_catch_their_faults_without_finite_differences():
              ("swiglu", dict(n=3, d_model=3, d_ff=4), "gate-branch", "<G_W3, W_3> = L")]
     for op, keys, fault, check in cases:
         sc = make(op=op, **keys)
-        invariant = {c.name: c for c in OPS[op].build(sc, (fault,)).invariants()}[check]
+        invariant = {c.name: c for c in OPS[op].problem(sc, (fault,)).invariants()}[check]
         assert not invariant.passed, (op, fault)
-        assert {c.name: c for c in OPS[op].build(sc).invariants()}[check].passed
+        assert {c.name: c for c in OPS[op].problem(sc).invariants()}[check].passed
 
 
 @given(st.integers(1, 3), st.integers(1, 5), st.integers(1, 9), st.floats(0, 1), st.integers(0, 2**16))

@@ -12,7 +12,8 @@ from gradcheck_cli.ops.attention import ENGINE_FAULTS
 from gradcheck_cli import checker, masks, scenario
 from gradcheck_cli.cli import main
 from gradcheck_cli.errors import ScenarioError
-from gradcheck_cli.ops import OPS, attention, tiled
+from gradcheck_cli.ops import OPS, attention
+from gradcheck_cli.ops.attention import tiled
 from conftest import CONFIGS, load_config
 from helpers import make
 

@@ -18,7 +18,7 @@ from helpers import make
 from test_engine import _valid, scenarios
 
 torch = pytest.importorskip("torch")
-from gradcheck_cli.backends import torch_backend  # noqa: E402
+from gradcheck_cli.ops.attention import torch_engine as torch_backend  # noqa: E402
 
 GQA = dict(batch=2, heads_q=4, heads_kv=2, n_q=5, n_k=8, d_head=8, scale=0.4,
            mask={"causal": "lower-right", "key_lengths": [8, 6]})

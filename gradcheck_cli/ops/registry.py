@@ -1,6 +1,7 @@
 """The op record and the one registry of ops. Each op module builds its ``Op``; ``OPS`` lists them."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -86,6 +87,16 @@ class Problem:
     nondeterministic: bool = False  # the implementation's forward changes from call to call
 
 
+@dataclass(frozen=True)
+class NonFinite:
+    """What an op says of NaN or inf in a scenario: ``hint``, its own diagnosis (replacing the generic
+    one) or None; ``cause``, how its values leave the dtype's range (ends the generic hint); ``unstable``,
+    what brings perturbed copies near that range."""
+    hint: str | None = None
+    cause: str = "; use a wider dtype or smaller values"
+    unstable: str = "large values"
+
+
 #: Marks a Param without a default: the key is required.
 REQUIRED = object()
 
@@ -106,6 +117,21 @@ class Param:
 
 
 @dataclass(frozen=True)
+class Engine:
+    """One way of computing an op, imported only when a scenario uses it (as einops resolves its
+    backends lazily): ``target`` names ``module:function``, a ``build(scenario, faults, sizes) -> Problem``.
+    Nothing imports an engine's module but :meth:`load`, so an engine may import its framework (torch)
+    at the top and the op's package never reaches up to it."""
+    name: str
+    target: str
+    summary: str = ""
+
+    def load(self) -> Callable[..., Problem]:
+        module, attr = self.target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
 class Op:
     """An op: its gradients, faults and scenario keys.
 
@@ -115,13 +141,16 @@ class Op:
     parsed attention keys or is empty. ``shapes(sc)``: the shapes of its inputs (for progress and the
     memory estimate). ``describe(sc)``: one line of the scenario's shapes. ``common_keys``: the shared
     keys (batch, dtype, epsilon, tolerance, check, seed) it uses, when not all. ``memory(sc)``: bytes
-    beyond its inputs, for the load-time estimate.
+    beyond its inputs, for the load-time estimate. An op is computed by ``build`` or, when it has
+    several engines, by ``engines[engine_for(sc)]`` (see :meth:`problem`).
     """
     name: str
     summary: str
     tensors: tuple[str, ...]
     faults: Mapping[str, Fault]
-    build: Callable[..., Problem]  # build(scenario, faults) -> Problem
+    build: Callable[..., Problem] | None = None  # build(scenario, faults) -> Problem, for an op of one engine
+    engines: Mapping[str, Engine] = field(default_factory=dict)  # or its engines, by name
+    engine_for: Callable[[Any], str] | None = None  # the name of the engine that checks a scenario
     keys: Mapping[str, Param] = field(default_factory=dict)
     attention_keys: bool = False
     validate: Callable[[dict, dict], list] | None = None
@@ -129,4 +158,12 @@ class Op:
     describe: Callable[[Any], str] | None = None
     common_keys: tuple[str, ...] | None = None  # the shared keys it takes (default: all of them)
     memory: Callable[[Any], int] | None = None  # bytes it needs beyond its inputs (load-time estimate)
-    why_not: Callable[[Any, str], str | None] | None = None  # why a fault cannot apply to a scenario, if known
+    why_not: Callable[[Any, str], str | None] | None = None
+    non_finite: Callable[[Any], NonFinite] | None = None  # what NaN or inf in a scenario means for this op  # why a fault cannot apply to a scenario, if known
+
+    def problem(self, sc, faults=(), sizes: dict[str, float] | None = None) -> Problem:
+        """The problem of scenario ``sc`` with ``faults`` injected (``sizes``: of the sized faults), from the
+        engine that checks it."""
+        if self.engines:
+            return self.engines[self.engine_for(sc)].load()(sc, faults, sizes)
+        return self.build(sc, faults, sizes) if sizes else self.build(sc, faults)

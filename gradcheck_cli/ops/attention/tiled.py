@@ -1,6 +1,6 @@
 """The tiled (FlashAttention-style) engine for op ``attention`` (``engine: tiled``; A.10.6).
 
-Same function as ``attention.forward`` in exact arithmetic, evaluated over blocks so that no n_q x n_k
+Same function as ``formulas.forward`` in exact arithmetic, evaluated over blocks so that no n_q x n_k
 array exists: the forward walks key/value blocks with an online softmax (running row max m and sum l,
 rescaling the accumulator when m grows) and saves only O and the per-row log-sum-exp
 LSE = m + log(l); the backward recomputes each block's probabilities P = exp(S - LSE) from it and uses
@@ -18,7 +18,15 @@ from typing import Collection
 
 import numpy as np
 
-from .attention import repeat_kv, sum_groups
+from ... import invariants, precision
+from ...tolerance import INVARIANT_ULPS
+from ..registry import Problem
+from . import formulas
+from .formulas import repeat_kv, sum_groups
+from .invariants import output_invariants
+from .inputs import seeded_inputs
+from .reference import diagnosis_fields
+from .rounding import Blocks, output_terms, term_sizes
 
 
 def _block(visible, rows: slice, cols: slice):
@@ -126,14 +134,13 @@ def naive_by_rows(q, k, v, visible, scale, kv_map, grad_o, block_q: int = 64, fa
     a time, so the reference for ``tiled agrees with the naive engine`` needs O(block_q x n_k) memory:
     (O, G_Q, G_K, G_V). With ``faults`` it is the naive engine with the same bugs, so the agreement
     check measures the tiling alone and finite differences must catch the faults by themselves."""
-    from . import attention
     out = np.empty(q.shape[:-1] + (v.shape[-1],), dtype=np.result_type(q, v))
     g_q = np.empty(q.shape, dtype=out.dtype)
     g_k, g_v = np.zeros(k.shape, dtype=out.dtype), np.zeros(v.shape, dtype=out.dtype)
     for rows in _spans(q.shape[-2], block_q):
         vis = _block(visible, rows, slice(None))
-        out[..., rows, :] = attention.forward(q[..., rows, :], k, v, vis, scale, kv_map, faults)
-        grads = attention.backward(q[..., rows, :], k, v, vis, scale, kv_map, grad_o[..., rows, :], faults)
+        out[..., rows, :] = formulas.forward(q[..., rows, :], k, v, vis, scale, kv_map, faults)
+        grads = formulas.backward(q[..., rows, :], k, v, vis, scale, kv_map, grad_o[..., rows, :], faults)
         g_q[..., rows, :] = grads.q
         g_k += grads.k
         g_v += grads.v
@@ -146,19 +153,15 @@ def naive_by_rows(q, k, v, visible, scale, kv_map, grad_o, block_q: int = 64, fa
 AGREEMENT_ULPS = 256
 
 
-def build(sc, faults: Collection[str] = ()):
+def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None) -> Problem:
     """The problem of ``engine: tiled``: finite differences, analytic gradients and invariants all
     through the tiled engine, plus its agreement with the naive engine (a check of its own)."""
-    from .. import invariants, precision
-    from ..tolerance import INVARIANT_ULPS
-    from . import attention
-    from .registry import Problem
-    inputs, g = attention.seeded_inputs(sc)
+    inputs, g = seeded_inputs(sc)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     dt = np.dtype(sc.dtype)
     kv_map = np.asarray(sc.kv_map, dtype=np.intp)
     visible, scale, bq, bk = sc.visible, sc.scale, sc.block_q, sc.block_k
-    blocks = attention._Blocks(sc, kv_map)
+    blocks = Blocks(sc, kv_map)
 
     def fwd(q, k, v):
         return forward(q, k, v, visible, scale, kv_map, faults, bq, bk)
@@ -173,7 +176,7 @@ def build(sc, faults: Collection[str] = ()):
     stats: dict = {}
     g_q, g_k, g_v = backward(q, k, v, visible, scale, kv_map, g, faults, bq, bk, saved=(o, lse), stats=stats)
     def a_rows(span):
-        return attention.attention_weights(q[..., span, :], k, visible[..., span, :], scale, kv_map, faults)
+        return formulas.attention_weights(q[..., span, :], k, visible[..., span, :], scale, kv_map, faults)
 
     rounding, rounding_total = blocks.rounding(inputs, g, a_rows, scale, kv_map)
     rng_inv = np.random.default_rng([sc.seed, 1])
@@ -183,12 +186,12 @@ def build(sc, faults: Collection[str] = ()):
                                 naive_by_rows(q, k, v, visible, scale, kv_map, g, bq, faults))))
         # Both engines round: they may differ by AGREEMENT_ULPS x eps x the (worst-case) size of each
         # element's terms, never by a fraction of the result (a saturated row's gradient is zero to rounding).
-        sizes = attention.term_sizes(inputs, g, a_rows, scale, kv_map)
+        sizes = term_sizes(inputs, g, a_rows, scale, kv_map)
         policy = precision.Policy(sc.dtype, 0.0, 0.0, AGREEMENT_ULPS)
         agree = [precision.agreement("tiled agrees with the naive engine", t, mine, ref[t], sizes[t], policy,
                                      what="tiled") for t, mine in (("o", o), ("q", g_q), ("k", g_k), ("v", g_v))]
         eps = float(np.finfo(dt).eps)
-        terms = attention.output_terms(inputs, a_rows, scale, kv_map)
+        terms = output_terms(inputs, a_rows, scale, kv_map)
         # D = rowsum(G_O * O) comes from the forward's O, which carries the rounding of its own terms
         scale_rows = stats["gs_rowscale"] + np.sum(np.abs(g).astype(np.float64) * terms["o"], axis=-1)
         rows = invariants.bounded("score-gradient rows sum to 0", "g_s",
@@ -198,8 +201,8 @@ def build(sc, faults: Collection[str] = ()):
                                   "(1 + |S_ij - LSE_i| + |scale| |q_i|.|k_j|), the rounding P = exp(S - LSE) carries, "
                                   "plus sum_c |G_O_ic| x the terms of O_ic (D is formed from the forward's O); "
                                   "accumulated over the blocks of the tiled backward (softmax is shift invariant)")
-        return agree + [rows] + invariants.attention_outputs(fwd, backward_kv, inputs, visible, kv_map, o, rng_inv,
-                                                             terms, sc.dtype)
+        return agree + [rows] + output_invariants(fwd, backward_kv, inputs, visible, kv_map, o, rng_inv, terms,
+                                                  sc.dtype)
 
     lead = sc.batch * sc.heads_q
     return Problem(
@@ -215,5 +218,5 @@ def build(sc, faults: Collection[str] = ()):
         output=o,
         parts=blocks.parts,
         loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
-        **attention.diagnosis_fields(sc),
+        **diagnosis_fields(sc),
     )

@@ -25,8 +25,11 @@ from typing import Callable
 
 import numpy as np
 
-from .. import masks
-from .registry import Structure
+from ... import masks
+from ..registry import Structure
+from ...indices import ranges
+from .formulas import backward, repeat_kv
+from .inputs import seeded_inputs
 
 #: An alternative explains the implementation's output when it is this many times closer to it than
 #: the reference is.
@@ -258,7 +261,6 @@ def _missing_keys(sc, context: Context, evidence, kv_map) -> str | None:
     if not hidden.any(axis=-1).all() or not _matches(context.output, context.reference(visible=hidden),
                                                     context.reference()):
         return None
-    from ..diagnose import ranges
     return (f"the forward never reads key row(s) {ranges(rows.tolist())} of {sc.n_k}: their gradients are zero and "
             "O is attention with them hidden; a block of keys is skipped (e.g. the last, partial block when "
             "n_k is not a multiple of the block size)")
@@ -273,7 +275,6 @@ def _mask_backward(sc, context, evidence, failed, broken, sees_all, kv_map) -> b
         wrong = [t for t in "qkv" if t in failed or ("unseen K/V rows get zero gradient" in broken and t in "kv")]
         if not wrong or context.g is None:
             return False
-        from .attention import backward
         x = {t: val.astype(np.float64) for t, val in context.inputs.items()}
         unmasked = backward(x["q"], x["k"], x["v"], sc.visible, sc.scale, kv_map, context.g, ("mask-backward",))
         matched = [t for t in wrong if _matches(context.gradients[t], getattr(unmasked, t),
@@ -401,7 +402,6 @@ def _gqa(sc, evidence, verdicts, kv_map, factors) -> str | None:
 
 def _head_shares(sc, kv_map) -> dict[str, np.ndarray]:
     """Each query head's share of the float64 reference's dK and dV: [B, Hq, n_k, d]."""
-    from .attention import backward, repeat_kv, seeded_inputs
     inputs, g = seeded_inputs(sc, dtype=np.float64)
     identity = np.arange(sc.heads_q)
     grads = backward(inputs["q"], repeat_kv(inputs["k"], kv_map), repeat_kv(inputs["v"], kv_map), sc.visible,

@@ -1,4 +1,4 @@
-"""The torch backend (``backend: torch``): the engine's closed-form formulas on torch tensors (with the
+"""The torch engine (``backend: torch``): the engine's closed-form formulas on torch tensors (with the
 same named faults), torch autograd of the same forward as a second opinion, and
 ``torch.nn.functional.scaled_dot_product_attention`` as a third. Devices cpu and cuda; dtypes float64,
 float32 (finite differences) and float16, bfloat16 (the FlashAttention low-precision policy).
@@ -14,11 +14,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import invariants
-from ..ops import attention as engine
-from ..implementation import ImplementationFailure, failure_check, guarded, in_copies
-from ..ops.registry import Problem
-from ..result import Check
+from ... import invariants
+from ...implementation import ImplementationFailure, failure_check, guarded, in_copies
+from ...result import Check
+from ..registry import Problem
+from .inputs import seeded_inputs
+from .invariants import output_invariants
+from .reference import REFERENCE_CHECKS, Interface, diagnosis_fields, hint_context, reference, varies
+from .rounding import Blocks, output_terms
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LOW_PRECISION = ("float16", "bfloat16")
@@ -54,7 +57,7 @@ def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = ()):
 
 
 def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = ()):
-    """The closed forms of A.10.5-A.10.9 (as ``ops.attention.backward``), with its faults."""
+    """The closed forms of A.10.5-A.10.9 (as ``formulas.backward``), with its faults."""
     masked = None if ("mask" in faults or "mask-backward" in faults) else visible
     a = probabilities(q, k, masked, scale, kv_map)
     k_rep, v_rep = _repeat_kv(k, kv_map), _repeat_kv(v, kv_map)
@@ -91,12 +94,12 @@ LOW_PRECISION_CHECKS = dict.fromkeys("oqkv", "low-precision error within factor 
 def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None) -> Problem:
     """The torch problem: numeric checks as the NumPy engine (float64/float32), plus agreement with the
     float64 reference (``precision``); for float16/bfloat16 that agreement instead of finite
-    differences. A user's implementation gets the faults' interface variants (``engine.Interface``)."""
-    from .. import precision
+    differences. A user's implementation gets the faults' interface variants (``reference.Interface``)."""
+    from ... import precision
     device = torch.device(sc.device)
     dt = DTYPES[sc.dtype]
     low = sc.dtype in LOW_PRECISION
-    inputs64, g64 = engine.seeded_inputs(sc, dtype=np.float64)  # the same draws the NumPy engine makes
+    inputs64, g64 = seeded_inputs(sc, dtype=np.float64)  # the same draws the NumPy engine makes
     to = lambda a, dtype=dt: torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)  # noqa: E731
     np_ = lambda t: t.detach().to("cpu", torch.float64).numpy().copy()  # noqa: E731
     q, k, v = (to(inputs64[t]) for t in "qkv")
@@ -105,7 +108,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     kv_map = torch.as_tensor(sc.kv_map, dtype=torch.long, device=device)
     scale = sc.scale
     user = sc.implementation_object
-    interface = engine.Interface(faults, sizes, sc.visible, scale, kv_np) if user is not None else None
+    interface = Interface(faults, sizes, sc.visible, scale, kv_np) if user is not None else None
     vis = torch.from_numpy(sc.visible if interface is None else interface.visible).to(device)
     rounded = {t: np_(x) for t, x in zip("qkv", (q, k, v))}  # the inputs as the dtype holds them
     g_rounded = np_(g)
@@ -133,7 +136,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     if user is not None:
         again = {"o": np_(fwd(q, k, v)), **{t: np_(x) for t, x in zip("qkv", bwd(q, k, v, g))}}
         checks_first.append(implementation_determinism(results, again, sc.nondet_tol))
-    ref, terms, a64 = engine.reference(rounded, g_rounded, sc.visible, scale, kv_np)
+    ref, terms, a64 = reference(rounded, g_rounded, sc.visible, scale, kv_np)
 
     def plain(precision: str) -> dict:
         """torch autograd of the plain forward in ``precision``, on the same inputs."""
@@ -145,7 +148,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         return {"o": np_(out), **{t: np_(x) for t, x in zip("qkv", gr)}}
 
     if user is not None:
-        names = LOW_PRECISION_CHECKS if low else engine.REFERENCE_CHECKS
+        names = LOW_PRECISION_CHECKS if low else REFERENCE_CHECKS
         agree, computes_in = precision.judge(results, ref, terms, sc.dtype, plain, names, sc.factor, sc.slack)
     elif low:
         agree, computes_in = precision.judge(results, ref, terms, sc.dtype, plain, LOW_PRECISION_CHECKS,
@@ -154,14 +157,14 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         agree, computes_in = _opinions(sc, q, k, v, g, vis, kv_map, results, ref, terms, plain, np_), sc.dtype
 
     def invariants_of_output() -> list[Check]:
-        terms = engine.output_terms(rounded, a64, scale, kv_np)
+        terms = output_terms(rounded, a64, scale, kv_np)
         return _output_invariants(sc, fwd, bwd, rounded, o, to, np_, terms, computes_in)
 
     context = None
     if user is not None:
         def impl_forward(q_, k_, v_, visible):
             return np_(fwd(to(q_), to(k_), to(v_), torch.from_numpy(visible).to(device)))
-        context = engine.hint_context(rounded, g_rounded, sc.visible, scale, kv_np, results, ref, impl_forward)
+        context = hint_context(rounded, g_rounded, sc.visible, scale, kv_np, results, ref, impl_forward)
     if low:
         return Problem(inputs={}, loss=None, gradients={t: np_(grads[t]) for t in "qkv"}, rounding={},
                        rounding_total=0.0, copy_bytes=0,
@@ -169,10 +172,10 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                        arrays={**rounded, "visible": sc.visible, "grad_output": g_rounded,
                                "scale": np.asarray(sc.scale), "kv_map": kv_np, "output": np_(o),
                                "reference_output": ref["o"], **{f"analytic_{t}": np_(grads[t]) for t in "qkv"}},
-                       **engine.diagnosis_fields(sc, context))
+                       **diagnosis_fields(sc, context))
 
     inputs = {t: rounded[t].astype(sc.dtype) for t in "qkv"}
-    blocks = engine._Blocks(sc, kv_np)
+    blocks = Blocks(sc, kv_np)
     rounding, total = blocks.rounding(inputs, g64, a64, scale, kv_np)
 
     def copies_forward(name, x):
@@ -217,13 +220,13 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         output=np_(o), parts=blocks.parts, loss_parts=loss_parts,
         compute_dtype=None if computes_in == sc.dtype else computes_in,
         analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in "qkv"} if user is not None else None,
-        nondeterministic=user is not None and engine._varies(results["o"], again["o"], sc.nondet_tol),
-        **engine.diagnosis_fields(sc, context),
+        nondeterministic=user is not None and varies(results["o"], again["o"], sc.nondet_tol),
+        **diagnosis_fields(sc, context),
     )
 
 
 def implementation_determinism(first: dict, second: dict, tolerance: float) -> Check:
-    from ..implementation import determinism
+    from ...implementation import determinism
     return determinism("forward and backward", first, second, tolerance)
 
 
@@ -231,9 +234,9 @@ def _output_invariants(sc, fwd, bwd, inputs, o, to, np_, terms: dict, precision:
     """The output-only invariants on the implementation under test, in the precision it computes in."""
     backward_kv = lambda q_, k_, v_, go: [np_(t) for t in bwd(to(q_), to(k_), to(v_), to(go))[1:]]  # noqa: E731
     try:
-        return invariants.attention_outputs(lambda q_, k_, v_: np_(fwd(to(q_), to(k_), to(v_))), backward_kv,
-                                            inputs, sc.visible, np.asarray(sc.kv_map), np_(o),
-                                            np.random.default_rng([sc.seed, 1]), terms, precision)
+        return output_invariants(lambda q_, k_, v_: np_(fwd(to(q_), to(k_), to(v_))), backward_kv,
+                                 inputs, sc.visible, np.asarray(sc.kv_map), np_(o),
+                                 np.random.default_rng([sc.seed, 1]), terms, precision)
     except ImplementationFailure as exc:
         return [failure_check("invariants", exc)]
 
@@ -311,7 +314,7 @@ def _user_gradients(user, qkv, rest, grad_o, shape, dtype):
 def _opinions(sc, q, k, v, g, vis, kv_map, results, ref, terms, plain, np_) -> list[Check]:
     """The built-in closed forms against the float64 reference with autograd of the plain forward as the
     plain computation (``autograd agrees``: as accurate as autograd), and torch's SDPA likewise."""
-    from .. import precision
+    from ... import precision
     policy = precision.Policy.for_dtype(sc.dtype, sc.factor, sc.slack)
     auto = plain(sc.dtype)
     checks = []

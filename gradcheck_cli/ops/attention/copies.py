@@ -1,6 +1,6 @@
 """The naive engine's forward for stacked perturbed copies: the finite differences' fast path.
 
-Finite differences evaluate ``attention.forward`` on thousands of perturbed copies. This module
+Finite differences evaluate ``formulas.forward`` on thousands of perturbed copies. This module
 evaluates the same function, copy by copy as a black box (every copy's S, softmax and O are formed
 from its own inputs; nothing is reused from the unperturbed inputs), with less work:
 
@@ -13,16 +13,16 @@ from its own inputs; nothing is reused from the unperturbed inputs), with less w
   underflow, and softmax is shift invariant; otherwise each row's maximum over its visible keys is
   subtracted exactly as the reference does.
 
-It is verified against ``attention.forward`` in every run that uses it: the check ``fast forward
+It is verified against ``formulas.forward`` in every run that uses it: the check ``fast forward
 agrees with the reference`` (:func:`agreement`).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .. import invariants
-from . import attention
-from .attention import repeat_kv
+from ... import invariants
+from .formulas import attention_weights, repeat_kv
+from .rounding import output_term_sizes
 
 #: Query rows per block.
 ROWS = 32
@@ -34,7 +34,7 @@ def shift_free_limit(dtype) -> float:
 
 
 class Forward:
-    """O = attention.forward(q, k, v, visible, scale, kv_map) for inputs with extra leading copy axes.
+    """O = formulas.forward(q, k, v, visible, scale, kv_map) for inputs with extra leading copy axes.
     ``visible`` None means every key is visible (the ``mask`` fault)."""
 
     def __init__(self, visible: np.ndarray | None, scale: float, kv_map: np.ndarray, n_q: int, n_k: int,
@@ -109,7 +109,7 @@ def agreement(fast: Forward, reference, inputs: dict, visible, scale, kv_map, fa
     copy 0 from the unperturbed inputs, then two copies each of q, k and v moved as finite differences
     stack them (every element by up to 1% of max(1, |x|)), each evaluated on a leading copy axis of its
     own (the memory of one forward at a time). Each element of O may differ by AGREEMENT_ULPS x eps x
-    the size of its terms (``attention.output_term_sizes``)."""
+    the size of its terms (``rounding.output_term_sizes``)."""
     dt = np.result_type(*inputs.values())
     visible = np.broadcast_to(visible, visible.shape[:-2] + inputs["q"].shape[-2:-1] + inputs["k"].shape[-2:-1])
     moved = [inputs]
@@ -121,9 +121,9 @@ def agreement(fast: Forward, reference, inputs: dict, visible, scale, kv_map, fa
     for args in moved:
         ref = np.asarray(reference(**args), dtype=np.float64)
         gap = np.abs(np.asarray(fast(**{t: x[None] for t, x in args.items()})[0], dtype=np.float64) - ref)
-        sizes = attention.output_term_sizes(
-            args, lambda span, args=args: attention.attention_weights(args["q"][..., span, :], args["k"],
-                                                                      visible[..., span, :], scale, kv_map, faults),
+        sizes = output_term_sizes(
+            args, lambda span, args=args: attention_weights(args["q"][..., span, :], args["k"],
+                                                            visible[..., span, :], scale, kv_map, faults),
             scale, kv_map)
         relative.append(gap / np.maximum(sizes, np.finfo(np.float64).tiny))
     return invariants.bounded(

@@ -1,0 +1,63 @@
+"""Scaled dot-product attention with visible sets and grouped KV heads, as one self-contained op.
+
+Modules, imported one way (each only from those above it in this list, and none from outside the
+package but the shared machinery below ``ops``):
+  formulas   forward, backward, ``repeat_kv``/``sum_groups``, the faults (a leaf)
+  rounding   the size of the terms of O and the gradients (noise floors, agreement)
+  reference  seeded inputs, the float64 reference, the faults' interface variants
+  invariants semantic checks of attention       hints  likely causes of a failure
+  copies     the fast forward of the finite differences
+  naive, tiled, user, torch_engine   the engines, resolved by name from ``OP.engines``
+"""
+from __future__ import annotations
+
+from ..registry import Engine, Op
+from .formulas import (ENGINE_FAULTS, FAULTS, Gradients, attention_weights, backward, forward, repeat_kv,
+                       sum_groups)
+from .inputs import seeded_inputs
+from .overflow import non_finite
+from .rounding import output_term_sizes, output_terms, term_sizes
+
+__all__ = ["ENGINE_FAULTS", "FAULTS", "Gradients", "OP", "attention_weights", "backward", "forward", "repeat_kv",
+           "seeded_inputs", "sum_groups", "output_term_sizes", "output_terms", "term_sizes"]
+
+
+def shapes(sc) -> dict:
+    return {"q": (sc.batch, sc.heads_q, sc.n_q, sc.d_head), "k": (sc.batch, sc.heads_kv, sc.n_k, sc.d_head),
+            "v": (sc.batch, sc.heads_kv, sc.n_k, sc.d_value)}
+
+
+def why_not(sc, fault: str) -> str | None:
+    """Why a fault cannot apply to a scenario, where its structure says so."""
+    if fault == "swap-dk-dv" and sc.d_head != sc.d_value:
+        return f"dK and dV differ in shape (d_head {sc.d_head}, d_value {sc.d_value}): they cannot be swapped"
+    if fault in ("mask", "mask-backward", "leak-hidden-key") and sc.visible.all():
+        return "every key is visible to every query: there is no mask to ignore"
+    if fault == "gqa-sum" and sc.heads_kv == sc.heads_q:
+        return "no KV head is shared by several query heads"
+    if fault == "scale" and sc.scale == 1.0:
+        return "scale is 1: dropping it changes nothing"
+    return None
+
+ENGINES = {e.name: e for e in (
+    Engine("naive", "gradcheck_cli.ops.attention.naive:build", "the closed forms in NumPy, dense n_q x n_k"),
+    Engine("tiled", "gradcheck_cli.ops.attention.tiled:build",
+           "FlashAttention-style blocks with an online softmax; no n_q x n_k array"),
+    Engine("numpy-implementation", "gradcheck_cli.ops.attention.user:build", "a user's NumPy forward and backward"),
+    Engine("torch", "gradcheck_cli.ops.attention.torch_engine:build",
+           "torch autograd, SDPA, or a user's torch callable (torch imported only here)"),
+)}
+
+
+def engine_for(sc) -> str:
+    """The engine that checks scenario ``sc``."""
+    if sc.backend == "torch":
+        return "torch"
+    if sc.implementation is not None:
+        return "numpy-implementation"
+    return sc.engine
+
+
+OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradients of q, k, v",
+        tensors=("q", "k", "v"), faults=FAULTS, engines=ENGINES, engine_for=engine_for, attention_keys=True,
+        shapes=shapes, why_not=why_not, non_finite=non_finite)

@@ -1,0 +1,144 @@
+"""Scaled dot-product attention with visible sets and grouped KV heads: forward, backward, faults.
+
+Shapes (any extra leading axes broadcast, so finite differences can stack perturbed copies):
+  q [B, Hq, n_q, d_head]   k [B, Hkv, n_k, d_head]   v [B, Hkv, n_k, d_value]
+  visible bool [B, Hq, n_q, n_k]   kv_map int [Hq] (query head r reads KV head kv_map[r])
+  o [B, Hq, n_q, d_value]  a [B, Hq, n_q, n_k]
+
+Forward (A.10.1-A.10.3):  S = scale * Q K^T on the visible set, A = softmax with max-subtraction,
+O = A V. Backward (A.10.5-A.10.9): G_V = A^T G_O, G_A = G_O V^T, G_S = A * (G_A - rowsum(A * G_A)),
+G_Q = scale * G_S K, G_K = scale * G_S^T Q; K and V gradients summed over the query heads that
+share a KV head. The n x n softmax Jacobian is never built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Collection
+
+import numpy as np
+
+from ..registry import Fault
+
+#: What a built-in fault does to a user's implementation: the gradient change the bug makes in the
+#: float64 reference is added to the implementation's gradients.
+_ADDED = "adds to the implementation's gradients the change this bug makes to the float64 reference's"
+
+FAULTS: dict[str, Fault] = {f.name: f for f in (
+    Fault("softmax-term", "G_S = A * G_A: drops the row-sum subtraction c_i of the softmax backward",
+          ("gradient q", "gradient k", "score-gradient rows sum to 0", "backward agrees with the reference"),
+          user=_ADDED),
+    Fault("mask", "forward and backward ignore the visible set (finite differences agree with it)",
+          ("attention is 0 off the visible set", "unseen K/V rows get zero gradient",
+           "hidden K/V rows do not change O", "O rows in the range of visible V rows",
+           "forward agrees with the reference"), forward=True,
+          user="shows the implementation every key as visible, in its forward and its backward"),
+    Fault("mask-backward", "only the backward ignores the visible set: it recomputes A without it",
+          ("gradient q", "gradient k", "gradient v", "unseen K/V rows get zero gradient",
+           "backward agrees with the reference"), user=_ADDED),
+    Fault("scale", "G_Q and G_K lose the scale factor (no effect when scale = 1)",
+          ("gradient q", "gradient k", "backward agrees with the reference"), user=_ADDED),
+    Fault("gqa-sum", "K/V gradients: the last query head of a group overwrites instead of summing "
+                     "(no effect without shared KV heads)",
+          ("gradient k", "gradient v", "backward agrees with the reference"), user=_ADDED),
+    *(Fault(f"scale-d{t}", f"d{t.upper()} x (1 + 10 x the smallest relative error the clean run would have caught in it)",
+            (f"gradient {t}", "backward agrees with the reference"), engine=False, sized=True,
+            user=f"multiplies the implementation's d{t.upper()} by that factor") for t in "qkv"),
+    Fault("swap-dk-dv", "returns dV as dK and dK as dV (applies when d_head = d_value)",
+          ("gradient k", "gradient v", "backward agrees with the reference"), engine=False,
+          user="swaps the implementation's dK and dV"),
+    Fault("leak-hidden-key", "one hidden key (the first in row-major order) is visible, in forward and backward",
+          ("forward agrees with the reference",), forward=True, engine=False,
+          user="shows the implementation that key as visible, in its forward and its backward"),
+)}
+
+#: The faults of the built-in engines (the others act on a user's implementation only).
+ENGINE_FAULTS: dict[str, Fault] = {name: f for name, f in FAULTS.items() if f.engine}
+
+#: Built-in faults whose effect on a user's implementation is their change to the reference gradients.
+DIFFERENCE_FAULTS = ("softmax-term", "mask-backward", "scale", "gqa-sum")
+
+
+def repeat_kv(x: np.ndarray, kv_map: np.ndarray) -> np.ndarray:
+    """[..., Hkv, n, d] -> [..., Hq, n, d]: query head r gets KV head kv_map[r]."""
+    return np.take(x, kv_map, axis=-3)
+
+
+def sum_groups(g: np.ndarray, kv_map: np.ndarray, heads_kv: int, *, overwrite: bool = False) -> np.ndarray:
+    """The one reduction of :func:`repeat_kv`: [..., Hq, n, d] -> [..., Hkv, n, d], summing the query
+    heads that share a KV head. ``overwrite`` is the ``gqa-sum`` fault (the last head wins)."""
+    out = np.zeros(g.shape[:-3] + (heads_kv,) + g.shape[-2:], dtype=g.dtype)
+    for r, kv in enumerate(kv_map):
+        if overwrite:
+            out[..., kv, :, :] = g[..., r, :, :]
+        else:
+            out[..., kv, :, :] += g[..., r, :, :]
+    return out
+
+
+def _exp_scores(q, k, scale, kv_map, visible, hidden=None):
+    """exp(S - m) and its row sums l, for S = scale * q k^T with the row max m over the visible set
+    subtracted (A.10.2). ``visible`` None means every key is visible; ``hidden`` may pass ~visible
+    precomputed (the projection and block ops difference their forwards through this one).
+
+    Hidden entries are overwritten with exactly 0 after the exponential rather than set to -inf
+    before it: exp(-inf) takes NumPy's slow scalar path, about 3x the cost of the others. Whatever
+    exp gives there (even inf) is discarded.
+    """
+    # scale k: as cheap as scaling q, and the same rounding whether or not copies are stacked
+    k_rep = repeat_kv(k, kv_map) * np.asarray(scale, dtype=q.dtype)
+    s = np.matmul(q, np.swapaxes(k_rep, -1, -2))
+    if visible is None:
+        s -= s.max(axis=-1, keepdims=True)
+        e = np.exp(s, out=s)
+    else:
+        s -= np.max(s, axis=-1, keepdims=True, where=visible, initial=-np.inf)
+        with np.errstate(over="ignore", under="ignore"):
+            e = np.exp(s, out=s)
+        np.copyto(e, 0, where=~visible if hidden is None else hidden)
+    return e, e.sum(axis=-1, keepdims=True)
+
+
+def attention_weights(q, k, visible, scale, kv_map, faults: Collection[str] = ()):
+    """A [..., B, Hq, n_q, n_k]: softmax of the scores over each row's visible set (A.10.2)."""
+    e, l = _exp_scores(q, k, scale, kv_map, None if "mask" in faults else visible)
+    e /= l
+    return e
+
+
+def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), hidden=None):
+    """O = A V [..., B, Hq, n_q, d_value] (A.10.3), evaluated as (exp(S - m) V) / l: the same product
+    with the normalisation applied to the d_value-wide result instead of the n_k-wide weights.
+    ``hidden`` may pass ~visible precomputed (the projection and block ops call this many times; the
+    attention op's finite differences evaluate the same function through ``copies.Forward``)."""
+    e, l = _exp_scores(q, k, scale, kv_map, None if "mask" in faults else visible, hidden)
+    o = np.matmul(e, repeat_kv(v, kv_map))
+    o /= l
+    return o
+
+
+@dataclass(frozen=True)
+class Gradients:
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    s: np.ndarray  # G_S [B, Hq, n_q, n_k], the score gradient (for the row-sum invariant)
+    a: np.ndarray  # A and G_A [B, Hq, n_q, n_k], to bound the rounding of G_S's row sums
+    ga: np.ndarray
+
+
+def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = ()) -> Gradients:
+    """VJP of :func:`forward` at (q, k, v) for upstream gradient grad_o [B, Hq, n_q, d_value]."""
+    k_rep, v_rep = repeat_kv(k, kv_map), repeat_kv(v, kv_map)
+    a = attention_weights(q, k, visible, scale, kv_map, (*faults, "mask") if "mask-backward" in faults else faults)
+    g_v = np.swapaxes(a, -1, -2) @ grad_o
+    g_a = grad_o @ np.swapaxes(v_rep, -1, -2)
+    if "softmax-term" in faults:
+        g_s = a * g_a
+    else:
+        g_s = a * (g_a - (a * g_a).sum(axis=-1, keepdims=True))
+    s = 1.0 if "scale" in faults else scale
+    g_q = (g_s @ k_rep) * s
+    g_k = (np.swapaxes(g_s, -1, -2) @ q) * s
+    heads_kv, overwrite = k.shape[-3], "gqa-sum" in faults
+    return Gradients(q=g_q, k=sum_groups(g_k, kv_map, heads_kv, overwrite=overwrite),
+                     v=sum_groups(g_v, kv_map, heads_kv, overwrite=overwrite), s=g_s, a=a, ga=g_a)

@@ -1,0 +1,67 @@
+"""The built-in NumPy engine: the closed forms of ``formulas`` with faults injected; finite differences
+evaluate the same forward through ``copies.Forward``, checked against ``formulas.forward`` in every run."""
+from __future__ import annotations
+
+from typing import Collection
+
+import numpy as np
+
+from ..registry import Problem
+from . import copies
+from .formulas import attention_weights, backward, forward
+from .invariants import engine_invariants
+from .inputs import seeded_inputs
+from .reference import diagnosis_fields
+from .rounding import Blocks, output_terms
+
+
+def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None) -> Problem:
+    """Inputs for scenario ``sc``, the loss L = sum(O * G), analytic gradients and invariants of the
+    built-in engine with ``faults`` injected (``sizes`` is unused: no built-in fault is sized)."""
+    inputs, g = seeded_inputs(sc)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    dt = np.dtype(sc.dtype)
+    kv_map = np.asarray(sc.kv_map, dtype=np.intp)
+    visible, scale = sc.visible, sc.scale
+    blocks = Blocks(sc, kv_map)
+
+    def fwd(q, k, v):
+        return (forward(q, k, v, visible, scale, kv_map, faults),
+                attention_weights(q, k, visible, scale, kv_map, faults))
+
+    def bwd(q, k, v, grad_o):
+        return backward(q, k, v, visible, scale, kv_map, grad_o, faults)
+
+    def reference(q, k, v):
+        return forward(q, k, v, visible, scale, kv_map, faults)
+
+    # Finite differences evaluate the same forward by blocks of query rows (copies.py), checked
+    # against the reference in every run.
+    fast = copies.Forward(None if "mask" in faults else visible, scale, kv_map, sc.n_q, sc.n_k)
+
+    def copies_forward(name: str, x: np.ndarray) -> np.ndarray:
+        return fast(**{**inputs, name: x})
+
+    o, a = fwd(q, k, v)
+    grads = bwd(q, k, v, g)
+    rounding, rounding_total = blocks.rounding(inputs, g, a, scale, kv_map)
+    rng_inv = np.random.default_rng([sc.seed, 1])
+    return Problem(
+        inputs=inputs,
+        loss=lambda name, x: np.sum(copies_forward(name, x) * g, axis=(-4, -3, -2, -1), dtype=np.float64),
+        gradients={"q": grads.q, "k": grads.k, "v": grads.v},
+        rounding=rounding,
+        rounding_total=rounding_total,
+        copy_bytes=3 * a.size * dt.itemsize + o.size * dt.itemsize,
+        invariants=lambda: [copies.agreement(fast, reference, inputs, visible, scale, kv_map, faults,
+                                             np.random.default_rng([sc.seed, 4]))]
+        + engine_invariants(fwd, bwd, inputs, visible, kv_map, grads, rng_inv,
+                            output_terms(inputs, a, scale, kv_map)),
+        arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
+                "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
+                "analytic_q": grads.q, "analytic_k": grads.k, "analytic_v": grads.v},
+        output=o,
+        parts=blocks.parts,
+        loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
+        **diagnosis_fields(sc),
+    )

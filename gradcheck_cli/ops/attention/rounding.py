@@ -1,0 +1,137 @@
+"""The size of the terms attention's outputs and gradients are made of, from which their rounding
+comes: the noise floor of finite differences (``Blocks.rounding``) and the allowed disagreement of a
+plain implementation with the float64 reference (``term_sizes``). Shapes as in ``formulas``."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..dense import RSS_FACTOR
+from .formulas import repeat_kv, sum_groups
+
+
+class Blocks:
+    """Independent blocks of the output: a query row (b, r, i) feeds only row i of O[b, r]; K of KV
+    head (b, g) feeds only the query heads of group g in batch b; column c of V[b, g] feeds only
+    column c of O in those heads (O = A V column by column)."""
+
+    def __init__(self, sc, kv_map):
+        self.group = np.eye(sc.heads_kv)[kv_map]  # [Hq, Hkv] one-hot of g(r)
+        b, hq, hkv = sc.batch, sc.heads_q, sc.heads_kv
+        self.parts = {
+            "q": np.broadcast_to(np.arange(b * hq * sc.n_q).reshape(b, hq, sc.n_q, 1), (b, hq, sc.n_q, sc.d_head)),
+            "k": np.broadcast_to(np.arange(b * hkv).reshape(b, hkv, 1, 1), (b, hkv, sc.n_k, sc.d_head)),
+            "v": np.broadcast_to(np.arange(b * hkv * sc.d_value).reshape(b, hkv, 1, sc.d_value),
+                                 (b, hkv, sc.n_k, sc.d_value)),
+        }
+
+    def sums(self, name: str, terms: np.ndarray) -> np.ndarray:
+        """Sum terms [..., B, Hq, n_q, d_v] of L by the blocks of input ``name`` -> [..., P], in float64."""
+        if name == "q":
+            return terms.sum(axis=-1, dtype=np.float64).reshape(terms.shape[:-4] + (-1,))
+        if name == "k":
+            per_group = terms.sum(axis=(-2, -1), dtype=np.float64) @ self.group             # [..., B, Hkv]
+        else:
+            per_group = np.swapaxes(terms.sum(axis=-2, dtype=np.float64), -1, -2) @ self.group  # [..., B, d_v, Hkv]
+            per_group = np.swapaxes(per_group, -1, -2)                                       # [..., B, Hkv, d_v]
+        return per_group.reshape(terms.shape[:-4] + (-1,))
+
+    def rounding(self, inputs, g, a, scale, kv_map, rows: int = 256) -> tuple[dict[str, np.ndarray], float]:
+        """Rounding model of one forward, per term of L: a logit carries an error of about
+        eps * scale * sum_c |q_ic k_jc|, which the softmax passes on relative to A_ij; O_ic then sums
+        A_ij V_jc. So |error of O_ic| <~ eps * sum_j A_ij (1 + scale |q_i|.|k_j|) |V_jc|, times |G_ic|.
+        Returns the per-element size of the terms that move with it (by block), and the total.
+        ``a`` is A, or a callable giving A's rows for a slice of query rows (``rows`` at a time), so
+        the tiled engine never holds all of A."""
+        a_rows = a if callable(a) else (lambda span: a[..., span, :])
+        g_abs = np.abs(g).astype(np.float64)
+        terms = g_abs * output_term_sizes(inputs, a_rows, scale, kv_map, rows)
+        # Moving V leaves the logits alone: both evaluations of a V difference round S (and A) the same
+        # way, so only the product A V rounds differently (no logit term).
+        terms_v = g_abs * output_term_sizes(inputs, a_rows, scale, kv_map, rows, logits=False)
+        # The worst case adds every term's bound; independent rounding errors add in quadrature, so a
+        # block of many terms (K's: every query of its group) is charged RSS_FACTOR x their root sum of
+        # squares when that is less (the worst case would hide real bugs on large float32 heads).
+        out = {}
+        for name in inputs:
+            t = terms_v if name == "v" else terms
+            linear = self.sums(name, t)
+            # (squares of terms below ~1e-154 underflow: the root sum of squares is at least sum / sqrt(count))
+            rss = RSS_FACTOR * np.maximum(np.sqrt(self.sums(name, t * t)), linear / np.sqrt(t.size))
+            out[name] = np.minimum(linear, rss)[self.parts[name]]
+        return out, float(min(terms.sum(), RSS_FACTOR * np.sqrt(np.sum(terms * terms))))
+
+
+def output_term_sizes(inputs, a_rows, scale, kv_map, rows: int = 256, logits: bool = True) -> np.ndarray:
+    """The size of the terms each element of O is made of, from which its rounding comes, in float64:
+    sum_j A_ij |V_jc| (the product and the normalisation) plus the logits' share. A logit S_ij carries an
+    error of about eps L_ij, L_ij = |scale| sum_c |q_ic k_jc|, which moves O_ic by A_ij (V_jc - O_ic) per
+    unit (a shift common to the row cancels); that share is bounded by Cauchy-Schwarz as
+    sqrt(sum_j A_ij L_ij^2) sqrt(sum_j A_ij (V_jc - O_ic)^2), so a peaked row, whose O is its top V row,
+    is charged nothing for logits it barely weighs. ``a_rows(span)`` gives A's rows for a slice of query
+    rows; ``rows`` query rows are taken at a time. ``logits`` False leaves out the logits' share."""
+    qa, ka = (np.abs(t).astype(np.float64) for t in (inputs["q"], repeat_kv(inputs["k"], kv_map)))
+    v = repeat_kv(inputs["v"], kv_map).astype(np.float64)
+    va = np.abs(v)
+    out = np.empty(qa.shape[:-1] + (va.shape[-1],))
+    for start in range(0, qa.shape[-2], rows):
+        span = slice(start, min(start + rows, qa.shape[-2]))
+        a = a_rows(span).astype(np.float64)
+        out[..., span, :] = a @ va
+        if logits:
+            logit = abs(scale) * (qa[..., span, :] @ np.swapaxes(ka, -1, -2))
+            spread = np.sqrt(np.sum(a * logit * logit, axis=-1, keepdims=True))
+            o = a @ v
+            variance = np.maximum(a @ (v * v) - o * o, 0.0)
+            out[..., span, :] += spread * np.sqrt(variance)
+    return out
+
+
+def output_terms(inputs, a, scale, kv_map) -> dict[str, np.ndarray]:
+    """The size of the terms of each element of O, for the invariants: ``o`` with the logits' rounding,
+    ``o_convex`` without it (sum_j A_ij |V_jc|). ``a``: A, or ``a_rows(span)``."""
+    a_rows = a if callable(a) else (lambda span: a[..., span, :])
+    return {"o": output_term_sizes(inputs, a_rows, scale, kv_map),
+            "o_convex": output_term_sizes(inputs, a_rows, scale, kv_map, logits=False)}
+
+
+def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = 256, rss: bool = False) -> dict[str, np.ndarray]:
+    """The size of the terms each element of O, G_Q, G_K and G_V is made of (float64, by blocks of
+    ``rows`` query rows): rounding in a precision with unit roundoff u puts an error of about
+    u x these in each element, whatever order the implementation sums in.
+
+    With L_ij = |scale| sum_c |q_ic k_jc| (a logit's rounding, passed on relative to A_ij) and
+    Ã = A (1 + L): O ~ Ã |V|; G_A ~ |G_O| |V|^T; G_S ~ Ã (|G_A| + sum_j A_ij |G_A|_ij);
+    G_Q ~ |scale| |G_S| |K|; G_K ~ |scale| |G_S|^T |Q|; G_V ~ Ã^T |G_O| (K/V summed over each group).
+    ``rss``: the root sum of squares of those terms instead of their sum (independent rounding errors
+    add in quadrature: the statistical size of the error, where the sum is its worst case).
+    ``a_rows(span)`` gives A's rows for a slice of query rows."""
+    power = 2 if rss else 1
+    qa, ka, va = (np.abs(t).astype(np.float64) ** power for t in
+                  (inputs["q"], repeat_kv(inputs["k"], kv_map), repeat_kv(inputs["v"], kv_map)))
+    q1, k1 = (np.abs(t).astype(np.float64) for t in (inputs["q"], repeat_kv(inputs["k"], kv_map)))
+    v1 = np.abs(repeat_kv(inputs["v"], kv_map)).astype(np.float64)
+    g1 = np.abs(g).astype(np.float64)
+    ga = g1 ** power
+    t_o = np.empty(ga.shape)
+    t_q = np.empty(qa.shape)
+    t_k, t_v = np.zeros(ka.shape), np.zeros(va.shape)
+    for start in range(0, qa.shape[-2], rows):
+        span = slice(start, min(start + rows, qa.shape[-2]))
+        a = a_rows(span).astype(np.float64)
+        a_err = a * (1.0 + abs(scale) * (q1[..., span, :] @ np.swapaxes(k1, -1, -2)))
+        g_a = g1[..., span, :] @ np.swapaxes(v1, -1, -2)
+        t_s = a_err * (g_a + np.sum(a * g_a, axis=-1, keepdims=True))
+        a_err, t_s = a_err ** power, t_s ** power
+        t_o[..., span, :] = a_err @ va
+        t_q[..., span, :] = abs(scale) ** power * (t_s @ ka)
+        t_k += abs(scale) ** power * (np.swapaxes(t_s, -1, -2) @ qa[..., span, :])
+        t_v += np.swapaxes(a_err, -1, -2) @ ga[..., span, :]
+    heads_kv = inputs["k"].shape[-3]
+    out = {"o": t_o, "q": t_q, "k": sum_groups(t_k, kv_map, heads_kv), "v": sum_groups(t_v, kv_map, heads_kv)}
+    if not rss:
+        return out
+    # Terms below ~1e-154 square to 0 (a key almost no query weighs, at a large scale): the root sum of
+    # squares is never below sum / sqrt(number of terms), which does not underflow.
+    linear = term_sizes(inputs, g, a_rows, scale, kv_map, rows)
+    count = qa.shape[-2] * ka.shape[-2] * max(1, int(np.bincount(np.asarray(kv_map)).max()))
+    return {t: np.maximum(np.sqrt(x), linear[t] / np.sqrt(count)) for t, x in out.items()}

@@ -1,0 +1,93 @@
+"""A user's NumPy implementation as an engine (README "Checking your own implementation")."""
+from __future__ import annotations
+
+from typing import Collection
+
+import numpy as np
+
+from ... import implementation, precision
+from ..registry import Problem
+from .invariants import output_invariants
+from .inputs import seeded_inputs
+from .reference import REFERENCE_CHECKS, Interface, diagnosis_fields, hint_context, plain, reference, varies
+from .rounding import Blocks, output_terms
+
+
+def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None) -> Problem:
+    """The same problem for the user's implementation (README "Checking your own implementation"):
+    its forward and backward are called through ``implementation.call`` (fresh copies in, copies out;
+    misbehaviour is a failed check), perturbed copies are stacked along the batch axis, and the built-in
+    engine in float64 is the reference its output and gradients must agree with (``precision``)."""
+    impl = sc.implementation_object
+    inputs, g = seeded_inputs(sc)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    dt = np.dtype(sc.dtype)
+    kv_map = np.asarray(sc.kv_map, dtype=np.intp)
+    visible, scale, batch = sc.visible, sc.scale, sc.batch
+    blocks = Blocks(sc, kv_map)
+    interface = Interface(faults, sizes, visible, scale, kv_map)
+    names = ("q", "k", "v", "visible", "scale", "kv_map", "grad_o")
+
+    def user_forward(q, k, v, visible):
+        shape = (q.shape[0], sc.heads_q, sc.n_q, sc.d_value)
+        return implementation.call(impl.forward, "forward", (q, k, v, visible, scale, kv_map), {"o": (shape, dt)},
+                                   names)["o"]
+
+    def user_backward(q, k, v, grad_o):
+        out = implementation.call(impl.backward, "backward", (q, k, v, interface.visible, scale, kv_map, grad_o),
+                                  {"dq": (q.shape, dt), "dk": (k.shape, dt), "dv": (v.shape, dt)}, names)
+        return interface.gradients(q, k, v, grad_o, out["dq"], out["dk"], out["dv"])
+
+    def copies_forward(name: str, x: np.ndarray) -> np.ndarray:
+        """x [C, B, ...]: C perturbed copies of input ``name``, stacked along the batch axis."""
+        c = x.shape[0]
+        args = {t: (x if t == name else np.broadcast_to(val, (c,) + val.shape)).reshape((c * batch,) + val.shape[1:])
+                for t, val in inputs.items()}
+        vis = np.broadcast_to(interface.visible, (c,) + visible.shape).reshape((c * batch,) + visible.shape[1:])
+        try:
+            return user_forward(args["q"], args["k"], args["v"], vis).reshape((c,) + g.shape)
+        except implementation.ImplementationFailure as exc:
+            raise implementation.in_copies(exc, batch, name) from None
+
+    o = user_forward(q, k, v, interface.visible)
+    dq, dk, dv = user_backward(q, k, v, g)
+    again = {"o": user_forward(q, k, v, interface.visible), **dict(zip("qkv", user_backward(q, k, v, g)))}
+    results = {"o": o, "q": dq, "k": dk, "v": dv}
+    deterministic = implementation.determinism("forward and backward", results, again, sc.nondet_tol)
+    ref, terms, a64 = reference(inputs, g, visible, scale, kv_map)
+    agree, computes_in = precision.judge(results, ref, terms, sc.dtype,
+                                         lambda p: plain(inputs, g, visible, scale, kv_map, p), REFERENCE_CHECKS,
+                                         sc.factor, sc.slack)
+    rounding, rounding_total = blocks.rounding(inputs, g, a64, scale, kv_map)
+    rule = precision.Policy.for_dtype(computes_in)
+    rng_inv = np.random.default_rng([sc.seed, 1])
+
+    def checks() -> list:
+        try:
+            return [deterministic] + agree + output_invariants(
+                lambda q, k, v: user_forward(q, k, v, interface.visible),
+                lambda q, k, v, go: user_backward(q, k, v, go)[1:],
+                inputs, visible, kv_map, o, rng_inv, output_terms(inputs, a64, scale, kv_map), computes_in)
+        except implementation.ImplementationFailure as exc:
+            return [deterministic] + agree + [implementation.failure_check("invariants", exc)]
+
+    copy_bytes = 3 * a64.size * dt.itemsize + o.size * dt.itemsize + (k.size + v.size + q.size) * dt.itemsize
+    return Problem(
+        inputs=inputs,
+        loss=lambda name, x: np.sum(copies_forward(name, x) * g, axis=(-4, -3, -2, -1), dtype=np.float64),
+        gradients={"q": dq, "k": dk, "v": dv},
+        rounding=rounding,
+        rounding_total=rounding_total,
+        copy_bytes=copy_bytes + visible.size,
+        invariants=checks,
+        arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
+                "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
+                "analytic_q": dq, "analytic_k": dk, "analytic_v": dv, "reference_output": ref["o"]},
+        output=o,
+        parts=blocks.parts,
+        loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
+        compute_dtype=None if computes_in == sc.dtype else computes_in,
+        analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in "qkv"},
+        nondeterministic=varies(o, again["o"], sc.nondet_tol),
+        **diagnosis_fields(sc, hint_context(inputs, g, visible, scale, kv_map, results, ref, user_forward)),
+    )
