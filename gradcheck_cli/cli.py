@@ -434,7 +434,7 @@ def faults():
 def schema(of_report):
     """Print the JSON Schema of scenario files (shipped as schema/scenario.schema.json for editors), or
     with --report that of the JSON report (what 'merge' checks its inputs against)."""
-    from .report_schema import report_schema
+    from .report.schema import report_schema
     click.echo(json.dumps(report_schema() if of_report else json_schema(), indent=2))
 
 

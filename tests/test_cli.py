@@ -87,7 +87,7 @@ def test_unwritable_or_clashing_reports_fail_before_running(root, tmp_path, args
 
 def test_a_report_that_cannot_be_written_leaves_none(root, tmp_path, monkeypatch):
     """The third rename fails at the end of the run (a full or vanished disk): none is written."""
-    from gradcheck_cli import report
+    from gradcheck_cli.report import outputs
     calls, real = {"n": 0}, os.replace
 
     def replace(a, b):
@@ -96,7 +96,7 @@ def test_a_report_that_cannot_be_written_leaves_none(root, tmp_path, monkeypatch
             raise OSError(28, "No space left on device")
         real(a, b)
 
-    monkeypatch.setattr(report.os, "replace", replace)
+    monkeypatch.setattr(outputs.os, "replace", replace)
     result = run("run", root / "configs/quickstart.yaml", "--json", tmp_path / "r.json", "--save-arrays", tmp_path / "arrays")
     assert result.exit_code == 2 and "cannot write the reports" in result.stderr and "none written" in result.stderr
     assert not (tmp_path / "r.json").exists()

@@ -156,14 +156,14 @@ def test_overflowing_results_give_reports_and_a_merge_without_a_traceback(root, 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 def test_a_fifo_whose_reader_stops_reading_is_an_error_not_a_hang(tmp_path, monkeypatch):
-    from gradcheck_cli import report
-    monkeypatch.setattr(report, "STALL_S", 0.5)
+    from gradcheck_cli.report import outputs
+    monkeypatch.setattr(outputs, "STALL_S", 0.5)
     os.mkfifo(tmp_path / "f")
     reader = os.open(tmp_path / "f", os.O_RDONLY | os.O_NONBLOCK)  # holds it open, never reads
     try:
         start = time.monotonic()
         with pytest.raises(OSError, match="nothing could be written"):
-            report._write_through(tmp_path / "f", b"x" * 2**22)
+            outputs._write_through(tmp_path / "f", b"x" * 2**22)
         assert time.monotonic() - start < 10
     finally:
         os.close(reader)
@@ -568,8 +568,8 @@ def test_staged_files_of_killed_runs_are_removed_and_live_ones_and_look_alikes_k
 def test_a_failed_or_interrupted_commit_puts_the_old_reports_back(tmp_path, monkeypatch, failure):
     """The second rename fails (or Ctrl-C arrives there): the first report, already renamed, goes back
     to its old content (r.json existed) or away (r.md did not): all new or all as they were."""
-    from gradcheck_cli import report
     from gradcheck_cli.errors import ReportsFailed, ReportsInterrupted
+    from gradcheck_cli.report import outputs
     calls = {"n": 0}
     real = os.replace
 
@@ -581,10 +581,10 @@ def test_a_failed_or_interrupted_commit_puts_the_old_reports_back(tmp_path, monk
 
     (tmp_path / "r.json").write_bytes(b"old json")
     (tmp_path / "r.xml").write_bytes(b"old xml")
-    monkeypatch.setattr(report.os, "replace", replace)
+    monkeypatch.setattr(outputs.os, "replace", replace)
     expected = ReportsInterrupted if failure is KeyboardInterrupt else ReportsFailed
     with pytest.raises(expected) as info:
-        report.write_reports(tmp_path / "r.json", {"a": 1}, tmp_path / "r.xml", b"<new/>")
+        outputs.write_reports(tmp_path / "r.json", {"a": 1}, tmp_path / "r.xml", b"<new/>")
     assert info.value.written == [] and sorted(info.value.pending) == sorted([str(tmp_path / "r.json"),
                                                                               str(tmp_path / "r.xml")])
     assert (tmp_path / "r.json").read_bytes() == b"old json" and (tmp_path / "r.xml").read_bytes() == b"old xml"
@@ -592,7 +592,7 @@ def test_a_failed_or_interrupted_commit_puts_the_old_reports_back(tmp_path, monk
     calls["n"] = 0
     (tmp_path / "r.json").unlink()
     with pytest.raises(expected):
-        report.write_reports(tmp_path / "r.json", {"a": 1}, tmp_path / "r.xml", b"<new/>")
+        outputs.write_reports(tmp_path / "r.json", {"a": 1}, tmp_path / "r.xml", b"<new/>")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.xml"]  # the new r.json taken away again
 
 

@@ -40,7 +40,7 @@ def test_the_schema_rejects_what_the_loader_rejects(doc):
 
 
 def test_the_shipped_report_schema_is_current_and_every_report_meets_it(root, tmp_path):
-    from gradcheck_cli.report_schema import report_schema
+    from gradcheck_cli.report.schema import report_schema
     shipped = json.loads((root / "schema/report.schema.json").read_text())
     assert shipped == report_schema(), "regenerate: attn-gradcheck schema --report > schema/report.schema.json"
     result = CliRunner().invoke(main, ["schema", "--report"])

@@ -1,0 +1,189 @@
+"""Rich tables and text for people: a scenario's checks, the totals, the negative controls, a merged
+report and an epsilon sweep (plain aligned columns when the output is not a terminal)."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ..result import ControlCell, ScenarioResult, controls_verdict
+from .common import _g, diagnosis_lines, failure_message, summary
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.2e}"
+
+
+def _table(console: Console, title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
+           right: Sequence[bool], styles: Sequence[Sequence[str | None]] | None = None) -> None:
+    """A rich table on a terminal; plain aligned columns otherwise (no wrapping, no trailing spaces)."""
+    if console.is_terminal:
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+                      pad_edge=False, padding=(0, 1), collapse_padding=True)
+        for i, (h, r) in enumerate(zip(headers, right)):
+            # names wrap on a narrow terminal; numbers and statuses never do
+            table.add_column(h, justify="right" if r else "left", no_wrap=r or i == len(headers) - 1,
+                             ratio=1 if i == 0 else None, min_width=len(h) if r else None)
+        for i, row in enumerate(rows):
+            style_row = styles[i] if styles else [None] * len(row)
+            table.add_row(*(Text(cell, style=st or "") for cell, st in zip(row, style_row)))
+        console.print(table)
+        return
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)).rstrip()
+
+    console.print(title, markup=False, highlight=False, soft_wrap=True)
+    for cells in [headers] + [list(r) for r in rows]:
+        console.print(line(cells), markup=False, highlight=False, soft_wrap=True)
+
+
+def render_scenario(console: Console, r: ScenarioResult, description: str, reproduce: str | None = None) -> None:
+    title = f"{r.name} ({description})" + (f"  faults: {', '.join(r.faults)}" if r.faults else "")
+    rows, styles = [], []
+    for c in r.checks:
+        grad = c.kind == "gradient"
+        relative = c.kind in ("gradient", "reference", "implementation")
+        rows.append([c.name, f"{c.tensor} {'x'.join(map(str, c.shape))}" if c.shape else (c.tensor or ""),
+                     _fmt(c.max_abs_error), _fmt(c.relative_error) if relative else "", _fmt(c.tolerance),
+                     _fmt(c.noise_floor) if grad else "", _fmt(c.detectable) if c.detectable is not None else "",
+                     {"pass": "pass", "fail": "FAIL"}.get(c.verdict, c.verdict)])
+        styles.append([None] * 7 + [{"pass": "green", "fail": "bold red"}.get(c.verdict, "bold yellow")])
+    _table(console, title, ["check", "tensor", "max abs err", "rel err", "tolerance", "noise floor", "detects",
+                            "status"], rows, [False, False, True, True, True, True, True, False], styles)
+    for c in r.checks:
+        if c.kind == "experiment" and c.passed:  # an experiment's numbers are its result: always shown
+            console.print(f"  {c.name}: {c.detail}", soft_wrap=True)
+    for c in r.checks:
+        if not c.passed:
+            word, style = ("FAIL", "red") if c.verdict == "fail" else ("INCONCLUSIVE", "yellow")
+            console.print(Text.assemble("  ", (word, style), f" {failure_message(c)}"), soft_wrap=True)
+            for line in diagnosis_lines(c):
+                console.print(_heat_text(line) if console.is_terminal else Text(line), soft_wrap=True)
+    for hint in r.hints:
+        console.print(Text.assemble("  ", ("hint:", "bold cyan"), f" {hint}"), soft_wrap=True)
+    power = r.detectable
+    if power:
+        console.print("  power: would have caught uniform relative errors above "
+                      + ", ".join(f"{_fmt(x)} in {'O' if t == 'o' else 'd' + t}" for t, x in power.items()),
+                      highlight=False, soft_wrap=True)
+    word = {"pass": "passed", "fail": "FAILED", "inconclusive": "INCONCLUSIVE"}[r.verdict]
+    console.print(f"  {r.name}: {word} in {r.elapsed_s:.2f} s", highlight=False)
+    if reproduce and not r.passed:
+        console.print(f"  reproduce: {reproduce}", highlight=False, markup=False, soft_wrap=True)
+    console.print()
+
+
+#: Heat-map digits by severity (terminal only; plain output keeps the digits alone).
+_HEAT_STYLES = {".": "green", "1": "yellow", "2": "yellow", "3": "red", "4": "red"}
+
+
+def _heat_text(line: str) -> Text:
+    if not line.rstrip().endswith("|") or "|" not in line:
+        return Text(line)
+    head, cells = line[:line.index("|") + 1], line[line.index("|") + 1:-1]
+    text = Text(head)
+    for ch in cells:
+        text.append(ch, style=_HEAT_STYLES.get(ch, "bold red" if ch.isdigit() else ""))
+    text.append("|")
+    return text
+
+
+def render_summary(console: Console, results: Sequence[ScenarioResult], interrupted_of: int | None = None) -> None:
+    """The totals line; ``interrupted_of``: the number of scenarios the run was to check, when Ctrl-C
+    stopped it."""
+    s = summary(results)
+    if interrupted_of is not None:
+        word = (f"INTERRUPTED after {s['scenarios']} of {interrupted_of} scenario(s)"
+                + (f"; {s['failed']} check(s) FAILED" if s["failed"] else ""))
+    elif s["failed"]:
+        word = f"{s['failed']} check(s) FAILED"
+    elif s["inconclusive"]:
+        word = (f"{s['inconclusive']} check(s) INCONCLUSIVE (they cannot decide: each says why, e.g. finite "
+                "differences too inaccurate, no power, or code that computes in a lower precision)")
+    else:
+        word = "all checks passed"
+    console.print(f"{s['scenarios']} scenario(s), {s['checks']} checks: {s['passed']} passed, {s['failed']} failed"
+                  + (f", {s['inconclusive']} inconclusive" if s["inconclusive"] else "") + f" -- {word}",
+                  highlight=False)
+
+
+def render_controls(console: Console, cells: Sequence[ControlCell]) -> None:
+    scenarios = list(dict.fromkeys(c.scenario for c in cells))
+    faults = list(dict.fromkeys(c.fault for c in cells))
+    look = {(c.fault, c.scenario): c for c in cells}
+    text = {"detected": ("detected", "green"), "missed": ("MISSED", "bold red"), "not applicable": ("n/a", "dim")}
+    # one row per scenario: sweeps make many scenarios, while an op has a handful of faults
+    blank = ("", None)
+    cell = {k: text[c.status] for k, c in look.items()}
+    rows = [[name] + [cell.get((fault, name), blank)[0] for fault in faults] for name in scenarios]
+    styles = [[None] + [cell.get((fault, name), blank)[1] for fault in faults] for name in scenarios]
+    _table(console, "negative controls (scenario x fault)", ["scenario"] + faults, rows,
+           [False] * (1 + len(faults)), styles)
+    reasons = list(dict.fromkeys(c.reason for c in cells if c.status == "not applicable" and c.reason))
+    if any(c.status == "not applicable" for c in cells):
+        console.print("  n/a: the fault cannot apply to that scenario: " + ("; ".join(reasons) if reasons else
+                      "it changes neither the output nor any gradient by more than 10x the tolerance")
+                      + " (e.g. scale when scale = 1, gqa-sum without shared KV heads, swap-dk-dv when d_head != "
+                      "d_value)", highlight=False, soft_wrap=not console.is_terminal)
+    missed = [c for c in cells if c.status == "missed"]
+    for c in missed:
+        console.print(f"  MISSED {c.fault} on {c.scenario}: it changes the result by {_g(c.effect, '.2e')} (relative) "
+                      "but no check failed; the scenario lacks power for it", highlight=False)
+    outcome, powerless = controls_verdict(cells)
+    for name in powerless:
+        console.print(f"  INCONCLUSIVE {name}: no fault applies to it, so its negative controls prove nothing",
+                      highlight=False)
+    applicable = [c for c in cells if c.status != "not applicable"]
+    console.print(f"{len(applicable) - len(missed)} of {len(applicable)} applicable fault(s) detected"
+                  + {"fail": " -- negative controls FAILED", "inconclusive": " -- negative controls INCONCLUSIVE",
+                     "pass": ""}[outcome], highlight=False)
+
+
+def render_merged(console: Console, data: dict) -> None:
+    """A line per scenario (its failed checks under it), the totals and the negative controls."""
+    for sc in data["scenarios"]:
+        word = {"pass": "passed", "fail": "FAILED", "inconclusive": "INCONCLUSIVE"}[sc["verdict"]]
+        console.print(f"{sc['name']} ({sc['config']}): {word}")
+        for c in sc["checks"]:
+            if c["verdict"] != "pass":
+                console.print(f"  {c['verdict'].upper()} {c['name']} ({c['tensor']}): {c['detail']}", soft_wrap=True)
+        for hint in sc.get("hints", []):
+            console.print(f"  hint: {hint}", soft_wrap=True)
+        if sc["verdict"] != "pass":
+            console.print(f"  reproduce: {sc['reproduce']}", soft_wrap=True)
+    s = data["summary"]
+    console.print(f"{s['scenarios']} scenario(s), {s['checks']} checks: {s['passed']} passed, {s['failed']} failed"
+                  + (f", {s['inconclusive']} inconclusive" if s["inconclusive"] else "")
+                  + f" -- merged from {len(data['merged_from'])} report(s): {data['verdict']}")
+    if data["negative_controls"] is not None:
+        cells = data["negative_controls"]["cells"]
+        applicable = [c for c in cells if c["status"] != "not applicable"]
+        missed = [c for c in applicable if c["status"] == "missed"]
+        for c in missed:
+            console.print(f"  MISSED {c['fault']} on {c['scenario']}")
+        console.print(f"{len(applicable) - len(missed)} of {len(applicable)} applicable fault(s) detected"
+                      + (" -- negative controls FAILED" if missed else ""))
+
+
+def render_sweep(console: Console, sweep, description: str) -> None:
+    """A table per scenario: one row per step, the relative error of each input's sampled elements."""
+    tensors = list(sweep.errors)
+    best = {t: sweep.best(t) for t in tensors}
+    rows = []
+    for k, h in enumerate(sweep.steps):
+        cells = [f"{h:.0e}"]
+        for t in tensors:
+            e = sweep.errors[t][k]
+            cells.append(("inf" if not math.isfinite(e) else f"{e:.1e}") + (" *" if h == best[t] else "  "))
+        rows.append(cells + (["<- run"] if h == sweep.chosen else [""]))
+    _table(console, f"{sweep.name} ({description}): relative error against epsilon", ["epsilon"] + tensors + [""],
+           rows, [True] * (1 + len(tensors)) + [False])
+    console.print("  large steps: truncation (~h^2); small steps: rounding (~eps/h); * = smallest error; <- run = the step "
+                  "the run uses", soft_wrap=True)
+    console.print()
