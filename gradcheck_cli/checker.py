@@ -13,7 +13,7 @@ from . import diagnose, numeric, verdict
 from .implementation import ImplementationFailure, failure_check
 from .ops import FAULTS, OPS
 from .ops.registry import NonFinite
-from .result import Check, ControlCell, ScenarioResult
+from .result import Check, ControlCell, Kind, ScenarioResult
 from .scenario import Scenario
 from .tolerance import EPS64, INVARIANT_ULPS, defaults_for, machine_epsilon, passes, relative_error
 
@@ -147,8 +147,10 @@ def _non_finite(sc: Scenario, problem) -> list[Check]:
         if bad.any():
             index = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), x.shape))
             where = f"{name}[{', '.join(map(str, index))}]" if index else name
-            checks.append(Check("implementation", what, name, tuple(x.shape), float("inf"), float("inf"), 0.0, 0.0,
-                                index, False, f"{x[index]} at {where} (first of {int(bad.sum())} non-finite "
+            checks.append(Check(kind=Kind.IMPLEMENTATION, name=what, tensor=name, shape=tuple(x.shape),
+                                max_abs_error=float("inf"), relative_error=float("inf"), tolerance=0.0,
+                                noise_floor=0.0, worst_index=index, passed=False,
+                                detail=f"{x[index]} at {where} (first of {int(bad.sum())} non-finite "
                                 f"element(s) of {x.size}) in {sc.dtype}"))
     return checks
 
@@ -300,8 +302,10 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
     evidence = None
     if sc.mode != "directional":
         evidence = diagnose.Evidence.from_sites(grad, sites, num, allowed)
-    return Check("gradient", f"gradient {name}", name, tuple(x.shape), max_abs, rel, sc.tolerance,
-                 noise, index, outcome == "pass", detail, outcome, fd_error, detectable=power), num, evidence
+    return Check(kind=Kind.GRADIENT, name=f"gradient {name}", tensor=name, shape=tuple(x.shape),
+                 max_abs_error=max_abs, relative_error=rel, tolerance=sc.tolerance, noise_floor=noise,
+                 worst_index=index, passed=outcome == "pass", detail=detail, verdict=outcome, fd_error=fd_error,
+                 detectable=power), num, evidence
 
 
 def _problem_scale(problem) -> float:
@@ -400,9 +404,11 @@ def _independence(sc: Scenario, problem, rng: np.random.Generator, chunking: num
         worst = int(np.argmax(change / bound))
         index = tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(parts.ravel() == worst)[0]), x.shape))
         leak = float(change[worst])
-        checks.append(Check("invariant", "perturbations stay in their block", name, tuple(x.shape), leak, leak,
-                            float(bound[worst]), 0.0, index, bool((change <= bound).all()),
-                            f"colouring assumes each block of {name} feeds only its own block of O; "
+        checks.append(Check(kind=Kind.INVARIANT, name="perturbations stay in their block", tensor=name,
+                            shape=tuple(x.shape), max_abs_error=leak, relative_error=leak,
+                            tolerance=float(bound[worst]), noise_floor=0.0, worst_index=index,
+                            passed=bool((change <= bound).all()),
+                            detail=f"colouring assumes each block of {name} feeds only its own block of O; "
                             f"{blocks} blocks, every ordered pair tested; worst: the block of "
                             f"{name}[{', '.join(map(str, index))}] (batch element {index[0]}) changed by {leak:.3g} "
                             f"while it stood still (allowed {INVARIANT_ULPS} ulps of {precision} of its terms)"))

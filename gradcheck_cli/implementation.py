@@ -263,7 +263,7 @@ def determinism(name: str, first: dict[str, np.ndarray], second: dict[str, np.nd
     """The check that two calls on the same inputs gave the same results: every element of the second
     within ``tolerance`` x the tensor's largest value of the first (0: bit for bit, as
     ``torch.autograd.gradcheck``'s ``nondet_tol``, there absolute)."""
-    from .result import Check
+    from .result import Check, Kind
     worst, worst_t, worst_i, allowed_w = 0.0, None, None, 0.0
     for t, a in first.items():
         b = second[t]
@@ -286,15 +286,17 @@ def determinism(name: str, first: dict[str, np.ndarray], second: dict[str, np.nd
                    "result changes from call to call cannot be checked (finite differences, the "
                    "reference and the invariants compare separate calls); set check: {nondet_tol: ...} if that is "
                    "intended")
-    return Check("implementation", "deterministic", worst_t or "-", tuple(first[worst_t].shape) if worst_t else None,
-                 worst, worst, tolerance, 0.0, worst_i, bool(passed), detail)
+    return Check(kind=Kind.IMPLEMENTATION, name="deterministic", tensor=worst_t or "-",
+                 shape=tuple(first[worst_t].shape) if worst_t else None, max_abs_error=worst, relative_error=worst,
+                 tolerance=tolerance, noise_floor=0.0, worst_index=worst_i, passed=bool(passed), detail=detail)
 
 
 def failure_check(name: str, exc: ImplementationFailure, tensor: str | None = None, prefix: str = ""):
     """A check that failed because the implementation under test misbehaved."""
-    from .result import Check
-    return Check("implementation", name, exc.tensor or tensor or "-", None, float("inf"), float("inf"), 0.0, 0.0,
-                 exc.index, False, prefix + exc.message)
+    from .result import Check, Kind
+    return Check(kind=Kind.IMPLEMENTATION, name=name, tensor=exc.tensor or tensor or "-", shape=None,
+                 max_abs_error=float("inf"), relative_error=float("inf"), tolerance=0.0, noise_floor=0.0,
+                 worst_index=exc.index, passed=False, detail=prefix + exc.message)
 
 
 def in_copies(exc: ImplementationFailure, batch: int, name: str) -> ImplementationFailure:

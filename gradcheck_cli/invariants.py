@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .result import Check
+from .result import Check, Kind
 from .tolerance import INVARIANT_ULPS
 
 
@@ -18,12 +18,15 @@ def bounded(name: str, tensor: str, values: np.ndarray, bound: float, detail: st
     """An invariant ``|values| <= bound`` everywhere; reports the worst element."""
     values = np.abs(np.asarray(values, dtype=np.float64))
     if values.size == 0:
-        return Check("invariant", name, tensor, None, 0.0, 0.0, bound, 0.0, None, True, detail + " (vacuous: nothing to check)")
+        return Check(kind=Kind.INVARIANT, name=name, tensor=tensor, shape=None, max_abs_error=0.0,
+                     relative_error=0.0, tolerance=bound, noise_floor=0.0, worst_index=None, passed=True,
+                     detail=detail + " (vacuous: nothing to check)")
     flat = int(np.argmax(values))
     worst = float(values.ravel()[flat])
     index = tuple(int(i) for i in np.unravel_index(flat, index_shape or values.shape))
-    return Check("invariant", name, tensor, tuple(index_shape or values.shape), worst, worst, bound, 0.0,
-                 index, bool(worst <= bound), detail)
+    return Check(kind=Kind.INVARIANT, name=name, tensor=tensor, shape=tuple(index_shape or values.shape),
+                 max_abs_error=worst, relative_error=worst, tolerance=bound, noise_floor=0.0, worst_index=index,
+                 passed=bool(worst <= bound), detail=detail)
 
 
 def bounded_each(name: str, tensor: str, values: np.ndarray, bounds: np.ndarray, detail: str,
@@ -36,7 +39,9 @@ def bounded_each(name: str, tensor: str, values: np.ndarray, bounds: np.ndarray,
     values = np.abs(np.asarray(values, dtype=np.float64))
     bounds = np.broadcast_to(np.asarray(bounds, dtype=np.float64), values.shape)
     if values.size == 0:
-        return Check("invariant", name, tensor, None, 0.0, 0.0, 0.0, 0.0, None, True, detail + " (vacuous: nothing to check)")
+        return Check(kind=Kind.INVARIANT, name=name, tensor=tensor, shape=None, max_abs_error=0.0,
+                     relative_error=0.0, tolerance=0.0, noise_floor=0.0, worst_index=None, passed=True,
+                     detail=detail + " (vacuous: nothing to check)")
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(values > 0, values / bounds, 0.0)
     ratio = np.where(np.isnan(ratio), np.inf, ratio)
@@ -50,5 +55,6 @@ def bounded_each(name: str, tensor: str, values: np.ndarray, bounds: np.ndarray,
         outcome = "inconclusive"
         detail += (f"; no power: its allowance ({top:.3g}) is over {POWER_LIMIT:.0%} of what it guards "
                    f"({guarded:.3g}), so a violation that size would pass unseen")
-    return Check("invariant", name, tensor, tuple(values.shape), worst, worst, allowed, 0.0, index,
-                 outcome == "pass", detail, outcome)
+    return Check(kind=Kind.INVARIANT, name=name, tensor=tensor, shape=tuple(values.shape), max_abs_error=worst,
+                 relative_error=worst, tolerance=allowed, noise_floor=0.0, worst_index=index,
+                 passed=outcome == "pass", detail=detail, verdict=outcome)

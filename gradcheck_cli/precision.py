@@ -92,13 +92,15 @@ def agreement(name: str, tensor: str, mine: np.ndarray, reference: np.ndarray, t
     """A ``reference`` check: ``mine`` against the float64 ``reference`` under ``policy`` (per element
     ``policy.allowed(plain_error, terms)``). ``tolerance`` holds the allowed difference at the element
     closest to failing; ``detectable`` the smallest uniform relative error the check would catch."""
-    from .result import Check
+    from .result import Check, Kind
     mine64 = np.asarray(mine, dtype=np.float64)
     diff = np.abs(mine64 - reference)
     allowed = np.broadcast_to(policy.allowed(plain_error, terms), diff.shape)
     scale = max(float(np.abs(reference).max(initial=0.0)), float(np.abs(mine64).max(initial=0.0)))
     if diff.size == 0:
-        return Check("reference", name, tensor, tuple(mine64.shape), 0.0, 0.0, 0.0, 0.0, None, True, "empty")
+        return Check(kind=Kind.REFERENCE, name=name, tensor=tensor, shape=tuple(mine64.shape), max_abs_error=0.0,
+                     relative_error=0.0, tolerance=0.0, noise_floor=0.0, worst_index=None, passed=True,
+                     detail="empty")
     bad = ~np.isfinite(diff)
     with np.errstate(invalid="ignore"):
         margin = np.where(bad, -np.inf, allowed - diff)
@@ -118,8 +120,9 @@ def agreement(name: str, tensor: str, mine: np.ndarray, reference: np.ndarray, t
     detail = (f"closest to failing at {where}: {what} {mine64.ravel()[tight]:.9g}, reference "
               f"{reference.ravel()[tight]:.9g} (allowed {allowed.ravel()[tight]:.3g}); {worst_ulps}; "
               f"{policy.describe(plain_error)}")
-    return Check("reference", name, tensor, tuple(mine64.shape), max_abs, max_abs / scale if scale > 0 else 0.0,
-                 float(allowed.ravel()[shown]), 0.0, index, passed, detail, detectable=detect)
+    return Check(kind=Kind.REFERENCE, name=name, tensor=tensor, shape=tuple(mine64.shape), max_abs_error=max_abs,
+                 relative_error=max_abs / scale if scale > 0 else 0.0, tolerance=float(allowed.ravel()[shown]),
+                 noise_floor=0.0, worst_index=index, passed=passed, detail=detail, detectable=detect)
 
 
 def judge(results: dict[str, np.ndarray], reference: dict[str, np.ndarray], terms: dict[str, np.ndarray],

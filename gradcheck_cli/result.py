@@ -2,21 +2,51 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from enum import Enum
+from typing import Any, Iterable
 
 
-@dataclass(frozen=True)
+class _Word(str, Enum):
+    """A word of the reports that compares, hashes, formats and serialises as its text."""
+    __str__ = str.__str__
+    __format__ = str.__format__
+    __hash__ = str.__hash__
+
+
+class Verdict(_Word):
+    """A check's, a scenario's, a control matrix's or a run's verdict (exit codes 0, 1 and 3)."""
+    PASS = "pass"
+    FAIL = "fail"
+    INCONCLUSIVE = "inconclusive"  # the evidence cannot decide (e.g. differences too noisy)
+
+    @classmethod
+    def combine(cls, verdicts: Iterable[str]) -> Verdict:
+        """fail if any is; else inconclusive if any is; else pass (also for none)."""
+        seen = set(verdicts)
+        return cls.FAIL if cls.FAIL in seen else cls.INCONCLUSIVE if cls.INCONCLUSIVE in seen else cls.PASS
+
+
+class Kind(_Word):
+    """What a check compares."""
+    GRADIENT = "gradient"              # analytic gradient vs finite differences
+    INVARIANT = "invariant"            # a semantic identity finite differences cannot see
+    REFERENCE = "reference"            # an implementation vs the float64 reference
+    IMPLEMENTATION = "implementation"  # the user's code ran, deterministically, with finite values
+    EXPERIMENT = "experiment"          # a statistical experiment (logit-scale)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Check:
     """One gradient check (analytic vs finite differences) or one invariant.
 
-    ``kind`` is ``gradient``, ``invariant``, ``reference`` or ``implementation``. For a gradient check
+    ``kind`` is a :class:`Kind`; built by keyword. For a gradient check
     ``tensor`` names the input, ``worst_index`` is the index of the worst element (in directional mode:
     ``[direction]``), ``fd_error`` the estimated error of the finite differences themselves, and
     ``verdict`` one of pass / fail / inconclusive (the differences too noisy to decide).
     ``detectable`` (gradient and reference checks): the smallest uniform relative error of the tensor
     the check would have caught (README "How verdicts, power and precision work").
     """
-    kind: str
+    kind: Kind
     name: str
     tensor: str | None
     shape: tuple[int, ...] | None
@@ -27,14 +57,14 @@ class Check:
     worst_index: tuple[int, ...] | None
     passed: bool
     detail: str = ""
-    verdict: str = ""
+    verdict: Verdict | str = ""
     fd_error: float | None = None
     diagnosis: dict | None = field(default=None, compare=False)
     detectable: float | None = None
 
     def __post_init__(self):
         if not self.verdict:
-            object.__setattr__(self, "verdict", "pass" if self.passed else "fail")
+            object.__setattr__(self, "verdict", Verdict.PASS if self.passed else Verdict.FAIL)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -77,10 +107,9 @@ class ScenarioResult:
         return all(c.passed for c in self.checks)
 
     @property
-    def verdict(self) -> str:
+    def verdict(self) -> Verdict:
         """fail if any check fails; else inconclusive if any is; else pass."""
-        verdicts = {c.verdict for c in self.checks}
-        return "fail" if "fail" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "pass")
+        return Verdict.combine(c.verdict for c in self.checks)
 
     @property
     def detectable(self) -> dict[str, float]:
@@ -120,8 +149,8 @@ def controls_verdict(cells) -> tuple[str, list[str]]:
     scenarios = list(dict.fromkeys(s for s, _ in status))
     powerless = [s for s in scenarios if all(st == "not applicable" for t, st in status if t == s)]
     if any(st == "missed" for _, st in status):
-        return "fail", powerless
-    return ("inconclusive" if powerless else "pass"), powerless
+        return Verdict.FAIL, powerless
+    return (Verdict.INCONCLUSIVE if powerless else Verdict.PASS), powerless
 
 
 @dataclass(frozen=True)

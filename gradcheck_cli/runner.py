@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Sequence
 
 from . import checker, numeric
 from .errors import GradcheckError
-from .result import Check, ControlCell, ScenarioResult
+from .result import Check, ControlCell, Kind, ScenarioResult
 from .scenario import Scenario, load
 
 
@@ -332,8 +332,9 @@ def _kill_group(pid: int | None) -> None:
 
 
 def _failed(sc: Scenario, detail: str, elapsed: float) -> ScenarioResult:
-    check = Check("implementation", "implementation runs", "-", None, float("inf"), float("inf"), 0.0, 0.0, None,
-                  False, detail)
+    check = Check(kind=Kind.IMPLEMENTATION, name="implementation runs", tensor="-", shape=None,
+                  max_abs_error=float("inf"), relative_error=float("inf"), tolerance=0.0, noise_floor=0.0,
+                  worst_index=None, passed=False, detail=detail)
     return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
                           mode=sc.mode, faults=(), checks=(check,), elapsed_s=elapsed, index=sc.index, engine=sc.engine)
 

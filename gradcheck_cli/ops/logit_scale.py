@@ -17,7 +17,7 @@ from typing import Collection
 
 import numpy as np
 
-from ..result import Check
+from ..result import Check, Kind
 from .registry import Fault, Op, Param, Problem
 
 FAULTS = {f.name: f for f in (
@@ -83,8 +83,9 @@ def build(sc, faults: Collection[str] = ()) -> Problem:
 
 def _check(name: str, d: int, value: float, predicted: float, lo: float, hi: float, ok: bool, detail: str) -> Check:
     miss = 0.0 if lo <= predicted <= hi else min(abs(predicted - lo), abs(predicted - hi))
-    return Check("experiment", name, f"d={d}", None, float(miss), float(miss / max(abs(value), 1e-300)),
-                 float((hi - lo) / 2), 0.0, None, bool(ok), detail)
+    return Check(kind=Kind.EXPERIMENT, name=name, tensor=f"d={d}", shape=None, max_abs_error=float(miss),
+                 relative_error=float(miss / max(abs(value), 1e-300)), tolerance=float((hi - lo) / 2),
+                 noise_floor=0.0, worst_index=None, passed=bool(ok), detail=detail)
 
 
 def _validate(params: dict, _base: dict) -> list:

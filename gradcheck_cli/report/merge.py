@@ -8,6 +8,7 @@ from typing import Sequence
 
 from .. import __version__
 from ..errors import GradcheckError
+from ..result import Verdict
 from . import schema as report_schema
 from .formats import JSON_SCHEMA_VERSION, _controls_into, _with_id
 
@@ -102,7 +103,7 @@ def _consistent(path: str, data: dict) -> None:
             verdicts.add(c["verdict"])
             counts["checks"] += 1
             counts[{"pass": "passed", "fail": "failed", "inconclusive": "inconclusive"}[c["verdict"]]] += 1
-        derived = "fail" if "fail" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "pass")
+        derived = Verdict.combine(verdicts)
         if sc["verdict"] != derived or sc["passed"] != (derived == "pass"):
             raise bad(f"scenarios[{i}] ({sc['name']})", f"its verdict is {sc['verdict']} (passed "
                                                         f"{str(sc['passed']).lower()}) but its checks say {derived}")
