@@ -2,9 +2,11 @@
 
 Python API (what the CLI calls)::
 
-    from gradcheck_cli import load, run_scenario, negative_controls, check
+    from gradcheck_cli import load, run_scenario, negative_controls, check, run, RunOptions
     results = check("configs/quickstart.yaml")                 # list of ScenarioResult
     assert all(r.passed for r in results)
+    outcome = run(RunOptions("configs/quickstart.yaml", json_path="r.json"))   # as 'attn-gradcheck run'
+    outcome.exit_code                                          # an ExitCode, as the command's
 
 The names are imported on first use, so that starting the command (and a Ctrl-C while it starts)
 does not wait for NumPy.
@@ -26,6 +28,7 @@ _API = {
     "GradcheckError": "errors", "ScenarioError": "errors",
     "Check": "result", "ControlCell": "result", "ScenarioResult": "result",
     "Scenario": "scenario", "load": "scenario", "loads": "scenario",
+    "run": "api", "RunOptions": "api", "RunOutcome": "api", "ExitCode": "exitcodes",
 }
 
 

@@ -6,6 +6,6 @@ except KeyboardInterrupt:  # Ctrl-C while the console module itself loads: still
     import sys
     sys.stderr.write("interrupted\n")
     sys.stderr.flush()
-    os._exit(130)
+    os._exit(130)  # ExitCode.INTERRUPTED, written out: nothing more is imported once Ctrl-C has hit
 
 main()

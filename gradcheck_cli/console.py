@@ -10,10 +10,7 @@ import os
 import sys
 
 from .errors import caused_by_interrupt as _caused_by_interrupt
-
-EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 143
-EXIT_BROKEN_PIPE = 141
+from .exitcodes import ExitCode
 
 
 def _leave(code: int, message: str | None = None) -> None:
@@ -62,24 +59,24 @@ def main() -> None:
         code = command.main(prog_name="attn-gradcheck", standalone_mode=False)
     except KeyboardInterrupt as exc:
         if type(exc).__name__ == "Terminated":
-            _leave(EXIT_TERMINATED, "terminated")
-        _leave(EXIT_INTERRUPTED, "interrupted")
+            _leave(ExitCode.TERMINATED, "terminated")
+        _leave(ExitCode.INTERRUPTED, "interrupted")
     except click.exceptions.Abort:  # click's own reading of Ctrl-C (and of EOF at a prompt)
-        _leave(EXIT_INTERRUPTED, "interrupted")
+        _leave(ExitCode.INTERRUPTED, "interrupted")
     except click.exceptions.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
     except BrokenPipeError:  # the reader went away (`| head`): stop as a piped tool does, 128 + SIGPIPE
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        _leave(EXIT_BROKEN_PIPE)
-    except SystemExit as exc:  # the console's own exit on a broken pipe (cli._Console)
-        if exc.code == EXIT_BROKEN_PIPE:
-            _leave(EXIT_BROKEN_PIPE)
+        _leave(ExitCode.BROKEN_PIPE)
+    except SystemExit as exc:  # the console's own exit on a broken pipe (cli.ui._Console)
+        if exc.code == ExitCode.BROKEN_PIPE:
+            _leave(ExitCode.BROKEN_PIPE)
         raise
     except Exception as exc:  # Ctrl-C inside a class body while importing comes wrapped (RuntimeError
         if _caused_by_interrupt(exc):  # from __set_name__): it is still a Ctrl-C
-            _leave(EXIT_INTERRUPTED, "interrupted")
+            _leave(ExitCode.INTERRUPTED, "interrupted")
         raise
-    if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+    if code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED):
         _leave(code)
     sys.exit(code or 0)

@@ -1,113 +1,21 @@
-"""Command line: a thin shell over the Python API. The only module that prints errors or picks exit codes.
-
-Exit codes: 0 every check passed, 1 a check failed (or a negative control was missed), 2 bad input or usage,
-3 inconclusive (no failure, but some check could not decide), 130 interrupted.
+"""The click group and its commands: each parses its options, calls the Python API (``api``, ``report``,
+``scenario``), renders what it returns, and maps errors to one-line messages and exit codes (``ExitCode``).
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import math
-import os
-import sys
-import threading
-import time
 
 from pathlib import Path
 
 import click
-import numpy as np
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from . import __version__, checker, files, report, runner
-from .errors import GradcheckError, Terminated
-from .ops import FAULTS, OPS
-from .scenario import json_schema, load, read_files, select, with_engine
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 3, 130, 141
-EXIT_TERMINATED = 143
-EPILOG = ("Exit codes: 0 all checks passed, 1 a check failed, 2 bad input or usage, 3 inconclusive "
-          "(no failure, but some check could not decide; each says why), 130 interrupted.")
-EPILOG_INFO = "Exit codes: 0 ok, 2 bad input or usage."
-
-
-class _Console(Console):
-    """rich's Console, but a reader that goes away (``| head``) ends the run with 141 (128 + SIGPIPE),
-    as a piped tool does, not with 1, which means "a check failed" here."""
-
-    def on_broken_pipe(self) -> None:
-        self.quiet = True
-        os.dup2(os.open(os.devnull, os.O_WRONLY), self.file.fileno())
-        raise SystemExit(EXIT_BROKEN_PIPE)
-
-
-def _console(stderr: bool = False) -> Console:
-    """Rich console: styled on a terminal; off a terminal plain text that never wraps, whatever COLUMNS
-    says (CI logs, pipes). NO_COLOR is honoured by rich."""
-    file = sys.stderr if stderr else sys.stdout
-    tty = file.isatty()
-    return _Console(file=file, stderr=stderr, highlight=False, markup=False, soft_wrap=not tty,
-                    width=None if tty else 200)
-
-
-def _error(message: str) -> None:
-    """One line on stderr: control characters of a path or value are shown escaped."""
-    text = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in message)
-    click.echo(f"error: {text}", err=True)
-
-
-def _fail(message: str) -> "click.exceptions.Exit":
-    """Print the one-line error and return the exit (2) to raise."""
-    _error(message)
-    return click.exceptions.Exit(EXIT_BAD_INPUT)
-
-
-#: Seconds a run must last before the progress bar appears (short runs print nothing extra).
-PROGRESS_DELAY_S = 1.0
-
-
-class _ProgressBar:
-    """An ETA bar on stderr, shown once a run has lasted PROGRESS_DELAY_S and only on a terminal.
-    ``advance`` is the checker's progress callback; ``hidden()`` clears the bar while results print."""
-
-    def __init__(self, enabled: bool, total: int, label: str):
-        self.enabled = enabled and sys.stderr.isatty()
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                            console=_console(stderr=True), transient=True,
-                            redirect_stdout=False, redirect_stderr=False)
-        self.task = self.bar.add_task(label, total=total)
-        self.start = time.monotonic()
-        self.lock = threading.RLock()  # --jobs advances from the pool's result thread
-        self.paused = False
-
-    def advance(self, n: int) -> None:
-        with self.lock:
-            self.bar.advance(self.task, n)
-            if (self.enabled and not self.paused and not self.bar.live.is_started
-                    and time.monotonic() - self.start > PROGRESS_DELAY_S):
-                self.bar.start()
-
-    @contextlib.contextmanager
-    def hidden(self):
-        with self.lock:
-            running, self.paused = self.bar.live.is_started, True
-            if running:
-                self.bar.stop()
-        try:
-            yield
-        finally:
-            with self.lock:
-                self.paused = False
-                if running:
-                    self.bar.start()
-
-    def close(self) -> None:
-        with self.lock:
-            self.paused = True
-            if self.bar.live.is_started:
-                self.bar.stop()
+from .. import __version__, api, checker, files, report
+from ..errors import GradcheckError, Terminated
+from ..exitcodes import EPILOG, EPILOG_INFO, ExitCode
+from ..ops import FAULTS, OPS
+from ..scenario import json_schema, load, select
+from .params import FAULT_CHOICE, _finite_float, _no_constant, _parse_steps, _require_matplotlib, _Shard
+from .ui import _console, _error, _fail, _ProgressBar, _unwritten
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
@@ -117,26 +25,9 @@ def main() -> None:
     differences, semantic invariants, and negative controls (faults that must be caught)."""
 
 
-class _Shard(click.ParamType):
-    """I/N with 1 <= I <= N: this run takes shard I of N (``runner.shard``)."""
-    name = "I/N"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, tuple):
-            return value
-        i, sep, n = str(value).partition("/")
-        try:
-            index, count = int(i), int(n)
-        except ValueError:
-            index = count = 0
-        if not sep or not 1 <= index <= count:
-            self.fail(f"{value!r} is not I/N with 1 <= I <= N (e.g. 2/4)", param, ctx)
-        return index, count
-
-
 @main.command(epilog=EPILOG, short_help="Check every scenario of a YAML file.")
 @click.argument("config", type=click.Path(path_type=str))
-@click.option("--fault", "faults", multiple=True, type=click.Choice(tuple(FAULTS)),
+@click.option("--fault", "faults", multiple=True, type=FAULT_CHOICE,
               help="Inject a named fault into the op (repeatable); see 'attn-gradcheck faults'.")
 @click.option("--break-softmax-term", is_flag=True, help="Same as --fault softmax-term.")
 @click.option("--select", "selects", multiple=True, metavar="GLOB",
@@ -175,75 +66,44 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
     hold the scenarios that finished and say "interrupted": true).
     """
     faults = tuple(dict.fromkeys(faults + (("softmax-term",) if break_softmax_term else ())))
-    if faults and negative_controls:
-        raise _fail("--negative-controls runs every fault itself; do not combine it with --fault")
+    options = api.RunOptions(config, faults, selects=selects, deselects=deselects, negative_controls=negative_controls,
+                             engine=engine, jobs=jobs, shard=shard, json_path=json_path, junit_path=junit_path,
+                             arrays_dir=arrays_dir, memory_budget_mib=memory_budget)
     try:
-        scenarios = with_engine(select(load(config), selects, deselects), engine)
-        shard_info = None
-        if shard:
-            shard_info = {"index": shard[0], "count": shard[1], "of": len(scenarios), "select": list(selects),
-                          "deselect": list(deselects)}
-            scenarios = runner.shard(scenarios, *shard)
-        report.prepare_outputs({"--json": json_path, "--junit": junit_path}, {"--save-arrays": arrays_dir},
-                               {"--save-arrays": [f"{sc.name}.npz" for sc in scenarios]},
-                               inputs=[config, *read_files(scenarios)])
+        plan = api.prepare(options)
     except GradcheckError as exc:
         raise _fail(str(exc)) from None
 
-    out = _console()
+    out, scenarios = _console(), plan.scenarios
     if shard and not scenarios:
         out.print(f"shard {shard[0]}/{shard[1]} of {config}: no scenario falls in this shard")
-    bar = _ProgressBar(progress, sum(runner.units(sc, negative_controls) for sc in scenarios), "checking")
-    results, cells, interrupted, stop_code = [], [] if negative_controls else None, False, EXIT_INTERRUPTED
+    bar = _ProgressBar(progress, plan.units, "checking")
+
+    def show(sc, result):
+        with bar.hidden():
+            report.render_scenario(out, result, sc.describe(),
+                                   report.reproduce_command(config, sc.name, faults, engine))
+            for note in api.fault_notes(sc, result, faults):
+                out.print(note)
+
     try:
-        for outcome in runner.run(config, scenarios, faults, controls=negative_controls, jobs=jobs,
-                                  memory_budget=memory_budget * 2**20, progress=bar.advance):
-            result = outcome.result
-            results.append(result)
-            if cells is not None:
-                cells.extend(outcome.cells)
-            sc = scenarios[len(results) - 1]
-            with bar.hidden():
-                report.render_scenario(out, result, sc.describe(),
-                                       report.reproduce_command(config, sc.name, faults, engine))
-                for fault in faults:
-                    if fault not in OPS[sc.op].faults:
-                        owners = ", ".join(op.name for op in OPS.values() if fault in op.faults)
-                        out.print(f"  note: fault {fault} is a fault of op {owners}, not of op {sc.op}: not injected "
-                                  "here (see 'attn-gradcheck faults')\n")
-                        continue
-                    if fault not in checker.applicable_faults(sc):
-                        kind = "your implementation" if sc.implementation else "the built-in engine"
-                        out.print(f"  note: fault {fault} does not apply to {kind} (see 'attn-gradcheck faults')\n")
-                    elif fault not in result.faults or (not OPS[sc.op].faults[fault].sized
-                                                         and not checker.fault_applies(sc, fault)):
-                        out.print(f"  note: fault {fault} has no effect on this scenario (not applicable)\n")
-    except KeyboardInterrupt as exc:
-        interrupted = True
-        stop_code = EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
-    except MemoryError:
+        outcome = api.execute(plan, bar.advance, show)
+    except api.OutOfMemory as exc:
         bar.close()
-        name = scenarios[len(results)].name if len(results) < len(scenarios) else "negative controls"
-        raise _fail(f"{config}: scenario '{name}' ran out of memory; lower --memory-budget "
-                    f"(now {memory_budget} MiB) or the scenario's shapes; no report written") from None
+        raise _fail(f"{exc}; lower --memory-budget (now {memory_budget} MiB) or the scenario's shapes; "
+                    "no report written") from None
     except GradcheckError as exc:  # a worker could not load the file (changed while running)
         bar.close()
         raise _fail(str(exc)) from None
-    except Exception as exc:  # Ctrl-C inside a lazy import or a pool comes wrapped: still a Ctrl-C
-        from .errors import caused_by_interrupt as _caused_by_interrupt
-        if not _caused_by_interrupt(exc):
-            raise
-        interrupted = True
     bar.close()
 
+    results, interrupted = outcome.results, outcome.interrupted
     report.render_summary(out, results, len(scenarios) if interrupted else None)
-    if cells:
+    if outcome.cells:
         out.print()
-        report.render_controls(out, cells)
-    data = report.json_report(config, faults, results, cells, shard=shard_info, interrupted=interrupted, engine=engine)
+        report.render_controls(out, outcome.cells)
     try:
-        report.write_reports(json_path, data, junit_path,
-                             report.junit_xml(data) if junit_path else None, arrays_dir, results)
+        api.write_reports(outcome)
     except OSError as exc:
         raise _fail(f"cannot write the reports: {_unwritten(exc)}") from None
     except KeyboardInterrupt as exc:  # a second Ctrl-C while writing: nothing half-written stays behind
@@ -253,15 +113,13 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
             f"written: {', '.join(written) or 'none'}; not written (the old files, if any, are as they were): "
             f"{', '.join(pending)}" if pending is not None else "none written"), err=True)
         terminated = isinstance(exc, Terminated) or getattr(exc, "terminated", False)
-        raise click.exceptions.Exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED) from None
+        raise click.exceptions.Exit(ExitCode.TERMINATED if terminated else ExitCode.INTERRUPTED) from None
     if interrupted:
         written = [p for p in (json_path, junit_path) if p] + ([f"{arrays_dir}/"] if arrays_dir else [])
-        click.echo(f"{'terminated' if stop_code == EXIT_TERMINATED else 'interrupted'} after {len(results)} of "
-                   f"{len(scenarios)} scenario(s)"
+        click.echo(f"{'terminated' if outcome.exit_code == ExitCode.TERMINATED else 'interrupted'} after "
+                   f"{len(results)} of {len(scenarios)} scenario(s)"
                    + (f"; partial report(s) written: {', '.join(written)}" if written else ""), err=True)
-        raise click.exceptions.Exit(stop_code)
-    codes = {"pass": EXIT_OK, "fail": EXIT_FAILED, "inconclusive": EXIT_INCONCLUSIVE}
-    raise click.exceptions.Exit(codes[data["verdict"]])
+    raise click.exceptions.Exit(outcome.exit_code)
 
 
 @main.command(epilog=EPILOG, short_help="Combine JSON reports (e.g. the shards of a CI matrix) into one verdict.")
@@ -306,25 +164,7 @@ def merge(reports, json_path, junit_path):
         report.write_reports(json_path, data, junit_path, report.junit_xml(data) if junit_path else None)
     except OSError as exc:
         raise _fail(f"cannot write the report: {_unwritten(exc)}") from None
-    codes = {"pass": EXIT_OK, "fail": EXIT_FAILED, "inconclusive": EXIT_INCONCLUSIVE}
-    raise click.exceptions.Exit(codes[data["verdict"]])
-
-
-def _unwritten(exc: OSError) -> str:
-    """What a failed write left: a failure while staging leaves every file as it was."""
-    from .errors import ReportsFailed
-    return str(exc) if isinstance(exc, ReportsFailed) else f"{exc}; none written (every file is as it was)"
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"it holds the number {text[:40]}, beyond float64 (a report holds finite numbers or null)")
-    return value
-
-
-def _no_constant(name: str):
-    raise ValueError(f"it holds {name}, which a report never does (non-finite numbers are written as null)")
+    raise click.exceptions.Exit(ExitCode.of_verdict(data["verdict"]))
 
 
 @main.command("sweep-eps", epilog=EPILOG_INFO, short_help="Error against the finite-difference step (the V curve).")
@@ -346,7 +186,7 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
     the best one '*'. An implementation runs in a process of its own (as in 'run'); one that raises,
     ends that process or outlives check.timeout is named and not swept. Exit 0; 1 when an
     implementation failed so; 2 on bad input."""
-    from . import stepsweep
+    from .. import stepsweep
     try:
         steps = _parse_steps(step_range)
         scenarios = [sc for sc in select(load(config), selects, deselects) if OPS[sc.op].tensors]
@@ -359,7 +199,7 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
                 raise GradcheckError(f"--plot {plot_path}: name a .png, .pdf or .svg file")
     except GradcheckError as exc:
         raise _fail(str(exc)) from None
-    from .runner import sweep_isolated
+    from ..runner import sweep_isolated
     out, sweeps, failed = _console(), [], False
     for sc in scenarios:
         try:  # an implementation runs in a process of its own, as in 'run'
@@ -383,33 +223,7 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
     except OSError as exc:
         raise _fail(f"cannot write the outputs: {_unwritten(exc)}") from None
     if failed:
-        raise click.exceptions.Exit(EXIT_FAILED)
-
-
-def _parse_steps(text: str) -> tuple[float, ...]:
-    """HI:LO[:N] -> steps from HI down to LO (both included), N per decade."""
-    bad = GradcheckError(f"--steps {text!r}: expected HI:LO[:N] with 0 < LO < HI <= 1 and N an integer from 1 "
-                         "to 20 per decade, e.g. 1e-1:1e-12")
-    parts = text.split(":")
-    try:
-        hi, lo = float(parts[0]), float(parts[1])
-        per = float(parts[2]) if len(parts) > 2 else 1.0
-    except (ValueError, IndexError):
-        raise bad from None
-    if len(parts) > 3 or not (0 < lo < hi <= 1) or not per.is_integer() or not 1 <= per <= 20:
-        raise bad
-    count = max(2, int(np.ceil(np.log10(hi / lo) * per - 1e-9)) + 1)
-    if count > 200:
-        raise GradcheckError(f"--steps {text!r}: {count} steps; at most 200")
-    return tuple(float(x) for x in np.geomspace(hi, lo, count))
-
-
-def _require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise GradcheckError("--plot needs matplotlib, which is not installed: pip install 'attn-gradcheck[plot]'") \
-            from None
+        raise click.exceptions.Exit(ExitCode.FAILED)
 
 
 @main.command(epilog=EPILOG_INFO, short_help="List the named faults and the checks that catch them.")
@@ -434,7 +248,7 @@ def faults():
 def schema(of_report):
     """Print the JSON Schema of scenario files (shipped as schema/scenario.schema.json for editors), or
     with --report that of the JSON report (what 'merge' checks its inputs against)."""
-    from .report.schema import report_schema
+    from ..report.schema import report_schema
     click.echo(json.dumps(report_schema() if of_report else json_schema(), indent=2))
 
 
@@ -455,4 +269,4 @@ def validate(configs):
             out.print(f"{sc.name}: {sc.op} {sc.describe()}", highlight=False)
         out.print(f"{config}: {len(scenarios)} scenario(s) valid", highlight=False)
     if bad:
-        raise click.exceptions.Exit(EXIT_BAD_INPUT)
+        raise click.exceptions.Exit(ExitCode.BAD_INPUT)

@@ -1,0 +1,100 @@
+"""What the command line shows besides the results: the console (styled on a terminal, plain text off
+one, NO_COLOR honoured by rich), the one-line error messages and the progress bar."""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from ..exitcodes import ExitCode
+
+
+class _Console(Console):
+    """rich's Console, but a reader that goes away (``| head``) ends the run with 141 (128 + SIGPIPE),
+    as a piped tool does, not with 1, which means "a check failed" here."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self.file.fileno())
+        raise SystemExit(ExitCode.BROKEN_PIPE)
+
+
+def _console(stderr: bool = False) -> Console:
+    """Rich console: styled on a terminal; off a terminal plain text that never wraps, whatever COLUMNS
+    says (CI logs, pipes). NO_COLOR is honoured by rich."""
+    file = sys.stderr if stderr else sys.stdout
+    tty = file.isatty()
+    return _Console(file=file, stderr=stderr, highlight=False, markup=False, soft_wrap=not tty,
+                    width=None if tty else 200)
+
+
+def _error(message: str) -> None:
+    """One line on stderr: control characters of a path or value are shown escaped."""
+    text = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in message)
+    click.echo(f"error: {text}", err=True)
+
+
+def _fail(message: str) -> "click.exceptions.Exit":
+    """Print the one-line error and return the exit (2) to raise."""
+    _error(message)
+    return click.exceptions.Exit(ExitCode.BAD_INPUT)
+
+
+#: Seconds a run must last before the progress bar appears (short runs print nothing extra).
+PROGRESS_DELAY_S = 1.0
+
+
+class _ProgressBar:
+    """An ETA bar on stderr, shown once a run has lasted PROGRESS_DELAY_S and only on a terminal.
+    ``advance`` is the checker's progress callback; ``hidden()`` clears the bar while results print."""
+
+    def __init__(self, enabled: bool, total: int, label: str):
+        self.enabled = enabled and sys.stderr.isatty()
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                            console=_console(stderr=True), transient=True,
+                            redirect_stdout=False, redirect_stderr=False)
+        self.task = self.bar.add_task(label, total=total)
+        self.start = time.monotonic()
+        self.lock = threading.RLock()  # --jobs advances from the pool's result thread
+        self.paused = False
+
+    def advance(self, n: int) -> None:
+        with self.lock:
+            self.bar.advance(self.task, n)
+            if (self.enabled and not self.paused and not self.bar.live.is_started
+                    and time.monotonic() - self.start > PROGRESS_DELAY_S):
+                self.bar.start()
+
+    @contextlib.contextmanager
+    def hidden(self):
+        with self.lock:
+            running, self.paused = self.bar.live.is_started, True
+            if running:
+                self.bar.stop()
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.paused = False
+                if running:
+                    self.bar.start()
+
+    def close(self) -> None:
+        with self.lock:
+            self.paused = True
+            if self.bar.live.is_started:
+                self.bar.stop()
+
+
+def _unwritten(exc: OSError) -> str:
+    """What a failed write left: a failure while staging leaves every file as it was."""
+    from ..errors import ReportsFailed
+    return str(exc) if isinstance(exc, ReportsFailed) else f"{exc}; none written (every file is as it was)"
+
