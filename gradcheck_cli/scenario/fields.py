@@ -1,0 +1,183 @@
+"""The scenario keys and their limits, and the typed readers of their values. Every error names the
+file, line and key; an unknown key gets a did-you-mean."""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from ..ops import OPS
+from ..ops.registry import REQUIRED, Param
+from .yaml_lines import _Doc, _show
+
+MODES = ("full", "sample", "directional")
+#: Keys every op takes.
+COMMON_KEYS = ("name", "op", "batch", "check", "dtype", "epsilon", "tolerance", "seed")
+#: Keys of ops that contain attention (``Op.attention_keys``).
+ATTENTION_KEYS = ("heads_q", "heads_kv", "kv_map", "n_q", "n_k", "d_head", "d_value", "scale", "mask", "loss_rows")
+#: Keys of op ``attention`` only: other implementations and backends.
+BACKEND_KEYS = ("implementation", "backend", "device", "engine", "block_q", "block_k")
+ENGINES = ("naive", "tiled")
+SCENARIO_KEYS = tuple(dict.fromkeys(COMMON_KEYS[:2] + BACKEND_KEYS + COMMON_KEYS[2:3] + ATTENTION_KEYS + COMMON_KEYS[3:]
+                                    + tuple(k for op in OPS.values() for k in op.keys)))
+MASK_KEYS = ("causal", "window", "key_lengths", "visible")
+CHECK_KEYS = ("mode", "samples", "directions", "colouring", "factor", "slack", "nondet_tol", "timeout")
+BACKENDS = ("numpy", "torch")
+DEVICES = ("cpu", "cuda")
+LOW_PRECISION = ("float16", "bfloat16")
+NESTED = {"mask": MASK_KEYS, "check": CHECK_KEYS}
+TOP_KEYS = ("defaults", "scenarios")
+#: The largest finite-difference step (relative to the inputs' scale) a scenario may ask for.
+MAX_EPSILON = 0.1
+#: The largest relative tolerance: a check blind to errors of this fraction of a gradient has no power
+#: (verdict.POWER_LIMIT).
+MAX_TOLERANCE = 0.25
+#: Larger scales only saturate the softmax (and overflow the logits near 1e300).
+MAX_SCALE = 1e6
+#: More random directions than this cost more than checking every element would.
+MAX_DIRECTIONS = 100_000
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+# --------------------------------------------------------------------------------------------------
+# Typed readers: each returns the value or raises with the file, line and key.
+
+class _Fields:
+    """One scenario's keys merged over the defaults, each remembering the path it came from."""
+
+    def __init__(self, doc: _Doc, values: dict[str, tuple[Any, tuple]], path: tuple):
+        self.doc, self.values, self.path = doc, values, path
+
+    def has(self, key: str) -> bool:
+        return key in self.values and self.values[key][0] is not None
+
+    def where(self, key: str) -> tuple:
+        return self.values[key][1] if key in self.values else self.path + tuple(key.split("."))
+
+    def error(self, key: str, message: str, hint: str | None = None) -> ScenarioError:
+        return self.doc.error(self.where(key), message, hint)
+
+    def raw(self, key: str, default: Any = None) -> Any:
+        return self.values[key][0] if self.has(key) else default
+
+    def int(self, key: str, default: Any = None, minimum: int = 1) -> int:
+        if not self.has(key):
+            if default is None:
+                raise self.error(key, "is required", hint=f"add '{key.split('.')[-1]}: <integer >= {minimum}>'")
+            return default
+        v = self.raw(key)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self.error(key, f"expected an integer, got {_show(v)}")
+        if v < minimum:
+            raise self.error(key, f"must be >= {minimum}, got {v}")
+        return v
+
+    def float(self, key: str, default: float, positive: bool = True) -> float:
+        if not self.has(key):
+            return default
+        v = self.raw(key)
+        if isinstance(v, str):
+            try:
+                v = float(v)
+            except ValueError:
+                raise self.error(key, f"expected a number, got {_show(v)}") from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise self.error(key, f"expected a finite number, got {_show(v)}")
+        if positive and v <= 0:
+            raise self.error(key, f"must be > 0, got {v}")
+        return float(v)
+
+    def choice(self, key: str, choices: tuple[str, ...], default: str) -> str:
+        if not self.has(key):
+            return default
+        v = self.raw(key)
+        if v not in choices:
+            import difflib
+            close = difflib.get_close_matches(str(v), choices, n=1) if isinstance(v, str) else []
+            raise self.error(key, f"expected one of {', '.join(choices)}; got {_show(v)}",
+                             hint=f"did you mean '{close[0]}'?" if close else None)
+        return v
+
+    def int_list(self, key: str, lo: int, hi: int | None, what: str, unique: bool = False) -> tuple[int, ...] | None:
+        if not self.has(key):
+            return None
+        v = self.raw(key)
+        if not isinstance(v, list) or not v:
+            raise self.error(key, f"expected a non-empty list of integers, got {_show(v)}")
+        for i, x in enumerate(v):
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise self.doc.error(self.where(key) + (i,), f"expected an integer, got {_show(x)}")
+            if x < lo or (hi is not None and x > hi):
+                bounds = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+                raise self.doc.error(self.where(key) + (i,), f"{x} is out of range: {what} must be {bounds}")
+            if unique and x in v[:i]:
+                raise self.doc.error(self.where(key) + (i,), f"{x} is listed twice", hint="list each once")
+        return tuple(v)
+
+
+def _merge(doc: _Doc, defaults: dict, scenario: dict, index: int) -> dict[str, tuple[Any, tuple]]:
+    """Flatten defaults then the scenario into {'key' or 'mask.causal': (value, path)}."""
+    out: dict[str, tuple[Any, tuple]] = {}
+    for source, base in ((defaults, ("defaults",)), (scenario, ("scenarios", index))):
+        for key, value in source.items():
+            if key == "sweep":
+                continue
+            path = base + (key,)
+            allowed = SCENARIO_KEYS if source is scenario else tuple(k for k in SCENARIO_KEYS if k != "name")
+            if key not in allowed:
+                owner = next((n for n, subkeys in NESTED.items() if key in subkeys), None)
+                hint = f"'{key}' belongs under '{owner}:' ({owner}: {{{key}: ...}})" if owner else _suggest(key, allowed)
+                raise doc.error(path, f"unknown key '{key}'", hint=hint)
+            if key in NESTED:
+                if value is not None:
+                    out.update(_nested(doc, key, value, path))
+            else:
+                out[key] = (value, path)
+    return out
+
+
+def _nested(doc: _Doc, key: str, value: Any, path: tuple) -> dict[str, tuple[Any, tuple]]:
+    """A ``mask`` or ``check`` mapping flattened to {'mask.causal': (value, path)}, its keys checked."""
+    if not isinstance(value, dict):
+        raise doc.error(path, f"expected a mapping with keys {', '.join(NESTED[key])}, got {_show(value)}")
+    out = {}
+    for sub, subvalue in value.items():
+        if sub not in NESTED[key]:
+            raise doc.error(path + (sub,), f"unknown key '{sub}'", hint=_suggest(sub, NESTED[key]))
+        out[f"{key}.{sub}"] = (subvalue, path + (sub,))
+    return out
+
+
+def _suggest(key: str, allowed: tuple[str, ...]) -> str:
+    import difflib
+    close = difflib.get_close_matches(key, allowed, n=1)
+    return f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(allowed)}"
+
+
+def _read_param(f: _Fields, key: str, param: Param):
+    """One op-specific key (``ops.registry.Param``)."""
+    required = param.default is REQUIRED
+    if not f.has(key):
+        if required:
+            raise f.error(key, "is required", hint=param.help or None)
+        return param.default
+    kind = param.kind
+    if kind == "int":
+        return f.int(key, None, minimum=int(param.minimum if param.minimum is not None else 1))
+    if kind == "float":
+        v = f.float(key, 0.0, positive=param.minimum is None)
+        if param.minimum is not None and v < param.minimum:
+            raise f.error(key, f"must be >= {param.minimum:g}, got {v:g}", hint=param.help or None)
+        return v
+    if kind == "choice":
+        return f.choice(key, param.choices, param.choices[0])
+    if kind == "bool":
+        v = f.raw(key)
+        if not isinstance(v, bool):
+            raise f.error(key, f"expected true or false, got {_show(v)}")
+        return v
+    if kind == "ints":
+        return f.int_list(key, int(param.minimum if param.minimum is not None else 1), None, f"each {key} entry",
+                          unique=True)
+    raise AssertionError(f"unknown Param kind {kind}")
+

@@ -1,0 +1,96 @@
+"""The frozen ``Scenario`` record the loader builds, and the default mapping of query heads to KV heads."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .. import implementation
+from ..errors import ScenarioError
+from ..ops import OPS
+from .fields import LOW_PRECISION
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    op: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    kv_map: tuple[int, ...]
+    n_q: int
+    n_k: int
+    d_head: int
+    d_value: int
+    scale: float
+    causal: str
+    window: tuple[int | None, int | None] | None
+    key_lengths: tuple[int, ...] | None
+    visible_source: str | None
+    loss_rows: tuple[int, ...] | None
+    mode: str
+    samples: int
+    directions: int
+    colouring: bool
+    dtype: str
+    epsilon: float
+    tolerance: float
+    seed: int
+    file: str = ""
+    line: int = 0
+    index: int = 0  # position in the file's list of scenarios, after sweeps expand
+    params: tuple = ()  # the op's own keys (``Op.keys``) as (key, value) pairs
+    engine: str = "naive"
+    block_q: int = 64
+    block_k: int = 64
+    implementation: str | None = None
+    backend: str = "numpy"
+    device: str = "cpu"
+    factor: float = 2.0
+    slack: float | None = None  # None: the dtype's default (tolerance.DEFAULT_SLACK)
+    nondet_tol: float = 0.0
+    visible: np.ndarray = field(default=None, repr=False, compare=False)
+    base_dir: str = "."          # the YAML's folder: where ``implementation`` and mask files are found
+    implementation_line: int = 0  # the line of the ``implementation`` key
+    timeout: float = 900.0       # seconds an isolated run of an implementation may take (``check.timeout``)
+
+    def p(self, key: str):
+        """The value of the op-specific key ``key``."""
+        return dict(self.params)[key]
+
+    @property
+    def implementation_object(self):
+        """The user's implementation, imported on first use (in the process that checks it: the loader
+        never runs user code). Raises ScenarioError, placed at the ``implementation`` key, when it
+        cannot be imported or used."""
+        if self.implementation is None:
+            return None
+        try:
+            return implementation.load(self.implementation, Path(self.base_dir), flavour=self.backend)
+        except implementation.LoadError as exc:
+            raise ScenarioError(str(exc), file=self.file, line=self.implementation_line or self.line,
+                                key=f"scenarios[{self.index}].implementation") from None
+
+    def describe(self) -> str:
+        spec = OPS[self.op]
+        if spec.describe:
+            return spec.describe(self)
+        contiguous = self.heads_q % self.heads_kv == 0 and self.kv_map == default_kv_map(self.heads_q, self.heads_kv)
+        kv = f"{self.heads_kv}" + ("" if contiguous else f" map={list(self.kv_map)}")
+        if self.dtype in LOW_PRECISION:
+            how = f"factor {self.factor:g} policy"
+        else:
+            how = f"{self.mode}{' coloured' if self.colouring else ''}"
+        where = f" torch/{self.device}" if self.backend == "torch" else ""
+        if self.engine == "tiled":
+            where += f" tiled {self.block_q}x{self.block_k}"
+        return (f"B={self.batch} Hq={self.heads_q} Hkv={kv} n_q={self.n_q} n_k={self.n_k} "
+                f"d={self.d_head}/{self.d_value} {self.dtype}{where} {how}")
+
+
+def default_kv_map(heads_q: int, heads_kv: int) -> tuple[int, ...]:
+    """Contiguous groups: query head r reads KV head r // (heads_q / heads_kv)."""
+    group = heads_q // heads_kv
+    return tuple(r // group for r in range(heads_q))

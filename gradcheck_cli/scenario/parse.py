@@ -1,0 +1,264 @@
+"""One scenario's merged keys -> a ``Scenario``: the op's keys, shapes and heads, backend, precision and
+check, masks and memory, each checked with its file, line and key."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .. import implementation, masks
+from ..ops import OPS
+from ..tolerance import DTYPES, defaults_for, machine_epsilon
+from .fields import (ATTENTION_KEYS, BACKEND_KEYS, BACKENDS, COMMON_KEYS, DEVICES, ENGINES, LOW_PRECISION,
+                     MAX_DIRECTIONS, MAX_EPSILON, MAX_SCALE, MAX_TOLERANCE, MODES, NAME_RE, _Fields, _read_param)
+from .model import Scenario, default_kv_map
+from .resources import _plain_need, _Probe, attention_need
+from .visible import _load_visible
+from .yaml_lines import _Doc, _show
+
+
+def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) -> Scenario:
+    name = f.raw("name")
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise f.error("name", f"expected a name of letters, digits, '.', '_' or '-', got {_show(name)}"
+                      if name is not None else "is required", hint="e.g. 'name: causal-gqa'")
+    op = f.choice("op", tuple(OPS), "attention")
+    op_spec = OPS[op]
+    common = COMMON_KEYS if op_spec.common_keys is None else op_spec.common_keys
+    allowed = set(common) | set(op_spec.keys) | (set(ATTENTION_KEYS) if op_spec.attention_keys else set())
+    allowed |= set(BACKEND_KEYS) if op == "attention" else set()
+    for key in f.values:
+        top = key.split(".")[0]
+        if top not in allowed or (op != "attention" and key in ("check.factor", "check.slack", "check.nondet_tol",
+                                                               "check.timeout")):
+            owners = [o.name for o in OPS.values() if top in o.keys or (top in ATTENTION_KEYS and o.attention_keys)
+                      or (top in BACKEND_KEYS + ("check",) and o.name == "attention")]
+            raise f.error(key, f"does not apply to op {op}" + (f" (it is a key of {', '.join(owners)})" if owners else ""),
+                          hint=f"keys of op {op}: {', '.join(sorted(allowed - {'name', 'op'}))}")
+    if not op_spec.attention_keys:
+        return _parse_plain(doc, f, name, op, base_dir, memory_limit)
+    batch = f.int("batch", 1)
+    heads_q = f.int("heads_q", 1)
+    n_q = f.int("n_q")
+    n_k = f.int("n_k", n_q)
+    d_head = f.int("d_head")
+    d_value = f.int("d_value", d_head)
+
+    if f.has("kv_map"):
+        kv_map = f.int_list("kv_map", 0, heads_q - 1, "a KV head index (every KV head serves a query head, so "
+                                                      "there are at most heads_q of them)")
+        if len(kv_map) != heads_q:
+            raise f.error("kv_map", f"has {len(kv_map)} entries but heads_q is {heads_q}",
+                          hint="give one KV head index per query head")
+        heads_kv = f.int("heads_kv", max(kv_map) + 1)
+        bad = [g for g in kv_map if g >= heads_kv]
+        if bad:
+            raise f.error("kv_map", f"KV head {bad[0]} is out of range for heads_kv={heads_kv}",
+                          hint=f"use indices 0..{heads_kv - 1} or raise heads_kv")
+        if heads_kv > heads_q:  # checked before anything of size heads_kv is built
+            raise f.error("heads_kv", f"{heads_kv} KV heads for {heads_q} query heads: some KV head would serve no "
+                          "query head", hint="every KV head must serve at least one query head; lower heads_kv")
+        unused = sorted(set(range(heads_kv)) - set(kv_map))
+        if unused:
+            raise f.error("kv_map", f"KV head {unused[0]} of heads_kv={heads_kv} is read by no query head",
+                          hint="every KV head must serve at least one query head; lower heads_kv")
+    else:
+        heads_kv = f.int("heads_kv", heads_q)
+        if heads_q % heads_kv:
+            raise f.error("heads_kv", f"{heads_kv} does not divide heads_q={heads_q}",
+                          hint="use a divisor of heads_q, or give an explicit kv_map")
+        kv_map = None  # built after the memory check (heads_q may be absurd)
+
+    scale = f.float("scale", 1.0 / math.sqrt(d_head), positive=False)
+    if scale == 0 or abs(scale) > MAX_SCALE:
+        raise f.error("scale", f"must be non-zero and within +-{MAX_SCALE:g}, got {scale:g}",
+                      hint="omit it for 1/sqrt(d_head)")
+
+    backend = f.choice("backend", BACKENDS, "numpy")
+    device = f.choice("device", DEVICES, "cpu")
+    dtype = f.choice("dtype", DTYPES + (LOW_PRECISION if op == "attention" else ()), "float64")
+    if backend == "torch" or device != "cpu" or dtype in LOW_PRECISION:
+        _require_torch(f, backend, device, dtype)
+    engine = f.choice("engine", ENGINES, "naive")
+    block_q, block_k = f.int("block_q", 64), f.int("block_k", 64)
+    if engine == "tiled" and (backend != "numpy" or f.has("implementation")):
+        raise f.error("engine", "engine: tiled is the built-in NumPy engine's; it does not apply to "
+                      + ("backend: torch" if backend != "numpy" else "an implementation of yours"),
+                      hint="remove engine, or the backend / implementation")
+    for key in ("block_q", "block_k"):
+        if f.has(key) and engine != "tiled":
+            raise f.error(key, "block sizes apply to engine: tiled", hint="add 'engine: tiled' or remove it")
+    factor = f.float("check.factor", 2.0)
+    slack = f.float("check.slack", None, positive=False)
+    if slack is not None and slack < 0:
+        raise f.error("check.slack", f"must be >= 0, got {slack}")
+    nondet_tol = f.float("check.nondet_tol", 0.0, positive=False)
+    if f.has("check.nondet_tol") and not f.has("implementation") and f.where("check.nondet_tol")[0] != "defaults":
+        raise f.error("check.nondet_tol", "applies to a scenario with an implementation: the built-in engines are "
+                      "deterministic and are not run twice", hint="remove it, or add 'implementation: module:attribute'")
+    if nondet_tol < 0:
+        raise f.error("check.nondet_tol", f"must be >= 0, got {nondet_tol}",
+                      hint="0 (the default) requires two calls on the same inputs to agree bit for bit")
+    timeout = f.float("check.timeout", 900.0)
+    if f.has("check.timeout") and not f.has("implementation") and f.where("check.timeout")[0] != "defaults":
+        raise f.error("check.timeout", "applies to a scenario with an implementation (run in a process of its own, "
+                      "stopped after this many seconds)", hint="remove it, or add 'implementation: module:attribute'")
+    dtype, epsilon, tolerance, seed, mode, samples, directions, colouring = _precision_and_check(
+        f, dtype, op == "attention")
+
+    causal = "none" if f.raw("mask.causal") in (None, "none") else f.choice("mask.causal", masks.CAUSAL, "none")
+    window = None
+    if f.has("mask.window"):
+        w = f.raw("mask.window")
+        if not isinstance(w, list) or len(w) != 2:
+            raise f.error("mask.window", f"expected [left, right], got {_show(w)}",
+                          hint="e.g. window: [4, 0]; null or -1 means unbounded on that side")
+        sides = []
+        for i, x in enumerate(w):
+            if x is None or x == -1:
+                sides.append(None)
+            elif isinstance(x, bool) or not isinstance(x, int) or x < 0:
+                raise doc.error(f.where("mask.window") + (i,), f"expected an integer >= 0, null or -1, got {_show(x)}")
+            else:
+                sides.append(x)
+        window = (sides[0], sides[1])
+    key_lengths = f.int_list("mask.key_lengths", 0, n_k, "a key length")
+    if key_lengths is not None and len(key_lengths) != batch:
+        raise f.error("mask.key_lengths", f"has {len(key_lengths)} entries but batch is {batch}",
+                      hint="give one valid-key count per batch element")
+    loss_rows = f.int_list("loss_rows", 0, n_q - 1, "a query row", unique=True)
+
+    # Estimate memory before allocating anything of size n_q x n_k: about ten score-sized arrays for
+    # the forward, backward and invariants, plus one (+h, -h) pair of perturbed copies (see numeric.plan).
+    # The tensors (q, k, v, o and their gradients, analytic and numeric) count about a dozen times.
+    params = {key: _read_param(f, key, param) for key, param in op_spec.keys.items()}
+    need = attention_need(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, dtype, engine, block_q, block_k)
+    if op_spec.shapes and op != "attention":  # the op's own weights and activations, counted like a plain op's
+        need += _plain_need(op_spec, _Probe(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, params))
+    if need > memory_limit:
+        raise doc.error(f.path, f"scenario '{name}' needs about {need / 2**30:.1f} GiB "
+                        f"({batch}x{heads_q}x{n_q}x{n_k} score blocks, d_head={d_head}, d_value={d_value}"
+                        + ("" if op == "attention" else f", and the weights of op {op}") + "), "
+                        f"more than the {memory_limit / 2**30:.1f} GiB available",
+                        hint="reduce batch, heads, n_q, n_k or the head dimensions"
+                             + ("" if op == "attention" else " (or d_model, d_ff)"))
+    if kv_map is None:
+        kv_map = default_kv_map(heads_q, heads_kv)
+
+    spec, spec_line = None, 0
+    if f.has("implementation"):
+        spec = f.raw("implementation")
+        if not isinstance(spec, str):
+            raise f.error("implementation", f"expected 'module:attribute', got {_show(spec)}")
+        try:
+            implementation.locate(spec, base_dir)  # found, not run: the loader never runs user code
+        except implementation.LoadError as exc:
+            raise f.error("implementation", str(exc)) from None
+        spec_line = doc.line(f.where("implementation")) or 0
+
+    explicit, source = None, None
+    if f.has("mask.visible"):
+        explicit, source = _load_visible(f, base_dir, (batch, heads_q, n_q, n_k))
+    visible = masks.build_visible(batch, heads_q, n_q, n_k, causal=causal, window=window,
+                                  key_lengths=key_lengths, explicit=explicit)
+    empty = masks.first_empty_row(visible)
+    if empty is not None:
+        b, h, i = empty
+        constraints = [c for c, on in (("causal", causal != "none"), ("window", window is not None),
+                                       ("key_lengths", key_lengths is not None), ("visible", explicit is not None)) if on]
+        given = [k for k in ("mask.visible", "mask.key_lengths", "mask.window", "mask.causal") if f.has(k)]
+        swept = [k for k in given if "sweep" in f.where(k)]
+        raise doc.error(f.where((swept or given)[0]) if given else f.path,
+                        f"query row {i} of batch {b}, head {h} sees no key (mask: {', '.join(constraints)})",
+                        hint="every query row needs at least one visible key; widen the window, raise "
+                             "key_lengths, or check the causal alignment for n_q != n_k")
+
+    attention = {"batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "n_q": n_q, "n_k": n_k, "d_head": d_head,
+                 "d_value": d_value}
+    for key, message, hint in (op_spec.validate(params, attention) if op_spec.validate else []):
+        raise f.error(key, message, hint=hint)
+    return Scenario(name=name, op=op, batch=batch, heads_q=heads_q, heads_kv=heads_kv, kv_map=tuple(kv_map),
+                    n_q=n_q, n_k=n_k, d_head=d_head, d_value=d_value, scale=scale, causal=causal,
+                    window=window, key_lengths=key_lengths, visible_source=source, loss_rows=loss_rows,
+                    mode=mode, samples=samples, directions=directions, colouring=colouring, dtype=dtype, epsilon=epsilon,
+                    tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
+                    implementation=spec, backend=backend, device=device, factor=factor, slack=slack, nondet_tol=nondet_tol,
+                    visible=visible, base_dir=str(base_dir), implementation_line=spec_line, timeout=timeout, params=tuple(params.items()), engine=engine,
+                    block_q=block_q, block_k=block_k)
+
+
+def _precision_and_check(f: _Fields, dtype: str, colouring_default: bool = True):
+    """The keys every op shares: (dtype, epsilon, tolerance, seed, mode, samples, directions, colouring)."""
+    dflt = defaults_for(dtype)
+    epsilon = f.float("epsilon", dflt["epsilon"])
+    if epsilon > MAX_EPSILON:
+        raise f.error("epsilon", f"{epsilon:g} is too large a step: central differences converge only as the step "
+                      f"shrinks (error ~ step^2), and beyond {MAX_EPSILON:g} x the inputs' scale they estimate nothing "
+                      "a verdict could rest on", hint=f"omit it for the {dtype} default ({dflt['epsilon']:g}); "
+                      "'attn-gradcheck sweep-eps' shows the error against the step")
+    resolution = machine_epsilon(dtype)
+    if epsilon < 8 * resolution and dtype not in LOW_PRECISION:  # no finite differences in half precision
+        raise f.error("epsilon", f"{epsilon:g} is below what {dtype} can resolve ({resolution:.2g}): the "
+                      "perturbed values would round back", hint=f"use at least {8 * resolution:.2g}")
+    tolerance = f.float("tolerance", dflt["tolerance"])
+    if tolerance > MAX_TOLERANCE:
+        raise f.error("tolerance", f"{tolerance:g} would accept gradients wrong by {tolerance:.0%} of their size (a "
+                      f"zero gradient at 1): a check that blind cannot pass anything; at most {MAX_TOLERANCE:g}",
+                      hint=f"omit it for the {dtype} default ({dflt['tolerance']:g}); for float16/bfloat16 the "
+                           "check.factor / check.slack policy applies")
+    seed = f.int("seed", 0, minimum=0)
+    mode = f.choice("check.mode", MODES, "full")
+    samples = f.int("check.samples", 256)
+    directions = f.int("check.directions", 16)
+    if directions > MAX_DIRECTIONS:
+        raise f.error("check.directions", f"at most {MAX_DIRECTIONS:,} directions, got {directions:,}",
+                      hint="use mode: full to check every element")
+    colouring = f.raw("check.colouring", mode == "full" and colouring_default)
+    if not isinstance(colouring, bool):
+        raise f.error("check.colouring", f"expected true or false, got {_show(colouring)}")
+    if colouring and mode != "full" and f.has("check.colouring"):
+        raise f.error("check.colouring", f"colouring applies to mode full only (mode is {mode})",
+                      hint="remove colouring, or use mode: full")
+    if colouring and not colouring_default:
+        raise f.error("check.colouring", "this op has no independent output blocks to colour",
+                      hint="remove colouring (it applies to op attention)")
+    return dtype, epsilon, tolerance, seed, mode, samples, directions, colouring and mode == "full"
+
+
+def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memory_limit: int) -> Scenario:
+    """A scenario of an op without attention keys: the shared keys, then the op's own (``Op.keys``)."""
+    spec = OPS[op]
+    batch = f.int("batch", 1)
+    dtype = f.choice("dtype", DTYPES, "float64")
+    dtype, epsilon, tolerance, seed, mode, samples, directions, _ = _precision_and_check(f, dtype, False)
+    params = {key: _read_param(f, key, param) for key, param in spec.keys.items()}
+    for key, message, hint in (spec.validate(params, {"batch": batch}) if spec.validate else []):
+        raise f.error(key, message, hint=hint)
+    sc = Scenario(name=name, op=op, batch=batch, heads_q=1, heads_kv=1, kv_map=(0,), n_q=0, n_k=0, d_head=0,
+                  d_value=0, scale=1.0, causal="none", window=None, key_lengths=None, visible_source=None,
+                  loss_rows=None, mode=mode, samples=samples, directions=directions, colouring=False, dtype=dtype,
+                  epsilon=epsilon, tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
+                  params=tuple(params.items()))
+    if spec.shapes:
+        need = _plain_need(spec, sc)
+        if need > memory_limit:
+            raise doc.error(f.path, f"scenario '{name}' needs about {need / 2**30:.1f} GiB, more than the "
+                            f"{memory_limit / 2**30:.1f} GiB available", hint="reduce its sizes")
+    return sc
+
+
+def _require_torch(f: _Fields, backend: str, device: str, dtype: str) -> None:
+    """Torch scenarios need torch (and cuda a GPU): say how to get it before anything runs."""
+    key = "backend" if f.has("backend") else ("device" if f.has("device") else "dtype")
+    if backend != "torch":
+        what = f"device {device}" if device != "cpu" else f"dtype {dtype}"
+        raise f.error(key, f"{what} needs backend: torch", hint="add 'backend: torch'")
+    try:
+        import torch
+    except ImportError:
+        raise f.error(key, "this scenario needs torch, which is not installed",
+                      hint="pip install 'attn-gradcheck[torch]', or pin a build, e.g. pip install torch==2.13.0; "
+                           "an unpinned torch may pull a large CUDA build") from None
+    if device == "cuda" and not torch.cuda.is_available():
+        raise f.error("device", "device cuda was asked for but torch sees no CUDA device",
+                      hint="use device: cpu, or run on a machine with a GPU and a CUDA build of torch")
+

@@ -1,0 +1,76 @@
+"""The JSON Schema of scenario files (``attn-gradcheck schema``, shipped as schema/scenario.schema.json)."""
+from __future__ import annotations
+
+from .. import implementation, masks
+from ..ops import OPS
+from ..tolerance import DTYPES
+from .fields import (BACKENDS, DEVICES, ENGINES, LOW_PRECISION, MAX_DIRECTIONS, MAX_EPSILON, MAX_TOLERANCE, MODES,
+                     NAME_RE, NESTED, SCENARIO_KEYS)
+
+
+def json_schema() -> dict:
+    """A JSON Schema (draft 2020-12) of the scenario file, for editors (yaml-language-server) and CI.
+    The loader stays the authority: it also checks what a schema cannot (shapes, masks, memory)."""
+    pos = {"type": "integer", "minimum": 1}
+    ints = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+    side = {"oneOf": [{"type": "null"}, {"type": "integer", "minimum": -1}]}
+    number = {"oneOf": [{"type": "number"}, {"type": "string"}]}
+    mask = {"type": "object", "additionalProperties": False, "properties": {
+        "causal": {"enum": list(masks.CAUSAL) + [None], "description": "upper-left: j <= i; lower-right: j <= i + n_k - n_q"},
+        "window": {"type": "array", "items": side, "minItems": 2, "maxItems": 2,
+                   "description": "(left, right) around the diagonal, as FlashAttention's window_size"},
+        "key_lengths": {**ints, "description": "valid keys per batch element"},
+        "visible": {"oneOf": [{"type": "string"}, {"type": "array"}],
+                    "description": ".npy path (relative to the YAML) or nested list; True = visible"}}}
+    check = {"type": "object", "additionalProperties": False, "properties": {
+        "mode": {"enum": list(MODES)}, "samples": pos, "directions": {**pos, "maximum": MAX_DIRECTIONS},
+        "colouring": {"type": "boolean"}, "factor": number, "slack": number, "nondet_tol": number,
+        "timeout": number}}
+    fields = {
+        "name": {"type": "string", "pattern": NAME_RE.pattern},
+        "op": {"enum": sorted(OPS)},
+        "implementation": {"type": "string", "pattern": implementation.SPEC_RE.pattern},
+        "backend": {"enum": list(BACKENDS)}, "device": {"enum": list(DEVICES)},
+        "batch": pos, "heads_q": pos, "heads_kv": pos, "kv_map": ints, "n_q": pos, "n_k": pos,
+        "d_head": pos, "d_value": pos, "scale": number, "mask": mask, "loss_rows": ints, "check": check,
+        "dtype": {"enum": list(DTYPES) + list(LOW_PRECISION)}, "epsilon": {**number, "maximum": MAX_EPSILON},
+        "tolerance": {**number, "maximum": MAX_TOLERANCE},
+        "seed": {"type": "integer", "minimum": 0},
+        "engine": {"enum": list(ENGINES), "description": "naive (default) or tiled (FlashAttention-style: online "
+                   "softmax, log-sum-exp, no n_q x n_k arrays)"},
+        "block_q": {**pos, "description": "engine tiled: query rows per block (default 64)"},
+        "block_k": {**pos, "description": "engine tiled: key rows per block (default 64)"},
+    }
+    for op in OPS.values():
+        for key, param in op.keys.items():
+            if key in fields:
+                continue
+            low = int(param.minimum if param.minimum is not None else 1)
+            kind = {"int": {"type": "integer", "minimum": low},
+                    "float": number, "bool": {"type": "boolean"}, "choice": {"enum": list(param.choices)},
+                    "ints": {"type": "array", "items": {"type": "integer", "minimum": low}, "minItems": 1,
+                             "uniqueItems": True}}[param.kind]
+            if param.kind == "int" and param.default is None:
+                kind = {"oneOf": [{"type": "null"}, kind]}
+            helps = {o.name: o.keys[key].help for o in OPS.values() if key in o.keys}
+            fields[key] = {**kind, "description": "; ".join(f"op {name}: {text}" for name, text in helps.items())}
+    assert set(fields) == set(SCENARIO_KEYS), "the schema must list every scenario key"
+    sweepable = [k for k in SCENARIO_KEYS if k != "name"] + [f"{n}.{k}" for n, keys in NESTED.items() for k in keys]
+    fields["sweep"] = {"type": "object", "minProperties": 1, "propertyNames": {"enum": sweepable},
+                       "additionalProperties": {"type": "array", "minItems": 1},
+                       "description": "lists of values; the scenario expands to their cartesian product, "
+                                      "named like name[n_q=1,mask.causal=upper-left]"}
+    defaults = {k: v for k, v in fields.items() if k != "name"}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "attn-gradcheck scenario file",
+        "type": "object",
+        "additionalProperties": False,
+        "patternProperties": {"^x-": {}},
+        "required": ["scenarios"],
+        "properties": {
+            "defaults": {"type": "object", "additionalProperties": False, "properties": defaults},
+            "scenarios": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "additionalProperties": False, "required": ["name"], "properties": fields}},
+        },
+    }
