@@ -3,8 +3,6 @@ results in file order, each with its negative controls when asked; and the deter
 Never prints; the CLI renders what it yields."""
 from __future__ import annotations
 
-import dataclasses
-import functools
 import multiprocessing
 import os
 import signal
@@ -16,7 +14,7 @@ from typing import Callable, Iterator, Sequence
 from . import checker, numeric
 from .errors import GradcheckError
 from .result import Check, ControlCell, Kind, ScenarioResult
-from .scenario import Scenario, load
+from .scenario import Scenario
 
 
 @dataclass(frozen=True)
@@ -58,8 +56,8 @@ def run(config: str, scenarios: Sequence[Scenario], faults: Sequence[str] = (), 
     A scenario that names an implementation always runs in a worker process of its own kind: the
     user's code can then neither end the run (``os._exit``, a crash, a kill: a failed check naming
     it) nor hang it (stopped after ``check.timeout`` seconds: a failed check). With ``jobs`` > 1 every
-    scenario runs in one of that many worker processes (started fresh, each loading ``config``
-    itself), and results are identical to a run in this process: every number depends only on the
+    scenario runs in one of that many worker processes (started fresh; each scenario is sent to it
+    whole, ``config`` is never read again), and results are identical to a run in this process: every number depends only on the
     scenario and its seeds. Closing the generator early (Ctrl-C) stops the workers at once.
     """
     isolated = [sc.implementation is not None for sc in scenarios]
@@ -102,7 +100,7 @@ def sweep_isolated(config: str, sc: Scenario, steps, samples: int):
     how the implementation failed (raised, ended the process, or outlived ``check.timeout``)."""
     worker = _Worker(_context(sc.backend == "torch"), os.cpu_count() or 1)
     try:
-        worker.send(("sweep", (config, sc.name, tuple(steps), samples)))
+        worker.send(("sweep", (sc, tuple(steps), samples)))
         deadline = worker.started + sc.timeout
         while True:
             answer = worker.collect(deadline)
@@ -193,7 +191,7 @@ class _Workers:
             while pending and len(running) < self.size:
                 sc = pending.pop(0)
                 worker = self._get()
-                worker.send(("check", (config, sc.name, sc.engine, tuple(faults), controls, memory_budget)))
+                worker.send(("check", (sc, tuple(faults), controls, memory_budget)))
                 worker.deadline = worker.started + sc.timeout if sc.implementation is not None else None
                 running[sc.index] = (worker, sc)
             for index, (worker, sc) in list(running.items()):
@@ -438,24 +436,18 @@ def _init_worker(threads: int, server: int | None = None) -> None:
     numeric.quiet_numpy_arithmetic()
 
 
-@functools.lru_cache(maxsize=4)
-def _scenarios(config: str) -> dict[str, Scenario]:
-    return {sc.name: sc for sc in load(config)}
-
-
-def _work(config: str, name: str, engine: str, faults: tuple[str, ...], controls: bool, memory_budget: int):
-    sc = _scenarios(config)[name]
-    if sc.engine != engine:  # --engine given to the parent
-        sc = dataclasses.replace(sc, engine=engine)
+def _work(sc: Scenario, faults: tuple[str, ...], controls: bool, memory_budget: int):
+    """The task of a worker: the scenario arrives whole (pickled; its implementation still a
+    ``module:attribute`` string, imported here), so a worker never reads the YAML again."""
     result, cells = _one(sc, faults, controls, memory_budget, None)
     return result, cells
 
 
-def _sweep(config: str, name: str, steps: tuple[float, ...], samples: int):
+def _sweep(sc: Scenario, steps: tuple[float, ...], samples: int):
     from . import stepsweep
     from .implementation import ImplementationFailure
     try:
-        return stepsweep.sweep(_scenarios(config)[name], steps, samples)
+        return stepsweep.sweep(sc, steps, samples)
     except ImplementationFailure as exc:
         return f"the implementation failed: {exc.message}"
 
