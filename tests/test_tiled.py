@@ -105,7 +105,7 @@ def test_finite_differences_catch_every_fault_on_the_tiled_engine(root, fault):
 
 
 def test_engine_keys_are_checked():
-    with pytest.raises(ScenarioError, match="block sizes apply to engine: tiled"):
+    with pytest.raises(ScenarioError, match="applies to engine: tiled"):
         make(n_q=4, d_head=2, block_q=8)
     with pytest.raises(ScenarioError, match="expected one of naive, tiled"):
         make(n_q=4, d_head=2, engine="flash")

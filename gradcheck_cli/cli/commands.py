@@ -13,7 +13,7 @@ from .. import __version__, api, checker, files, report
 from ..errors import GradcheckError, Terminated
 from ..exitcodes import EPILOG, EPILOG_INFO, ExitCode
 from ..ops import FAULTS, OPS
-from ..scenario import json_schema, load, select
+from ..scenario import ENGINES, json_schema, load, select
 from .params import FAULT_CHOICE, _finite_float, _no_constant, _parse_steps, _require_matplotlib, _Shard
 from .ui import _console, _error, _fail, _ProgressBar, _unwritten
 
@@ -36,7 +36,7 @@ def main() -> None:
 @click.option("--negative-controls", is_flag=True,
               help="Also run every fault on every scenario and print a scenario x fault table; "
                    "exit 1 if an applicable fault goes undetected.")
-@click.option("--engine", type=click.Choice(("naive", "tiled")), default=None,
+@click.option("--engine", type=click.Choice(ENGINES), default=None,
               help="Run op attention's built-in scenarios on this engine (overrides 'engine:'); tiled is the "
                    "FlashAttention-style engine (online softmax, log-sum-exp, no n_q x n_k arrays).")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,

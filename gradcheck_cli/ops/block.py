@@ -22,6 +22,7 @@ import numpy as np
 from .. import invariants
 from ..tolerance import INVARIANT_ULPS
 from . import attention, dense, projections, rmsnorm, rope, swiglu
+from .attention import memory as attention_memory
 from .projections import merge, split
 from .registry import Op, Param, Structure
 
@@ -141,6 +142,15 @@ def _validate(params: dict, att: dict) -> list:
     return []
 
 
+
+def _memory(sc) -> int:
+    """Attention's estimate plus the projections' weights and activations."""
+    return attention_memory.need(sc) + dense.tensor_need(_shapes(sc))
+
+
+#: A small scenario on which every fault of this op applies (the fault contract's).
+EXAMPLE = {"batch": 2, "n_q": 6, "d_model": 12, "d_ff": 16, "d_head": 4, "heads_q": 4, "heads_kv": 2, "mask": {"causal": "lower-right"}}
+
 OP = Op(name="block", summary="pre-norm transformer block (RMSNorm, RoPE attention with projections, SwiGLU, "
                               "residuals): gradients of x and every parameter",
         tensors=("x", "gamma1") + WEIGHTS[:4] + ("gamma2",) + WEIGHTS[4:], faults=FAULTS, build=build,
@@ -151,6 +161,7 @@ OP = Op(name="block", summary="pre-norm transformer block (RMSNorm, RoPE attenti
               "rope_base": Param("float", 10000.0, "RoPE base"),
               "rotary_dim": Param("int", None, "features rotated (even; default d_head)"),
               "rope_layout": Param("choice", "half", "half or interleaved", choices=rope.LAYOUTS)},
-        validate=_validate, shapes=_shapes,
+        validate=_validate, shapes=_shapes, memory=_memory,
         describe=lambda sc: f"B={sc.batch} n={sc.n_q} d_model={sc.p('d_model')} d_ff={sc.p('d_ff')} Hq={sc.heads_q} "
-                            f"Hkv={sc.heads_kv} d={sc.d_head}/{sc.d_value} {sc.dtype} {sc.mode}")
+                            f"Hkv={sc.heads_kv} d={sc.d_head}/{sc.d_value} {sc.dtype} {sc.mode}",
+        example=EXAMPLE)

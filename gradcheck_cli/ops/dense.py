@@ -4,6 +4,7 @@ says how many singleton axes to put after them so the copy broadcasts against th
 weight [d, f] multiplying x [B, n, d] needs one: copies [C, 1, d, f] @ x -> [C, B, n, f])."""
 from __future__ import annotations
 
+import math
 from typing import Callable, Mapping
 
 import numpy as np
@@ -13,6 +14,15 @@ from .registry import Problem, Structure
 #: The noise floor charges this many root-sum-squares of the output terms' rounding (a safety factor on
 #: the statistical size of a sum of independent rounding errors).
 RSS_FACTOR = 8.0
+
+#: Bytes per element of an op's tensors in the load-time memory estimate: each is held about 64 times
+#: over (inputs, gradients analytic and numeric, perturbed copies, the wider-type forward), in float64.
+TENSOR_BYTES = 64 * 8
+
+
+def tensor_need(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """The default ``Op.memory``: the bytes of an op's tensors, ``TENSOR_BYTES`` per element."""
+    return sum(math.prod(shape) for shape in shapes.values()) * TENSOR_BYTES
 
 
 def seeded(sc, shapes: Mapping[str, tuple[int, ...]], scales: Mapping[str, float] | None = None,

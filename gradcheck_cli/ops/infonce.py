@@ -170,6 +170,9 @@ def _validate(params: dict, base: dict) -> list:
     return []
 
 
+#: A small scenario on which every fault of this op applies (the fault contract's).
+EXAMPLE = {"batch": 4, "dim": 8}
+
 OP = Op(name="infonce", summary="InfoNCE retriever loss with in-batch and hard negatives: gradients of q, p, n (and tau)",
         tensors=("q", "p", "n", "tau"), faults=FAULTS, build=build,
         keys={"dim": Param("int", help="embedding width, e.g. 'dim: 8'"),
@@ -182,4 +185,5 @@ OP = Op(name="infonce", summary="InfoNCE retriever loss with in-batch and hard n
         describe=lambda sc: f"B={sc.batch} dim={sc.p('dim')} hard={sc.p('hard_negatives')} "
                             f"{'in-batch' if sc.p('in_batch') else 'own'} {sc.p('similarity')} "
                             f"tau={sc.p('temperature'):g}{' learned' if sc.p('learn_temperature') else ''} "
-                            f"{sc.dtype} {sc.mode}")
+                            f"{sc.dtype} {sc.mode}",
+        example=EXAMPLE)

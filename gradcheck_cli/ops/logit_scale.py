@@ -98,6 +98,9 @@ def _validate(params: dict, _base: dict) -> list:
     return []
 
 
+#: A small scenario on which every fault of this op applies (the fault contract's).
+EXAMPLE = {"d_heads": [16, 64, 256], "sigma_q": 1.0, "sigma_k": 0.5}
+
 OP = Op(name="logit-scale", summary="A.10.4 as an experiment: Var(q.k) = d sigma_q^2 sigma_k^2 and the 1/sqrt(d) scale",
         tensors=(), faults=FAULTS, build=build,
         keys={"d_heads": Param("ints", (16, 64, 256), "head widths to try"),
@@ -107,6 +110,7 @@ OP = Op(name="logit-scale", summary="A.10.4 as an experiment: Var(q.k) = d sigma
               "correlation": Param("float", 0.0, "rho in [0, 1): correlation between a vector's coordinates", minimum=0.0),
               "confidence": Param("float", 0.999, "of the intervals")},
         validate=_validate, shapes=lambda sc: {}, common_keys=("name", "op", "seed"),
-        memory=lambda sc: 4 * 8 * sc.p("draws") * max(sc.p("d_heads")),
+        memory=lambda sc: 4 * 8 * sc.p("draws") * max(sc.p("d_heads")),  # it has no tensors of its own
         describe=lambda sc: f"d in {list(sc.p('d_heads'))} sigma_q={sc.p('sigma_q'):g} sigma_k={sc.p('sigma_k'):g} "
-                            f"rho={sc.p('correlation'):g} {sc.p('draws')} draws")
+                            f"rho={sc.p('correlation'):g} {sc.p('draws')} draws",
+        example=EXAMPLE)

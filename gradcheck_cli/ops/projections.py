@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import invariants
 from . import attention, dense
+from .attention import memory as attention_memory
 from .registry import Fault, Op, Param, Structure
 
 FAULTS = {f.name: f for f in (
@@ -193,12 +194,22 @@ def _validate(params: dict, att: dict) -> list:
     return []
 
 
+
+def _memory(sc) -> int:
+    """Attention's estimate plus the projections' weights and activations."""
+    return attention_memory.need(sc) + dense.tensor_need(_shapes(sc))
+
+
+#: A small scenario on which every fault of this op applies (the fault contract's).
+EXAMPLE = {"batch": 2, "d_model": 12, "d_head": 4, "n_q": 6, "heads_q": 4, "heads_kv": 2, "mask": {"causal": "lower-right"}}
+
 OP = Op(name="attention-projections",
         summary="attention with Q/K/V/O projections and head split/merge: gradients of x (and m), W_Q, W_K, W_V, W_O",
         tensors=("x", "m", "w_q", "w_k", "w_v", "w_o"), faults=ALL_FAULTS, build=build, attention_keys=True,
         keys={"d_model": Param("int", help="model width, e.g. 'd_model: 16'"),
               "source": Param("choice", "self", "self: K, V from x; cross: from a separate memory m of n_k rows",
                               choices=("self", "cross"))},
-        validate=_validate, shapes=_shapes,
+        validate=_validate, shapes=_shapes, memory=_memory,
         describe=lambda sc: f"{sc.p('source')} B={sc.batch} n_q={sc.n_q} n_k={sc.n_k} d_model={sc.p('d_model')} "
-                            f"Hq={sc.heads_q} Hkv={sc.heads_kv} d={sc.d_head}/{sc.d_value} {sc.dtype} {sc.mode}")
+                            f"Hq={sc.heads_q} Hkv={sc.heads_kv} d={sc.d_head}/{sc.d_value} {sc.dtype} {sc.mode}",
+        example=EXAMPLE)

@@ -88,6 +88,15 @@ class Problem:
 
 
 @dataclass(frozen=True)
+class Interface:
+    """What a user's implementation of an op provides (the ``implementation:`` key): ``flavours`` are the
+    backends it may be written for; ``signature`` says what each callable takes and returns (messages and
+    ``attn-gradcheck faults``)."""
+    flavours: tuple[str, ...]
+    signature: str
+
+
+@dataclass(frozen=True)
 class NonFinite:
     """What an op says of NaN or inf in a scenario: ``hint``, its own diagnosis (replacing the generic
     one) or None; ``cause``, how its values leave the dtype's range (ends the generic hint); ``unstable``,
@@ -95,6 +104,11 @@ class NonFinite:
     hint: str | None = None
     cause: str = "; use a wider dtype or smaller values"
     unstable: str = "large values"
+
+
+#: ``check`` keys of the agreement policy and of the isolation of user code: they apply to ops that accept
+#: an implementation.
+IMPLEMENTATION_CHECK_KEYS = ("check.factor", "check.slack", "check.nondet_tol", "check.timeout")
 
 
 #: Marks a Param without a default: the key is required.
@@ -125,6 +139,8 @@ class Engine:
     name: str
     target: str
     summary: str = ""
+    choice: bool = True               # chosen with ``engine:`` / ``--engine``; False: implied (backend, implementation)
+    keys: tuple[str, ...] = ()        # scenario keys that apply to this engine only (e.g. block sizes)
 
     def load(self) -> Callable[..., Problem]:
         module, attr = self.target.split(":")
@@ -157,8 +173,14 @@ class Op:
     shapes: Callable[[Any], dict] | None = None
     describe: Callable[[Any], str] | None = None
     common_keys: tuple[str, ...] | None = None  # the shared keys it takes (default: all of them)
-    memory: Callable[[Any], int] | None = None  # bytes it needs beyond its inputs (load-time estimate)
+    memory: Callable[[Any], int] | None = None  # bytes a scenario needs (load-time estimate; default: its tensors')
     why_not: Callable[[Any, str], str | None] | None = None
+    # Capabilities, as data: they drive the loader, the CLI's choices, the schema and the fault contract.
+    backends: tuple[str, ...] = ("numpy",)       # values of ``backend:`` (more than one: ``backend``/``device`` apply)
+    dtypes: tuple[str, ...] = ("float64", "float32")  # values of ``dtype:``
+    implementation: Interface | None = None     # the ``implementation:`` it accepts, if any
+    colouring: bool = False                     # its output splits into independent blocks (``Problem.parts``)
+    example: Mapping[str, Any] = field(default_factory=dict)  # scenario keys on which every engine fault applies
     non_finite: Callable[[Any], NonFinite] | None = None  # what NaN or inf in a scenario means for this op  # why a fault cannot apply to a scenario, if known
 
     def problem(self, sc, faults=(), sizes: dict[str, float] | None = None) -> Problem:
@@ -167,3 +189,21 @@ class Op:
         if self.engines:
             return self.engines[self.engine_for(sc)].load()(sc, faults, sizes)
         return self.build(sc, faults, sizes) if sizes else self.build(sc, faults)
+
+    @property
+    def engine_choices(self) -> tuple[str, ...]:
+        """The engines ``engine:`` chooses between (the first is the default)."""
+        return tuple(name for name, e in self.engines.items() if e.choice)
+
+    def takes(self, key: str) -> bool:
+        """Whether scenario key ``key`` (top-level, or ``check.<key>``) applies to this op, beyond the shared
+        and attention keys: backends, engines and implementations bring keys of their own."""
+        if key == "implementation":
+            return self.implementation is not None
+        if key in ("backend", "device"):
+            return len(self.backends) > 1
+        if key == "engine":
+            return len(self.engine_choices) > 1
+        if key in IMPLEMENTATION_CHECK_KEYS:
+            return self.implementation is not None
+        return any(key in e.keys for e in self.engines.values() if e.choice)

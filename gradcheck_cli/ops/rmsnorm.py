@@ -82,6 +82,9 @@ def build(sc, faults: Collection[str] = ()):
         structure={"x": Structure(("batch", "row", "feature")), "gamma": Structure(("feature",))})
 
 
+#: A small scenario on which every fault of this op applies (the fault contract's).
+EXAMPLE = {"batch": 2, "n": 5, "d_model": 16}
+
 OP = Op(name="rmsnorm", summary="RMSNorm y = gamma * x / sqrt(mean(x^2) + eps): gradients of x and gamma",
         tensors=("x", "gamma"), faults=FAULTS, build=build,
         keys={"n": Param("int", 4, "rows per batch element"),
@@ -89,4 +92,5 @@ OP = Op(name="rmsnorm", summary="RMSNorm y = gamma * x / sqrt(mean(x^2) + eps): 
               "eps": Param("float", 1e-6, "added to mean(x^2); 0 allowed", minimum=0.0)},
         shapes=_shapes,
         describe=lambda sc: f"B={sc.batch} n={sc.p('n')} d_model={sc.p('d_model')} eps={sc.p('eps'):g} "
-                            f"{sc.dtype} {sc.mode}")
+                            f"{sc.dtype} {sc.mode}",
+        example=EXAMPLE)

@@ -113,6 +113,9 @@ def _validate(params: dict, _attention: dict) -> list:
     return []
 
 
+#: A small scenario on which every fault of this op applies (the fault contract's).
+EXAMPLE = {"batch": 2, "heads": 2, "n": 6, "d_head": 8}
+
 OP = Op(name="rope", summary="rotary position embedding at fixed positions: gradient of x",
         tensors=("x",), faults=FAULTS, build=build,
         keys={"heads": Param("int", 1, "heads"),
@@ -126,4 +129,5 @@ OP = Op(name="rope", summary="rotary position embedding at fixed positions: grad
         validate=_validate, shapes=_shapes,
         describe=lambda sc: f"B={sc.batch} H={sc.p('heads')} n={sc.p('n')} d={sc.p('d_head')} "
                             f"rotary={sc.p('rotary_dim') or sc.p('d_head')} {sc.p('layout')} base={sc.p('base'):g} "
-                            f"{sc.dtype} {sc.mode}")
+                            f"{sc.dtype} {sc.mode}",
+        example=EXAMPLE)

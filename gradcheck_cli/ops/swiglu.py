@@ -99,6 +99,9 @@ def build(sc, faults: Collection[str] = ()):
                    "w3": Structure(("d_model", "d_ff")), "w2": Structure(("d_ff", "d_model"))})
 
 
+#: A small scenario on which every fault of this op applies (the fault contract's).
+EXAMPLE = {"batch": 2, "n": 4, "d_model": 8, "d_ff": 12}
+
 OP = Op(name="swiglu", summary="SwiGLU (SiLU(x W1) * x W3) W2: gradients of x, W1, W2, W3",
         tensors=("x", "w1", "w3", "w2"), faults=FAULTS, build=build,
         keys={"n": Param("int", 4, "rows per batch element"),
@@ -106,4 +109,5 @@ OP = Op(name="swiglu", summary="SwiGLU (SiLU(x W1) * x W3) W2: gradients of x, W
               "d_ff": Param("int", help="hidden width, e.g. 'd_ff: 16'")},
         shapes=_shapes,
         describe=lambda sc: f"B={sc.batch} n={sc.p('n')} d_model={sc.p('d_model')} d_ff={sc.p('d_ff')} "
-                            f"{sc.dtype} {sc.mode}")
+                            f"{sc.dtype} {sc.mode}",
+        example=EXAMPLE)

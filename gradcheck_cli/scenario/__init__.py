@@ -22,14 +22,14 @@ from .fields import (ATTENTION_KEYS, BACKEND_KEYS, BACKENDS, CHECK_KEYS, COMMON_
                      SCENARIO_KEYS, TOP_KEYS)
 from .loader import load, loads, read_files, select, with_engine
 from .model import Scenario, default_kv_map
-from .resources import attention_need, available_memory, cgroup_room
+from .resources import available_memory, cgroup_room, need
 from .schema import json_schema
 from .sweep import MAX_SWEEP_CASES
 from .yaml_lines import MAX_VALUES, SAFE_TAGS
 
 __all__ = [
     "Scenario", "default_kv_map", "load", "loads", "read_files", "select", "with_engine", "json_schema",
-    "available_memory", "cgroup_room", "attention_need",
+    "available_memory", "cgroup_room", "need",
     "ATTENTION_KEYS", "BACKEND_KEYS", "BACKENDS", "CHECK_KEYS", "COMMON_KEYS", "DEVICES", "ENGINES", "LOW_PRECISION",
     "MASK_KEYS", "MAX_DIRECTIONS", "MAX_EPSILON", "MAX_SCALE", "MAX_SWEEP_CASES", "MAX_TOLERANCE", "MAX_VALUES",
     "MODES", "NAME_RE", "NESTED", "SAFE_TAGS", "SCENARIO_KEYS", "TOP_KEYS",

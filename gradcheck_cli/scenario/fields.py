@@ -15,9 +15,10 @@ MODES = ("full", "sample", "directional")
 COMMON_KEYS = ("name", "op", "batch", "check", "dtype", "epsilon", "tolerance", "seed")
 #: Keys of ops that contain attention (``Op.attention_keys``).
 ATTENTION_KEYS = ("heads_q", "heads_kv", "kv_map", "n_q", "n_k", "d_head", "d_value", "scale", "mask", "loss_rows")
-#: Keys of op ``attention`` only: other implementations and backends.
+#: Keys of the ops that accept them (``Op.takes``): implementations, backends, engines and the engines' own.
 BACKEND_KEYS = ("implementation", "backend", "device", "engine", "block_q", "block_k")
-ENGINES = ("naive", "tiled")
+#: The engines ``engine:`` chooses between, over every op (``Op.engine_choices``).
+ENGINES = tuple(dict.fromkeys(name for op in OPS.values() for name in op.engine_choices))
 SCENARIO_KEYS = tuple(dict.fromkeys(COMMON_KEYS[:2] + BACKEND_KEYS + COMMON_KEYS[2:3] + ATTENTION_KEYS + COMMON_KEYS[3:]
                                     + tuple(k for op in OPS.values() for k in op.keys)))
 MASK_KEYS = ("causal", "window", "key_lengths", "visible")

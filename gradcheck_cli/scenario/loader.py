@@ -9,10 +9,11 @@ from pathlib import Path
 
 from .. import files, implementation
 from ..errors import GradcheckError, ScenarioError
+from ..ops import OPS
 from .fields import TOP_KEYS, _Fields, _merge, _suggest
 from .model import Scenario
 from .parse import _parse_scenario
-from .resources import attention_need, available_memory
+from .resources import available_memory, need
 from .sweep import _sweep_axes, _sweep_cases
 from .yaml_lines import _Doc, _show, _size
 
@@ -104,22 +105,23 @@ def read_files(scenarios: list[Scenario]) -> list[str]:
 
 
 def with_engine(scenarios: list[Scenario], engine: str | None, *, memory_limit: int | None = None) -> list[Scenario]:
-    """The scenarios with ``engine`` where it applies (op attention on the NumPy engine, not a user's
-    implementation); the others unchanged."""
+    """The scenarios with ``engine`` where it applies (an op that has it, on a scenario whose engine is
+    chosen by ``engine:``, not implied by a backend or a user's implementation); the others unchanged."""
     if engine is None:
         return list(scenarios)
     out, limit = [], memory_limit
     for sc in scenarios:
-        if sc.op == "attention" and sc.backend == "numpy" and sc.implementation is None:
-            if engine == "naive" and sc.engine == "tiled":  # the naive engine needs the n x n arrays
+        op = OPS[sc.op]
+        if engine in op.engine_choices and op.engine_for(sc) in op.engine_choices:
+            moved = dataclasses.replace(sc, engine=engine)
+            if engine != sc.engine:  # e.g. the naive engine needs the n x n arrays the tiled one avoids
                 limit = available_memory() if limit is None else limit
-                need = attention_need(sc.batch, sc.heads_q, sc.heads_kv, sc.n_q, sc.n_k, sc.d_head, sc.d_value,
-                                      sc.dtype)
-                if need > limit:
-                    raise ScenarioError(f"--engine naive: scenario '{sc.name}' needs about {need / 2**30:.1f} GiB "
-                                        f"on the naive engine, more than the {limit / 2**30:.1f} GiB available",
-                                        file=sc.file, line=sc.line, hint="keep its engine: tiled")
-            sc = dataclasses.replace(sc, engine=engine)
+                needed = need(op, moved)
+                if needed > limit:
+                    raise ScenarioError(f"--engine {engine}: scenario '{sc.name}' needs about {needed / 2**30:.1f} "
+                                        f"GiB on the {engine} engine, more than the {limit / 2**30:.1f} GiB available",
+                                        file=sc.file, line=sc.line, hint=f"keep its engine: {sc.engine}")
+            sc = moved
         out.append(sc)
     return out
 

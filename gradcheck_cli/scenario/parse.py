@@ -6,12 +6,13 @@ import math
 from pathlib import Path
 
 from .. import implementation, masks
-from ..ops import OPS
-from ..tolerance import DTYPES, defaults_for, machine_epsilon
-from .fields import (ATTENTION_KEYS, BACKEND_KEYS, BACKENDS, COMMON_KEYS, DEVICES, ENGINES, LOW_PRECISION,
-                     MAX_DIRECTIONS, MAX_EPSILON, MAX_SCALE, MAX_TOLERANCE, MODES, NAME_RE, _Fields, _read_param)
+from ..ops import DEFAULT_OP, OPS
+from ..ops.registry import IMPLEMENTATION_CHECK_KEYS
+from ..tolerance import defaults_for, machine_epsilon
+from .fields import (ATTENTION_KEYS, BACKEND_KEYS, BACKENDS, COMMON_KEYS, DEVICES, LOW_PRECISION, MAX_DIRECTIONS,
+                     MAX_EPSILON, MAX_SCALE, MAX_TOLERANCE, MODES, NAME_RE, _Fields, _read_param)
 from .model import Scenario, default_kv_map
-from .resources import _plain_need, _Probe, attention_need
+from .resources import _Probe, need
 from .visible import _load_visible
 from .yaml_lines import _Doc, _show
 
@@ -21,17 +22,16 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise f.error("name", f"expected a name of letters, digits, '.', '_' or '-', got {_show(name)}"
                       if name is not None else "is required", hint="e.g. 'name: causal-gqa'")
-    op = f.choice("op", tuple(OPS), "attention")
+    op = f.choice("op", tuple(OPS), DEFAULT_OP)
     op_spec = OPS[op]
     common = COMMON_KEYS if op_spec.common_keys is None else op_spec.common_keys
     allowed = set(common) | set(op_spec.keys) | (set(ATTENTION_KEYS) if op_spec.attention_keys else set())
-    allowed |= set(BACKEND_KEYS) if op == "attention" else set()
+    allowed |= {key for key in BACKEND_KEYS if op_spec.takes(key)}
     for key in f.values:
         top = key.split(".")[0]
-        if top not in allowed or (op != "attention" and key in ("check.factor", "check.slack", "check.nondet_tol",
-                                                               "check.timeout")):
+        if top not in allowed or (key in IMPLEMENTATION_CHECK_KEYS and not op_spec.takes(key)):
             owners = [o.name for o in OPS.values() if top in o.keys or (top in ATTENTION_KEYS and o.attention_keys)
-                      or (top in BACKEND_KEYS + ("check",) and o.name == "attention")]
+                      or o.takes(top) or (top == "check" and o.takes(key))]
             raise f.error(key, f"does not apply to op {op}" + (f" (it is a key of {', '.join(owners)})" if owners else ""),
                           hint=f"keys of op {op}: {', '.join(sorted(allowed - {'name', 'op'}))}")
     if not op_spec.attention_keys:
@@ -75,18 +75,20 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
 
     backend = f.choice("backend", BACKENDS, "numpy")
     device = f.choice("device", DEVICES, "cpu")
-    dtype = f.choice("dtype", DTYPES + (LOW_PRECISION if op == "attention" else ()), "float64")
+    dtype = f.choice("dtype", op_spec.dtypes, "float64")
     if backend == "torch" or device != "cpu" or dtype in LOW_PRECISION:
         _require_torch(f, backend, device, dtype)
-    engine = f.choice("engine", ENGINES, "naive")
+    choices = op_spec.engine_choices or ("naive",)
+    engine = f.choice("engine", choices, choices[0])
     block_q, block_k = f.int("block_q", 64), f.int("block_k", 64)
-    if engine == "tiled" and (backend != "numpy" or f.has("implementation")):
-        raise f.error("engine", "engine: tiled is the built-in NumPy engine's; it does not apply to "
+    if engine != choices[0] and (backend != "numpy" or f.has("implementation")):
+        raise f.error("engine", f"engine: {engine} is the built-in NumPy engine's; it does not apply to "
                       + ("backend: torch" if backend != "numpy" else "an implementation of yours"),
                       hint="remove engine, or the backend / implementation")
-    for key in ("block_q", "block_k"):
-        if f.has(key) and engine != "tiled":
-            raise f.error(key, "block sizes apply to engine: tiled", hint="add 'engine: tiled' or remove it")
+    for owner, spec in op_spec.engines.items():
+        for key in spec.keys:
+            if f.has(key) and engine != owner:
+                raise f.error(key, f"{key} applies to engine: {owner}", hint=f"add 'engine: {owner}' or remove it")
     factor = f.float("check.factor", 2.0)
     slack = f.float("check.slack", None, positive=False)
     if slack is not None and slack < 0:
@@ -103,7 +105,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
         raise f.error("check.timeout", "applies to a scenario with an implementation (run in a process of its own, "
                       "stopped after this many seconds)", hint="remove it, or add 'implementation: module:attribute'")
     dtype, epsilon, tolerance, seed, mode, samples, directions, colouring = _precision_and_check(
-        f, dtype, op == "attention")
+        f, dtype, op_spec.colouring)
 
     causal = "none" if f.raw("mask.causal") in (None, "none") else f.choice("mask.causal", masks.CAUSAL, "none")
     window = None
@@ -131,16 +133,16 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     # the forward, backward and invariants, plus one (+h, -h) pair of perturbed copies (see numeric.plan).
     # The tensors (q, k, v, o and their gradients, analytic and numeric) count about a dozen times.
     params = {key: _read_param(f, key, param) for key, param in op_spec.keys.items()}
-    need = attention_need(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, dtype, engine, block_q, block_k)
-    if op_spec.shapes and op != "attention":  # the op's own weights and activations, counted like a plain op's
-        need += _plain_need(op_spec, _Probe(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, params))
-    if need > memory_limit:
-        raise doc.error(f.path, f"scenario '{name}' needs about {need / 2**30:.1f} GiB "
+    needed = need(op_spec, _Probe(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, params, dtype, engine,
+                                  block_q, block_k))
+    sizes = [key for key, param in op_spec.keys.items() if param.kind == "int"]  # its weights' sizes
+    if needed > memory_limit:
+        raise doc.error(f.path, f"scenario '{name}' needs about {needed / 2**30:.1f} GiB "
                         f"({batch}x{heads_q}x{n_q}x{n_k} score blocks, d_head={d_head}, d_value={d_value}"
-                        + ("" if op == "attention" else f", and the weights of op {op}") + "), "
+                        + (f", and the weights of op {op}" if sizes else "") + "), "
                         f"more than the {memory_limit / 2**30:.1f} GiB available",
                         hint="reduce batch, heads, n_q, n_k or the head dimensions"
-                             + ("" if op == "attention" else " (or d_model, d_ff)"))
+                             + (f" (or {', '.join(sizes)})" if sizes else ""))
     if kv_map is None:
         kv_map = default_kv_map(heads_q, heads_kv)
 
@@ -220,7 +222,8 @@ def _precision_and_check(f: _Fields, dtype: str, colouring_default: bool = True)
                       hint="remove colouring, or use mode: full")
     if colouring and not colouring_default:
         raise f.error("check.colouring", "this op has no independent output blocks to colour",
-                      hint="remove colouring (it applies to op attention)")
+                      hint="remove colouring (it applies to op "
+                           + ", ".join(o.name for o in OPS.values() if o.colouring) + ")")
     return dtype, epsilon, tolerance, seed, mode, samples, directions, colouring and mode == "full"
 
 
@@ -228,8 +231,8 @@ def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memo
     """A scenario of an op without attention keys: the shared keys, then the op's own (``Op.keys``)."""
     spec = OPS[op]
     batch = f.int("batch", 1)
-    dtype = f.choice("dtype", DTYPES, "float64")
-    dtype, epsilon, tolerance, seed, mode, samples, directions, _ = _precision_and_check(f, dtype, False)
+    dtype = f.choice("dtype", spec.dtypes, "float64")
+    dtype, epsilon, tolerance, seed, mode, samples, directions, _ = _precision_and_check(f, dtype, spec.colouring)
     params = {key: _read_param(f, key, param) for key, param in spec.keys.items()}
     for key, message, hint in (spec.validate(params, {"batch": batch}) if spec.validate else []):
         raise f.error(key, message, hint=hint)
@@ -239,9 +242,9 @@ def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memo
                   epsilon=epsilon, tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
                   params=tuple(params.items()))
     if spec.shapes:
-        need = _plain_need(spec, sc)
-        if need > memory_limit:
-            raise doc.error(f.path, f"scenario '{name}' needs about {need / 2**30:.1f} GiB, more than the "
+        needed = need(spec, sc)
+        if needed > memory_limit:
+            raise doc.error(f.path, f"scenario '{name}' needs about {needed / 2**30:.1f} GiB, more than the "
                             f"{memory_limit / 2**30:.1f} GiB available", hint="reduce its sizes")
     return sc
 

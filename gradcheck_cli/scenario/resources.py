@@ -2,11 +2,10 @@
 rlimit) and what a scenario needs before anything of its size is allocated."""
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
-import numpy as np
+from ..ops.dense import tensor_need
 
 
 def cgroup_room(root: str | os.PathLike = "/sys/fs/cgroup") -> list[int]:
@@ -48,34 +47,21 @@ def available_memory() -> int:
     return max(0, min(limits))
 
 
-def attention_need(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, dtype, engine="naive", block_q=64,
-                   block_k=64) -> int:
-    """Bytes attention needs before anything of size n_q x n_k is allocated: about ten score-sized
-    arrays for the naive engine's forward, backward and invariants plus one (+h, -h) pair of copies
-    (see numeric.plan); for the tiled engine only the visible set (bytes) and block-sized scores. The
-    tensors (q, k, v, o and their gradients, analytic and numeric) count about a dozen times."""
-    itemsize = {"float16": 2, "bfloat16": 2}.get(dtype) or np.dtype(dtype).itemsize
-    scores = batch * heads_q * n_q * n_k
-    tensors = batch * (heads_q * n_q * (d_head + d_value) + heads_kv * n_k * (d_head + d_value))
-    if engine == "tiled":
-        return (scores * 2 + batch * heads_q * min(block_q, n_q) * min(block_k, n_k) * 16 * itemsize
-                + batch * heads_q * 256 * n_k * 3 * 8 + tensors * 12 * 8)
-    return scores * (16 * itemsize + 2) + tensors * 12 * 8
-
-
-def _plain_need(spec, sc) -> int:
-    """Bytes an op without attention's estimate needs: its tensors about 64 times over (inputs,
-    gradients, copies, the wider-type forward) and what it declares beyond them."""
-    elements = sum(math.prod(shape) for shape in spec.shapes(sc).values())
-    return elements * 64 * 8 + (spec.memory(sc) if spec.memory else 0)
+def need(spec, sc) -> int:
+    """Bytes scenario ``sc`` (or a probe of it) of op ``spec`` needs: the op's own estimate (``Op.memory``),
+    or its tensors' (``dense.tensor_need``)."""
+    return spec.memory(sc) if spec.memory else tensor_need(spec.shapes(sc))
 
 
 class _Probe:
-    """Enough of a Scenario for ``Op.shapes`` before the Scenario exists (attention-keyed ops)."""
+    """Enough of a Scenario for ``Op.shapes`` and ``Op.memory`` before the Scenario exists (attention-keyed
+    ops)."""
 
-    def __init__(self, batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, params: dict):
+    def __init__(self, batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, params: dict, dtype: str = "float64",
+                 engine: str = "naive", block_q: int = 64, block_k: int = 64):
         self.batch, self.heads_q, self.heads_kv, self.n_q, self.n_k = batch, heads_q, heads_kv, n_q, n_k
         self.d_head, self.d_value = d_head, d_value
+        self.dtype, self.engine, self.block_q, self.block_k = dtype, engine, block_q, block_k
         self._params = params
 
     def p(self, key: str):

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from .. import implementation, masks
 from ..ops import OPS
-from ..tolerance import DTYPES
-from .fields import (BACKENDS, DEVICES, ENGINES, LOW_PRECISION, MAX_DIRECTIONS, MAX_EPSILON, MAX_TOLERANCE, MODES,
+from .fields import (BACKENDS, DEVICES, ENGINES, MAX_DIRECTIONS, MAX_EPSILON, MAX_TOLERANCE, MODES,
                      NAME_RE, NESTED, SCENARIO_KEYS)
 
 
@@ -33,7 +32,7 @@ def json_schema() -> dict:
         "backend": {"enum": list(BACKENDS)}, "device": {"enum": list(DEVICES)},
         "batch": pos, "heads_q": pos, "heads_kv": pos, "kv_map": ints, "n_q": pos, "n_k": pos,
         "d_head": pos, "d_value": pos, "scale": number, "mask": mask, "loss_rows": ints, "check": check,
-        "dtype": {"enum": list(DTYPES) + list(LOW_PRECISION)}, "epsilon": {**number, "maximum": MAX_EPSILON},
+        "dtype": {"enum": list(dict.fromkeys(d for op in OPS.values() for d in op.dtypes))}, "epsilon": {**number, "maximum": MAX_EPSILON},
         "tolerance": {**number, "maximum": MAX_TOLERANCE},
         "seed": {"type": "integer", "minimum": 0},
         "engine": {"enum": list(ENGINES), "description": "naive (default) or tiled (FlashAttention-style: online "

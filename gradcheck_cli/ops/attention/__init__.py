@@ -11,7 +11,8 @@ package but the shared machinery below ``ops``):
 """
 from __future__ import annotations
 
-from ..registry import Engine, Op
+from ..registry import Engine, Interface, Op
+from .memory import need as memory_need
 from .formulas import (ENGINE_FAULTS, FAULTS, Gradients, attention_weights, backward, forward, repeat_kv,
                        sum_groups)
 from .inputs import seeded_inputs
@@ -42,10 +43,11 @@ def why_not(sc, fault: str) -> str | None:
 ENGINES = {e.name: e for e in (
     Engine("naive", "gradcheck_cli.ops.attention.naive:build", "the closed forms in NumPy, dense n_q x n_k"),
     Engine("tiled", "gradcheck_cli.ops.attention.tiled:build",
-           "FlashAttention-style blocks with an online softmax; no n_q x n_k array"),
-    Engine("numpy-implementation", "gradcheck_cli.ops.attention.user:build", "a user's NumPy forward and backward"),
+           "FlashAttention-style blocks with an online softmax; no n_q x n_k array", keys=("block_q", "block_k")),
+    Engine("numpy-implementation", "gradcheck_cli.ops.attention.user:build", "a user's NumPy forward and backward",
+           choice=False),
     Engine("torch", "gradcheck_cli.ops.attention.torch_engine:build",
-           "torch autograd, SDPA, or a user's torch callable (torch imported only here)"),
+           "torch autograd, SDPA, or a user's torch callable (torch imported only here)", choice=False),
 )}
 
 
@@ -58,6 +60,19 @@ def engine_for(sc) -> str:
     return sc.engine
 
 
+#: What a user's implementation provides (README "Checking your own implementation").
+INTERFACE = Interface(
+    flavours=("numpy", "torch"),
+    signature="numpy: an object with forward(q, k, v, visible, scale, kv_map) -> o and backward(q, k, v, visible, "
+              "scale, kv_map, grad_o) -> (dq, dk, dv); torch: a callable (q, k, v, visible, scale, kv_map) -> o, "
+              "differentiated by autograd")
+
+#: A small scenario on which every fault of the built-in engines applies (the fault contract's).
+EXAMPLE = {"batch": 2, "heads_q": 4, "heads_kv": 2, "n_q": 3, "n_k": 10, "d_head": 8,
+           "mask": {"causal": "lower-right", "key_lengths": [10, 8]}}
+
 OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradients of q, k, v",
         tensors=("q", "k", "v"), faults=FAULTS, engines=ENGINES, engine_for=engine_for, attention_keys=True,
-        shapes=shapes, why_not=why_not, non_finite=non_finite)
+        shapes=shapes, why_not=why_not, non_finite=non_finite, memory=memory_need,
+        backends=("numpy", "torch"), dtypes=("float64", "float32", "float16", "bfloat16"), implementation=INTERFACE,
+        colouring=True, example=EXAMPLE)

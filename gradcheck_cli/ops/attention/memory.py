@@ -1,0 +1,26 @@
+"""Attention's memory estimate (``Op.memory``): what a scenario needs, checked at load time before
+anything of size n_q x n_k exists."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def attention_need(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, dtype, engine="naive", block_q=64,
+                   block_k=64) -> int:
+    """Bytes attention needs before anything of size n_q x n_k is allocated: about ten score-sized
+    arrays for the naive engine's forward, backward and invariants plus one (+h, -h) pair of copies
+    (see numeric.plan); for the tiled engine only the visible set (bytes) and block-sized scores. The
+    tensors (q, k, v, o and their gradients, analytic and numeric) count about a dozen times."""
+    itemsize = {"float16": 2, "bfloat16": 2}.get(dtype) or np.dtype(dtype).itemsize
+    scores = batch * heads_q * n_q * n_k
+    tensors = batch * (heads_q * n_q * (d_head + d_value) + heads_kv * n_k * (d_head + d_value))
+    if engine == "tiled":
+        return (scores * 2 + batch * heads_q * min(block_q, n_q) * min(block_k, n_k) * 16 * itemsize
+                + batch * heads_q * 256 * n_k * 3 * 8 + tensors * 12 * 8)
+    return scores * (16 * itemsize + 2) + tensors * 12 * 8
+
+
+def need(sc) -> int:
+    """``Op.memory`` of attention: :func:`attention_need` of a scenario (or a probe with its keys)."""
+    return attention_need(sc.batch, sc.heads_q, sc.heads_kv, sc.n_q, sc.n_k, sc.d_head, sc.d_value, sc.dtype,
+                          sc.engine, sc.block_q, sc.block_k)
