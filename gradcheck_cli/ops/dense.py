@@ -68,7 +68,8 @@ def problem(sc, inputs: dict[str, np.ndarray], forward: Callable[..., np.ndarray
             magnitude: np.ndarray | None = None, rounding: Callable[[np.ndarray], dict] | None = None,
             work_factor: float = 4.0, structure: dict[str, Structure] | None = None,
             arrays: dict | None = None, step_sizes: dict[str, float] | None = None,
-            analytic_rounding: dict[str, np.ndarray] | None = None) -> Problem:
+            analytic_rounding: dict[str, np.ndarray] | None = None,
+            rounding_forward: Callable[..., np.ndarray] | None = None) -> Problem:
     """``forward(**inputs) -> out`` (copies broadcast), analytic ``gradients`` of L = sum(out * g).
 
     The noise floor: each output's rounding is measured against the same forward in a wider type
@@ -81,12 +82,16 @@ def problem(sc, inputs: dict[str, np.ndarray], forward: Callable[..., np.ndarray
     work_factor: how many output-sized arrays one copy needs while the forward runs.
     analytic_rounding: per input, the rounding allowed in each element of the analytic gradient (where
     it cancels to nothing, e.g. RMSNorm's G_x with d_model = 1).
+    rounding_forward: the forward whose rounding is measured, when ``forward`` is a user's implementation
+    (which need not run in a wider type): the built-in one, on the same inputs.
     """
     out = forward(**inputs)
     axes = tuple(range(-out.ndim, 0))
     lift = dict(lift or {})
     eps = float(np.finfo(np.dtype(sc.dtype)).eps)
-    terms = np.abs(g).astype(np.float64) * rounding_errors(forward, inputs, out, sc.dtype, magnitude) / eps
+    measured = rounding_forward or forward
+    own = out if rounding_forward is None else rounding_forward(**inputs)
+    terms = np.abs(g).astype(np.float64) * rounding_errors(measured, inputs, own, sc.dtype, magnitude) / eps
     total = min(RSS_FACTOR * float(rss(terms)), float(terms.sum()))  # never more than the worst case
 
     def loss(name: str, x: np.ndarray) -> np.ndarray:

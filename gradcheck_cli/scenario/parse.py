@@ -89,21 +89,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
         for key in spec.keys:
             if f.has(key) and engine != owner:
                 raise f.error(key, f"{key} applies to engine: {owner}", hint=f"add 'engine: {owner}' or remove it")
-    factor = f.float("check.factor", 2.0)
-    slack = f.float("check.slack", None, positive=False)
-    if slack is not None and slack < 0:
-        raise f.error("check.slack", f"must be >= 0, got {slack}")
-    nondet_tol = f.float("check.nondet_tol", 0.0, positive=False)
-    if f.has("check.nondet_tol") and not f.has("implementation") and f.where("check.nondet_tol")[0] != "defaults":
-        raise f.error("check.nondet_tol", "applies to a scenario with an implementation: the built-in engines are "
-                      "deterministic and are not run twice", hint="remove it, or add 'implementation: module:attribute'")
-    if nondet_tol < 0:
-        raise f.error("check.nondet_tol", f"must be >= 0, got {nondet_tol}",
-                      hint="0 (the default) requires two calls on the same inputs to agree bit for bit")
-    timeout = f.float("check.timeout", 900.0)
-    if f.has("check.timeout") and not f.has("implementation") and f.where("check.timeout")[0] != "defaults":
-        raise f.error("check.timeout", "applies to a scenario with an implementation (run in a process of its own, "
-                      "stopped after this many seconds)", hint="remove it, or add 'implementation: module:attribute'")
+    factor, slack, nondet_tol, timeout = _user_code_policy(f)
     dtype, epsilon, tolerance, seed, mode, samples, directions, colouring = _precision_and_check(
         f, dtype, op_spec.colouring)
 
@@ -146,16 +132,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     if kv_map is None:
         kv_map = default_kv_map(heads_q, heads_kv)
 
-    spec, spec_line = None, 0
-    if f.has("implementation"):
-        spec = f.raw("implementation")
-        if not isinstance(spec, str):
-            raise f.error("implementation", f"expected 'module:attribute', got {_show(spec)}")
-        try:
-            implementation.locate(spec, base_dir)  # found, not run: the loader never runs user code
-        except implementation.LoadError as exc:
-            raise f.error("implementation", str(exc)) from None
-        spec_line = doc.line(f.where("implementation")) or 0
+    spec, spec_line = _implementation(doc, f, base_dir)
 
     explicit, source = None, None
     if f.has("mask.visible"):
@@ -186,6 +163,41 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                     implementation=spec, backend=backend, device=device, factor=factor, slack=slack, nondet_tol=nondet_tol,
                     visible=visible, base_dir=str(base_dir), implementation_line=spec_line, timeout=timeout, params=tuple(params.items()), engine=engine,
                     block_q=block_q, block_k=block_k)
+
+
+def _user_code_policy(f: _Fields) -> tuple[float, float | None, float, float]:
+    """The ``check`` keys of an op that accepts an implementation: (factor, slack, nondet_tol, timeout)."""
+    factor = f.float("check.factor", 2.0)
+    slack = f.float("check.slack", None, positive=False)
+    if slack is not None and slack < 0:
+        raise f.error("check.slack", f"must be >= 0, got {slack}")
+    nondet_tol = f.float("check.nondet_tol", 0.0, positive=False)
+    if f.has("check.nondet_tol") and not f.has("implementation") and f.where("check.nondet_tol")[0] != "defaults":
+        raise f.error("check.nondet_tol", "applies to a scenario with an implementation: the built-in engines are "
+                      "deterministic and are not run twice", hint="remove it, or add 'implementation: module:attribute'")
+    if nondet_tol < 0:
+        raise f.error("check.nondet_tol", f"must be >= 0, got {nondet_tol}",
+                      hint="0 (the default) requires two calls on the same inputs to agree bit for bit")
+    timeout = f.float("check.timeout", 900.0)
+    if f.has("check.timeout") and not f.has("implementation") and f.where("check.timeout")[0] != "defaults":
+        raise f.error("check.timeout", "applies to a scenario with an implementation (run in a process of its own, "
+                      "stopped after this many seconds)", hint="remove it, or add 'implementation: module:attribute'")
+    return factor, slack, nondet_tol, timeout
+
+
+def _implementation(doc: _Doc, f: _Fields, base_dir: Path) -> tuple[str | None, int]:
+    """The ``implementation`` key: (its 'module:attribute', its line), located but not imported."""
+    spec, spec_line = None, 0
+    if f.has("implementation"):
+        spec = f.raw("implementation")
+        if not isinstance(spec, str):
+            raise f.error("implementation", f"expected 'module:attribute', got {_show(spec)}")
+        try:
+            implementation.locate(spec, base_dir)  # found, not run: the loader never runs user code
+        except implementation.LoadError as exc:
+            raise f.error("implementation", str(exc)) from None
+        spec_line = doc.line(f.where("implementation")) or 0
+    return spec, spec_line
 
 
 def _precision_and_check(f: _Fields, dtype: str, colouring_default: bool = True):
@@ -236,11 +248,14 @@ def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memo
     params = {key: _read_param(f, key, param) for key, param in spec.keys.items()}
     for key, message, hint in (spec.validate(params, {"batch": batch}) if spec.validate else []):
         raise f.error(key, message, hint=hint)
+    factor, slack, nondet_tol, timeout = _user_code_policy(f)
+    impl, impl_line = _implementation(doc, f, base_dir)
     sc = Scenario(name=name, op=op, batch=batch, heads_q=1, heads_kv=1, kv_map=(0,), n_q=0, n_k=0, d_head=0,
                   d_value=0, scale=1.0, causal="none", window=None, key_lengths=None, visible_source=None,
                   loss_rows=None, mode=mode, samples=samples, directions=directions, colouring=False, dtype=dtype,
                   epsilon=epsilon, tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
-                  params=tuple(params.items()))
+                  params=tuple(params.items()), implementation=impl, implementation_line=impl_line,
+                  base_dir=str(base_dir), factor=factor, slack=slack, nondet_tol=nondet_tol, timeout=timeout)
     if spec.shapes:
         needed = need(spec, sc)
         if needed > memory_limit:
