@@ -1,0 +1,219 @@
+"""LayerNorm: y = gamma * (x - mu) / s + beta, with mu = mean(x) and s = sqrt(var(x) + eps) over features.
+
+Shapes (extra leading axes broadcast): x [B, n, d_model], gamma [d_model], beta [d_model], y [B, n, d_model].
+
+Backward, with xhat = (x - mu) / s and g = G_y * gamma:
+G_x = (g - mean(g) - xhat * mean(g * xhat)) / s  (the direct term, the centring's feedback, the scale's
+feedback); G_gamma = sum over rows of G_y * xhat; G_beta = sum over rows of G_y.
+
+Checks a user's implementation too (``implementation: module:attribute``, an object with
+``forward(x, gamma, beta, eps) -> y`` and ``backward(x, gamma, beta, eps, grad_y) -> (dx, dgamma, dbeta)``):
+finite differences of its forward against its backward, its results against the float64 reference,
+and the invariants below on its gradients.
+"""
+from __future__ import annotations
+
+from typing import Collection
+
+import numpy as np
+
+from .. import implementation, invariants, precision
+from ..tolerance import INVARIANT_ULPS, machine_epsilon
+from . import dense
+from .registry import Engine, Fault, Interface, Op, Param, Structure
+
+#: What a fault does to a user's implementation: the change the bug makes to the float64 reference's
+#: gradients is added to the implementation's.
+_ADDED = "adds to the implementation's gradients the change this bug makes to the float64 reference's"
+
+FAULTS = {f.name: f for f in (
+    Fault("layernorm-mean-term", "G_x drops -mean(g), the feedback of the centring x - mu",
+          ("gradient x", "G_x rows sum to 0", "<G_x, x> = 0 per row when eps = 0", "backward agrees with the reference"),
+          user=_ADDED),
+    Fault("layernorm-scale-term", "G_x drops -xhat mean(g xhat), the feedback of the scale s",
+          ("gradient x", "<G_x, x> = 0 per row when eps = 0", "backward agrees with the reference"), user=_ADDED),
+)}
+
+
+def forward(x, gamma, beta, eps):
+    """y [..., d_model]."""
+    mu = np.mean(x, axis=-1, keepdims=True)
+    s = np.sqrt(np.mean((x - mu) ** 2, axis=-1, keepdims=True) + np.asarray(eps, dtype=x.dtype))
+    return gamma * ((x - mu) / s) + beta
+
+
+def backward(x, gamma, beta, eps, grad_y, faults: Collection[str] = ()):
+    """(G_x, G_gamma, G_beta) for upstream grad_y [..., d_model]; G_gamma and G_beta sum every axis but the last."""
+    mu = np.mean(x, axis=-1, keepdims=True)
+    s = np.sqrt(np.mean((x - mu) ** 2, axis=-1, keepdims=True) + np.asarray(eps, dtype=x.dtype))
+    xhat = (x - mu) / s
+    g = grad_y * gamma
+    g_x = g
+    if "layernorm-mean-term" not in faults:
+        g_x = g_x - np.mean(g, axis=-1, keepdims=True)
+    if "layernorm-scale-term" not in faults:
+        g_x = g_x - xhat * np.mean(g * xhat, axis=-1, keepdims=True)
+    d = x.shape[-1]
+    return g_x / s, (grad_y * xhat).reshape(-1, d).sum(axis=0), grad_y.reshape(-1, d).sum(axis=0)
+
+
+def _shapes(sc) -> dict:
+    d = sc.p("d_model")
+    return {"x": (sc.batch, sc.p("n"), d), "gamma": (d,), "beta": (d,)}
+
+
+def _inputs(sc) -> tuple[dict, np.ndarray]:
+    shapes = _shapes(sc)
+    data = dense.seeded(sc, {**shapes, "g": shapes["x"]})
+    data["gamma"] = (1.0 + 0.5 * data["gamma"]).astype(data["gamma"].dtype)  # away from 0
+    return data, data.pop("g")
+
+
+def _terms(x, gamma, eps, grad_y) -> dict[str, np.ndarray]:
+    """The size of the terms each element of y, G_x, G_gamma and G_beta is made of (float64): rounding puts
+    about eps x these in each, whatever order an implementation sums in."""
+    x, gamma, grad_y = (np.asarray(t, dtype=np.float64) for t in (x, gamma, grad_y))
+    mu = np.mean(x, axis=-1, keepdims=True)
+    s = np.sqrt(np.mean((x - mu) ** 2, axis=-1, keepdims=True) + eps)
+    xhat = np.abs((x - mu) / s)
+    spread = (np.abs(x) + np.abs(mu)) / s  # the centred value's own rounding, relative to s
+    g = np.abs(grad_y * gamma)
+    g_x = (g + np.mean(g, axis=-1, keepdims=True) + xhat * np.mean(g * (xhat + spread), axis=-1, keepdims=True)
+           + spread * np.mean(g * xhat, axis=-1, keepdims=True)) / s
+    d = x.shape[-1]
+    return {"o": np.abs(gamma) * (spread + xhat), "x": g_x,
+            "gamma": (np.abs(grad_y) * (spread + xhat)).reshape(-1, d).sum(axis=0),
+            "beta": np.abs(grad_y).reshape(-1, d).sum(axis=0)}
+
+
+def _invariants(backward_at, data, g, dtype: str):
+    """Semantic checks of G_x: its rows sum to 0 (y does not move when every feature of a row moves
+    alike), and with eps = 0 it is orthogonal to x (y does not move when a row is scaled).
+    ``backward_at(eps)`` is the G_x under test at that eps."""
+    x64, g64 = data["x"].astype(np.float64), g.astype(np.float64)
+    terms = _terms(x64, data["gamma"], 0.0, g64)["x"]
+    ulps = INVARIANT_ULPS * machine_epsilon(dtype) * x64.shape[-1]
+    g_x, g_x0 = np.asarray(backward_at(None), dtype=np.float64), np.asarray(backward_at(0.0), dtype=np.float64)
+    return [
+        invariants.bounded_each("G_x rows sum to 0", "g_x", g_x.sum(axis=-1), ulps * terms.sum(axis=-1),
+                                "|sum_c G_x[c]| per row, allowed 64 ulps of d_model x the size of its terms "
+                                "(LayerNorm is shift invariant)"),
+        invariants.bounded_each("<G_x, x> = 0 per row when eps = 0", "g_x", (g_x0 * x64).sum(axis=-1),
+                                ulps * (terms * np.abs(x64)).sum(axis=-1),
+                                "|sum_c G_x[c] x[c]| per row with eps = 0, allowed 64 ulps of d_model x the size of "
+                                "its terms (LayerNorm is scale invariant when eps = 0)"),
+    ]
+
+
+_STRUCTURE = {"x": Structure(("batch", "row", "feature")), "gamma": Structure(("feature",)),
+              "beta": Structure(("feature",))}
+
+
+def _rounding(t):
+    return {"x": np.broadcast_to(dense.rss(t, -1)[..., None], t.shape).copy(),   # its row
+            "gamma": dense.rss(t.reshape(-1, t.shape[-1]), 0), "beta": dense.rss(t.reshape(-1, t.shape[-1]), 0)}
+
+
+def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None):
+    """The built-in engine with ``faults`` injected."""
+    data, g = _inputs(sc)
+    eps = sc.p("eps")
+    g_x, g_gamma, g_beta = backward(data["x"], data["gamma"], data["beta"], eps, g, faults)
+
+    def backward_at(at):
+        return backward(data["x"], data["gamma"], data["beta"], eps if at is None else at, g, faults)[0]
+
+    analytic = {"x": INVARIANT_ULPS * machine_epsilon(sc.dtype) * _terms(data["x"], data["gamma"], eps, g)["x"]}
+    return dense.problem(sc, data, lambda x, gamma, beta: forward(x, gamma, beta, eps),
+                         {"x": g_x, "gamma": g_gamma, "beta": g_beta}, g, lift={"gamma": 2, "beta": 2},
+                         invariants=lambda: _invariants(backward_at, data, g, sc.dtype), analytic_rounding=analytic,
+                         rounding=_rounding, structure=_STRUCTURE)
+
+
+#: Names of the reference checks of each result.
+REFERENCE_CHECKS = {"o": "forward agrees with the reference", "x": "backward agrees with the reference",
+                    "gamma": "backward agrees with the reference", "beta": "backward agrees with the reference"}
+
+
+def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None):
+    """A user's implementation: its forward differenced (copies of x stacked along the batch axis, copies
+    of gamma and beta one call each) against its backward, its results against the float64 reference, and
+    the invariants on its G_x. Faults act through the interface (``Fault.user``)."""
+    impl = sc.implementation_object
+    data, g = _inputs(sc)
+    eps, dt = sc.p("eps"), np.dtype(sc.dtype)
+    names = ("x", "gamma", "beta", "eps", "grad_y")
+
+    def user_forward(x, gamma, beta):
+        if x.ndim > 3:  # copies of x: one call on a batch of them
+            return user_forward(x.reshape((-1,) + x.shape[2:]), gamma, beta).reshape(x.shape)
+        if gamma.ndim > 1 or beta.ndim > 1:  # copies of gamma or beta: a call each
+            gammas, betas = np.broadcast_arrays(gamma, beta)
+            return np.stack([user_forward(x, a, b) for a, b in zip(gammas, betas)])
+        return implementation.call(impl.forward, "forward", (x, gamma, beta, eps), {"y": (x.shape, dt)}, names)["y"]
+
+    def user_backward(grad_y, at=None):
+        e = eps if at is None else at
+        out = implementation.call(impl.backward, "backward", (data["x"], data["gamma"], data["beta"], e, grad_y),
+                                  {"dx": (data["x"].shape, dt), "dgamma": (data["gamma"].shape, dt),
+                                   "dbeta": (data["beta"].shape, dt)}, names)
+        grads = {"x": out["dx"], "gamma": out["dgamma"], "beta": out["dbeta"]}
+        if faults:
+            args = [data[t].astype(np.float64) for t in ("x", "gamma", "beta")] + [e, grad_y.astype(np.float64)]
+            changes = zip(("x", "gamma", "beta"), backward(*args, faults), backward(*args))
+            grads = {t: (grads[t] + wrong - right).astype(dt) for t, wrong, right in changes}
+        return grads
+
+    y = user_forward(data["x"], data["gamma"], data["beta"])
+    grads = user_backward(g)
+    again = {"o": user_forward(data["x"], data["gamma"], data["beta"]), **user_backward(g)}
+    results = {"o": y, **grads}
+    deterministic = implementation.determinism("forward and backward", results, again, sc.nondet_tol)
+    x64 = {t: v.astype(np.float64) for t, v in data.items()}
+    ref = dict(zip(("x", "gamma", "beta"), backward(x64["x"], x64["gamma"], x64["beta"], eps, g.astype(np.float64))))
+    ref["o"] = forward(x64["x"], x64["gamma"], x64["beta"], eps)
+
+    def plain(p):
+        xs = {t: v.astype(p) for t, v in data.items()}
+        return {"o": forward(xs["x"], xs["gamma"], xs["beta"], eps),
+                **dict(zip(("x", "gamma", "beta"), backward(xs["x"], xs["gamma"], xs["beta"], eps, g.astype(p))))}
+
+    terms = _terms(data["x"], data["gamma"], eps, g)
+    agree, computes_in = precision.judge(results, {t: ref[t] for t in results}, terms, sc.dtype, plain,
+                                         REFERENCE_CHECKS, sc.factor, sc.slack)
+
+    def checks() -> list:
+        try:
+            return [deterministic] + agree + _invariants(lambda at: user_backward(g, at)["x"], data, g, computes_in)
+        except implementation.ImplementationFailure as exc:
+            return [deterministic] + agree + [implementation.failure_check("invariants", exc)]
+
+    rule = precision.Policy.for_dtype(computes_in)
+    problem = dense.problem(sc, data, user_forward, grads, g, invariants=checks, rounding=_rounding,
+                            structure=_STRUCTURE, arrays={"reference_output": ref["o"]},
+                            analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in grads},
+                            rounding_forward=lambda x, gamma, beta: forward(x, gamma, beta, eps))
+    problem.compute_dtype = None if computes_in == sc.dtype else computes_in
+    return problem
+
+
+#: A small scenario on which every fault of this op applies (the fault contract's).
+EXAMPLE = {"batch": 2, "n": 4, "d_model": 8, "eps": 0.0}
+
+OP = Op(name="layernorm", summary="LayerNorm y = gamma * (x - mean) / sqrt(var + eps) + beta: gradients of x, "
+                                  "gamma and beta; checks your implementation too",
+        tensors=("x", "gamma", "beta"), faults=FAULTS,
+        engines={e.name: e for e in (
+            Engine("naive", "gradcheck_cli.ops.layernorm:build", "the closed forms in NumPy"),
+            Engine("numpy-implementation", "gradcheck_cli.ops.layernorm:build_user",
+                   "a user's NumPy forward and backward", choice=False))},
+        engine_for=lambda sc: "numpy-implementation" if sc.implementation is not None else "naive",
+        keys={"n": Param("int", 4, "rows per batch element"),
+              "d_model": Param("int", help="features per row, e.g. 'd_model: 16'"),
+              "eps": Param("float", 1e-5, "added to var(x); 0 allowed", minimum=0.0)},
+        shapes=_shapes,
+        describe=lambda sc: f"B={sc.batch} n={sc.p('n')} d_model={sc.p('d_model')} eps={sc.p('eps'):g} "
+                            f"{sc.dtype} {sc.mode}",
+        implementation=Interface(("numpy",), "an object with forward(x, gamma, beta, eps) -> y and "
+                                             "backward(x, gamma, beta, eps, grad_y) -> (dx, dgamma, dbeta)"),
+        example=EXAMPLE)

@@ -1,0 +1,64 @@
+"""The layernorm op: its closed forms against torch autograd, its faults caught by the checks they name,
+and a user's LayerNorm checked through the same door as attention's (examples/my_layernorm.py)."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from gradcheck_cli import checker, scenario
+from gradcheck_cli.errors import ScenarioError
+from gradcheck_cli.ops import OPS, layernorm
+from helpers import make
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_closed_forms_match_torch_autograd():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    x, g = rng.standard_normal((2, 3, 7)), rng.standard_normal((2, 3, 7))
+    gamma, beta = 1 + 0.5 * rng.standard_normal(7), rng.standard_normal(7)
+    t = [torch.tensor(a, requires_grad=True) for a in (x, gamma, beta)]
+    y = torch.nn.functional.layer_norm(t[0], (7,), t[1], t[2], eps=1e-3)
+    y.backward(torch.tensor(g))
+    np.testing.assert_allclose(layernorm.forward(x, gamma, beta, 1e-3), y.detach().numpy(), rtol=1e-12, atol=1e-12)
+    for mine, theirs in zip(layernorm.backward(x, gamma, beta, 1e-3, g), t):
+        np.testing.assert_allclose(mine, theirs.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("fault", sorted(layernorm.FAULTS))
+def test_each_fault_fails_the_checks_it_names_and_only_those(fault):
+    sc = make(op="layernorm", **OPS["layernorm"].example)
+    assert checker.run_scenario(sc).passed
+    failed = {c.name for c in checker.run_scenario(sc, (fault,)).checks if not c.passed}
+    assert failed and failed <= set(layernorm.FAULTS[fault].caught_by), failed
+
+
+def _user(spec: str, **keys):
+    doc = {"scenarios": [{"name": "mine", "op": "layernorm", "batch": 2, "n": 4, "d_model": 8,
+                          "implementation": spec, **keys}]}
+    return scenario.loads(yaml.safe_dump(doc), base_dir=EXAMPLES)[0]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_correct_user_layernorm_passes_and_every_fault_is_caught_on_it(dtype):
+    sc = _user("my_layernorm:layernorm", dtype=dtype)
+    result = checker.run_scenario(sc)
+    assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
+    assert {c.name for c in result.checks} >= {"forward agrees with the reference", "deterministic",
+                                                "G_x rows sum to 0"}
+    assert {c.status for c in checker.negative_controls([sc])} == {"detected"}
+
+
+def test_a_user_layernorm_with_a_wrong_variance_term_fails_where_it_is_wrong():
+    result = checker.run_scenario(_user("my_layernorm:broken", eps=0.0))
+    failed = {(c.name, c.tensor) for c in result.checks if not c.passed}
+    assert failed == {("gradient x", "x"), ("backward agrees with the reference", "x"),
+                      ("<G_x, x> = 0 per row when eps = 0", "g_x")}, failed
+
+
+def test_implementation_applies_to_the_ops_that_declare_an_interface_only():
+    with pytest.raises(ScenarioError, match=r"does not apply to op rmsnorm \(it is a key of attention, layernorm\)"):
+        scenario.loads(yaml.safe_dump({"scenarios": [{"name": "r", "op": "rmsnorm", "d_model": 4,
+                                                      "implementation": "my_layernorm:layernorm"}]}))
