@@ -23,7 +23,8 @@ SCENARIO_KEYS = tuple(dict.fromkeys(COMMON_KEYS[:2] + BACKEND_KEYS + COMMON_KEYS
                                     + tuple(k for op in OPS.values() for k in op.keys)))
 MASK_KEYS = ("causal", "window", "key_lengths", "visible")
 CHECK_KEYS = ("mode", "samples", "directions", "colouring", "factor", "slack", "nondet_tol", "timeout")
-BACKENDS = ("numpy", "torch")
+#: The values of ``backend:``, over every op (``Op.backends``).
+BACKENDS = tuple(dict.fromkeys(b for op in OPS.values() for b in op.backends))
 DEVICES = ("cpu", "cuda")
 LOW_PRECISION = ("float16", "bfloat16")
 NESTED = {"mask": MASK_KEYS, "check": CHECK_KEYS}

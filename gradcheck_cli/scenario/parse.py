@@ -9,7 +9,7 @@ from .. import implementation, masks
 from ..ops import DEFAULT_OP, OPS
 from ..ops.registry import IMPLEMENTATION_CHECK_KEYS
 from ..tolerance import defaults_for, machine_epsilon
-from .fields import (ATTENTION_KEYS, BACKEND_KEYS, BACKENDS, COMMON_KEYS, DEVICES, LOW_PRECISION, MAX_DIRECTIONS,
+from .fields import (ATTENTION_KEYS, BACKEND_KEYS, COMMON_KEYS, DEVICES, LOW_PRECISION, MAX_DIRECTIONS,
                      MAX_EPSILON, MAX_SCALE, MAX_TOLERANCE, MODES, NAME_RE, _Fields, _read_param)
 from .model import Scenario, default_kv_map
 from .resources import _Probe, need
@@ -73,7 +73,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
         raise f.error("scale", f"must be non-zero and within +-{MAX_SCALE:g}, got {scale:g}",
                       hint="omit it for 1/sqrt(d_head)")
 
-    backend = f.choice("backend", BACKENDS, "numpy")
+    backend = f.choice("backend", op_spec.backends, op_spec.backends[0])
     device = f.choice("device", DEVICES, "cpu")
     dtype = f.choice("dtype", op_spec.dtypes, "float64")
     if backend == "torch" or device != "cpu" or dtype in LOW_PRECISION:
