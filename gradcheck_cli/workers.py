@@ -1,0 +1,241 @@
+"""Worker processes for the runner: forked from a fork server (so a fresh process per implementation costs
+milliseconds), each leading its own process group, stopped with its scenario's timeout, and dying with the
+run. A worker runs ``tasks.TASKS`` on the scenarios it is sent; what it answers, or how it died, becomes an
+``Outcome``."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from typing import Iterator
+
+from .errors import GradcheckError
+from .result import Check, Kind, ScenarioResult
+from .scenario import Scenario
+from .tasks import Outcome, units
+from .worker_process import _SAFE_PATH_MARK, _serve
+
+
+#: How often a waiting parent looks at its workers (seconds): the granularity of timeouts, deaths and
+#: Ctrl-C.
+POLL_S = 0.05
+
+
+def _context(torch: bool):
+    """Workers are forked from a fork server that imported this package (and torch, when a scenario
+    uses it) once, so a fresh process per implementation costs milliseconds, not an interpreter start;
+    where there is no fork server (Windows), they are spawned."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    _start_fork_server(ctx, ["gradcheck_cli.worker_process", "gradcheck_cli.ops"] + (["torch"] if torch else []))
+    return ctx
+
+
+def _start_fork_server(ctx, preload: list[str]) -> None:
+    """Start the fork server now, with Ctrl-C ignored (its workers inherit that, so a Ctrl-C to the
+    process group never reaches one while it starts; the run itself stays interruptible while it waits
+    for the server) and without the current folder on its module path: it is started with ``python
+    -c``, which would put the current folder first, and a numpy.py or yaml.py there would then run in
+    it. Python 3.10 has no way to say so (PYTHONSAFEPATH is 3.11's): there it preloads nothing, and
+    each worker imports what it needs after taking the run's own module path."""
+    from multiprocessing import forkserver
+    safe = sys.version_info >= (3, 11)
+    ctx.set_forkserver_preload(preload if safe else [])
+    added = safe and "PYTHONSAFEPATH" not in os.environ
+    if added:
+        os.environ["PYTHONSAFEPATH"] = os.environ[_SAFE_PATH_MARK] = "1"
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()  # returns at once when it runs; (re)starts it otherwise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if added:
+            os.environ.pop("PYTHONSAFEPATH", None)
+            os.environ.pop(_SAFE_PATH_MARK, None)
+
+
+class _Workers:
+    """``size`` worker processes (connected by pipes), each checking one scenario at a time. A worker
+    that checked an implementation is never reused (the user's code may have changed its process:
+    imports, monkeypatches, global settings, threads): the next scenario gets a fresh one. A worker that
+    dies or outlives its scenario's timeout is replaced; its scenario is a failed check."""
+
+    def __init__(self, size: int, threads: int, torch: bool = False):
+        self.ctx = _context(torch)
+        self.size, self.threads = size, threads
+        self.idle: list[_Worker] = []
+
+    def _get(self) -> "_Worker":
+        return self.idle.pop() if self.idle else _Worker(self.ctx, self.threads)
+
+    def map(self, config, scenarios, faults, controls, memory_budget, progress) -> Iterator[Outcome]:
+        pending = list(scenarios)
+        running: dict[int, tuple[_Worker, Scenario]] = {}
+        done: dict[int, Outcome] = {}
+        order = [sc.index for sc in scenarios]
+        try:
+            yield from self._loop(config, pending, running, done, order, faults, controls, memory_budget, progress)
+        finally:  # Ctrl-C, an error, or the caller stopped early: nothing keeps running
+            for worker, _ in running.values():
+                worker.kill()
+
+    def _loop(self, config, pending, running, done, order, faults, controls, memory_budget, progress):
+        emitted = 0
+        while emitted < len(order):
+            while pending and len(running) < self.size:
+                sc = pending.pop(0)
+                worker = self._get()
+                worker.send(("check", (sc, tuple(faults), controls, memory_budget)))
+                worker.deadline = worker.started + sc.timeout if sc.implementation is not None else None
+                running[sc.index] = (worker, sc)
+            for index, (worker, sc) in list(running.items()):
+                answer = worker.collect(worker.deadline)
+                if answer is None:
+                    continue
+                del running[index]
+                done[index] = _outcome(sc, *answer, time.monotonic() - worker.started)
+                if worker.alive and sc.implementation is None:
+                    self.idle.append(worker)
+                else:
+                    worker.stop()
+                if progress:
+                    progress(units(sc, controls))
+            while emitted < len(order) and order[emitted] in done:
+                yield done.pop(order[emitted])
+                emitted += 1
+            if running and emitted < len(order) and order[emitted] not in done:
+                _wait([w for w, _ in running.values()], POLL_S)
+
+    def close(self) -> None:
+        for worker in self.idle:
+            worker.stop()
+        self.idle.clear()
+
+
+def _outcome(sc: Scenario, kind: str, payload, elapsed: float) -> Outcome:
+    if kind == "ok":
+        result, cells = payload
+        return Outcome(sc.index, result, cells)
+    if kind == "bad":
+        raise payload
+    if kind == "error" and sc.implementation is None:  # not the user's code: an error of this tool
+        raise GradcheckError(f"{sc.file}: scenario '{sc.name}': {payload}")
+    return Outcome(sc.index, _failed(sc, _failure_text(sc, kind, payload), elapsed))
+
+
+def _failure_text(sc: Scenario, kind: str, payload) -> str:
+    if kind == "timeout":
+        return (f"did not finish within {sc.timeout:g} s (check.timeout): the implementation hangs or is far "
+                "slower than expected; it was stopped")
+    if kind == "died":
+        return (f"the process checking it {payload} before the scenario finished: the implementation (or a "
+                "library it calls) ended the process (os._exit, sys.exit in a thread, a crash); an "
+                "implementation must return")
+    return (f"checking it raised {payload}, outside any single call of the implementation: its module or what "
+            "it returned broke the process it runs in (e.g. a recursion limit, closed files, patched modules, a "
+            "value whose methods raise)")
+
+
+def _wait(workers, timeout: float) -> None:
+    from multiprocessing.connection import wait
+    wait([w.conn for w in workers] + [w.proc.sentinel for w in workers], timeout)
+
+
+class _Worker:
+    def __init__(self, ctx, threads: int):
+        self.conn, child = ctx.Pipe()
+        server = _server_pid(ctx)
+        self.proc = ctx.Process(target=_serve, args=(child, threads, server), daemon=True)
+        if server is not None:  # forked by the fork server, which started with Ctrl-C ignored
+            self.proc.start()
+        else:
+            # A spawned worker starts with Ctrl-C ignored (the disposition survives exec, and Python
+            # keeps it): a Ctrl-C that reaches the whole process group while it is still starting must
+            # not make it print a traceback. The parent handles Ctrl-C and stops its workers.
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                self.proc.start()
+            finally:
+                signal.signal(signal.SIGINT, previous)
+        child.close()
+        self.alive = True
+        self.started = time.monotonic()
+        self.deadline: float | None = None
+
+    def send(self, task) -> None:
+        self.conn.send(task)
+        self.started = time.monotonic()
+
+    def collect(self, deadline: float | None):
+        """(kind, payload) once the worker answered ("ok", "bad": bad input, "error": an exception's
+        text), died ("died", how) or overran ``deadline`` ("timeout"); None while it is still working."""
+        try:
+            if self.conn.poll():
+                return self.conn.recv()
+        except (EOFError, OSError):
+            pass  # the worker is gone: below
+        except Exception as exc:  # noqa: BLE001 -- an answer that cannot be unpickled
+            self.kill()
+            return "error", f"{type(exc).__name__}: {exc}"
+        if self.proc.is_alive() and (deadline is None or time.monotonic() < deadline):
+            return None
+        if self.proc.is_alive():
+            self.kill()
+            return "timeout", None
+        self.kill()
+        code = self.proc.exitcode
+        return "died", (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else
+                        f"exited with code {code}")
+
+    def kill(self) -> None:
+        self.alive = False
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=5)
+        _kill_group(self.proc.pid)
+        self.conn.close()
+
+    def stop(self) -> None:
+        """Ask the worker to leave, and make sure it does."""
+        if self.conn.closed:
+            return
+        self.alive = False
+        try:
+            self.conn.send(None)
+        except (OSError, ValueError):
+            pass
+        self.proc.join(timeout=1)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=5)
+        _kill_group(self.proc.pid)
+        self.conn.close()
+
+
+def _kill_group(pid: int | None) -> None:
+    """Whatever the user's code forked and left running (the worker leads a process group of its
+    own, so that is everything in it that did not leave it) goes with the worker."""
+    if pid is None or not hasattr(os, "killpg"):
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:  # nothing left in the group (the usual case), or not ours
+        pass
+
+
+def _failed(sc: Scenario, detail: str, elapsed: float) -> ScenarioResult:
+    check = Check(kind=Kind.IMPLEMENTATION, name="implementation runs", tensor="-", shape=None,
+                  max_abs_error=float("inf"), relative_error=float("inf"), tolerance=0.0, noise_floor=0.0,
+                  worst_index=None, passed=False, detail=detail)
+    return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
+                          mode=sc.mode, faults=(), checks=(check,), elapsed_s=elapsed, index=sc.index, engine=sc.engine)
+
+
+def _server_pid(ctx) -> int | None:
+    if ctx.get_start_method() != "forkserver":
+        return None
+    from multiprocessing import forkserver
+    return forkserver._forkserver._forkserver_pid
