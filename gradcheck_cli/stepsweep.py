@@ -44,7 +44,7 @@ def sweep(sc: Scenario, steps=DEFAULT_STEPS, samples: int = 32, memory_budget: i
     problem = OPS[sc.op].problem(sc)
     steps = tuple(sorted(set(float(s) for s in steps) | {float(sc.epsilon)}, reverse=True))
     chunking = numeric.plan(problem.copy_bytes, memory_budget)
-    rng = np.random.default_rng([sc.seed, 9])
+    rng = np.random.default_rng([sc.seed, numeric.SeedStream.STEP_SWEEP])
     errors = {}
     for name, x in problem.inputs.items():
         sites = np.sort(rng.choice(x.size, size=min(samples, x.size), replace=False))

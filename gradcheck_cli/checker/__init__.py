@@ -70,7 +70,7 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     broken = _non_finite(sc, problem)
     if broken:  # differences of NaN/inf say nothing: report where they first appear, and stop there
         return result(broken, arrays=dict(problem.arrays), hints=(_range_hint(sc),))
-    rng = np.random.default_rng([sc.seed, 2])
+    rng = np.random.default_rng([sc.seed, numeric.SeedStream.DIFFERENCES])
     chunking = numeric.plan(problem.copy_bytes, memory_budget)
     checks: list[Check] = []
     evidence: dict[str, diagnose.Evidence] = {}
@@ -80,7 +80,7 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     independence: list[Check] = []
     if coloured(sc, problem):
         try:
-            independence = independence_checks(sc, problem, np.random.default_rng([sc.seed, 3]), chunking)
+            independence = independence_checks(sc, problem, np.random.default_rng([sc.seed, numeric.SeedStream.INDEPENDENCE]), chunking)
         except ImplementationFailure as exc:
             independence = [failure_check("perturbations stay in their block", exc)]
     coupled = {c.tensor for c in independence if not c.passed}

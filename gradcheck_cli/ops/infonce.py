@@ -18,6 +18,7 @@ from typing import Collection
 import numpy as np
 
 from .. import invariants
+from ..numeric import SeedStream
 from ..tolerance import INVARIANT_ULPS
 from . import dense
 from .registry import Fault, Op, Param, Structure
@@ -120,7 +121,7 @@ def build(sc, faults: Collection[str] = ()):
     shapes = _shapes(sc)
     sim, in_batch = sc.p("similarity"), sc.p("in_batch")
     data = dense.seeded(sc, {t: s for t, s in shapes.items() if t != "tau"})
-    rng = np.random.default_rng([sc.seed, 5])
+    rng = np.random.default_rng([sc.seed, SeedStream.INFONCE_WEIGHTS])
     g = rng.standard_normal(sc.batch).astype(np.dtype(sc.dtype))
     if "tau" in shapes:
         data["tau"] = np.asarray(sc.p("temperature"), dtype=np.dtype(sc.dtype))

@@ -20,6 +20,7 @@ from typing import Collection
 import numpy as np
 
 from .. import invariants
+from ..numeric import SeedStream
 from . import attention, dense
 from .registry import Fault, Op, Param, Structure
 
@@ -154,7 +155,7 @@ def _invariants(sc, layer, data, faults) -> list:
 def mask_invariants(sc, source: str, data: dict, forward, backward) -> list:
     """What finite differences cannot see: the mask, through the whole layer. ``source`` is the input
     whose rows are the keys (x for self-attention, where a row is also a query; m for cross)."""
-    rng = np.random.default_rng([sc.seed, 1])
+    rng = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
     eps = float(np.finfo(np.dtype(sc.dtype)).eps)
     # Key rows that query row i cannot see must not move y[i].
     seen_by = sc.visible.any(axis=1)  # [B, n_q, n_k]: some head of row i sees key j

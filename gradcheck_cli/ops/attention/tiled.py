@@ -19,6 +19,7 @@ from typing import Collection
 import numpy as np
 
 from ... import invariants, precision
+from ...numeric import SeedStream
 from ...tolerance import INVARIANT_ULPS
 from ..registry import Problem
 from . import formulas
@@ -179,7 +180,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         return formulas.attention_weights(q[..., span, :], k, visible[..., span, :], scale, kv_map, faults)
 
     rounding, rounding_total = blocks.rounding(inputs, g, a_rows, scale, kv_map)
-    rng_inv = np.random.default_rng([sc.seed, 1])
+    rng_inv = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
 
     def checks() -> list:
         ref = dict(zip("oqkv", (np.asarray(r, dtype=np.float64) for r in

@@ -11,6 +11,7 @@ import numpy as np
 
 from .... import masks
 from ....indices import ranges
+from ....numeric import SeedStream
 from ..formulas import backward
 
 
@@ -86,7 +87,7 @@ def _mixing(sc, context: Context, checks) -> str | None:
     if context.forward is None or not suspicious:
         return None
     x = context.inputs
-    rng = np.random.default_rng([sc.seed, 11])
+    rng = np.random.default_rng([sc.seed, SeedStream.BATCH_MIXING])
     moved = {t: val + rng.standard_normal(val.shape).astype(val.dtype) for t, val in x.items()}
     try:
         alone = np.asarray(context.forward(x["q"], x["k"], x["v"], sc.visible), dtype=np.float64)

@@ -16,6 +16,7 @@ import torch
 
 from .... import invariants
 from ....implementation import ImplementationFailure, failure_check, in_copies
+from ....numeric import SeedStream
 from ....result import Check
 from ...registry import Problem
 from ..inputs import seeded_inputs
@@ -179,7 +180,7 @@ def _output_invariants(sc, fwd, bwd, inputs, o, to, np_, terms: dict, precision:
     try:
         return output_invariants(lambda q_, k_, v_: np_(fwd(to(q_), to(k_), to(v_))), backward_kv,
                                  inputs, sc.visible, np.asarray(sc.kv_map), np_(o),
-                                 np.random.default_rng([sc.seed, 1]), terms, precision)
+                                 np.random.default_rng([sc.seed, SeedStream.INVARIANTS]), terms, precision)
     except ImplementationFailure as exc:
         return [failure_check("invariants", exc)]
 
