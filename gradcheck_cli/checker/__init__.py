@@ -80,7 +80,8 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     independence: list[Check] = []
     if coloured(sc, problem):
         try:
-            independence = independence_checks(sc, problem, np.random.default_rng([sc.seed, numeric.SeedStream.INDEPENDENCE]), chunking)
+            moves = np.random.default_rng([sc.seed, numeric.SeedStream.INDEPENDENCE])
+            independence = independence_checks(sc, problem, moves, chunking)
         except ImplementationFailure as exc:
             independence = [failure_check("perturbations stay in their block", exc)]
     coupled = {c.tensor for c in independence if not c.passed}

@@ -148,7 +148,8 @@ def build(sc, faults: Collection[str] = ()):
         terms = np.abs(g.astype(np.float64)) * (1.0 + np.sum(a * (1.0 + spread), axis=-1)) * z.shape[-1]
         return [invariants.bounded_each("logit gradients sum to 0 per query", "g_z", g_z.sum(axis=-1),
                                         INVARIANT_ULPS * eps * terms,
-                                        "|sum_c G_z[i, c]| per query, allowed 64 ulps of the size of its terms: "
+                                        f"|sum_c G_z[i, c]| per query, allowed {INVARIANT_ULPS} ulps of "
+                                        "the size of its terms: "
                                         "|G_i| (1 + sum_c a_ic (1 + |z_ic - max z_i|)) x candidates "
                                         "(softmax is shift invariant)")]
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import invariants
 from ..numeric import SeedStream
+from ..tolerance import INVARIANT_ULPS
 from . import attention, dense
 from .registry import Fault, Op, Param, Structure
 
@@ -171,7 +172,7 @@ def mask_invariants(sc, source: str, data: dict, forward, backward) -> list:
     still = (y1 - y0)[~touched]  # rows that see none of the moved rows; empty (vacuous) without a mask
     checks = [invariants.bounded(
         f"hidden {source} rows do not change y", "y", still,
-        64 * eps * max(float(np.abs(y0).max()), 1.0),
+        INVARIANT_ULPS * eps * max(float(np.abs(y0).max()), 1.0),
         f"the later half of the {source} rows replaced by random values; y rows that see none of them "
         f"({int((~touched).sum())} of {touched.size}) must not change")]
     # With loss on query row 0 only, key rows row 0 cannot see get exactly zero gradient.
