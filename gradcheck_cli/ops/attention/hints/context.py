@@ -20,6 +20,11 @@ from ..formulas import backward
 CLOSER = 100.0
 #: A fitted pattern explains an error when what it leaves is below this fraction of the error.
 EXPLAINED = 0.1
+#: An output moves, or a reference gradient row is live, above this fraction of the largest value: above
+#: the rounding of float32 (eps 1.2e-7), the loosest dtype finite differences run in, below any real effect.
+SIGNIFICANT = 1e-6
+#: A gradient row is zero at or below this fraction of the reference's largest: float64 rounding, no more.
+ZERO = 1e-12
 
 
 @dataclass
@@ -96,7 +101,7 @@ def _mixing(sc, context: Context, checks) -> str | None:
     except Exception:  # the implementation failing here is reported by the checks themselves
         return None
     change = np.abs(both[:sc.batch] - alone)
-    if not change.max(initial=0.0) > 1e-6 * max(float(np.abs(alone).max(initial=0.0)), 1e-300):
+    if not change.max(initial=0.0) > SIGNIFICANT * max(float(np.abs(alone).max(initial=0.0)), 1e-300):
         return None
     return (f"the forward mixes batch elements: the output of batch element(s) 0-{sc.batch - 1} changed (by up to "
             f"{change.max():.3g}) when only other batch elements, stacked after them, changed; attention is "
@@ -111,8 +116,9 @@ def _missing_keys(sc, context: Context, evidence, kv_map) -> str | None:
     ref_k, ref_v = context.reference_gradients["k"], context.reference_gradients["v"]
     mine_k, mine_v = context.gradients["k"], context.gradients["v"]
     size = max(float(np.abs(ref_k).max(initial=0.0)), float(np.abs(ref_v).max(initial=0.0)), 1e-300)
-    zero = (np.abs(mine_k).max(axis=(0, 1, 3)) <= 1e-12 * size) & (np.abs(mine_v).max(axis=(0, 1, 3)) <= 1e-12 * size)
-    live = (np.abs(ref_k).max(axis=(0, 1, 3)) > 1e-6 * size) | (np.abs(ref_v).max(axis=(0, 1, 3)) > 1e-6 * size)
+    zero = (np.abs(mine_k).max(axis=(0, 1, 3)) <= ZERO * size) & (np.abs(mine_v).max(axis=(0, 1, 3)) <= ZERO * size)
+    live = ((np.abs(ref_k).max(axis=(0, 1, 3)) > SIGNIFICANT * size)
+            | (np.abs(ref_v).max(axis=(0, 1, 3)) > SIGNIFICANT * size))
     rows = np.flatnonzero(zero & live)
     if not len(rows) or len(rows) == sc.n_k:
         return None

@@ -8,6 +8,20 @@ from ..formulas import backward, repeat_kv
 from ..inputs import seeded_inputs
 from .context import EXPLAINED, Context
 
+#: The analytic G_K fails to sum to 0 over the keys when its sum exceeds this many tolerances of G_K's
+#: size and this many times the finite differences' own sum (which a correct G_K matches).
+SHIFT_MARGIN = 10
+#: A fitted factor c this close to 1 is no factor: against finite differences (their noise) and against
+#: the float64 reference (its rounding only).
+NOT_A_FACTOR = 1e-9
+NOT_A_FACTOR_REFERENCE = 1e-12
+#: Two factors are one (G_Q's and G_K's, or theirs and 1/scale or scale) within this relative difference.
+SAME_FACTOR = 1e-2
+#: GQA: the query heads' weights in a KV head's error are unequal when they spread over more than this
+#: fraction of the largest, and a head is named when its weight exceeds it (a missing or doubled head's
+#: weighs about 1, the others' 0).
+UNEQUAL = 0.5
+
 
 def _swapped(evidence, failed) -> str | None:
     """The analytic G_K matches the finite differences of V and the analytic G_V those of K."""
@@ -39,7 +53,7 @@ def _shift_violation(evidence, failed, verdicts, broken, tolerance) -> str | Non
     total_a = float(np.abs(ev.analytic.sum(axis=-2)).max(initial=0.0))
     total_n = float(np.abs(ev.numeric.sum(axis=-2)).max(initial=0.0))
     size = float(np.abs(ev.analytic).max(initial=0.0))
-    if total_a > 10 * tolerance * size and total_a > 10 * total_n:
+    if total_a > SHIFT_MARGIN * tolerance * size and total_a > SHIFT_MARGIN * total_n:
         return (f"the analytic G_K does not sum to 0 over the keys (worst {total_a:.3g}; the finite differences "
                 f"sum to {total_n:.1g}): " + message)
     return None
@@ -55,7 +69,7 @@ def _factor(ev) -> float | None:
     if not np.isfinite(nn) or nn == 0 or not np.isfinite(a).all():
         return None
     c = float(a @ n) / nn
-    if not (np.abs(a - c * n) <= allowed).all() or abs(c - 1) <= 1e-9:
+    if not (np.abs(a - c * n) <= allowed).all() or abs(c - 1) <= NOT_A_FACTOR:
         return None
     return c
 
@@ -68,7 +82,7 @@ def _reference_factor(context: Context, t: str) -> float | None:
         return None
     c = float(np.sum(a * r)) / rr
     gap = float(np.abs(a - r).max(initial=0.0))
-    if abs(c - 1) <= 1e-12 or not float(np.abs(a - c * r).max(initial=0.0)) <= EXPLAINED * gap:
+    if abs(c - 1) <= NOT_A_FACTOR_REFERENCE or not float(np.abs(a - c * r).max(initial=0.0)) <= EXPLAINED * gap:
         return None
     return c
 
@@ -76,13 +90,13 @@ def _reference_factor(context: Context, t: str) -> float | None:
 def _scale(sc, factors, verdicts) -> str | None:
     """G_Q and G_K share one factor while G_V is right: the scale of the score gradient."""
     c_q, c_k = factors.get("q"), factors.get("k")
-    if c_q is None or c_k is None or verdicts.get("v") != "pass" or abs(c_q - c_k) > 1e-2 * abs(c_q):
+    if c_q is None or c_k is None or verdicts.get("v") != "pass" or abs(c_q - c_k) > SAME_FACTOR * abs(c_q):
         return None
     ratio = (c_q + c_k) / 2
     why = ""
-    if abs(ratio * sc.scale - 1) < 1e-2:
+    if abs(ratio * sc.scale - 1) < SAME_FACTOR:
         why = f"; it is 1/scale ({1 / sc.scale:.4g}): the backward drops the scale"
-    elif abs(ratio / sc.scale - 1) < 1e-2:
+    elif abs(ratio / sc.scale - 1) < SAME_FACTOR:
         why = f"; it is the scale ({sc.scale:.4g}): the backward applies it twice"
     return (f"G_Q and G_K are both {ratio:.4g} x their finite differences while G_V is right: the scale factor in "
             f"the backward (G_Q = scale * G_S K, G_K = scale * G_S^T Q){why}")
@@ -108,8 +122,8 @@ def _gqa(sc, evidence, verdicts, kv_map, factors) -> str | None:
             basis = np.stack([shares[t][:, r].ravel() for r in heads], axis=1)
             w, *_ = np.linalg.lstsq(basis, e, rcond=None)
             left = float(np.linalg.norm(e - basis @ w))
-            if left <= EXPLAINED * float(np.linalg.norm(e)) and np.ptp(w) > 0.5 * float(np.abs(w).max()):
-                found.setdefault(g, {})[t] = [int(h) for h, x in zip(heads, w) if abs(x) > 0.5]
+            if left <= EXPLAINED * float(np.linalg.norm(e)) and np.ptp(w) > UNEQUAL * float(np.abs(w).max()):
+                found.setdefault(g, {})[t] = [int(h) for h, x in zip(heads, w) if abs(x) > UNEQUAL]
     if not found:
         return None
     parts = "; ".join(f"KV head {g}: query head(s) {', '.join(map(str, sorted(set(sum(v.values(), [])))))} "
