@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import enum
 import functools
 import itertools
 import os
@@ -19,6 +20,22 @@ from threadpoolctl import ThreadpoolController
 
 Loss = Callable[[np.ndarray], np.ndarray]
 Progress = Callable[[int], None]
+
+
+class SeedStream(enum.IntEnum):
+    """The random streams of a scenario: each use draws from ``np.random.default_rng([sc.seed, stream])``
+    of its own, so drawing more in one never moves another's draws (nor the reports). Attention's
+    inputs draw from the bare seed, ``default_rng(sc.seed)``; the directions of directional mode from
+    ``[direction_seed, index]`` (``unit_direction``)."""
+    INPUTS = 0          # the inputs and upstream gradient of the ops built on ``dense.seeded``
+    INVARIANTS = 1      # what the invariants move, and their upstream gradients (every engine, projections)
+    DIFFERENCES = 2     # the elements and directions a gradient check samples, and its probes
+    INDEPENDENCE = 3    # the moves of colouring's independence test
+    FAST_FORWARD = 4    # the moved copies the fast forward is compared with the reference on
+    INFONCE_WEIGHTS = 5  # infonce's per-query weights of the loss (its upstream gradient)
+    LOGIT_SCALE = 7     # logit-scale's draws of q and k
+    STEP_SWEEP = 9      # the elements ``sweep-eps`` differences
+    BATCH_MIXING = 11   # the moved batch elements of the hints' batch-mixing test
 
 
 def quiet_numpy_arithmetic() -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import verdict
-from .tolerance import AGREEMENT_ULPS, DEFAULT_SLACK, LOWER_MIN_ULPS, LOWER_PRECISION, machine_epsilon
+from .tolerance import AGREEMENT_ULPS, DEFAULT_FACTOR, DEFAULT_SLACK, LOWER_MIN_ULPS, LOWER_PRECISION, machine_epsilon
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Policy:
     ulps: float
 
     @classmethod
-    def for_dtype(cls, dtype: str, factor: float = 2.0, slack: float | None = None) -> "Policy":
+    def for_dtype(cls, dtype: str, factor: float = DEFAULT_FACTOR, slack: float | None = None) -> "Policy":
         return cls(dtype, factor, DEFAULT_SLACK[dtype] if slack is None else slack, AGREEMENT_ULPS[dtype])
 
     @property
@@ -126,7 +126,7 @@ def agreement(name: str, tensor: str, mine: np.ndarray, reference: np.ndarray, t
 
 
 def judge(results: dict[str, np.ndarray], reference: dict[str, np.ndarray], terms: dict[str, np.ndarray],
-          dtype: str, plain, names: dict[str, str], factor: float = 2.0, slack: float | None = None,
+          dtype: str, plain, names: dict[str, str], factor: float = DEFAULT_FACTOR, slack: float | None = None,
           what: str = "implementation") -> tuple[list, str]:
     """``reference`` checks of each result (``o`` first, then ``q``, ...) under the rule of ``dtype``;
     ``plain(dtype)`` gives a plain computation's results in that precision (called only for dtypes other

@@ -31,6 +31,14 @@ INVARIANT_ULPS = 64
 #: and bfloat16 beyond 2 x E_plain. The half-precision figure is small because E_plain already carries
 #: most of the rounding; larger values would hide 1% (float16) and 5% (bfloat16) errors.
 AGREEMENT_ULPS: dict[str, float] = {"float64": 64.0, "float32": 8.0, "float16": 0.25, "bfloat16": 0.25}
+#: Two engines computing the same attention in the same precision (the fast forward and the reference,
+#: the tiled and the naive engine) agree to this many units of rounding of the terms each element is
+#: made of: they differ only in the order of sums and in whether and where the softmax's maximum is
+#: subtracted, so a score's rounding (eps * |scale| * sum_c |q_ic k_jc|) reaches O through A_ij.
+ENGINE_AGREEMENT_ULPS = 256
+#: The factor of that rule, FlashAttention's: its tests allow a kernel twice the error of a plain
+#: computation in the same precision.
+DEFAULT_FACTOR = 2.0
 #: The absolute slack of that rule (FlashAttention's test-suite figure in half precision).
 DEFAULT_SLACK: dict[str, float] = {"float64": 0.0, "float32": 0.0, "float16": 1e-5, "bfloat16": 1e-5}
 #: The lower precisions an implementation of each dtype is recognised as computing in internally.

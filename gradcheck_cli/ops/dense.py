@@ -9,6 +9,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from ..numeric import SeedStream
 from .registry import Problem, Structure
 
 #: The noise floor charges this many root-sum-squares of the output terms' rounding (a safety factor on
@@ -26,7 +27,7 @@ def tensor_need(shapes: Mapping[str, tuple[int, ...]]) -> int:
 
 
 def seeded(sc, shapes: Mapping[str, tuple[int, ...]], scales: Mapping[str, float] | None = None,
-           stream: int = 0) -> dict[str, np.ndarray]:
+           stream: int = SeedStream.INPUTS) -> dict[str, np.ndarray]:
     """Standard-normal inputs in the scenario's dtype from its seed (times ``scales[name]``)."""
     rng = np.random.default_rng([sc.seed, stream])
     dt = np.dtype(sc.dtype)

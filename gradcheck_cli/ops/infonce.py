@@ -18,6 +18,7 @@ from typing import Collection
 import numpy as np
 
 from .. import invariants
+from ..numeric import SeedStream
 from ..tolerance import INVARIANT_ULPS
 from . import dense
 from .registry import Fault, Op, Param, Structure
@@ -120,7 +121,7 @@ def build(sc, faults: Collection[str] = ()):
     shapes = _shapes(sc)
     sim, in_batch = sc.p("similarity"), sc.p("in_batch")
     data = dense.seeded(sc, {t: s for t, s in shapes.items() if t != "tau"})
-    rng = np.random.default_rng([sc.seed, 5])
+    rng = np.random.default_rng([sc.seed, SeedStream.INFONCE_WEIGHTS])
     g = rng.standard_normal(sc.batch).astype(np.dtype(sc.dtype))
     if "tau" in shapes:
         data["tau"] = np.asarray(sc.p("temperature"), dtype=np.dtype(sc.dtype))
@@ -147,7 +148,8 @@ def build(sc, faults: Collection[str] = ()):
         terms = np.abs(g.astype(np.float64)) * (1.0 + np.sum(a * (1.0 + spread), axis=-1)) * z.shape[-1]
         return [invariants.bounded_each("logit gradients sum to 0 per query", "g_z", g_z.sum(axis=-1),
                                         INVARIANT_ULPS * eps * terms,
-                                        "|sum_c G_z[i, c]| per query, allowed 64 ulps of the size of its terms: "
+                                        f"|sum_c G_z[i, c]| per query, allowed {INVARIANT_ULPS} ulps of "
+                                        "the size of its terms: "
                                         "|G_i| (1 + sum_c a_ic (1 + |z_ic - max z_i|)) x candidates "
                                         "(softmax is shift invariant)")]
 

@@ -17,6 +17,7 @@ from typing import Collection
 
 import numpy as np
 
+from ..numeric import SeedStream
 from ..result import Check, Kind
 from .registry import Fault, Op, Param, Problem
 
@@ -45,7 +46,7 @@ def variance_interval(x: np.ndarray, confidence: float) -> tuple[float, float, f
 def build(sc, faults: Collection[str] = ()) -> Problem:
     rho, sq, sk = sc.p("correlation"), sc.p("sigma_q"), sc.p("sigma_k")
     draws, confidence = sc.p("draws"), sc.p("confidence")
-    rng = np.random.default_rng([sc.seed, 7])
+    rng = np.random.default_rng([sc.seed, SeedStream.LOGIT_SCALE])
     rows, scaled = [], []
     for d in sc.p("d_heads"):
         q, k = sample(rng, d, draws, sq, rho), sample(rng, d, draws, sk, rho)

@@ -20,6 +20,8 @@ from typing import Collection
 import numpy as np
 
 from .. import invariants
+from ..numeric import SeedStream
+from ..tolerance import INVARIANT_ULPS
 from . import attention, dense
 from .attention import memory as attention_memory
 from .registry import Fault, Op, Param, Structure
@@ -155,7 +157,7 @@ def _invariants(sc, layer, data, faults) -> list:
 def mask_invariants(sc, source: str, data: dict, forward, backward) -> list:
     """What finite differences cannot see: the mask, through the whole layer. ``source`` is the input
     whose rows are the keys (x for self-attention, where a row is also a query; m for cross)."""
-    rng = np.random.default_rng([sc.seed, 1])
+    rng = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
     eps = float(np.finfo(np.dtype(sc.dtype)).eps)
     # Key rows that query row i cannot see must not move y[i].
     seen_by = sc.visible.any(axis=1)  # [B, n_q, n_k]: some head of row i sees key j
@@ -171,7 +173,7 @@ def mask_invariants(sc, source: str, data: dict, forward, backward) -> list:
     still = (y1 - y0)[~touched]  # rows that see none of the moved rows; empty (vacuous) without a mask
     checks = [invariants.bounded(
         f"hidden {source} rows do not change y", "y", still,
-        64 * eps * max(float(np.abs(y0).max()), 1.0),
+        INVARIANT_ULPS * eps * max(float(np.abs(y0).max()), 1.0),
         f"the later half of the {source} rows replaced by random values; y rows that see none of them "
         f"({int((~touched).sum())} of {touched.size}) must not change")]
     # With loss on query row 0 only, key rows row 0 cannot see get exactly zero gradient.

@@ -65,7 +65,8 @@ def build(sc, faults: Collection[str] = ()):
         terms = np.abs(x64) * (gg / r + np.abs(x64) * np.mean(gg * np.abs(x64), axis=-1, keepdims=True) / r**3)
         bound = INVARIANT_ULPS * eps_m * x64.shape[-1] * terms.sum(axis=-1)
         return [invariants.bounded_each("<G_x, x> = 0 per row when eps = 0", "g_x", products.sum(axis=-1), bound,
-                                        "|sum_c G_x[c] x[c]| per row, allowed 64 ulps of d_model x the size of its "
+                                        f"|sum_c G_x[c] x[c]| per row, allowed {INVARIANT_ULPS} ulps of "
+                                        "d_model x the size of its "
                                         "terms, sum_c |x[c]| (|g[c] gamma[c]| / r + |x[c]| mean|g gamma x| / r^3) "
                                         "(RMSNorm is scale invariant when eps = 0), backward at eps = 0")]
 

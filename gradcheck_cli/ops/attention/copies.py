@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ... import invariants
+from ...tolerance import ENGINE_AGREEMENT_ULPS
 from .formulas import attention_weights, repeat_kv
 from .rounding import output_term_sizes
 
@@ -98,17 +99,11 @@ class Forward:
             block /= e.sum(axis=-1, keepdims=True)
 
 
-#: The fast path and the reference agree to this many units of rounding of the terms each element of O
-#: is made of: they differ in the order of sums and in whether and where the softmax's maximum is
-#: subtracted, so a score's rounding (eps * |scale| * sum_c |q_ic k_jc|) reaches O through A_ij.
-AGREEMENT_ULPS = 256
-
-
 def agreement(fast: Forward, reference, inputs: dict, visible, scale, kv_map, faults, rng: np.random.Generator):
     """The check that the fast path computes the reference forward, on O stacked [7, B, Hq, n_q, d_value]:
     copy 0 from the unperturbed inputs, then two copies each of q, k and v moved as finite differences
     stack them (every element by up to 1% of max(1, |x|)), each evaluated on a leading copy axis of its
-    own (the memory of one forward at a time). Each element of O may differ by AGREEMENT_ULPS x eps x
+    own (the memory of one forward at a time). Each element of O may differ by ENGINE_AGREEMENT_ULPS x eps x
     the size of its terms (``rounding.output_term_sizes``)."""
     dt = np.result_type(*inputs.values())
     visible = np.broadcast_to(visible, visible.shape[:-2] + inputs["q"].shape[-2:-1] + inputs["k"].shape[-2:-1])
@@ -127,7 +122,8 @@ def agreement(fast: Forward, reference, inputs: dict, visible, scale, kv_map, fa
             scale, kv_map)
         relative.append(gap / np.maximum(sizes, np.finfo(np.float64).tiny))
     return invariants.bounded(
-        "fast forward agrees with the reference", "o", np.stack(relative), AGREEMENT_ULPS * float(np.finfo(dt).eps),
+        "fast forward agrees with the reference", "o", np.stack(relative),
+        ENGINE_AGREEMENT_ULPS * float(np.finfo(dt).eps),
         "|fast - reference| / sum_j A_ij (1 + |scale| sum_c |q_ic k_jc|) |v_jc| per element of O (the size of "
         "the terms its rounding comes from), on the unperturbed inputs and two moved copies each of q, k, v "
         "(O stacked 7 x B x Hq x n_q x d_value)")

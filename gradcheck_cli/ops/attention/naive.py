@@ -6,6 +6,7 @@ from typing import Collection
 
 import numpy as np
 
+from ...numeric import SeedStream
 from ..registry import Problem
 from . import copies
 from .formulas import attention_weights, backward, forward
@@ -45,7 +46,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     o, a = fwd(q, k, v)
     grads = bwd(q, k, v, g)
     rounding, rounding_total = blocks.rounding(inputs, g, a, scale, kv_map)
-    rng_inv = np.random.default_rng([sc.seed, 1])
+    rng_inv = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
     return Problem(
         inputs=inputs,
         loss=lambda name, x: np.sum(copies_forward(name, x) * g, axis=(-4, -3, -2, -1), dtype=np.float64),
@@ -54,7 +55,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         rounding_total=rounding_total,
         copy_bytes=3 * a.size * dt.itemsize + o.size * dt.itemsize,
         invariants=lambda: [copies.agreement(fast, reference, inputs, visible, scale, kv_map, faults,
-                                             np.random.default_rng([sc.seed, 4]))]
+                                             np.random.default_rng([sc.seed, SeedStream.FAST_FORWARD]))]
         + engine_invariants(fwd, bwd, inputs, visible, kv_map, grads, rng_inv,
                             output_terms(inputs, a, scale, kv_map)),
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,

@@ -8,6 +8,10 @@ import numpy as np
 from ..dense import RSS_FACTOR
 from .formulas import repeat_kv, sum_groups
 
+#: Query rows of A taken at a time when the term sizes are formed: each step holds a few arrays of
+#: TERM_ROWS x n_k float64 per head, whatever n_q is (scenario/resources.py counts 3 of them).
+TERM_ROWS = 256
+
 
 class Blocks:
     """Independent blocks of the output: a query row (b, r, i) feeds only row i of O[b, r]; K of KV
@@ -35,7 +39,7 @@ class Blocks:
             per_group = np.swapaxes(per_group, -1, -2)                                       # [..., B, Hkv, d_v]
         return per_group.reshape(terms.shape[:-4] + (-1,))
 
-    def rounding(self, inputs, g, a, scale, kv_map, rows: int = 256) -> tuple[dict[str, np.ndarray], float]:
+    def rounding(self, inputs, g, a, scale, kv_map, rows: int = TERM_ROWS) -> tuple[dict[str, np.ndarray], float]:
         """Rounding model of one forward, per term of L: a logit carries an error of about
         eps * scale * sum_c |q_ic k_jc|, which the softmax passes on relative to A_ij; O_ic then sums
         A_ij V_jc. So |error of O_ic| <~ eps * sum_j A_ij (1 + scale |q_i|.|k_j|) |V_jc|, times |G_ic|.
@@ -61,7 +65,7 @@ class Blocks:
         return out, float(min(terms.sum(), RSS_FACTOR * np.sqrt(np.sum(terms * terms))))
 
 
-def output_term_sizes(inputs, a_rows, scale, kv_map, rows: int = 256, logits: bool = True) -> np.ndarray:
+def output_term_sizes(inputs, a_rows, scale, kv_map, rows: int = TERM_ROWS, logits: bool = True) -> np.ndarray:
     """The size of the terms each element of O is made of, from which its rounding comes, in float64:
     sum_j A_ij |V_jc| (the product and the normalisation) plus the logits' share. A logit S_ij carries an
     error of about eps L_ij, L_ij = |scale| sum_c |q_ic k_jc|, which moves O_ic by A_ij (V_jc - O_ic) per
@@ -94,7 +98,7 @@ def output_terms(inputs, a, scale, kv_map) -> dict[str, np.ndarray]:
             "o_convex": output_term_sizes(inputs, a_rows, scale, kv_map, logits=False)}
 
 
-def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = 256, rss: bool = False) -> dict[str, np.ndarray]:
+def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: bool = False) -> dict[str, np.ndarray]:
     """The size of the terms each element of O, G_Q, G_K and G_V is made of (float64, by blocks of
     ``rows`` query rows): rounding in a precision with unit roundoff u puts an error of about
     u x these in each element, whatever order the implementation sums in.

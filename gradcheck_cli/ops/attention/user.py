@@ -6,6 +6,7 @@ from typing import Collection
 import numpy as np
 
 from ... import implementation, precision
+from ...numeric import SeedStream
 from ..registry import Problem
 from .invariants import output_invariants
 from .inputs import seeded_inputs
@@ -60,7 +61,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                                          sc.factor, sc.slack)
     rounding, rounding_total = blocks.rounding(inputs, g, a64, scale, kv_map)
     rule = precision.Policy.for_dtype(computes_in)
-    rng_inv = np.random.default_rng([sc.seed, 1])
+    rng_inv = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
 
     def checks() -> list:
         try:

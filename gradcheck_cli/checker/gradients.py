@@ -1,209 +1,32 @@
-"""Run scenarios: analytic gradients against central differences, then the invariants.
-Returns frozen results; never prints and never exits."""
+"""The check of one input's analytic gradient against central differences: the differences themselves
+(element by element, coloured or along random directions), the noise floor (a priori, or measured when
+that leaves the check without power), Richardson's verdict, and the independence test colouring rests on."""
 from __future__ import annotations
 
-import dataclasses
-import math
-import time
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 
 import numpy as np
 
-from . import diagnose, numeric, verdict
-from .implementation import ImplementationFailure, failure_check
-from .ops import FAULTS, OPS
-from .ops.registry import NonFinite
-from .result import Check, ControlCell, Kind, ScenarioResult
-from .scenario import Scenario
-from .tolerance import EPS64, INVARIANT_ULPS, defaults_for, machine_epsilon, passes, relative_error
-
-#: Default bytes of perturbed copies evaluated in one vectorised call.
-DEFAULT_MEMORY_BUDGET = 32 * 2**20
-
-#: A fault is applicable to a scenario when it changes the output or a gradient by more than this
-#: many tolerances (relative to the larger magnitude).
-APPLICABLE_FACTOR = 10.0
+from .. import diagnose, numeric, verdict
+from ..ops import FAULTS
+from ..result import Check, Kind
+from ..scenario import Scenario
+from ..tolerance import EPS64, INVARIANT_ULPS, defaults_for, machine_epsilon, passes, relative_error
 
 Progress = Callable[[int], None]
-
-
-def work_units(sc: Scenario) -> int:
-    """Number of perturbed elements / directions a scenario's gradient checks evaluate (for progress)."""
-    op = OPS[sc.op]
-    sizes = {t: math.prod(shape) for t, shape in op.shapes(sc).items()} if op.shapes else {}
-    per = {"full": lambda n: n, "sample": lambda n: min(sc.samples, n), "directional": lambda n: sc.directions}[sc.mode]
-    return sum(per(n) for n in sizes.values())
 
 
 def _forward_faults(faults: Iterable[str]) -> frozenset[str]:
     return frozenset(f for f in faults if FAULTS[f].forward)
 
-
-def applicable_faults(sc: Scenario) -> tuple[str, ...]:
-    """The faults of the scenario's op that apply to what it checks: the built-in engine's, or their
-    interface variants on a user's implementation (``Fault.user``)."""
-    faults = OPS[sc.op].faults
-    if sc.implementation is None:
-        return tuple(name for name, f in faults.items() if f.engine)
-    return tuple(name for name, f in faults.items() if f.user is not None)
-
-
-def _build(sc: Scenario, active: Sequence[str], sizes: dict[str, float] | None):
-    return OPS[sc.op].problem(sc, active, sizes)
-
-
-def fault_sizes(clean: ScenarioResult, faults: Iterable[str]) -> dict[str, float]:
-    """The size of each sized fault from the clean run: ``scale-dX`` is 10 x the smallest relative error
-    the clean run would have caught in X (inf when it could catch none: the fault cannot apply)."""
-    sizes = {}
-    for fault in faults:
-        tensor = fault.rsplit("-d", 1)[-1]
-        powers = [c.detectable for c in clean.checks if c.tensor == tensor and c.detectable is not None]
-        sizes[fault] = SIZED_FACTOR * min(powers) if powers else float("inf")
-    return sizes
-
-
-#: A sized fault is this many times the smallest error the clean run would have caught.
-SIZED_FACTOR = 10.0
-
-
-def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int = DEFAULT_MEMORY_BUDGET,
-                 progress: Progress | None = None, numeric_cache: dict | None = None,
-                 sizes: dict[str, float] | None = None) -> ScenarioResult:
-    """Check one scenario with the given faults injected (faults that do not apply to it, of other ops
-    or of the other kind, built-in engine or implementation, are ignored). Sized faults take their size
-    from ``sizes`` or, without it, from a clean run of the scenario first.
-
-    ``numeric_cache`` lets several runs of the same scenario share finite differences when their
-    faults leave the forward unchanged (negative controls use it).
-    """
-    start = time.perf_counter()
-    op = OPS[sc.op]
-    active = tuple(f for f in faults if f in applicable_faults(sc))
-    sized = [f for f in active if op.faults[f].sized and f not in (sizes or {})]
-    if sized:
-        clean = run_scenario(sc, (), memory_budget=memory_budget, numeric_cache=numeric_cache)
-        sizes = {**(sizes or {}), **fault_sizes(clean, sized)}
-    sizes = {f: v for f, v in (sizes or {}).items() if f in active}
-
-    def result(checks, **extra) -> ScenarioResult:
-        return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
-                              mode=sc.mode, faults=active, checks=tuple(checks), elapsed_s=time.perf_counter() - start,
-                              index=sc.index, engine=sc.engine, **extra)
-
-    try:
-        problem = _build(sc, active, sizes)
-    except ImplementationFailure as exc:
-        return result((failure_check("implementation runs", exc),),
-                      hints=(_range_hint(sc),) if "non-finite" in exc.message else ())
-    broken = _non_finite(sc, problem)
-    if broken:  # differences of NaN/inf say nothing: report where they first appear, and stop there
-        return result(broken, arrays=dict(problem.arrays), hints=(_range_hint(sc),))
-    rng = np.random.default_rng([sc.seed, 2])
-    chunking = numeric.plan(problem.copy_bytes, memory_budget)
-    checks: list[Check] = []
-    evidence: dict[str, diagnose.Evidence] = {}
-    arrays = dict(problem.arrays)
-    # Colouring rests on the blocks' independence: tested first, and a tensor whose blocks are not
-    # independent is differenced one element at a time instead.
-    independence: list[Check] = []
-    if _coloured(sc, problem):
-        try:
-            independence = _independence(sc, problem, np.random.default_rng([sc.seed, 3]), chunking)
-        except ImplementationFailure as exc:
-            independence = [failure_check("perturbations stay in their block", exc)]
-    coupled = {c.tensor for c in independence if not c.passed}
-    for name, x in problem.inputs.items():
-        try:
-            check, numeric_values, evidence[name] = _gradient_check(sc, problem, name, x, active, rng, chunking,
-                                                                    progress, numeric_cache, name not in coupled)
-        except ImplementationFailure as exc:
-            checks.append(failure_check(f"gradient {name}", exc, name, "while differencing its forward: "))
-            continue
-        checks.append(check)
-        if sc.mode == "full":
-            arrays[f"numeric_{name}"] = numeric_values.reshape(x.shape)
-    checks.extend(independence)
-    try:
-        checks.extend(problem.invariants())
-    except ImplementationFailure as exc:
-        checks.append(failure_check("invariants", exc))
-    checks, hints = _diagnose(sc, problem, checks, evidence)
-    if not hints and any(c.kind == "implementation" and "non-finite" in c.detail for c in checks):
-        hints = [_copies_hint(sc)]
-    return result(checks, arrays=arrays, hints=tuple(hints))
-
-
-def _non_finite(sc: Scenario, problem) -> list[Check]:
-    """A failed check for each input, output or analytic gradient holding NaN or inf, naming the
-    first bad element; [] when every value is finite."""
-    arrays = [("inputs are finite", name, x) for name, x in problem.inputs.items()]
-    if problem.output is not None:
-        arrays.append(("output is finite", "o", problem.output))
-    arrays += [("analytic gradient is finite", name, g) for name, g in problem.gradients.items()]
-    checks = []
-    for what, name, x in arrays:
-        bad = ~np.isfinite(x)
-        if bad.any():
-            index = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), x.shape))
-            where = f"{name}[{', '.join(map(str, index))}]" if index else name
-            checks.append(Check(kind=Kind.IMPLEMENTATION, name=what, tensor=name, shape=tuple(x.shape),
-                                max_abs_error=float("inf"), relative_error=float("inf"), tolerance=0.0,
-                                noise_floor=0.0, worst_index=index, passed=False,
-                                detail=f"{x[index]} at {where} (first of {int(bad.sum())} non-finite "
-                                f"element(s) of {x.size}) in {sc.dtype}"))
-    return checks
-
-
-def _non_finite_words(sc: Scenario) -> NonFinite:
-    op = OPS[sc.op]
-    return op.non_finite(sc) if op.non_finite else NonFinite()
-
-
-def _range_hint(sc: Scenario) -> str:
-    words = _non_finite_words(sc)
-    if words.hint:
-        return words.hint
-    top = float(np.finfo(np.float16).max) if sc.dtype == "float16" else None
-    return ("NaN or inf before any difference is taken: the computation leaves the range of " + sc.dtype
-            + (f" (largest finite {top:g})" if top else "") + words.cause)
-
-
-def _copies_hint(sc: Scenario) -> str:
-    return ("NaN or inf only on perturbed copies stacked along the batch axis, while the inputs alone give finite "
-            f"values: the forward is unstable to small moves (near the range of {sc.dtype}: "
-            + _non_finite_words(sc).unstable + "), or it mixes batch elements "
-            "(a max or sum over the batch axis, which the stacked copies then share)")
-
-
-def _diagnose(sc: Scenario, problem, checks: list[Check], evidence: dict) -> tuple[list[Check], list[str]]:
-    """When something failed: each failed gradient check gets its breakdown (full and sample mode),
-    and the op names likely causes from the pattern."""
-    if all(c.passed for c in checks):
-        return checks, []
-    structure = problem.structure or {}
-    out = []
-    for c in checks:
-        ev = evidence.get(c.tensor) if c.kind == "gradient" else None
-        if ev is not None and c.verdict == "fail" and sc.mode != "directional":
-            c = dataclasses.replace(c, diagnosis=diagnose.breakdown(c.tensor, ev, structure.get(c.tensor)))
-        out.append(c)
-    found = {name: ev for name, ev in evidence.items() if ev is not None}
-    hints = list(problem.hints(found, out)) if problem.hints else []
-    if sc.mode == "directional" and any(c.kind == "gradient" and c.verdict == "fail" for c in out):
-        hints.append("directional mode cannot say which element is wrong: rerun with check: {mode: sample} "
-                     "or {mode: full} to see where")
-    return out, hints
-
-
-def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng, chunking, progress,
+def gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng, chunking, progress,
                     numeric_cache, colour: bool = True) -> tuple[Check, np.ndarray, diagnose.Evidence | None]:
     """The analytic gradient of input ``name`` against central differences: (check, numeric values,
     the evidence element by element for a diagnosis; None in directional mode)."""
     computes_in = problem.compute_dtype or sc.dtype
     eps_m = machine_epsilon(computes_in)
     grad = problem.gradients[name]
-    colour = colour and _coloured(sc, problem)
+    colour = colour and coloured(sc, problem)
     key = (sc, name, _forward_faults(active), colour)
     direction_seed = int(rng.integers(2**32))
     if sc.mode == "directional":  # the analytic side depends on the gradient: never cached
@@ -289,7 +112,7 @@ def _gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng
         detail += (f"; zero to within the noise floor ({top_floor:.2g}), which is small against the largest "
                    f"gradient of the problem ({problem_scale:.2g}): verified negligible, not to "
                    f"{sc.tolerance:g} relative")
-    if not colour and _coloured(sc, problem):
+    if not colour and coloured(sc, problem):
         detail += f"; differenced one element at a time: the blocks of {name} are not independent"
     if outcome == "inconclusive" and problem.nondeterministic:
         detail += ("; the finite differences mean nothing here: the forward's output changes from call to call "
@@ -382,11 +205,11 @@ def _verdict(sc, problem, name, x, ana, num, allowed, floor, sites, ok, directio
     return verdict.decide(disc[probe], allowed[probe], estimate[probe]), fd_error, estimate
 
 
-def _coloured(sc: Scenario, problem) -> bool:
+def coloured(sc: Scenario, problem) -> bool:
     return sc.mode == "full" and sc.colouring and problem.loss_parts is not None
 
 
-def _independence(sc: Scenario, problem, rng: np.random.Generator, chunking: numeric.Chunking) -> list[Check]:
+def independence_checks(sc: Scenario, problem, rng: np.random.Generator, chunking: numeric.Chunking) -> list[Check]:
     """The assumption colouring rests on, verified on this very forward for every block: moving the
     elements of one block changes no other block's part of L beyond the rounding of that part's own
     terms (in the precision the forward computes in)."""
@@ -435,77 +258,3 @@ def _differences(sc: Scenario, problem, name: str, x: np.ndarray, rng: np.random
 
 def _size(problem, name: str) -> float:
     return (problem.step_sizes or {}).get(name, 1.0)
-
-
-def fault_effect(sc: Scenario, fault: str, sizes: dict[str, float] | None = None) -> float:
-    """Largest relative change the fault makes to the output or to an analytic gradient. A gradient
-    far smaller than the scenario's largest (zero to rounding, e.g. a saturated softmax row) is
-    measured against the tolerance (at least sqrt(eps)) times that largest one: rounding noise
-    changing is not an effect."""
-    sizes = {fault: sizes[fault]} if sizes and fault in sizes else None
-    if sizes and not np.isfinite(sizes[fault]):
-        return 0.0
-    clean, broken = _build(sc, (), None), _build(sc, (fault,), sizes)
-    largest = max([float(np.abs(g).max(initial=0.0)) for g in clean.gradients.values()] + [0.0])
-    least = largest * max(float(np.sqrt(machine_epsilon(sc.dtype))), sc.tolerance)
-    effects = [relative_error(clean.output, broken.output)[1]] if clean.output is not None else []
-    for t in clean.gradients:
-        a, b = clean.gradients[t], broken.gradients[t]
-        max_abs = relative_error(a, b)[0]
-        size = max(float(np.abs(a).max(initial=0.0)), float(np.abs(b).max(initial=0.0)), least)
-        effects.append(max_abs / size if size > 0 else (0.0 if max_abs == 0 else float("inf")))
-    return max(effects, default=0.0)
-
-
-def fault_applies(sc: Scenario, fault: str, sizes: dict[str, float] | None = None) -> bool:
-    """True when the fault applies to what the scenario checks and changes its output or a gradient:
-    by more than APPLICABLE_FACTOR tolerances, or, for a sized fault, at all (its size is set from what
-    the clean run can detect)."""
-    if fault not in applicable_faults(sc):
-        return False
-    effect = fault_effect(sc, fault, sizes)
-    return effect > 0 if OPS[sc.op].faults[fault].sized else effect > APPLICABLE_FACTOR * sc.tolerance
-
-
-def _not_applicable_reason(sc: Scenario, fault: str, sizes: dict[str, float]) -> str:
-    op = OPS[sc.op]
-    why = op.why_not(sc, fault) if op.why_not else None
-    if why:
-        return why
-    if op.faults[fault].sized:
-        return ("no check of that tensor passed in the clean run (inconclusive or failed), so no error size is "
-                "known to be detectable there" if not np.isfinite(sizes.get(fault, np.inf)) else
-                "it changes nothing here")
-    return (f"it changes neither the output nor any gradient by more than {APPLICABLE_FACTOR:g}x the tolerance "
-            "on this scenario")
-
-
-def negative_controls(scenarios: Sequence[Scenario], *, memory_budget: int = DEFAULT_MEMORY_BUDGET,
-                      progress: Progress | None = None, numeric_cache: dict | None = None,
-                      clean: dict[str, ScenarioResult] | None = None) -> list[ControlCell]:
-    """Every fault that applies to each scenario (``applicable_faults``), injected alone: detected, missed
-    or not applicable. ``clean`` (scenario name -> its clean result) sets the sized faults; missing
-    ones are run."""
-    cache = {} if numeric_cache is None else numeric_cache
-    cells = []
-    for sc in scenarios:
-        faults = applicable_faults(sc)
-        sizes: dict[str, float] = {}
-        sized = [f for f in faults if OPS[sc.op].faults[f].sized]
-        if sized:
-            base = (clean or {}).get(sc.name) or run_scenario(sc, (), memory_budget=memory_budget,
-                                                              numeric_cache=cache)
-            sizes = fault_sizes(base, sized)
-        for fault in faults:
-            if not fault_applies(sc, fault, sizes):
-                cells.append(ControlCell(fault, sc.name, "not applicable", fault_effect(sc, fault, sizes), (),
-                                         _not_applicable_reason(sc, fault, sizes)))
-                if progress:
-                    progress(work_units(sc))
-                continue
-            effect = fault_effect(sc, fault, sizes)
-            res = run_scenario(sc, (fault,), memory_budget=memory_budget, progress=progress, numeric_cache=cache,
-                               sizes=sizes)
-            failed = tuple(dict.fromkeys(c.name for c in res.checks if c.verdict == "fail"))
-            cells.append(ControlCell(fault, sc.name, "detected" if failed else "missed", effect, failed))
-    return cells

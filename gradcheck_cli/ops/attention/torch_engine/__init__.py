@@ -4,7 +4,8 @@ same named faults), torch autograd of the same forward as a second opinion, and
 float32 (finite differences) and float16, bfloat16 (the FlashAttention low-precision policy).
 
 Imported only when a scenario asks for torch; everything here takes and returns torch tensors except
-``build``, which returns a ``Problem`` of NumPy arrays for the checker.
+``build``, which returns a ``Problem`` of NumPy arrays for the checker. The parts: ``formulas`` (the
+closed forms, SDPA and autograd on torch tensors) and ``calls`` (a user's implementation, called guarded).
 """
 from __future__ import annotations
 
@@ -12,79 +13,22 @@ from typing import Collection
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from ... import invariants
-from ...implementation import ImplementationFailure, failure_check, guarded, in_copies
-from ...result import Check
-from ..registry import Problem
-from .inputs import seeded_inputs
-from .invariants import output_invariants
-from .reference import REFERENCE_CHECKS, Interface, diagnosis_fields, hint_context, reference, varies
-from .rounding import Blocks, output_terms
+from .... import invariants
+from ....implementation import ImplementationFailure, failure_check, in_copies
+from ....numeric import SeedStream
+from ....result import Check
+from ...registry import Problem
+from ..inputs import seeded_inputs
+from ..invariants import output_invariants
+from ..reference import REFERENCE_CHECKS, Interface, diagnosis_fields, hint_context, reference, varies
+from ..rounding import Blocks, output_terms
+from .calls import call_user, user_gradients
+from .formulas import DTYPES, backward, by_autograd, forward, probabilities, sdpa
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+__all__ = ["DTYPES", "LOW_PRECISION", "LOW_PRECISION_CHECKS", "backward", "build", "forward", "probabilities", "sdpa"]
+
 LOW_PRECISION = ("float16", "bfloat16")
-
-
-def _repeat_kv(x, kv_map):
-    return x.index_select(-3, kv_map)
-
-
-def _sum_groups(g, kv_map, heads_kv: int, overwrite: bool = False):
-    out = torch.zeros(g.shape[:-3] + (heads_kv,) + g.shape[-2:], dtype=g.dtype, device=g.device)
-    for r, kv in enumerate(kv_map.tolist()):
-        if overwrite:
-            out[..., kv, :, :] = g[..., r, :, :]
-        else:
-            out[..., kv, :, :] += g[..., r, :, :]
-    return out
-
-
-def probabilities(q, k, visible, scale, kv_map):
-    """A: softmax over each row's visible set of scale * q k^T, with the row max subtracted."""
-    s = (q @ _repeat_kv(k, kv_map).transpose(-1, -2)) * scale
-    if visible is not None:
-        s = s.masked_fill(~visible, float("-inf"))
-    e = torch.exp(s - s.amax(dim=-1, keepdim=True))
-    return e / e.sum(dim=-1, keepdim=True)
-
-
-def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = ()):
-    """O = A V (A.10.1-A.10.3) on torch tensors; differentiable, so autograd gives a second opinion."""
-    a = probabilities(q, k, None if "mask" in faults else visible, scale, kv_map)
-    return a @ _repeat_kv(v, kv_map)
-
-
-def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = ()):
-    """The closed forms of A.10.5-A.10.9 (as ``formulas.backward``), with its faults."""
-    masked = None if ("mask" in faults or "mask-backward" in faults) else visible
-    a = probabilities(q, k, masked, scale, kv_map)
-    k_rep, v_rep = _repeat_kv(k, kv_map), _repeat_kv(v, kv_map)
-    g_v = a.transpose(-1, -2) @ grad_o
-    g_a = grad_o @ v_rep.transpose(-1, -2)
-    g_s = a * g_a if "softmax-term" in faults else a * (g_a - (a * g_a).sum(dim=-1, keepdim=True))
-    s = 1.0 if "scale" in faults else scale
-    g_q = (g_s @ k_rep) * s
-    g_k = (g_s.transpose(-1, -2) @ q) * s
-    heads_kv, overwrite = k.shape[-3], "gqa-sum" in faults
-    return g_q, _sum_groups(g_k, kv_map, heads_kv, overwrite), _sum_groups(g_v, kv_map, heads_kv, overwrite)
-
-
-def sdpa(q, k, v, visible, scale, kv_map, heads_q: int):
-    """torch's fused attention on the same inputs: boolean mask; enable_gqa for contiguous groups."""
-    contiguous = kv_map.tolist() == [r // (heads_q // k.shape[-3]) for r in range(heads_q)]
-    if contiguous and k.shape[-3] != heads_q:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
-    return F.scaled_dot_product_attention(q, _repeat_kv(k, kv_map), _repeat_kv(v, kv_map), attn_mask=visible,
-                                          scale=scale)
-
-
-def _autograd(fn, inputs, grad_o):
-    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
-    out = fn(*leaves)
-    grads = torch.autograd.grad(out, leaves, grad_o.clone())
-    return out.detach(), [g.detach() for g in grads]
 
 
 #: The checks of a user's implementation in half precision (and of the built-in closed forms there).
@@ -95,7 +39,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     """The torch problem: numeric checks as the NumPy engine (float64/float32), plus agreement with the
     float64 reference (``precision``); for float16/bfloat16 that agreement instead of finite
     differences. A user's implementation gets the faults' interface variants (``reference.Interface``)."""
-    from ... import precision
+    from .... import precision
     device = torch.device(sc.device)
     dt = DTYPES[sc.dtype]
     low = sc.dtype in LOW_PRECISION
@@ -116,13 +60,13 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     def fwd(q_, k_, v_, vis_=vis):
         if user is not None:
             with torch.no_grad():
-                return _call_user(user, (q_, k_, v_, vis_, scale, kv_map), (q_.shape[0],) + tuple(g.shape[1:]), dt)
+                return call_user(user, (q_, k_, v_, vis_, scale, kv_map), (q_.shape[0],) + tuple(g.shape[1:]), dt)
         return forward(q_, k_, v_, vis_, scale, kv_map, faults)
 
     def bwd(q_, k_, v_, grad_o):
         if user is None:
             return backward(q_, k_, v_, vis, scale, kv_map, grad_o, faults)
-        grads = _user_gradients(user, (q_, k_, v_), (vis, scale, kv_map), grad_o.clone(), tuple(g.shape), dt)
+        grads = user_gradients(user, (q_, k_, v_), (vis, scale, kv_map), grad_o.clone(), tuple(g.shape), dt)
         if not interface.faults:
             return grads
         changed = interface.gradients(*(np_(x) for x in (q_, k_, v_, grad_o)), *(np_(x) for x in grads))
@@ -142,7 +86,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         """torch autograd of the plain forward in ``precision``, on the same inputs."""
         pdt = DTYPES[precision]
         args = [to(rounded[t], pdt) for t in "qkv"]
-        out, gr = _autograd(lambda q_, k_, v_: forward(q_, k_, v_, vis if user is None else
+        out, gr = by_autograd(lambda q_, k_, v_: forward(q_, k_, v_, vis if user is None else
                                                       torch.from_numpy(sc.visible).to(device), scale, kv_map),
                             args, to(g_rounded, pdt))
         return {"o": np_(out), **{t: np_(x) for t, x in zip("qkv", gr)}}
@@ -226,7 +170,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
 
 
 def implementation_determinism(first: dict, second: dict, tolerance: float) -> Check:
-    from ...implementation import determinism
+    from ....implementation import determinism
     return determinism("forward and backward", first, second, tolerance)
 
 
@@ -236,85 +180,14 @@ def _output_invariants(sc, fwd, bwd, inputs, o, to, np_, terms: dict, precision:
     try:
         return output_invariants(lambda q_, k_, v_: np_(fwd(to(q_), to(k_), to(v_))), backward_kv,
                                  inputs, sc.visible, np.asarray(sc.kv_map), np_(o),
-                                 np.random.default_rng([sc.seed, 1]), terms, precision)
+                                 np.random.default_rng([sc.seed, SeedStream.INVARIANTS]), terms, precision)
     except ImplementationFailure as exc:
         return [failure_check("invariants", exc)]
-
-
-def _call_user(user, args, shape, dtype):
-    """The user's torch forward on clones of the inputs (so changing them in place cannot affect the
-    check; a change is reported), so that misbehaviour is a failed check naming the tensor."""
-    names = ("q", "k", "v", "visible", "scale", "kv_map")
-    given = tuple(a.clone() if isinstance(a, torch.Tensor) and not a.requires_grad else a for a in args)
-    o = guarded("forward", user, *given)
-    for name, before, after in zip(names, args, given):
-        if isinstance(before, torch.Tensor) and not before.requires_grad and not torch.equal(before, after):
-            raise ImplementationFailure(f"forward changed its argument {name} in place: an implementation must "
-                                        "not modify its inputs", name)
-    if not isinstance(o, torch.Tensor):
-        raise ImplementationFailure(f"forward must return a torch.Tensor, got {type(o).__name__}", "o")
-    _dense("forward", "o", o, args[0].device)
-    if tuple(o.shape) != tuple(shape):
-        raise ImplementationFailure(f"forward returned o of shape {list(o.shape)}, expected {list(shape)}", "o")
-    if o.dtype != dtype:
-        raise ImplementationFailure(f"forward returned o of dtype {o.dtype}, expected {dtype}", "o")
-    _finite("forward", "o", o)
-    return o
-
-
-def _dense(what, name, t, device):
-    """A plain dense tensor on the inputs' device (not meta, sparse or elsewhere), or a failure."""
-    try:
-        ok = t.layout == torch.strided and not t.is_meta and t.device == device
-        kind = f"a {t.layout} tensor on {t.device}"
-    except Exception as exc:  # noqa: BLE001 -- a tensor subclass may raise anything
-        raise ImplementationFailure(f"{what} returned a {name} that cannot be read: {type(exc).__name__}: {exc}",
-                                    name) from None
-    if not ok:
-        raise ImplementationFailure(f"{what} returned {name} as {kind}; expected a dense (strided) tensor on "
-                                    f"{device}", name)
-
-
-def _finite(what, name, t):
-    bad = ~torch.isfinite(t)
-    if bool(bad.any()):
-        index = tuple(int(i) for i in torch.nonzero(bad)[0])
-        raise ImplementationFailure(f"{what} returned a non-finite {name}: {t[index].item()} at {name}"
-                                    f"[{', '.join(map(str, index))}]", name, index)
-
-
-def _user_gradients(user, qkv, rest, grad_o, shape, dtype):
-    """dq, dk, dv of the user's forward by autograd (so a custom autograd.Function's backward is what
-    gets checked). ``grad_o`` is the implementation's own copy: a backward that changes it in place is
-    reported, and cannot change the checker's upstream gradient."""
-    leaves = [t.detach().clone().requires_grad_(True) for t in qkv]
-    kept = grad_o.clone()
-    with torch.enable_grad():
-        o = _call_user(user, (*leaves, *rest), shape, dtype)
-        if not o.requires_grad:
-            raise ImplementationFailure("forward's output does not require grad: autograd cannot reach q, k, v", "o")
-        grads = guarded("backward", lambda: torch.autograd.grad(o, leaves, grad_o, allow_unused=True))
-    if not torch.equal(grad_o, kept):
-        raise ImplementationFailure("backward changed grad_output in place: an implementation must not modify "
-                                    "its inputs", "grad_o")
-    for name, leaf, before in zip("qkv", leaves, qkv):
-        if not torch.equal(leaf.detach(), before.detach()):
-            raise ImplementationFailure(f"the implementation changed its argument {name} in place: it must not "
-                                        "modify its inputs", name)
-    out = []
-    for name, leaf, grad in zip(("dq", "dk", "dv"), leaves, grads):
-        if grad is not None:
-            _dense("backward", name, grad, leaf.device)
-        grad = torch.zeros_like(leaf) if grad is None else grad.detach().clone()
-        _finite("backward", name, grad)
-        out.append(grad)
-    return tuple(out)
-
 
 def _opinions(sc, q, k, v, g, vis, kv_map, results, ref, terms, plain, np_) -> list[Check]:
     """The built-in closed forms against the float64 reference with autograd of the plain forward as the
     plain computation (``autograd agrees``: as accurate as autograd), and torch's SDPA likewise."""
-    from ... import precision
+    from .... import precision
     policy = precision.Policy.for_dtype(sc.dtype, sc.factor, sc.slack)
     auto = plain(sc.dtype)
     checks = []
@@ -322,7 +195,7 @@ def _opinions(sc, q, k, v, g, vis, kv_map, results, ref, terms, plain, np_) -> l
         e = float(np.abs(auto[t] - ref[t]).max(initial=0.0))
         checks.append(precision.agreement("autograd agrees", t, results[t], ref[t], terms[t], policy, e,
                                           "closed forms"))
-    sd_o, sd = _autograd(lambda q_, k_, v_: sdpa(q_, k_, v_, vis, sc.scale, kv_map, sc.heads_q), (q, k, v), g)
+    sd_o, sd = by_autograd(lambda q_, k_, v_: sdpa(q_, k_, v_, vis, sc.scale, kv_map, sc.heads_q), (q, k, v), g)
     for t, got in zip("oqkv", (sd_o, *sd)):
         e = float(np.abs(auto[t] - ref[t]).max(initial=0.0))
         checks.append(precision.agreement("SDPA agrees", t, np_(got), ref[t], terms[t], policy, e, "SDPA"))

@@ -1,0 +1,83 @@
+"""Negative controls' arithmetic: which faults apply to a scenario, how large a sized fault is made, how
+much a fault changes the output or a gradient, and why one is not applicable."""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from ..ops import OPS
+from ..result import ScenarioResult
+from ..scenario import Scenario
+from ..tolerance import machine_epsilon, relative_error
+
+#: A fault is applicable to a scenario when it changes the output or a gradient by more than this
+#: many tolerances (relative to the larger magnitude).
+APPLICABLE_FACTOR = 10.0
+
+
+def applicable_faults(sc: Scenario) -> tuple[str, ...]:
+    """The faults of the scenario's op that apply to what it checks: the built-in engine's, or their
+    interface variants on a user's implementation (``Fault.user``)."""
+    faults = OPS[sc.op].faults
+    if sc.implementation is None:
+        return tuple(name for name, f in faults.items() if f.engine)
+    return tuple(name for name, f in faults.items() if f.user is not None)
+
+def build(sc: Scenario, active: Sequence[str], sizes: dict[str, float] | None):
+    return OPS[sc.op].problem(sc, active, sizes)
+
+def fault_sizes(clean: ScenarioResult, faults: Iterable[str]) -> dict[str, float]:
+    """The size of each sized fault from the clean run: ``scale-dX`` is 10 x the smallest relative error
+    the clean run would have caught in X (inf when it could catch none: the fault cannot apply)."""
+    sizes = {}
+    for fault in faults:
+        tensor = fault.rsplit("-d", 1)[-1]
+        powers = [c.detectable for c in clean.checks if c.tensor == tensor and c.detectable is not None]
+        sizes[fault] = SIZED_FACTOR * min(powers) if powers else float("inf")
+    return sizes
+
+#: A sized fault is this many times the smallest error the clean run would have caught.
+SIZED_FACTOR = 10.0
+
+def fault_effect(sc: Scenario, fault: str, sizes: dict[str, float] | None = None) -> float:
+    """Largest relative change the fault makes to the output or to an analytic gradient. A gradient
+    far smaller than the scenario's largest (zero to rounding, e.g. a saturated softmax row) is
+    measured against the tolerance (at least sqrt(eps)) times that largest one: rounding noise
+    changing is not an effect."""
+    sizes = {fault: sizes[fault]} if sizes and fault in sizes else None
+    if sizes and not np.isfinite(sizes[fault]):
+        return 0.0
+    clean, broken = build(sc, (), None), build(sc, (fault,), sizes)
+    largest = max([float(np.abs(g).max(initial=0.0)) for g in clean.gradients.values()] + [0.0])
+    least = largest * max(float(np.sqrt(machine_epsilon(sc.dtype))), sc.tolerance)
+    effects = [relative_error(clean.output, broken.output)[1]] if clean.output is not None else []
+    for t in clean.gradients:
+        a, b = clean.gradients[t], broken.gradients[t]
+        max_abs = relative_error(a, b)[0]
+        size = max(float(np.abs(a).max(initial=0.0)), float(np.abs(b).max(initial=0.0)), least)
+        effects.append(max_abs / size if size > 0 else (0.0 if max_abs == 0 else float("inf")))
+    return max(effects, default=0.0)
+
+
+def fault_applies(sc: Scenario, fault: str, sizes: dict[str, float] | None = None) -> bool:
+    """True when the fault applies to what the scenario checks and changes its output or a gradient:
+    by more than APPLICABLE_FACTOR tolerances, or, for a sized fault, at all (its size is set from what
+    the clean run can detect)."""
+    if fault not in applicable_faults(sc):
+        return False
+    effect = fault_effect(sc, fault, sizes)
+    return effect > 0 if OPS[sc.op].faults[fault].sized else effect > APPLICABLE_FACTOR * sc.tolerance
+
+
+def not_applicable_reason(sc: Scenario, fault: str, sizes: dict[str, float]) -> str:
+    op = OPS[sc.op]
+    why = op.why_not(sc, fault) if op.why_not else None
+    if why:
+        return why
+    if op.faults[fault].sized:
+        return ("no check of that tensor passed in the clean run (inconclusive or failed), so no error size is "
+                "known to be detectable there" if not np.isfinite(sizes.get(fault, np.inf)) else
+                "it changes nothing here")
+    return (f"it changes neither the output nor any gradient by more than {APPLICABLE_FACTOR:g}x the tolerance "
+            "on this scenario")

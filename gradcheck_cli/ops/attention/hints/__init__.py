@@ -1,0 +1,148 @@
+"""Diagnosis of attention's failed checks: what the axes of q, k, v mean, which rows the mask touches,
+and the hints that name a likely cause. Each hint fires only on its own evidence (README "Diagnosing a
+failure"; tests/test_hints.py holds a table of distinct bugs, each hint tested to fire on its cause and
+on no other):
+
+- the implementation computes in a lower precision than its dtype (the reference checks say so);
+- the forward lets hidden keys reach O (``attention is 0 off the visible set`` or ``hidden K/V rows do
+  not change O`` fails, or O is exactly attention without the mask);
+- the forward uses the other causal alignment, or the other KV-head layout (O is exactly that);
+- the forward mixes batch elements (moving one batch element's inputs changes another's output);
+- the forward never reads some key rows (they get zero gradient where the reference's is not, and O is
+  attention with them hidden);
+- O leaves the range of its visible V rows without a mask leak: the weights do not sum to 1;
+- the backward's mask handling (errors confined to the rows the mask touches);
+- the softmax row-sum term (G_S rows, or the analytic G_K over the keys, do not sum to 0);
+- one common factor on G_Q and G_K (the scale), or on one gradient alone;
+- the GQA reduction (the error of a shared KV head is a mix of its query heads' shares with unequal
+  weights, while G_Q passes);
+- G_K and G_V swapped.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ...registry import Structure
+from .context import Context, _alternative, _mask_backward, _missing_keys, _mixing
+from .patterns import _factor, _gqa, _reference_factor, _scale, _shift_violation, _swapped
+
+__all__ = ["Context", "diagnosis"]
+
+
+def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure], Callable]:
+    """(structure, hints(evidence, checks))."""
+    kv_map = np.asarray(sc.kv_map, dtype=np.intp)
+    visible = sc.visible
+    sees_all = visible.all(axis=-1)                                        # [B, Hq, n_q]
+    group = np.eye(sc.heads_kv, dtype=np.int64)[kv_map]                     # [Hq, Hkv]
+    seen = np.einsum("bhij,hg->bgj", visible.astype(np.int64), group)        # [B, Hkv, n_k]
+    every = seen == (sc.n_q * group.sum(axis=0))[None, :, None]
+    kv_classes = {"key rows every query sees": every, "key rows hidden from some queries": ~every & (seen > 0),
+                  "key rows no query sees": seen == 0}
+    n_k = visible.shape[-1]
+    first = np.where(visible.any(axis=-1), visible.argmax(axis=-1), 0)
+    last = np.where(visible.any(axis=-1), n_k - 1 - visible[..., ::-1].argmax(axis=-1), n_k - 1)
+    q_classes = {"query rows that see every key": sees_all, "query rows with hidden keys": ~sees_all,
+                 "query rows cut on the left (window edge)": first > 0,
+                 "query rows cut on the right (causal diagonal, padding)": last < n_k - 1}
+    if sc.heads_kv < sc.heads_q:
+        for g in range(sc.heads_kv):
+            heads = kv_map == g
+            q_classes[f"query heads of KV head {g} ({', '.join(map(str, np.flatnonzero(heads)))})"] = \
+                np.broadcast_to(heads[None, :, None], sees_all.shape)
+    structure = {
+        "q": Structure(("batch", "query head", "query row", "feature"), q_classes, ("query head", "query row")),
+        "k": Structure(("batch", "KV head", "key row", "feature"), kv_classes, ("KV head", "key row")),
+        "v": Structure(("batch", "KV head", "key row", "feature"), kv_classes, ("KV head", "key row")),
+    }
+
+    def hints(evidence: dict, checks: list) -> list[str]:
+        verdicts = {c.tensor: c.verdict for c in checks if c.kind == "gradient"}
+        failed = {t for t, v in verdicts.items() if v == "fail"}
+        broken = {c.name for c in checks if c.verdict == "fail"}
+        out = []
+        lower = [c for c in checks if c.verdict == "inconclusive" and c.detail.startswith("computes in about")]
+        if lower:
+            precision = lower[0].detail.split()[3].rstrip(",")
+            out.append(f"the implementation computes internally in about {precision}: it agrees with the float64 "
+                       f"reference to {precision} rounding only (or its forward differs from attention by no more "
+                       f"than that), so a {sc.dtype} scenario cannot check it to {sc.tolerance:g}; run it with "
+                       f"dtype: {precision} to check it at that precision")
+        nondeterministic = [c for c in checks if c.name == "deterministic" and c.verdict == "fail"]
+        if nondeterministic:  # every other test compares separate calls: their failures may be this alone
+            detail = nondeterministic[0].detail
+            which = detail.split("; ")[1].split(" differ")[0] if " differ;" in detail else "results"
+            out.append(f"the implementation is not deterministic: its {which} differ between two calls on the same "
+                       "inputs (dropout or other randomness left on, or a reduction whose order changes, e.g. "
+                       "atomics); finite differences, the reference and the invariants compare separate calls, so "
+                       "their failures may reflect only that: make it deterministic, or set check: {nondet_tol: ...} "
+                       "when small differences are intended")
+            return out
+        forward_wrong = "forward agrees with the reference" in broken
+        alternative = _alternative(sc, context, kv_map) if context is not None and forward_wrong else None
+        leak = [name for name in ("attention is 0 off the visible set", "hidden K/V rows do not change O")
+                if name in broken]
+        if leak or alternative == "no mask":
+            out.append("the forward lets hidden keys reach O (" + ("; ".join(leak) if leak else
+                       "its output is exactly attention without the mask") + ")"
+                       + (", while finite differences agree with the backward"
+                          if verdicts and all(v == "pass" for v in verdicts.values()) else "")
+                       + ": apply the visible set in the forward (hidden keys get weight exactly 0)")
+        elif alternative is not None:
+            out.append(alternative)
+        mixing = _mixing(sc, context, checks) if context is not None else None
+        if mixing:
+            out.append(mixing)
+        missing = _missing_keys(sc, context, evidence, kv_map) if context is not None and (
+            forward_wrong or failed) else None
+        if missing:
+            out.append(missing)
+        shifted = "shifting every V row shifts O by as much" in broken
+        outside = "O rows in the range of visible V rows" in broken
+        quiet = not leak and alternative is None and not mixing and not missing
+        partial = quiet and outside and not shifted
+        if partial:  # the weights sum to 1, yet O leaves the range of the V rows its query may see
+            out.append("the forward lets hidden keys reach O (O rows in the range of visible V rows, while the weights "
+                       "of each row sum to 1): weight reaches keys hidden from that query row though other rows may "
+                       "see them; a window, a causal offset or a mask tile misaligned by some keys?")
+        elif quiet and shifted:
+            out.append("the attention weights of a row do not sum to 1 (shifting every V row shifts O by as much"
+                       + ("; O rows in the range of visible V rows" if outside else "") + "): the softmax's "
+                       "normalisation is wrong (e.g. an online softmax that does not rescale its running sum and "
+                       "accumulator when the row maximum grows, or a denominator with an epsilon added)")
+        if (not leak and alternative != "no mask" and not partial
+                and _mask_backward(sc, context, evidence, failed, broken, sees_all, kv_map)):
+            out.append("the errors sit only where the mask matters (query rows with hidden keys, key rows hidden "
+                       "from some queries) while rows the mask does not touch are right: the backward ignores or "
+                       "misapplies the visible set (e.g. recomputes A without it)")
+        swapped = _swapped(evidence, failed)
+        if swapped:
+            out.append(swapped)
+        else:
+            shift = _shift_violation(evidence, failed, verdicts, broken, sc.tolerance)
+            if shift:
+                out.append(shift)
+        factors = {t: _factor(evidence.get(t)) for t in failed}
+        against = dict.fromkeys(factors, "its finite differences")
+        if context is not None:  # a constant factor the float64 reference sees (below the finite differences' tolerance)
+            for c in checks:
+                if c.kind == "reference" and c.verdict == "fail" and c.tensor in "qkv" and factors.get(c.tensor) is None:
+                    factors[c.tensor] = _reference_factor(context, c.tensor)
+                    against[c.tensor] = "the float64 reference's"
+        scale_hint = _scale(sc, factors, verdicts)
+        if scale_hint:
+            out.append(scale_hint)
+        for t in sorted(factors):
+            c = factors.get(t)
+            if c is not None and not (scale_hint and t in "qk"):
+                out.append(f"G_{t.upper()} is {c:.6g} x {against[t]} everywhere: a constant factor on "
+                           f"d{t.upper()} alone (a scale applied {'too often' if c > 1 else 'too rarely'}, a wrong "
+                           "divisor, or an averaged instead of summed reduction)")
+        gqa = _gqa(sc, evidence, verdicts, kv_map, factors)
+        if gqa:
+            out.append(gqa)
+        return out
+
+    return structure, hints

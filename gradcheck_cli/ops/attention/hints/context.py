@@ -1,0 +1,164 @@
+"""What the hints may consult about an implementation beyond the checks (``Context``: its output and
+gradients, the float64 reference of any visible set or KV map, its forward), and the hints that test
+its forward with it: what it computes instead of attention, whether it mixes batch elements, which key
+rows it never reads, and whether its backward ignores the mask."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .... import masks
+from ....indices import ranges
+from ....numeric import SeedStream
+from ..formulas import backward
+
+
+#: An alternative explains the implementation's output when it is this many times closer to it than
+#: the reference is.
+CLOSER = 100.0
+#: A fitted pattern explains an error when what it leaves is below this fraction of the error.
+EXPLAINED = 0.1
+#: An output moves, or a reference gradient row is live, above this fraction of the largest value: above
+#: the rounding of float32 (eps 1.2e-7), the loosest dtype finite differences run in, below any real effect.
+SIGNIFICANT = 1e-6
+#: A gradient row is zero at or below this fraction of the reference's largest: float64 rounding, no more.
+ZERO = 1e-12
+
+
+@dataclass
+class Context:
+    """What the hints may consult beyond the checks: the implementation's output and gradients on the
+    scenario's inputs, the float64 reference of any visible set / KV map on the same inputs, and the
+    implementation's forward (for the batch-mixing test). None for the built-in engines."""
+    output: np.ndarray                               # O of the implementation, float64
+    reference: Callable[..., np.ndarray]             # reference(visible=..., kv_map=...) -> O, float64
+    reference_gradients: dict[str, np.ndarray]       # the float64 reference's dq, dk, dv
+    gradients: dict[str, np.ndarray]                 # the implementation's, float64
+    forward: Callable[..., np.ndarray] | None        # forward(q, k, v, visible) -> O of the implementation
+    inputs: dict[str, np.ndarray]
+    g: np.ndarray | None = None                      # the upstream gradient, float64
+
+
+def _matches(o: np.ndarray, alternative: np.ndarray, reference: np.ndarray) -> bool:
+    """o is CLOSER times closer to the alternative than to the reference (and the two differ)."""
+    to_alt = float(np.abs(o - alternative).max(initial=0.0))
+    to_ref = float(np.abs(o - reference).max(initial=0.0))
+    return to_ref > 0 and to_alt * CLOSER < to_ref
+
+
+def _alternative(sc, context: Context, kv_map) -> str | None:
+    """What the implementation's forward computes instead, when it is exactly one of: attention without
+    the mask, with the other causal alignment, or with the other KV-head layout."""
+    ref = context.reference()
+    o = context.output
+    if not sc.visible.all() and _matches(o, context.reference(visible=np.ones_like(sc.visible)), ref):
+        return "no mask"
+    if sc.causal != "none" and sc.visible_source is None and sc.n_q != sc.n_k:
+        other = "upper-left" if sc.causal == "lower-right" else "lower-right"
+        alt = masks.build_visible(sc.batch, sc.heads_q, sc.n_q, sc.n_k, causal=other, window=sc.window,
+                                  key_lengths=sc.key_lengths)
+        if alt.any(axis=-1).all() and _matches(o, context.reference(visible=alt), ref):
+            rule = {"upper-left": "key j visible to query i when j <= i, as SDPA's is_causal=True and "
+                                  "torch.tril do",
+                    "lower-right": "key j visible to query i when j <= i + n_k - n_q, the last query seeing every "
+                                   "key"}
+            return (f"the forward applies the causal mask aligned {other} ({rule[other]}), while the scenario's is "
+                    f"{sc.causal} ({rule[sc.causal]}); with n_q = {sc.n_q} and n_k = {sc.n_k} they differ"
+                    + (" (a KV-cache block needs lower-right)" if sc.causal == "lower-right" else ""))
+    hq, hkv = sc.heads_q, sc.heads_kv
+    if 1 < hkv < hq and hq % hkv == 0:
+        contiguous = np.arange(hq) // (hq // hkv)
+        interleaved = np.arange(hq) % hkv
+        if (kv_map == contiguous).all():
+            other, name, mine = interleaved, "interleaved (query head r reads KV head r % heads_kv)", "contiguous"
+        elif (kv_map == interleaved).all():
+            other, name, mine = contiguous, "contiguous (query head r reads KV head r // (heads_q / heads_kv))", \
+                "interleaved"
+        else:
+            return None
+        if _matches(o, context.reference(kv_map=other), ref):
+            return (f"the forward maps query heads to KV heads {name}, while the scenario's kv_map is {mine} "
+                    f"({list(map(int, kv_map))}): repeat_kv and its reduction must follow the model's layout")
+    return None
+
+
+def _mixing(sc, context: Context, checks) -> str | None:
+    """Batch elements that are not independent: the implementation's output for one batch element moves
+    when only another's inputs move. Tested directly by stacking a moved copy after the inputs."""
+    suspicious = any(c.verdict == "fail" and c.name in ("perturbations stay in their block",
+                                                          "forward agrees with the reference") for c in checks)
+    if context.forward is None or not suspicious:
+        return None
+    x = context.inputs
+    rng = np.random.default_rng([sc.seed, SeedStream.BATCH_MIXING])
+    moved = {t: val + rng.standard_normal(val.shape).astype(val.dtype) for t, val in x.items()}
+    try:
+        alone = np.asarray(context.forward(x["q"], x["k"], x["v"], sc.visible), dtype=np.float64)
+        both = np.asarray(context.forward(*(np.concatenate([x[t], moved[t]]) for t in "qkv"),
+                                          np.concatenate([sc.visible, sc.visible])), dtype=np.float64)
+    except Exception:  # the implementation failing here is reported by the checks themselves
+        return None
+    change = np.abs(both[:sc.batch] - alone)
+    if not change.max(initial=0.0) > SIGNIFICANT * max(float(np.abs(alone).max(initial=0.0)), 1e-300):
+        return None
+    return (f"the forward mixes batch elements: the output of batch element(s) 0-{sc.batch - 1} changed (by up to "
+            f"{change.max():.3g}) when only other batch elements, stacked after them, changed; attention is "
+            "independent per batch element (reduce over the key axis only, never over the batch), and "
+            "attn-gradcheck stacks perturbed copies along the batch axis")
+
+
+def _missing_keys(sc, context: Context, evidence, kv_map) -> str | None:
+    """Key rows the implementation never reads: its dK and dV are zero there (and so are the finite
+    differences, where taken) while the reference's are not, and its O is attention with those keys
+    hidden."""
+    ref_k, ref_v = context.reference_gradients["k"], context.reference_gradients["v"]
+    mine_k, mine_v = context.gradients["k"], context.gradients["v"]
+    size = max(float(np.abs(ref_k).max(initial=0.0)), float(np.abs(ref_v).max(initial=0.0)), 1e-300)
+    zero = (np.abs(mine_k).max(axis=(0, 1, 3)) <= ZERO * size) & (np.abs(mine_v).max(axis=(0, 1, 3)) <= ZERO * size)
+    live = ((np.abs(ref_k).max(axis=(0, 1, 3)) > SIGNIFICANT * size)
+            | (np.abs(ref_v).max(axis=(0, 1, 3)) > SIGNIFICANT * size))
+    rows = np.flatnonzero(zero & live)
+    if not len(rows) or len(rows) == sc.n_k:
+        return None
+    for name in ("k", "v"):
+        ev = evidence.get(name)
+        if ev is not None:
+            taken = ev.checked[..., rows, :]
+            if (np.abs(np.where(taken, ev.numeric[..., rows, :], 0)) > np.nan_to_num(
+                    np.where(taken, ev.allowed[..., rows, :], 0))).any():
+                return None  # the forward does read them
+    hidden = sc.visible.copy()
+    hidden[..., rows] = False
+    if not hidden.any(axis=-1).all() or not _matches(context.output, context.reference(visible=hidden),
+                                                    context.reference()):
+        return None
+    return (f"the forward never reads key row(s) {ranges(rows.tolist())} of {sc.n_k}: their gradients are zero and "
+            "O is attention with them hidden; a block of keys is skipped (e.g. the last, partial block when "
+            "n_k is not a multiple of the block size)")
+
+
+def _mask_backward(sc, context, evidence, failed, broken, sees_all, kv_map) -> bool:
+    """The backward ignores the visible set. For an implementation: every failed gradient is exactly the
+    reference's with A recomputed without the mask (the ``mask-backward`` bug), tensor by tensor. For
+    the built-in engines: the errors of G_Q confined to query rows with hidden keys while rows that see
+    every key are right, or the unseen-rows invariant failing with G_Q right where it was checked."""
+    if context is not None:
+        wrong = [t for t in "qkv" if t in failed or ("unseen K/V rows get zero gradient" in broken and t in "kv")]
+        if not wrong or context.g is None:
+            return False
+        x = {t: val.astype(np.float64) for t, val in context.inputs.items()}
+        unmasked = backward(x["q"], x["k"], x["v"], sc.visible, sc.scale, kv_map, context.g, ("mask-backward",))
+        matched = [t for t in wrong if _matches(context.gradients[t], getattr(unmasked, t),
+                                                context.reference_gradients[t])]
+        return bool(matched) and all(t in matched for t in failed)
+    ev = evidence.get("q")
+    confined = None  # no evidence either way: no query row that sees every key was checked
+    if ev is not None and "q" in failed:
+        rows = np.broadcast_to(sees_all[..., None], ev.bad.shape) & ev.checked
+        if rows.any():
+            confined = bool(ev.bad.any() and not (ev.bad & rows).any())
+    if confined is not None:
+        return confined
+    return "unseen K/V rows get zero gradient" in broken
