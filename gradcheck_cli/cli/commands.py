@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from .. import __version__, api, checker, files, report
+from .. import __version__, api, checker, files, report, stepsweep
 from ..errors import GradcheckError, Terminated
 from ..exitcodes import EPILOG, EPILOG_INFO, ExitCode
 from ..ops import FAULTS, OPS
@@ -171,7 +171,7 @@ def merge(reports, json_path, junit_path):
 @click.argument("config", type=click.Path(path_type=str))
 @click.option("--select", "selects", multiple=True, metavar="GLOB", help="Only scenarios whose name matches.")
 @click.option("--deselect", "deselects", multiple=True, metavar="GLOB", help="Skip scenarios whose name matches.")
-@click.option("--samples", type=click.IntRange(min=1), default=32, show_default=True,
+@click.option("--samples", type=click.IntRange(min=1), default=stepsweep.DEFAULT_SAMPLES, show_default=True,
               help="Elements per input differenced at every step.")
 @click.option("--steps", "step_range", default="1e-1:1e-12", show_default=True, metavar="HI:LO[:N]",
               help="Steps from HI down to LO, N per decade (default 1).")
@@ -186,7 +186,7 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
     the best one '*'. An implementation runs in a process of its own (as in 'run'); one that raises,
     ends that process or outlives check.timeout is named and not swept. Exit 0; 1 when an
     implementation failed so; 2 on bad input."""
-    from .. import stepsweep
+
     try:
         steps = _parse_steps(step_range)
         scenarios = [sc for sc in select(load(config), selects, deselects) if OPS[sc.op].tensors]

@@ -11,6 +11,8 @@ from ..ops.registry import REQUIRED, Param
 from .yaml_lines import _Doc, _show
 
 MODES = ("full", "sample", "directional")
+#: Elements differenced per tensor in mode sample, and random directions in mode directional, when unset.
+DEFAULT_SAMPLES, DEFAULT_DIRECTIONS = 256, 16
 #: Keys every op takes.
 COMMON_KEYS = ("name", "op", "batch", "check", "dtype", "epsilon", "tolerance", "seed")
 #: Keys of ops that contain attention (``Op.attention_keys``).
@@ -29,6 +31,8 @@ DEVICES = ("cpu", "cuda")
 LOW_PRECISION = ("float16", "bfloat16")
 NESTED = {"mask": MASK_KEYS, "check": CHECK_KEYS}
 TOP_KEYS = ("defaults", "scenarios")
+#: The smallest step, in units of the dtype's resolution: a smaller one rounds back to the input.
+MIN_STEP_ULPS = 8
 #: The largest finite-difference step (relative to the inputs' scale) a scenario may ask for.
 MAX_EPSILON = 0.1
 #: The largest relative tolerance: a check blind to errors of this fraction of a gradient has no power

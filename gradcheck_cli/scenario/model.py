@@ -9,6 +9,8 @@ import numpy as np
 from .. import implementation
 from ..errors import ScenarioError
 from ..ops import OPS
+from ..ops.attention.formulas import DEFAULT_BLOCK
+from ..tolerance import DEFAULT_FACTOR
 from .fields import LOW_PRECISION
 
 
@@ -43,12 +45,12 @@ class Scenario:
     index: int = 0  # position in the file's list of scenarios, after sweeps expand
     params: tuple = ()  # the op's own keys (``Op.keys``) as (key, value) pairs
     engine: str = "naive"
-    block_q: int = 64
-    block_k: int = 64
+    block_q: int = DEFAULT_BLOCK
+    block_k: int = DEFAULT_BLOCK
     implementation: str | None = None
     backend: str = "numpy"
     device: str = "cpu"
-    factor: float = 2.0
+    factor: float = DEFAULT_FACTOR
     slack: float | None = None  # None: the dtype's default (tolerance.DEFAULT_SLACK)
     nondet_tol: float = 0.0
     visible: np.ndarray = field(default=None, repr=False, compare=False)

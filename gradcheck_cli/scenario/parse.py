@@ -8,8 +8,9 @@ from pathlib import Path
 from .. import implementation, masks
 from ..ops import DEFAULT_OP, OPS
 from ..ops.registry import IMPLEMENTATION_CHECK_KEYS
-from ..tolerance import defaults_for, machine_epsilon
-from .fields import (ATTENTION_KEYS, BACKEND_KEYS, COMMON_KEYS, DEVICES, LOW_PRECISION, MAX_DIRECTIONS,
+from ..ops.attention.formulas import DEFAULT_BLOCK
+from ..tolerance import DEFAULT_FACTOR, defaults_for, machine_epsilon
+from .fields import (ATTENTION_KEYS, BACKEND_KEYS, COMMON_KEYS, DEFAULT_DIRECTIONS, DEFAULT_SAMPLES, DEVICES, MIN_STEP_ULPS, LOW_PRECISION, MAX_DIRECTIONS,
                      MAX_EPSILON, MAX_SCALE, MAX_TOLERANCE, MODES, NAME_RE, _Fields, _read_param)
 from .model import Scenario, default_kv_map
 from .resources import _Probe, need
@@ -80,7 +81,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
         _require_torch(f, backend, device, dtype)
     choices = op_spec.engine_choices or ("naive",)
     engine = f.choice("engine", choices, choices[0])
-    block_q, block_k = f.int("block_q", 64), f.int("block_k", 64)
+    block_q, block_k = f.int("block_q", DEFAULT_BLOCK), f.int("block_k", DEFAULT_BLOCK)
     if engine != choices[0] and (backend != "numpy" or f.has("implementation")):
         raise f.error("engine", f"engine: {engine} is the built-in NumPy engine's; it does not apply to "
                       + ("backend: torch" if backend != "numpy" else "an implementation of yours"),
@@ -167,7 +168,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
 
 def _user_code_policy(f: _Fields) -> tuple[float, float | None, float, float]:
     """The ``check`` keys of an op that accepts an implementation: (factor, slack, nondet_tol, timeout)."""
-    factor = f.float("check.factor", 2.0)
+    factor = f.float("check.factor", DEFAULT_FACTOR)
     slack = f.float("check.slack", None, positive=False)
     if slack is not None and slack < 0:
         raise f.error("check.slack", f"must be >= 0, got {slack}")
@@ -210,9 +211,9 @@ def _precision_and_check(f: _Fields, dtype: str, colouring_default: bool = True)
                       "a verdict could rest on", hint=f"omit it for the {dtype} default ({dflt['epsilon']:g}); "
                       "'attn-gradcheck sweep-eps' shows the error against the step")
     resolution = machine_epsilon(dtype)
-    if epsilon < 8 * resolution and dtype not in LOW_PRECISION:  # no finite differences in half precision
+    if epsilon < MIN_STEP_ULPS * resolution and dtype not in LOW_PRECISION:  # no finite differences in half precision
         raise f.error("epsilon", f"{epsilon:g} is below what {dtype} can resolve ({resolution:.2g}): the "
-                      "perturbed values would round back", hint=f"use at least {8 * resolution:.2g}")
+                      "perturbed values would round back", hint=f"use at least {MIN_STEP_ULPS * resolution:.2g}")
     tolerance = f.float("tolerance", dflt["tolerance"])
     if tolerance > MAX_TOLERANCE:
         raise f.error("tolerance", f"{tolerance:g} would accept gradients wrong by {tolerance:.0%} of their size (a "
@@ -221,8 +222,8 @@ def _precision_and_check(f: _Fields, dtype: str, colouring_default: bool = True)
                            "check.factor / check.slack policy applies")
     seed = f.int("seed", 0, minimum=0)
     mode = f.choice("check.mode", MODES, "full")
-    samples = f.int("check.samples", 256)
-    directions = f.int("check.directions", 16)
+    samples = f.int("check.samples", DEFAULT_SAMPLES)
+    directions = f.int("check.directions", DEFAULT_DIRECTIONS)
     if directions > MAX_DIRECTIONS:
         raise f.error("check.directions", f"at most {MAX_DIRECTIONS:,} directions, got {directions:,}",
                       hint="use mode: full to check every element")

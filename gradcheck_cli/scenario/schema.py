@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .. import implementation, masks
 from ..ops import OPS
+from ..ops.attention.formulas import DEFAULT_BLOCK
 from .fields import (BACKENDS, DEVICES, ENGINES, MAX_DIRECTIONS, MAX_EPSILON, MAX_TOLERANCE, MODES,
                      NAME_RE, NESTED, SCENARIO_KEYS)
 
@@ -37,8 +38,8 @@ def json_schema() -> dict:
         "seed": {"type": "integer", "minimum": 0},
         "engine": {"enum": list(ENGINES), "description": "naive (default) or tiled (FlashAttention-style: online "
                    "softmax, log-sum-exp, no n_q x n_k arrays)"},
-        "block_q": {**pos, "description": "engine tiled: query rows per block (default 64)"},
-        "block_k": {**pos, "description": "engine tiled: key rows per block (default 64)"},
+        "block_q": {**pos, "description": f"engine tiled: query rows per block (default {DEFAULT_BLOCK})"},
+        "block_k": {**pos, "description": f"engine tiled: key rows per block (default {DEFAULT_BLOCK})"},
     }
     for op in OPS.values():
         for key, param in op.keys.items():

@@ -58,6 +58,11 @@ ENGINE_FAULTS: dict[str, Fault] = {name: f for name, f in FAULTS.items() if f.en
 DIFFERENCE_FAULTS = ("softmax-term", "mask-backward", "scale", "gqa-sum")
 
 
+#: Query and key rows per block when a scenario names none (``block_q``, ``block_k``): a common
+#: FlashAttention tile; blocks of 64 x 64 scores keep the engine's working set small at any n.
+DEFAULT_BLOCK = 64
+
+
 def repeat_kv(x: np.ndarray, kv_map: np.ndarray) -> np.ndarray:
     """[..., Hkv, n, d] -> [..., Hq, n, d]: query head r gets KV head kv_map[r]."""
     return np.take(x, kv_map, axis=-3)

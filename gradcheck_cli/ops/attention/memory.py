@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from .formulas import DEFAULT_BLOCK
+from .rounding import TERM_ROWS
 
-def attention_need(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, dtype, engine="naive", block_q=64,
-                   block_k=64) -> int:
+#: Score-sized arrays the naive engine holds at once (A, G_S, ... in the dtype), per score element, and the
+#: bytes of the visible set and its complement.
+SCORE_ARRAYS, MASK_BYTES = 16, 2
+#: Block-sized score arrays the tiled engine holds, and float64 row blocks of term sizes (rounding.TERM_ROWS
+#: rows at a time: A's rows, the logits, their product).
+BLOCK_ARRAYS, TERM_BLOCKS = 16, 3
+#: Copies of each tensor (q, k, v, o and their gradients, analytic and numeric) held in float64.
+TENSOR_COPIES = 12
+
+
+def attention_need(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, dtype, engine="naive",
+                   block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK) -> int:
     """Bytes attention needs before anything of size n_q x n_k is allocated: about ten score-sized
     arrays for the naive engine's forward, backward and invariants plus one (+h, -h) pair of copies
     (see numeric.plan); for the tiled engine only the visible set (bytes) and block-sized scores. The
@@ -15,9 +27,9 @@ def attention_need(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, dtype, e
     scores = batch * heads_q * n_q * n_k
     tensors = batch * (heads_q * n_q * (d_head + d_value) + heads_kv * n_k * (d_head + d_value))
     if engine == "tiled":
-        return (scores * 2 + batch * heads_q * min(block_q, n_q) * min(block_k, n_k) * 16 * itemsize
-                + batch * heads_q * 256 * n_k * 3 * 8 + tensors * 12 * 8)
-    return scores * (16 * itemsize + 2) + tensors * 12 * 8
+        return (scores * MASK_BYTES + batch * heads_q * min(block_q, n_q) * min(block_k, n_k) * BLOCK_ARRAYS * itemsize
+                + batch * heads_q * TERM_ROWS * n_k * TERM_BLOCKS * 8 + tensors * TENSOR_COPIES * 8)
+    return scores * (SCORE_ARRAYS * itemsize + MASK_BYTES) + tensors * TENSOR_COPIES * 8
 
 
 def need(sc) -> int:

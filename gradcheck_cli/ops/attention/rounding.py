@@ -9,7 +9,7 @@ from ..dense import RSS_FACTOR
 from .formulas import repeat_kv, sum_groups
 
 #: Query rows of A taken at a time when the term sizes are formed: each step holds a few arrays of
-#: TERM_ROWS x n_k float64 per head, whatever n_q is (scenario/resources.py counts 3 of them).
+#: TERM_ROWS x n_k float64 per head, whatever n_q is (memory.py counts TERM_BLOCKS of them).
 TERM_ROWS = 256
 
 

@@ -23,15 +23,12 @@ from ...numeric import SeedStream
 from ...tolerance import ENGINE_AGREEMENT_ULPS, INVARIANT_ULPS
 from ..registry import Problem
 from . import formulas
-from .formulas import repeat_kv, sum_groups
+from .formulas import DEFAULT_BLOCK, repeat_kv, sum_groups
 from .invariants import output_invariants
 from .inputs import seeded_inputs
 from .reference import diagnosis_fields
 from .rounding import Blocks, output_terms, term_sizes
 
-#: Query and key rows per block when a scenario names none (``block_q``, ``block_k``): a common
-#: FlashAttention tile; blocks of 64 x 64 scores keep the engine's working set small at any n.
-DEFAULT_BLOCK = 64
 
 
 def _block(visible, rows: slice, cols: slice):
