@@ -6,7 +6,7 @@ import pytest
 from gradcheck_cli.ops.attention import ENGINE_FAULTS
 from gradcheck_cli import checker
 from gradcheck_cli.ops import FAULTS, OPS
-from conftest import CONFIGS, load_config
+from helpers import CONFIGS, load_config
 from helpers import make
 
 

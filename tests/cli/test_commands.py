@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from gradcheck_cli.ops.attention import ENGINE_FAULTS
 from gradcheck_cli.cli import main
 from gradcheck_cli.ops import FAULTS, OPS
+from helpers import CONFIGS
 from reference import attention_loops
 
 
@@ -236,8 +237,7 @@ def test_report_paths_that_clash_with_a_folder_are_refused_before_running(root, 
     assert folder.exit_code == 2 and "names a folder" in folder.stderr and not (tmp_path / "outdir").exists()
 
 
-@pytest.mark.parametrize("path", sorted((__import__("pathlib").Path(__file__).parent.parent / "configs").glob("*.yaml")),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_writes_its_reports(path, tmp_path):
     """Every shipped config runs through the whole CLI with every report (JSON that parses, JUnit, arrays)."""
     if "backend: torch" in path.read_text():

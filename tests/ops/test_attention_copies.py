@@ -12,7 +12,7 @@ from gradcheck_cli import checker, numeric
 from gradcheck_cli.ops import attention
 from gradcheck_cli.ops.attention import copies, naive
 from helpers import make
-from test_tiled import problems
+from strategies import problems
 
 
 @settings(max_examples=80, deadline=None)

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
 
 from gradcheck_cli.ops.attention import ENGINE_FAULTS
 from gradcheck_cli import checker, masks, scenario
@@ -14,28 +14,9 @@ from gradcheck_cli.cli import main
 from gradcheck_cli.errors import ScenarioError
 from gradcheck_cli.ops import OPS, attention
 from gradcheck_cli.ops.attention import tiled
-from conftest import CONFIGS, load_config
+from helpers import CONFIGS, load_config
 from helpers import make
-
-
-@st.composite
-def problems(draw):
-    batch, heads_kv = draw(st.integers(1, 2)), draw(st.integers(1, 2))
-    heads_q = heads_kv * draw(st.integers(1, 3))
-    n_q, n_k = draw(st.integers(1, 20)), draw(st.integers(1, 24))
-    causal = draw(st.sampled_from(["none", "upper-left", "lower-right"]))
-    window = draw(st.none() | st.tuples(st.none() | st.integers(0, 6), st.none() | st.integers(0, 6)))
-    lengths = draw(st.none() | st.lists(st.integers(1, n_k), min_size=batch, max_size=batch))
-    visible = masks.build_visible(batch, heads_q, n_q, n_k, causal=causal, window=window, key_lengths=lengths)
-    if masks.first_empty_row(visible) is not None:
-        visible = masks.build_visible(batch, heads_q, n_q, n_k)  # every row needs a key
-        causal, window, lengths = "none", None, None
-    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
-    d, dv = draw(st.integers(1, 6)), draw(st.integers(1, 6))
-    q, k = rng.standard_normal((batch, heads_q, n_q, d)), rng.standard_normal((batch, heads_kv, n_k, d))
-    v, g = rng.standard_normal((batch, heads_kv, n_k, dv)), rng.standard_normal((batch, heads_q, n_q, dv))
-    kv_map = np.arange(heads_q) // (heads_q // heads_kv)
-    return q, k, v, g, visible, kv_map, draw(st.integers(1, 9)), draw(st.integers(1, 9)), (causal, window, lengths)
+from strategies import problems
 
 
 @settings(max_examples=60, deadline=None)
