@@ -46,3 +46,10 @@ def assert_rejected(text: str, line: int, key: str, words: str) -> None:
     err = info.value
     assert (err.file, err.line, err.key) == ("bad.yaml", line, key), str(err)
     assert words in str(err)
+
+
+def assert_close(mine: dict, ref: dict, rtol=1e-10):
+    """Each named array of ``mine`` equals ``ref``'s to ``rtol`` of that array's size (at least 1)."""
+    for name, value in ref.items():
+        scale = max(np.abs(value).max(), 1.0)
+        assert np.abs(mine[name] - value).max() <= rtol * scale, name

@@ -1,17 +1,14 @@
-"""The command line and its reports, through click's runner with stderr kept separate."""
+"""The command line (cli/): commands, options, exit codes and messages, through click's runner with stderr
+kept separate. The reports themselves are tests/report/."""
 import json
-import os
 import xml.etree.ElementTree as ET
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from gradcheck_cli.ops.attention import ENGINE_FAULTS
 from gradcheck_cli.cli import main
-from gradcheck_cli.ops import FAULTS, OPS
+from gradcheck_cli.ops import FAULTS
 from helpers import CONFIGS
-from reference import attention_loops
 
 
 def run(*args, env=None):
@@ -63,47 +60,6 @@ def test_fault_and_negative_controls_do_not_mix(root):
     assert result.exit_code == 2
 
 
-def test_report_folders_are_created(root, tmp_path):
-    result = run("run", root / "configs/quickstart.yaml", "--json", tmp_path / "a" / "r.json",
-                 "--junit", tmp_path / "b" / "r.xml", "--save-arrays", tmp_path / "c" / "d")
-    assert result.exit_code == 0
-    assert (tmp_path / "a" / "r.json").is_file() and (tmp_path / "b" / "r.xml").is_file()
-    assert len(list((tmp_path / "c" / "d").glob("*.npz"))) == 3
-    mode = (tmp_path / "a" / "r.json").stat().st_mode & 0o777
-    assert mode & 0o044 == 0o044  # readable by group and others, like any CI artifact (not mkstemp's 0600)
-
-
-@pytest.mark.parametrize("args,words", [
-    (["--json", "/proc/no/r.json"], "cannot write there"),
-    (["--json", "{t}/same", "--junit", "{t}/same"], "would overwrite"),
-    (["--json", "{t}/a/causal-self.npz", "--save-arrays", "{t}/a"], "would overwrite"),
-    (["--json", "{root}/configs/quickstart.yaml"], "would overwrite the input"),
-    (["--json", "{t}"], "is a folder"),
-])
-def test_unwritable_or_clashing_reports_fail_before_running(root, tmp_path, args, words):
-    args = [a.format(t=tmp_path, root=root) for a in args]
-    result = run("run", root / "configs/quickstart.yaml", *args)
-    assert result.exit_code == 2 and words in result.stderr and result.stdout == ""
-
-
-def test_a_report_that_cannot_be_written_leaves_none(root, tmp_path, monkeypatch):
-    """The third rename fails at the end of the run (a full or vanished disk): none is written."""
-    from gradcheck_cli.report import outputs
-    calls, real = {"n": 0}, os.replace
-
-    def replace(a, b):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise OSError(28, "No space left on device")
-        real(a, b)
-
-    monkeypatch.setattr(outputs.os, "replace", replace)
-    result = run("run", root / "configs/quickstart.yaml", "--json", tmp_path / "r.json", "--save-arrays", tmp_path / "arrays")
-    assert result.exit_code == 2 and "cannot write the reports" in result.stderr and "none written" in result.stderr
-    assert not (tmp_path / "r.json").exists()
-    assert list((tmp_path / "arrays").iterdir()) == []
-
-
 def test_plain_output_ignores_a_narrow_columns_setting(root):
     result = run("run", root / "configs/quickstart.yaml", "--break-softmax-term", env={"COLUMNS": "40"})
     lines = result.stdout.splitlines()
@@ -112,71 +68,12 @@ def test_plain_output_ignores_a_narrow_columns_setting(root):
     assert row.split()[-1] == "FAIL" and "e+00" in row and "\u2026" not in result.stdout
 
 
-def test_json_report_contract(root, tmp_path):
-    path = tmp_path / "r.json"
-    result = run("run", root / "configs/quickstart.yaml", "--fault", "scale", "--json", path)
-    assert result.exit_code == 1
-    report = json.loads(path.read_text())
-    assert set(report) == {"tool", "version", "schema_version", "config", "faults", "passed", "verdict",
-                           "summary", "scenarios", "negative_controls", "shard", "interrupted", "engine", "run_id"}
-    assert report["tool"] == "attn-gradcheck" and report["faults"] == ["scale"] and report["passed"] is False
-    assert set(report["summary"]) == {"scenarios", "checks", "passed", "failed", "inconclusive"}
-    s = report["scenarios"][0]
-    assert set(s) == {"name", "op", "dtype", "epsilon", "tolerance", "mode", "faults", "passed", "verdict",
-                      "elapsed_s", "checks", "hints", "reproduce", "index", "config", "engine", "detectable"}
-    c = s["checks"][0]
-    assert set(c) == {"kind", "name", "tensor", "shape", "max_abs_error", "relative_error", "tolerance",
-                      "noise_floor", "worst_index", "passed", "verdict", "fd_error", "detail", "diagnosis",
-                      "detectable"}
-    assert report["schema_version"] == 2
-    assert c["kind"] == "gradient" and c["tensor"] == "q" and c["passed"] is False
-    assert report["summary"]["failed"] == sum(not c["passed"] for s in report["scenarios"] for c in s["checks"])
-    assert list(tmp_path.iterdir()) == [path]  # no temp files left behind
-
-
-def test_negative_controls_json_and_junit(root, tmp_path):
-    result = run("run", root / "configs/gqa.yaml", "--negative-controls", "--json", tmp_path / "r.json",
-                 "--junit", tmp_path / "r.xml")
-    assert result.exit_code == 0, result.stdout
-    assert "negative controls" in result.stdout
-    nc = json.loads((tmp_path / "r.json").read_text())["negative_controls"]
-    assert nc["passed"] is True
-    names = ("gqa-4x2", "mqa", "gqa-interleaved", "gqa-plain-differences")
-    assert {(c["fault"], c["scenario"]) for c in nc["cells"]} == {(f, s) for f in ENGINE_FAULTS for s in names}
-    assert {c["status"] for c in nc["cells"]} <= {"detected", "not applicable"}
-    root_el = ET.parse(tmp_path / "r.xml").getroot()
-    suites = {s.get("name"): s for s in root_el.iter("testsuite")}
-    assert set(suites) == set(names) | {"negative-controls"}
-    assert suites["gqa-4x2"].get("failures") == "0" and int(suites["gqa-4x2"].get("tests")) == 16  # 3 gradient checks, 3 independence checks, the fast forward, 9 invariants
-
-
 def test_negative_controls_exit_1_when_a_fault_is_missed(tmp_path):
     cfg = tmp_path / "weak.yaml"
     cfg.write_text("scenarios: [{name: weak, n_q: 8, d_head: 8, scale: 0.8, dtype: float32, epsilon: 1.0e-6}]\n")
     result = run("run", cfg, "--negative-controls")
     assert result.exit_code == 1
     assert "MISSED scale on weak" in result.stdout
-
-
-def test_junit_failure_carries_the_worst_element(root, tmp_path):
-    run("run", root / "configs/quickstart.yaml", "--break-softmax-term", "--junit", tmp_path / "r.xml")
-    failures = list(ET.parse(tmp_path / "r.xml").getroot().iter("failure"))
-    assert failures and any("worst at q[" in (f.text or "") for f in failures)
-
-
-def test_saved_arrays_recompute_independently(root, tmp_path):
-    result = run("run", root / "configs/gqa.yaml", "--save-arrays", tmp_path / "arrays")
-    assert result.exit_code == 0
-    data = np.load(tmp_path / "arrays" / "gqa-4x2.npz")
-    assert set(data.files) >= {"q", "k", "v", "visible", "grad_output", "scale", "kv_map", "output",
-                               "analytic_q", "analytic_k", "analytic_v", "numeric_q", "numeric_k", "numeric_v"}
-    assert data["visible"].dtype == bool and data["visible"].shape == (2, 4, 6, 6)
-    o, gq, gk, gv = attention_loops(data["q"], data["k"], data["v"], data["visible"], float(data["scale"]),
-                                    data["kv_map"], data["grad_output"])
-    np.testing.assert_allclose(data["output"], o, rtol=1e-12, atol=1e-13)
-    for name, ref in (("q", gq), ("k", gk), ("v", gv)):
-        np.testing.assert_allclose(data[f"analytic_{name}"], ref, rtol=1e-10, atol=1e-12)
-        np.testing.assert_allclose(data[f"numeric_{name}"], ref, rtol=1e-6, atol=1e-8)
 
 
 def test_validate_runs_nothing(root):
@@ -226,15 +123,6 @@ def test_pre_commit_hooks_are_well_formed(root):
     hooks = yaml.safe_load((root / ".pre-commit-hooks.yaml").read_text())
     assert {h["id"] for h in hooks} == {"attn-gradcheck-validate", "attn-gradcheck-run"}
     assert all(h["entry"].split()[0] == "attn-gradcheck" and h["language"] == "python" for h in hooks)
-
-
-def test_report_paths_that_clash_with_a_folder_are_refused_before_running(root, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    same = run("run", root / "configs/quickstart.yaml", "--json", "r.json", "--save-arrays", "r.json")
-    assert same.exit_code == 2 and "--save-arrays folder" in same.stderr and "causal-self" not in same.stdout
-    assert not (tmp_path / "r.json").exists()
-    folder = run("run", root / "configs/quickstart.yaml", "--json", "outdir/")
-    assert folder.exit_code == 2 and "names a folder" in folder.stderr and not (tmp_path / "outdir").exists()
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -7,12 +7,10 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import assume, given, settings
 
-from gradcheck_cli.ops.attention import ENGINE_FAULTS
 from gradcheck_cli import checker
 from gradcheck_cli.scenario import load as load_file
 from gradcheck_cli.cli import main
 from gradcheck_cli.errors import ScenarioError
-from gradcheck_cli.ops import OPS
 from gradcheck_cli.ops import attention as engine
 from helpers import make
 from strategies import valid_or_none, scenarios
@@ -40,15 +38,6 @@ def test_torch_formulas_match_the_numpy_engine_and_every_check_passes(keys):
     names = {c.name for c in result.checks}
     assert {"autograd agrees", "SDPA agrees"} <= names
     assert result.passed, [(c.name, c.tensor, c.detail) for c in result.checks if not c.passed]
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_every_fault_is_caught_in_every_precision(dtype):
-    sc = make(**GQA, backend="torch", dtype=dtype)
-    assert checker.run_scenario(sc).passed
-    cells = checker.negative_controls([sc])
-    assert {c.status for c in cells} == {"detected"}, [(c.fault, c.status) for c in cells]
-    assert {c.fault for c in cells} == set(checker.applicable_faults(sc)) == set(ENGINE_FAULTS)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
