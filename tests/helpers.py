@@ -53,3 +53,11 @@ def assert_close(mine: dict, ref: dict, rtol=1e-10):
     for name, value in ref.items():
         scale = max(np.abs(value).max(), 1.0)
         assert np.abs(mine[name] - value).max() <= rtol * scale, name
+
+
+def examples(factor: float) -> int:
+    """``factor`` times the hypothesis profile's max_examples (tests/conftest.py: dev 40, ci 120): the
+    example count of a test that needs more (a fuzzer) or fewer (an expensive property) than the default,
+    scaling with the profile instead of fixed."""
+    from hypothesis import settings
+    return max(1, round(factor * settings.default.max_examples))

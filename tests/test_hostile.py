@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from gradcheck_cli import scenario
 from gradcheck_cli.cli import main
 from gradcheck_cli.errors import ScenarioError
+from helpers import examples
 
 CORRECT = "import sys\nsys.path.insert(0, {examples!r})\nfrom my_attention import Attention\n"
 
@@ -688,7 +689,7 @@ def test_merge_fuzzed_reports_never_trace_back(root, tmp_path_factory):
 
     every = list(paths(base))
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples(1.5), suppress_health_check=list(HealthCheck))
     @given(st.sampled_from(every), values)
     def check(path, value):
         data = json.loads(json.dumps(base))
