@@ -24,9 +24,10 @@ def test_quickstart_passes_and_softmax_fault_fails(root):
     assert "FAIL gradient q" in bad.stdout and "worst at q[" in bad.stdout
 
 
-def test_mask_fault_passes_gradients_but_fails_invariants(root):
-    result = run("run", root / "configs/seed-causal-first-row.yaml", "--fault", "mask", "--json", "/dev/null")
+def test_mask_fault_passes_gradients_but_fails_invariants(root, tmp_path):
+    result = run("run", root / "configs/seed-causal-first-row.yaml", "--fault", "mask", "--json", tmp_path / "r.json")
     assert result.exit_code == 1
+    assert json.loads((tmp_path / "r.json").read_text())["faults"] == ["mask"]
     lines = [l for l in result.stdout.splitlines() if l.startswith("gradient ")]
     assert lines and all(l.rstrip().endswith("pass") for l in lines)
     assert "FAIL unseen K/V rows get zero gradient" in result.stdout
@@ -40,8 +41,11 @@ def test_plain_output_without_a_terminal(root):
 def test_faults_command_lists_every_fault():
     result = run("faults")
     assert result.exit_code == 0
+    lines = result.stdout.splitlines()
     for name, fault in FAULTS.items():
-        assert name in result.stdout and fault.caught_by[0] in result.stdout
+        # its own entry (a bare `name in stdout` matches "mask" inside "mask-backward"), with its whole record
+        (at,) = [i for i, line in enumerate(lines) if line.split("  (op ")[0] == name]
+        assert lines[at + 2] == "    caught by: " + "; ".join(fault.caught_by), (name, lines[at + 2])
 
 
 @pytest.mark.parametrize("args", [[], ["run"], ["faults"], ["validate"], ["merge"], ["schema"], ["sweep-eps"]])
@@ -82,8 +86,10 @@ def test_validate_runs_nothing(root):
 
 
 def test_version():
+    """The package's version (the program name alone is printed whatever the version is)."""
+    from gradcheck_cli import __version__
     result = run("--version")
-    assert result.exit_code == 0 and "attn-gradcheck" in result.stdout
+    assert result.exit_code == 0 and result.stdout == f"attn-gradcheck, version {__version__}\n"
 
 
 def test_out_of_memory_is_exit_2_without_a_traceback(root, monkeypatch):

@@ -13,12 +13,11 @@ from gradcheck_cli.cli import main
 from gradcheck_cli.errors import ScenarioError
 from gradcheck_cli.ops import attention
 from gradcheck_cli.ops.attention import tiled
-from helpers import CONFIGS, load_config
-from helpers import make
+from helpers import CONFIGS, examples, load_config, make
 from strategies import problems
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(1.5))
 @given(problems())
 def test_tiled_equals_naive_for_any_shape_mask_and_block(p):
     q, k, v, g, visible, kv_map, bq, bk, _ = p
@@ -38,7 +37,6 @@ def test_tiled_equals_naive_for_any_shape_mask_and_block(p):
                        attention.forward(copies, k, v, visible, scale, kv_map), rtol=1e-12, atol=1e-12)
 
 
-@settings(max_examples=40, deadline=None)
 @given(problems())
 def test_blockwise_masks_equal_the_materialised_ones(p):
     q, k, v, g, visible, kv_map, bq, bk, (causal, window, lengths) = p
@@ -46,7 +44,9 @@ def test_blockwise_masks_equal_the_materialised_ones(p):
     o = tiled.forward(q, k, v, block, 0.5, kv_map, block_q=bq, block_k=bk)
     assert np.allclose(o, attention.forward(q, k, v, visible, 0.5, kv_map), rtol=1e-12, atol=1e-12)
     g_q, g_k, g_v = tiled.backward(q, k, v, block, 0.5, kv_map, g, block_q=bq, block_k=bk)
-    assert np.allclose(g_k, attention.backward(q, k, v, visible, 0.5, kv_map, g).k, rtol=1e-12, atol=1e-12)
+    ref = attention.backward(q, k, v, visible, 0.5, kv_map, g)
+    for mine, theirs in ((g_q, ref.q), (g_k, ref.k), (g_v, ref.v)):  # G_Q and G_V were computed, never compared
+        assert np.allclose(mine, theirs, rtol=1e-12, atol=1e-12)
 
 
 def _attention_scenarios():
