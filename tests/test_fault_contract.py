@@ -160,17 +160,20 @@ def test_shipped_config_passes_clean(path):
         assert result.passed, [(c.name, c.tensor, c.detail) for c in result.checks if not c.passed]
 
 
+@pytest.mark.slow  # every fault on every shipped scenario: ~5-12 s (the module-scoped matrix)
 def test_no_applicable_fault_is_missed_on_any_shipped_config(matrix):
     missed = [(c.fault, c.scenario) for _, c in matrix if c.status == "missed"]
     assert not missed
 
 
+@pytest.mark.slow
 def test_faults_detected_on_shipped_configs_fail_only_the_checks_their_records_name(matrix):
     wrong = [(c.fault, c.scenario, set(c.caught_by) - set(FAULTS[c.fault].caught_by) - AGREEMENT)
              for op, c in matrix if c.status == "detected" and not borrowed(op, c.fault) and (op, c.fault) not in KNOWN_GAPS]
     assert not [w for w in wrong if w[2]], wrong
 
 
+@pytest.mark.slow
 def test_every_engine_fault_is_applicable_and_detected_somewhere(matrix):
     detected = {c.fault for _, c in matrix if c.status == "detected"}
     assert detected == {name for name, f in FAULTS.items() if f.engine}

@@ -1,5 +1,4 @@
 """Checking a user's own NumPy implementation: the shipped examples, and every way it can misbehave."""
-import shutil
 import textwrap
 
 import pytest
@@ -168,10 +167,10 @@ def test_misbehaving_implementations_fail_with_a_message(root, tmp_path, monkeyp
     ("my_attention:nothing_here", "has no attribute 'nothing_here'", False),
     ("my_attention:_probabilities", "needs callable forward and backward", False),
 ])
-def test_bad_implementation_specs_are_input_errors(root, tmp_path, spec, words, at_load):
+def test_bad_implementation_specs_are_input_errors(root, tmp_path, monkeypatch, spec, words, at_load):
     """Spelling and a missing module are found when the file loads (without running any user code);
     the rest when the implementation is imported to be checked. Both are bad input with the key."""
-    shutil.copy(root / "examples" / "my_attention.py", tmp_path)  # beside the YAML, as in examples/
+    monkeypatch.syspath_prepend(str(root / "examples"))  # my_attention on the import path, the YAML elsewhere
     cfg = tmp_path / "c.yaml"
     cfg.write_text(SHAPES + f"  - name: t\n    implementation: '{spec}'\n")
     with pytest.raises(ScenarioError) as err:

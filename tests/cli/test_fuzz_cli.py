@@ -57,6 +57,7 @@ PAIRS = st.lists(st.one_of(
 ), max_size=5).map(lambda pairs: [x for pair in pairs for x in pair])
 
 
+@pytest.mark.slow  # a fuzzer: ~3-9 s in the dev profile, 3x in ci
 @settings(max_examples=examples(25),
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(st.one_of(

@@ -148,6 +148,7 @@ def test_the_engine_is_recorded_in_reports_and_merge_refuses_a_mix(root, tmp_pat
     assert mixed.exit_code == 2 and "different engines" in mixed.stderr
 
 
+@pytest.mark.slow  # loads a 30000-query scenario: ~4 s
 def test_engine_naive_override_keeps_the_memory_refusal(tmp_path):
     cfg = tmp_path / "big.yaml"
     cfg.write_text("scenarios:\n  - {name: big, n_q: 30000, d_head: 8, engine: tiled}\n")

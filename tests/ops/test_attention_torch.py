@@ -1,6 +1,5 @@
 """backend: torch: the engine's formulas on torch tensors, autograd and SDPA as second and third
 opinions, and the low-precision policy. Skips cleanly where torch is not installed."""
-import shutil
 import sys
 
 import numpy as np
@@ -124,8 +123,8 @@ def test_misbehaving_torch_implementations(root, tmp_path, monkeypatch, body, wo
         assert "Traceback" not in cli.output and cli.exit_code == 1 and words in cli.stdout, cli.stdout
 
 
-def test_a_torch_implementation_must_be_callable(root, tmp_path):
-    shutil.copy(root / "examples" / "my_attention.py", tmp_path)  # beside the YAML, as in examples/
+def test_a_torch_implementation_must_be_callable(root, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(root / "examples"))  # my_attention on the import path, the YAML elsewhere
     cfg = tmp_path / "c.yaml"
     cfg.write_text("scenarios:\n  - name: t\n    backend: torch\n    n_q: 3\n    d_head: 2\n"
                    "    implementation: my_attention:attention\n")

@@ -1,4 +1,5 @@
 """The loader never raises anything but ScenarioError, whatever document it is given."""
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -22,6 +23,7 @@ documents = st.one_of(values, st.fixed_dictionaries({"scenarios": st.lists(scena
                                                     optional={"defaults": st.dictionaries(st.sampled_from(KEYS), values, max_size=5)}))
 
 
+@pytest.mark.slow  # a fuzzer: ~7 s in the dev profile, 3x in ci
 @settings(max_examples=examples(5), suppress_health_check=[HealthCheck.too_slow])
 @given(documents)
 def test_loader_raises_only_scenario_errors(doc):
