@@ -1,7 +1,26 @@
+"""Helpers the test modules import (``from helpers import make``): tests/ is on pytest's ``pythonpath``
+(pyproject.toml), so modules in tests/ops/, tests/scenario/, ... import them the same way."""
+from pathlib import Path
+
 import numpy as np
+import pytest
 import yaml
 
 from gradcheck_cli import scenario
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def load_config(path):
+    """A shipped config's scenarios; skips the test when it needs torch and torch is not installed."""
+    from gradcheck_cli.errors import ScenarioError
+    try:
+        return scenario.load(path)
+    except ScenarioError as exc:
+        if "not installed" in str(exc):
+            pytest.skip(f"{path.name} needs torch")
+        raise
 
 
 def make(**keys) -> scenario.Scenario:
@@ -21,10 +40,24 @@ def random_inputs(sc, seed=0):
 
 def assert_rejected(text: str, line: int, key: str, words: str) -> None:
     """The loader refuses ``text`` naming this line and key, with ``words`` in the message."""
-    import pytest
     from gradcheck_cli.errors import ScenarioError
     with pytest.raises(ScenarioError) as info:
         scenario.loads(text, file="bad.yaml")
     err = info.value
     assert (err.file, err.line, err.key) == ("bad.yaml", line, key), str(err)
     assert words in str(err)
+
+
+def assert_close(mine: dict, ref: dict, rtol=1e-10):
+    """Each named array of ``mine`` equals ``ref``'s to ``rtol`` of that array's size (at least 1)."""
+    for name, value in ref.items():
+        scale = max(np.abs(value).max(), 1.0)
+        assert np.abs(mine[name] - value).max() <= rtol * scale, name
+
+
+def examples(factor: float) -> int:
+    """``factor`` times the hypothesis profile's max_examples (tests/conftest.py: dev 40, ci 120): the
+    example count of a test that needs more (a fuzzer) or fewer (an expensive property) than the default,
+    scaling with the profile instead of fixed."""
+    from hypothesis import settings
+    return max(1, round(factor * settings.default.max_examples))

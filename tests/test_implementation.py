@@ -167,23 +167,21 @@ def test_misbehaving_implementations_fail_with_a_message(root, tmp_path, monkeyp
     ("my_attention:nothing_here", "has no attribute 'nothing_here'", False),
     ("my_attention:_probabilities", "needs callable forward and backward", False),
 ])
-def test_bad_implementation_specs_are_input_errors(root, tmp_path, spec, words, at_load):
+def test_bad_implementation_specs_are_input_errors(root, tmp_path, monkeypatch, spec, words, at_load):
     """Spelling and a missing module are found when the file loads (without running any user code);
     the rest when the implementation is imported to be checked. Both are bad input with the key."""
-    cfg = root / "examples" / f".tmp-{abs(hash(spec)) % 10**8}.yaml"
+    monkeypatch.syspath_prepend(str(root / "examples"))  # my_attention on the import path, the YAML elsewhere
+    cfg = tmp_path / "c.yaml"
     cfg.write_text(SHAPES + f"  - name: t\n    implementation: '{spec}'\n")
-    try:
-        with pytest.raises(ScenarioError) as err:
-            (sc,) = scenario.load(cfg)
-            sc.implementation_object
-        assert err.value.key == "scenarios[0].implementation" and err.value.line == 11 and words in str(err.value)
-        if not at_load:
-            assert len(scenario.load(cfg)) == 1
-        result = CliRunner().invoke(main, ["run", str(cfg)])
-        assert result.exit_code == 2 and words in result.stderr and "Traceback" not in result.stderr
-        assert "scenarios[0].implementation" in result.stderr and ":11:" in result.stderr
-    finally:
-        cfg.unlink()
+    with pytest.raises(ScenarioError) as err:
+        (sc,) = scenario.load(cfg)
+        sc.implementation_object
+    assert err.value.key == "scenarios[0].implementation" and err.value.line == 11 and words in str(err.value)
+    if not at_load:
+        assert len(scenario.load(cfg)) == 1
+    result = CliRunner().invoke(main, ["run", str(cfg)])
+    assert result.exit_code == 2 and words in result.stderr and "Traceback" not in result.stderr
+    assert "scenarios[0].implementation" in result.stderr and ":11:" in result.stderr
 
 
 def test_negative_controls_on_a_user_implementation_are_a_real_matrix(root):

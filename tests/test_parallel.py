@@ -184,6 +184,7 @@ def test_merge_refuses_shards_of_different_selections_and_accepts_path_spellings
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.3, 1.5, 3.0])
+@pytest.mark.slow  # a subprocess interrupted after up to 3 s
 def test_sigint_at_any_moment_ends_with_130_and_no_traceback(tmp_path, delay):
     """Ctrl-C while Python starts, while the file loads, or mid-check: exit 130 promptly, never a hang."""
     cfg = tmp_path / "slow.yaml"

@@ -3,11 +3,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 from gradcheck_cli.cli import main
 
 
+@pytest.mark.slow  # a pytest subprocess: ~3 s
 def test_gradcheck_yaml_files_become_test_items(tmp_path, root):
     (tmp_path / "attn.gradcheck.yaml").write_text(
         "scenarios:\n"

@@ -90,7 +90,7 @@ def test_rounding_that_depends_on_the_batch_size_is_not_a_leak(tmp_path, monkeyp
         impl = Batchy()
         """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    from conftest import ROOT
+    from helpers import ROOT
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     sc = make(dtype="float32", batch=2, heads_q=2, n_q=6, n_k=9, d_head=8, scale=0.5, implementation="batchy:impl")
     result = checker.run_scenario(sc)

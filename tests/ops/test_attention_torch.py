@@ -7,15 +7,13 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import assume, given, settings
 
-from gradcheck_cli.ops.attention import ENGINE_FAULTS
 from gradcheck_cli import checker
 from gradcheck_cli.scenario import load as load_file
 from gradcheck_cli.cli import main
 from gradcheck_cli.errors import ScenarioError
-from gradcheck_cli.ops import OPS
 from gradcheck_cli.ops import attention as engine
-from helpers import make
-from test_engine import _valid, scenarios
+from helpers import examples, make
+from strategies import valid_or_none, scenarios
 
 torch = pytest.importorskip("torch")
 from gradcheck_cli.ops.attention import torch_engine as torch_backend  # noqa: E402
@@ -24,10 +22,10 @@ GQA = dict(batch=2, heads_q=4, heads_kv=2, n_q=5, n_k=8, d_head=8, scale=0.4,
            mask={"causal": "lower-right", "key_lengths": [8, 6]})
 
 
-@settings(max_examples=25)
+@settings(max_examples=examples(0.6))
 @given(scenarios())
 def test_torch_formulas_match_the_numpy_engine_and_every_check_passes(keys):
-    sc = _valid({**keys, "backend": "torch"})
+    sc = valid_or_none({**keys, "backend": "torch"})
     assume(sc is not None)
     inputs, g = engine.seeded_inputs(sc)
     kv = np.array(sc.kv_map)
@@ -40,15 +38,6 @@ def test_torch_formulas_match_the_numpy_engine_and_every_check_passes(keys):
     names = {c.name for c in result.checks}
     assert {"autograd agrees", "SDPA agrees"} <= names
     assert result.passed, [(c.name, c.tensor, c.detail) for c in result.checks if not c.passed]
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_every_fault_is_caught_in_every_precision(dtype):
-    sc = make(**GQA, backend="torch", dtype=dtype)
-    assert checker.run_scenario(sc).passed
-    cells = checker.negative_controls([sc])
-    assert {c.status for c in cells} == {"detected"}, [(c.fault, c.status) for c in cells]
-    assert {c.fault for c in cells} == set(checker.applicable_faults(sc)) == set(ENGINE_FAULTS)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -134,12 +123,10 @@ def test_misbehaving_torch_implementations(root, tmp_path, monkeypatch, body, wo
         assert "Traceback" not in cli.output and cli.exit_code == 1 and words in cli.stdout, cli.stdout
 
 
-def test_a_torch_implementation_must_be_callable(root, tmp_path):
-    cfg = root / "examples" / ".tmp-torch-spec.yaml"
+def test_a_torch_implementation_must_be_callable(root, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(root / "examples"))  # my_attention on the import path, the YAML elsewhere
+    cfg = tmp_path / "c.yaml"
     cfg.write_text("scenarios:\n  - name: t\n    backend: torch\n    n_q: 3\n    d_head: 2\n"
                    "    implementation: my_attention:attention\n")
-    try:
-        result = CliRunner().invoke(main, ["run", str(cfg)])
-        assert result.exit_code == 2 and "must be callable" in result.stderr and ":6:" in result.stderr
-    finally:
-        cfg.unlink()
+    result = CliRunner().invoke(main, ["run", str(cfg)])
+    assert result.exit_code == 2 and "must be callable" in result.stderr and ":6:" in result.stderr

@@ -1,9 +1,11 @@
 """The loader never raises anything but ScenarioError, whatever document it is given."""
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gradcheck_cli import scenario
 from gradcheck_cli.errors import ScenarioError
+from helpers import examples
 
 KEYS = (list(scenario.SCENARIO_KEYS) + list(scenario.MASK_KEYS) + list(scenario.CHECK_KEYS)
         + ["junk", "x-a", "sweep", "mask.causal", "check.mode"])
@@ -21,7 +23,8 @@ documents = st.one_of(values, st.fixed_dictionaries({"scenarios": st.lists(scena
                                                     optional={"defaults": st.dictionaries(st.sampled_from(KEYS), values, max_size=5)}))
 
 
-@settings(max_examples=500, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.slow  # a fuzzer: ~7 s in the dev profile, 3x in ci
+@settings(max_examples=examples(5), suppress_health_check=[HealthCheck.too_slow])
 @given(documents)
 def test_loader_raises_only_scenario_errors(doc):
     text = yaml.safe_dump(doc)
@@ -31,7 +34,7 @@ def test_loader_raises_only_scenario_errors(doc):
         assert exc.file == "fuzz.yaml" and exc.message
 
 
-@settings(max_examples=1000)
+@settings(max_examples=examples(20))
 @given(st.text(max_size=200))
 def test_loader_survives_arbitrary_text(text):
     try:

@@ -6,39 +6,18 @@ import dataclasses
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
 
-from gradcheck_cli.ops.attention import ENGINE_FAULTS
 from gradcheck_cli import checker, masks, scenario
 from gradcheck_cli.cli import main
 from gradcheck_cli.errors import ScenarioError
-from gradcheck_cli.ops import OPS, attention
+from gradcheck_cli.ops import attention
 from gradcheck_cli.ops.attention import tiled
-from conftest import CONFIGS, load_config
-from helpers import make
+from helpers import CONFIGS, examples, load_config, make
+from strategies import problems
 
 
-@st.composite
-def problems(draw):
-    batch, heads_kv = draw(st.integers(1, 2)), draw(st.integers(1, 2))
-    heads_q = heads_kv * draw(st.integers(1, 3))
-    n_q, n_k = draw(st.integers(1, 20)), draw(st.integers(1, 24))
-    causal = draw(st.sampled_from(["none", "upper-left", "lower-right"]))
-    window = draw(st.none() | st.tuples(st.none() | st.integers(0, 6), st.none() | st.integers(0, 6)))
-    lengths = draw(st.none() | st.lists(st.integers(1, n_k), min_size=batch, max_size=batch))
-    visible = masks.build_visible(batch, heads_q, n_q, n_k, causal=causal, window=window, key_lengths=lengths)
-    if masks.first_empty_row(visible) is not None:
-        visible = masks.build_visible(batch, heads_q, n_q, n_k)  # every row needs a key
-        causal, window, lengths = "none", None, None
-    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
-    d, dv = draw(st.integers(1, 6)), draw(st.integers(1, 6))
-    q, k = rng.standard_normal((batch, heads_q, n_q, d)), rng.standard_normal((batch, heads_kv, n_k, d))
-    v, g = rng.standard_normal((batch, heads_kv, n_k, dv)), rng.standard_normal((batch, heads_q, n_q, dv))
-    kv_map = np.arange(heads_q) // (heads_q // heads_kv)
-    return q, k, v, g, visible, kv_map, draw(st.integers(1, 9)), draw(st.integers(1, 9)), (causal, window, lengths)
-
-
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(1.5))
 @given(problems())
 def test_tiled_equals_naive_for_any_shape_mask_and_block(p):
     q, k, v, g, visible, kv_map, bq, bk, _ = p
@@ -58,7 +37,6 @@ def test_tiled_equals_naive_for_any_shape_mask_and_block(p):
                        attention.forward(copies, k, v, visible, scale, kv_map), rtol=1e-12, atol=1e-12)
 
 
-@settings(max_examples=40, deadline=None)
 @given(problems())
 def test_blockwise_masks_equal_the_materialised_ones(p):
     q, k, v, g, visible, kv_map, bq, bk, (causal, window, lengths) = p
@@ -66,7 +44,9 @@ def test_blockwise_masks_equal_the_materialised_ones(p):
     o = tiled.forward(q, k, v, block, 0.5, kv_map, block_q=bq, block_k=bk)
     assert np.allclose(o, attention.forward(q, k, v, visible, 0.5, kv_map), rtol=1e-12, atol=1e-12)
     g_q, g_k, g_v = tiled.backward(q, k, v, block, 0.5, kv_map, g, block_q=bq, block_k=bk)
-    assert np.allclose(g_k, attention.backward(q, k, v, visible, 0.5, kv_map, g).k, rtol=1e-12, atol=1e-12)
+    ref = attention.backward(q, k, v, visible, 0.5, kv_map, g)
+    for mine, theirs in ((g_q, ref.q), (g_k, ref.k), (g_v, ref.v)):  # G_Q and G_V were computed, never compared
+        assert np.allclose(mine, theirs, rtol=1e-12, atol=1e-12)
 
 
 def _attention_scenarios():
@@ -89,19 +69,6 @@ def test_every_shipped_attention_scenario_passes_on_the_tiled_engine():
             assert any(c.name == "tiled agrees with the naive engine" for c in result.checks)
             ran += 1
     assert ran >= 40
-
-
-@pytest.mark.parametrize("fault", sorted(ENGINE_FAULTS))
-def test_finite_differences_catch_every_fault_on_the_tiled_engine(root, fault):
-    f = OPS["attention"].faults[fault]
-    caught = False
-    for sc in scenario.load(root / "configs" / "tiled.yaml"):
-        result = checker.run_scenario(sc, (fault,))
-        failed = {c.name for c in result.checks if c.verdict == "fail"}
-        agreement = "tiled agrees with the naive engine"
-        assert failed <= set(f.caught_by) | {agreement}, failed
-        caught |= bool(failed - {agreement})  # caught without the comparison with the naive engine
-    assert caught
 
 
 def test_engine_keys_are_checked():
@@ -168,12 +135,6 @@ def test_the_tiled_backward_checks_its_score_gradient_rows():
     assert "score-gradient rows sum to 0" in {c.name for c in broken.checks if c.verdict == "fail"}
 
 
-def test_shipped_configs_keep_every_control_on_the_tiled_engine(root):
-    for name in ("seed-causal-first-row.yaml", "sweep.yaml"):
-        scs = scenario.with_engine(scenario.load(root / "configs" / name), "tiled")
-        assert not [c for c in checker.negative_controls(scs) if c.status == "missed"]
-
-
 def test_the_engine_is_recorded_in_reports_and_merge_refuses_a_mix(root, tmp_path):
     run = CliRunner().invoke
     cfg = str(root / "configs/gqa.yaml")
@@ -187,6 +148,7 @@ def test_the_engine_is_recorded_in_reports_and_merge_refuses_a_mix(root, tmp_pat
     assert mixed.exit_code == 2 and "different engines" in mixed.stderr
 
 
+@pytest.mark.slow  # loads a 30000-query scenario: ~4 s
 def test_engine_naive_override_keeps_the_memory_refusal(tmp_path):
     cfg = tmp_path / "big.yaml"
     cfg.write_text("scenarios:\n  - {name: big, n_q: 30000, d_head: 8, engine: tiled}\n")

@@ -1,64 +1,18 @@
 """The attention engine against an independent loop implementation, torch autograd, and its own laws."""
 import numpy as np
 import pytest
-from hypothesis import assume, given, strategies as st
+from hypothesis import assume, given
 
 from gradcheck_cli import checker
 from gradcheck_cli.ops import attention as A
 from helpers import make, random_inputs
 from reference import attention_loops
-
-
-@st.composite
-def scenarios(draw):
-    heads_kv = draw(st.integers(1, 3))
-    group = draw(st.integers(1, 3))
-    heads_q = heads_kv * group
-    n_q = draw(st.integers(1, 7))
-    n_k = draw(st.integers(1, 9))
-    batch = draw(st.integers(1, 2))
-    keys = dict(batch=batch, heads_q=heads_q, n_q=n_q, n_k=n_k, d_head=draw(st.integers(1, 5)),
-                d_value=draw(st.integers(1, 4)), seed=draw(st.integers(0, 2**16)))
-    keys["heads_kv"] = heads_kv
-    if draw(st.booleans()):  # an explicit map in which every KV head serves some query head
-        extra = draw(st.lists(st.integers(0, heads_kv - 1), min_size=heads_q - heads_kv, max_size=heads_q - heads_kv))
-        keys["kv_map"] = draw(st.permutations(list(range(heads_kv)) + extra))
-    mask = {}
-    causal = draw(st.sampled_from(["none", "upper-left", "lower-right"]))
-    if causal == "upper-left" or (causal == "lower-right" and n_q > n_k):
-        # rows whose diagonal is negative would be empty; keep most scenarios valid
-        n_k = max(n_k, n_q)
-        keys["n_k"] = n_k
-    mask["causal"] = causal
-    if draw(st.booleans()):
-        side = st.one_of(st.none(), st.just(-1), st.integers(0, 4))
-        mask["window"] = [draw(side), draw(side)]
-    if draw(st.booleans()):
-        mask["key_lengths"] = [draw(st.integers(1, n_k)) for _ in range(batch)]
-    if draw(st.booleans()):
-        rng = np.random.default_rng(keys["seed"])
-        vis = rng.random((n_q, n_k)) < 0.6
-        vis[np.arange(n_q), rng.integers(0, n_k, n_q)] = True
-        mask["visible"] = vis.tolist()
-    keys["mask"] = mask
-    if draw(st.booleans()):
-        keys["scale"] = draw(st.sampled_from([0.1, 0.5, 1.0, 2.0]))
-    return keys
-
-
-def _valid(keys):
-    """The scenario, or None when the drawn mask leaves a row empty (rejected, as it must be)."""
-    from gradcheck_cli.errors import ScenarioError
-    try:
-        return make(**keys)
-    except ScenarioError as exc:
-        assert "sees no key" in str(exc), str(exc)
-        return None
+from strategies import valid_or_none, scenarios
 
 
 @given(scenarios())
 def test_backward_matches_independent_loops(keys):
-    sc = _valid(keys)
+    sc = valid_or_none(keys)
     assume(sc is not None)
     q, k, v, g = random_inputs(sc, sc.seed)
     kv_map = np.array(sc.kv_map)
@@ -73,7 +27,7 @@ def test_backward_matches_independent_loops(keys):
 
 @given(scenarios())
 def test_every_check_passes_on_a_correct_engine(keys):
-    sc = _valid(keys)
+    sc = valid_or_none(keys)
     assume(sc is not None)
     result = checker.run_scenario(sc)
     failed = [(c.name, c.tensor, c.detail) for c in result.checks if not c.passed]
@@ -128,7 +82,7 @@ def _torch():
 @given(scenarios())
 def test_backward_matches_torch_autograd(keys):
     torch = _torch()
-    sc = _valid(keys)
+    sc = valid_or_none(keys)
     assume(sc is not None)
     q, k, v, g = random_inputs(sc, sc.seed)
     kv_map = np.array(sc.kv_map)

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gradcheck_cli.cli import main
 from gradcheck_cli.ops import FAULTS
+from helpers import examples
 
 TINY = "scenarios:\n  - {name: a, n_q: 2, d_head: 2, mask: {causal: lower-right}}\n  - {name: b, n_q: 3, n_k: 4, d_head: 2, sweep: {batch: [1, 2]}}\n"
 BAD = "scenarios:\n  - {name: a, n_q: 0, d_head: 2}\n"
@@ -56,7 +57,8 @@ PAIRS = st.lists(st.one_of(
 ), max_size=5).map(lambda pairs: [x for pair in pairs for x in pair])
 
 
-@settings(max_examples=int(os.environ.get("CLI_FUZZ_EXAMPLES", 2500)), deadline=None,
+@pytest.mark.slow  # a fuzzer: ~3-9 s in the dev profile, 3x in ci
+@settings(max_examples=examples(25),
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(st.one_of(
     st.one_of(st.tuples(st.just("run"), st.sampled_from(FILES)).map(list), st.just([])).flatmap(

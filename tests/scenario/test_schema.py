@@ -37,18 +37,3 @@ def test_every_shipped_file_validates_and_carries_the_modeline(root):
 ])
 def test_the_schema_rejects_what_the_loader_rejects(doc):
     assert list(jsonschema.Draft202012Validator(json_schema()).iter_errors(doc))
-
-
-def test_the_shipped_report_schema_is_current_and_every_report_meets_it(root, tmp_path):
-    from gradcheck_cli.report.schema import report_schema
-    shipped = json.loads((root / "schema/report.schema.json").read_text())
-    assert shipped == report_schema(), "regenerate: attn-gradcheck schema --report > schema/report.schema.json"
-    result = CliRunner().invoke(main, ["schema", "--report"])
-    assert result.exit_code == 0 and json.loads(result.stdout) == shipped
-    jsonschema.Draft202012Validator.check_schema(shipped)
-    validator = jsonschema.Draft202012Validator(shipped)
-    for args in (["configs/quickstart.yaml", "--fault", "softmax-term"], ["configs/gqa.yaml", "--negative-controls"],
-                 ["examples/broken.yaml"]):
-        out = tmp_path / "r.json"
-        CliRunner().invoke(main, ["run", str(root / args[0]), *args[1:], "--json", str(out)])
-        assert not list(validator.iter_errors(json.loads(out.read_text())))

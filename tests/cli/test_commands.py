@@ -1,0 +1,157 @@
+"""The command line (cli/): commands, options, exit codes and messages, through click's runner with stderr
+kept separate. The reports themselves are tests/report/."""
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+from click.testing import CliRunner
+
+from gradcheck_cli.cli import main
+from gradcheck_cli.ops import FAULTS
+from helpers import CONFIGS
+
+
+def run(*args, env=None):
+    return CliRunner().invoke(main, [str(a) for a in args], env=env)
+
+
+def test_quickstart_passes_and_softmax_fault_fails(root):
+    ok = run("run", root / "configs/quickstart.yaml")
+    assert ok.exit_code == 0, ok.output
+    assert "all checks passed" in ok.stdout
+    bad = run("run", root / "configs/quickstart.yaml", "--break-softmax-term")
+    assert bad.exit_code == 1
+    assert "FAIL gradient q" in bad.stdout and "worst at q[" in bad.stdout
+
+
+def test_mask_fault_passes_gradients_but_fails_invariants(root, tmp_path):
+    result = run("run", root / "configs/seed-causal-first-row.yaml", "--fault", "mask", "--json", tmp_path / "r.json")
+    assert result.exit_code == 1
+    assert json.loads((tmp_path / "r.json").read_text())["faults"] == ["mask"]
+    lines = [l for l in result.stdout.splitlines() if l.startswith("gradient ")]
+    assert lines and all(l.rstrip().endswith("pass") for l in lines)
+    assert "FAIL unseen K/V rows get zero gradient" in result.stdout
+
+
+def test_plain_output_without_a_terminal(root):
+    result = run("run", root / "configs/quickstart.yaml", env={"NO_COLOR": "1"})
+    assert "\x1b[" not in result.stdout
+
+
+def test_faults_command_lists_every_fault():
+    result = run("faults")
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    for name, fault in FAULTS.items():
+        # its own entry (a bare `name in stdout` matches "mask" inside "mask-backward"), with its whole record
+        (at,) = [i for i, line in enumerate(lines) if line.split("  (op ")[0] == name]
+        assert lines[at + 2] == "    caught by: " + "; ".join(fault.caught_by), (name, lines[at + 2])
+
+
+@pytest.mark.parametrize("args", [[], ["run"], ["faults"], ["validate"], ["merge"], ["schema"], ["sweep-eps"]])
+def test_help_everywhere(args):
+    result = run(*args, "--help")
+    assert result.exit_code == 0 and "Usage:" in result.stdout
+
+
+def test_unknown_fault_is_a_usage_error(root):
+    result = run("run", root / "configs/quickstart.yaml", "--fault", "nonsense")
+    assert result.exit_code == 2 and "nonsense" in result.stderr
+
+
+def test_fault_and_negative_controls_do_not_mix(root):
+    result = run("run", root / "configs/quickstart.yaml", "--fault", "mask", "--negative-controls")
+    assert result.exit_code == 2
+
+
+def test_plain_output_ignores_a_narrow_columns_setting(root):
+    result = run("run", root / "configs/quickstart.yaml", "--break-softmax-term", env={"COLUMNS": "40"})
+    lines = result.stdout.splitlines()
+    assert all(line == line.rstrip() for line in lines)
+    row = next(line for line in lines if line.startswith("gradient q"))
+    assert row.split()[-1] == "FAIL" and "e+00" in row and "\u2026" not in result.stdout
+
+
+def test_negative_controls_exit_1_when_a_fault_is_missed(tmp_path):
+    cfg = tmp_path / "weak.yaml"
+    cfg.write_text("scenarios: [{name: weak, n_q: 8, d_head: 8, scale: 0.8, dtype: float32, epsilon: 1.0e-6}]\n")
+    result = run("run", cfg, "--negative-controls")
+    assert result.exit_code == 1
+    assert "MISSED scale on weak" in result.stdout
+
+
+def test_validate_runs_nothing(root):
+    result = run("validate", root / "configs/gqa.yaml")
+    assert result.exit_code == 0 and "4 scenario(s) valid" in result.stdout
+
+
+def test_version():
+    """The package's version (the program name alone is printed whatever the version is)."""
+    from gradcheck_cli import __version__
+    result = run("--version")
+    assert result.exit_code == 0 and result.stdout == f"attn-gradcheck, version {__version__}\n"
+
+
+def test_out_of_memory_is_exit_2_without_a_traceback(root, monkeypatch):
+    from gradcheck_cli import checker
+
+    def exhausted(*args, **kwargs):
+        raise MemoryError
+    monkeypatch.setattr(checker, "run_scenario", exhausted)
+    result = run("run", root / "configs/quickstart.yaml")
+    assert result.exit_code == 2 and "ran out of memory" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_select_deselect_and_the_reproduce_line(root, tmp_path):
+    config = str(root / "configs/quickstart.yaml")
+    result = run("run", config, "--select", "c*", "--deselect", "cross-*", "--fault", "scale", "--json", tmp_path / "r.json")
+    names = [s["name"] for s in json.loads((tmp_path / "r.json").read_text())["scenarios"]]
+    assert names == ["causal-self", "cache-gqa"] and result.exit_code == 1
+    line = next(l for l in result.stdout.splitlines() if "reproduce:" in l and "cache-gqa" in l)
+    again = run(*line.split("reproduce: attn-gradcheck ")[1].split())  # the line runs just that scenario
+    assert again.exit_code == 1 and "1 scenario(s)" in again.stdout and "cache-gqa" in again.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["scenarios"][1]["reproduce"].endswith("--select cache-gqa --fault scale")
+    none = run("run", config, "--select", "nothing*")
+    assert none.exit_code == 2 and "no scenario is left by --select" in none.stderr
+
+
+def test_validate_takes_several_files_and_reports_each_bad_one(root, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("scenarios: [{name: a, n_q: 0, d_head: 2}]\n")
+    result = run("validate", root / "configs/gqa.yaml", bad, root / "configs/quickstart.yaml")
+    assert result.exit_code == 2 and "4 scenario(s) valid" in result.stdout and "3 scenario(s) valid" in result.stdout
+    assert "bad.yaml:1" in result.stderr
+
+
+def test_pre_commit_hooks_are_well_formed(root):
+    import yaml
+    hooks = yaml.safe_load((root / ".pre-commit-hooks.yaml").read_text())
+    assert {h["id"] for h in hooks} == {"attn-gradcheck-validate", "attn-gradcheck-run"}
+    assert all(h["entry"].split()[0] == "attn-gradcheck" and h["language"] == "python" for h in hooks)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_writes_its_reports(path, tmp_path):
+    """Every shipped config runs through the whole CLI with every report (JSON that parses, JUnit, arrays)."""
+    if "backend: torch" in path.read_text():
+        pytest.importorskip("torch")
+    result = run("run", path, "--json", tmp_path / "r.json", "--junit", tmp_path / "r.xml",
+                 "--save-arrays", tmp_path / "arrays")
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["verdict"] == "pass" and data["summary"]["failed"] == 0
+    ET.fromstring((tmp_path / "r.xml").read_bytes())
+    assert len(list((tmp_path / "arrays").glob("*.npz"))) == len(data["scenarios"])
+
+
+def test_a_reader_that_goes_away_ends_with_141_not_1(root):
+    """`attn-gradcheck run ... | head -1`: 1 would read as "a check failed"; 141 is 128 + SIGPIPE."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "gradcheck_cli", "run", str(root / "configs/sweep.yaml")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and "Traceback" not in err
