@@ -8,21 +8,6 @@ from gradcheck_cli import checker, scenario
 from gradcheck_cli.ops import FAULTS, OPS
 from helpers import CONFIGS, load_config, make
 
-# A small scenario per op on which every engine fault of the op applies (changes the output or a gradient
-# well beyond the tolerance). Becomes ``OPS[name].example`` once ``Op.example`` lands in gradcheck_cli/ops/.
-EXAMPLES = {
-    "attention": dict(batch=2, heads_q=4, heads_kv=2, n_q=3, n_k=10, d_head=8,
-                      mask={"causal": "lower-right", "key_lengths": [10, 8]}),
-    "attention-projections": dict(batch=2, d_model=12, d_head=4, n_q=6, heads_q=4, heads_kv=2,
-                                  mask={"causal": "lower-right"}),
-    "block": dict(batch=2, n_q=6, d_model=12, d_ff=16, d_head=4, heads_q=4, heads_kv=2, mask={"causal": "lower-right"}),
-    "infonce": dict(batch=4, dim=8),
-    "logit-scale": dict(d_heads=[16, 64, 256], sigma_q=1.0, sigma_k=0.5),
-    "rmsnorm": dict(batch=2, n=5, d_model=16),
-    "rope": dict(batch=2, heads=2, n=6, d_head=8),
-    "swiglu": dict(batch=2, n=4, d_model=8, d_ff=12),
-}
-
 # The built-in engines engine faults apply to, as scenario keys; an op of one engine checks on it alone.
 # The tiled engine gets blocks smaller than the example, so that its faults cross block boundaries.
 ENGINES = {"attention": {"naive": {}, "tiled": dict(engine="tiled", block_q=2, block_k=4), "torch": dict(backend="torch")}}
@@ -39,13 +24,7 @@ def _example(op, engine="naive"):
     """The op's example on that engine; skips on backend torch where torch is not installed."""
     if engine == "torch":
         pytest.importorskip("torch")
-    return make(**{"op": op, **EXAMPLES[op], **ENGINES.get(op, {}).get(engine, {})})
-
-
-# Records that name too few checks (found by this module; the records live in gradcheck_cli/ops/). Strict:
-# the test fails as soon as the record is fixed, so that the entry is removed.
-KNOWN_GAPS = {("attention-projections", "head-merge"): "the fault also fails 'unseen x rows get zero gradient', "
-                                                       "which its record's caught_by does not name"}
+    return make(**{"op": op, **OPS[op].example, **ENGINES.get(op, {}).get(engine, {})})
 
 
 def _engine_faults(op):
@@ -66,9 +45,7 @@ def _cases():
         for engine in sorted(ENGINES.get(op_name, {"naive": {}})):
             for fault, record in sorted(op.faults.items()):
                 if record.engine:
-                    gap = KNOWN_GAPS.get((op_name, fault))
-                    marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
-                    cases.append(pytest.param(op_name, engine, fault, id=f"{op_name}-{engine}-{fault}", marks=marks))
+                    cases.append(pytest.param(op_name, engine, fault, id=f"{op_name}-{engine}-{fault}"))
     return cases
 
 
@@ -76,8 +53,9 @@ def _failed(result):
     return {c.name for c in result.checks if c.verdict == "fail"}
 
 
-def test_the_examples_cover_every_op():
-    assert set(EXAMPLES) == set(OPS)
+def test_every_op_declares_an_example():
+    """``Op.example``: the scenario keys the contract checks each op on."""
+    assert all(op.example for op in OPS.values()), [name for name, op in OPS.items() if not op.example]
     assert set(ENGINES) <= set(OPS)
 
 
@@ -169,7 +147,7 @@ def test_no_applicable_fault_is_missed_on_any_shipped_config(matrix):
 @pytest.mark.slow
 def test_faults_detected_on_shipped_configs_fail_only_the_checks_their_records_name(matrix):
     wrong = [(c.fault, c.scenario, set(c.caught_by) - set(FAULTS[c.fault].caught_by) - AGREEMENT)
-             for op, c in matrix if c.status == "detected" and not borrowed(op, c.fault) and (op, c.fault) not in KNOWN_GAPS]
+             for op, c in matrix if c.status == "detected" and not borrowed(op, c.fault)]
     assert not [w for w in wrong if w[2]], wrong
 
 

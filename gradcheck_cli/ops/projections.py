@@ -32,7 +32,8 @@ FAULTS = {f.name: f for f in (
           ("gradient x",)),
     Fault("head-merge", "the backward splits G_merged and merges G_Q, G_K, G_V by a bare reshape, without "
                         "the inverse head/sequence permutation (no effect with one head or one row)",
-          ("gradient x", "gradient m", "gradient w_q", "gradient w_k", "gradient w_v")),
+          ("gradient x", "gradient m", "gradient w_q", "gradient w_k", "gradient w_v",
+           "unseen x rows get zero gradient")),
 )}
 #: The attention faults flow through unchanged (their names mean the same thing here).
 ALL_FAULTS = {**FAULTS, **attention.ENGINE_FAULTS}
