@@ -14,6 +14,18 @@ from .tasks import TASKS
 _SAFE_PATH_MARK = "ATTN_GRADCHECK_SAFE_PATH"
 
 
+def _quiet_when_the_run_is_gone(kind, value, tb) -> None:
+    """The fork server's excepthook (its children inherit it): a worker being forked when the run stops
+    (Ctrl-C) finds its pipe closed before it gets its task; that is no error of anyone's to print."""
+    if isinstance(value, (EOFError, BrokenPipeError, ConnectionResetError)):
+        return
+    sys.__excepthook__(kind, value, tb)
+
+
+if os.environ.get(_SAFE_PATH_MARK):  # imported as the fork server preloads this package
+    sys.excepthook = _quiet_when_the_run_is_gone
+
+
 def _serve(conn, threads: int, server: int | None = None) -> None:
     """A worker: runs the tasks it is sent until told to stop or its parent goes away, then leaves at
     once (os._exit: no atexit handler or finalizer of the user's code runs, none can print or hang)."""
@@ -82,6 +94,7 @@ def _init_worker(threads: int, server: int | None = None) -> None:
     jobs do not oversubscribe the cores. A KeyboardInterrupt in a worker can only be raised by the
     implementation, so there it is the implementation's failure."""
     from threadpoolctl import threadpool_limits
+
     from . import implementation
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -9,14 +9,13 @@ import os
 import signal
 import sys
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from .errors import GradcheckError
 from .result import Check, Kind, ScenarioResult
 from .scenario import Scenario
 from .tasks import Outcome, units
 from .worker_process import _SAFE_PATH_MARK, _serve
-
 
 #: How often a waiting parent looks at its workers (seconds): the granularity of timeouts, deaths and
 #: Ctrl-C.
@@ -35,26 +34,47 @@ def _context(torch: bool):
 
 
 def _start_fork_server(ctx, preload: list[str]) -> None:
-    """Start the fork server now, with Ctrl-C ignored (its workers inherit that, so a Ctrl-C to the
-    process group never reaches one while it starts; the run itself stays interruptible while it waits
-    for the server) and without the current folder on its module path: it is started with ``python
-    -c``, which would put the current folder first, and a numpy.py or yaml.py there would then run in
-    it. Python 3.10 has no way to say so (PYTHONSAFEPATH is 3.11's): there it preloads nothing, and
-    each worker imports what it needs after taking the run's own module path."""
-    from multiprocessing import forkserver
+    """Start the fork server now, with Ctrl-C ignored in it from its first instruction (its workers
+    inherit that, so a Ctrl-C to the process group never reaches one while it starts) while the run itself
+    stays interruptible throughout (ignoring Ctrl-C in this process, even for the moment of the fork, loses
+    a Ctrl-C that arrives then: any thread may take a process's signal), and without the current folder on
+    its module path: it is started with ``python -c``, which would put the current folder first, and a
+    numpy.py or yaml.py there would then run in it. Python 3.10 has no way to say so (PYTHONSAFEPATH is
+    3.11's): there it preloads nothing, and each worker imports what it needs after taking the run's own
+    module path."""
+    from multiprocessing import forkserver, util
     safe = sys.version_info >= (3, 11)
     ctx.set_forkserver_preload(preload if safe else [])
     added = safe and "PYTHONSAFEPATH" not in os.environ
     if added:
         os.environ["PYTHONSAFEPATH"] = os.environ[_SAFE_PATH_MARK] = "1"
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    original = util.spawnv_passfds
+    util.spawnv_passfds = _spawn_ignoring_ctrl_c  # the fork server's and the resource tracker's spawn
     try:
         forkserver.ensure_running()  # returns at once when it runs; (re)starts it otherwise
     finally:
-        signal.signal(signal.SIGINT, previous)
+        util.spawnv_passfds = original
         if added:
             os.environ.pop("PYTHONSAFEPATH", None)
             os.environ.pop(_SAFE_PATH_MARK, None)
+
+
+#: The helper processes started here, kept so that ``subprocess`` never reaps them (multiprocessing does).
+_SPAWNED: list = []
+
+
+def _spawn_ignoring_ctrl_c(path, args, passfds) -> int:
+    """``multiprocessing.util.spawnv_passfds`` with SIGINT ignored in the child before it executes: Python
+    then leaves it ignored, so a Ctrl-C while the helper starts neither kills it nor prints its traceback."""
+    import subprocess
+    proc = subprocess.Popen(list(args), executable=path, pass_fds=sorted(passfds), close_fds=True,
+                            preexec_fn=_ignore_ctrl_c)  # noqa: PLW1509 -- only signal() runs there
+    _SPAWNED.append(proc)
+    return proc.pid
+
+
+def _ignore_ctrl_c() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class _Workers:
@@ -68,7 +88,7 @@ class _Workers:
         self.size, self.threads = size, threads
         self.idle: list[_Worker] = []
 
-    def _get(self) -> "_Worker":
+    def _get(self) -> _Worker:
         return self.idle.pop() if self.idle else _Worker(self.ctx, self.threads)
 
     def map(self, config, scenarios, faults, controls, memory_budget, progress) -> Iterator[Outcome]:
