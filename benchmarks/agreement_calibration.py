@@ -46,9 +46,10 @@ def _case(rng):
 
 
 def _torch_impls(dtype):
-    import torch
-    from gradcheck_cli.ops.attention import torch_engine as tb
     import correct_impls as ci
+    import torch
+
+    from gradcheck_cli.ops.attention import torch_engine as tb
     dt = tb.DTYPES[dtype]
 
     def run(fn):
@@ -114,7 +115,7 @@ def main() -> None:
             ref_o = engine.forward(rounded["q"], rounded["k"], rounded["v"], visible, scale, kv_map)
             ref = engine.backward(rounded["q"], rounded["k"], rounded["v"], visible, scale, kv_map, g_r)
             reference = {"o": ref_o, "q": ref.q, "k": ref.k, "v": ref.v}
-            terms = engine.term_sizes(rounded, g_r, lambda span: ref.a[..., span, :], scale, kv_map)
+            terms = engine.term_sizes(rounded, g_r, lambda span, a=ref.a: a[..., span, :], scale, kv_map)
             plain = impls["plain"](rounded, g_r, visible, scale, kv_map)
             eps = machine_epsilon(dtype)
             policy = precision.Policy.for_dtype(dtype)

@@ -145,9 +145,11 @@ def main() -> None:
                   f"{col / floor:.2f}x the floor, colouring: false {plain / floor:.2f}x")
         if torch_fig:
             t = fig["torch_gradcheck_s"]
-            print(f"  torch.autograd.gradcheck          {t:7.3f} s   {t / col:5.1f}x default, {t / plain:5.1f}x colouring: false")
+            print(f"  torch.autograd.gradcheck          {t:7.3f} s   {t / col:5.1f}x default, "
+                  f"{t / plain:5.1f}x colouring: false")
             t = fig["torch_gradcheck_scalar_s"]
-            print(f"  torch gradcheck of L = sum(O*G)   {t:7.3f} s   {t / col:5.1f}x default, {t / plain:5.1f}x colouring: false")
+            print(f"  torch gradcheck of L = sum(O*G)   {t:7.3f} s   {t / col:5.1f}x default, "
+                  f"{t / plain:5.1f}x colouring: false")
         else:
             print("  torch.autograd.gradcheck          (torch not installed)")
     if args.json:

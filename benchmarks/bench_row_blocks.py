@@ -10,9 +10,8 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from threadpoolctl import threadpool_limits
-
 from bench_full_mode import best_of as best  # run from the repository root: benchmarks/ is on the path
+from threadpoolctl import threadpool_limits
 
 
 def main() -> None:

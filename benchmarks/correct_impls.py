@@ -113,8 +113,8 @@ def torch_plain(q, k, v, visible, scale, kv_map):
 
 
 def torch_custom(q, k, v, visible, scale, kv_map):
-    from pathlib import Path
     import importlib.util
+    from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "examples" / "torch_attention.py"
     spec = importlib.util.spec_from_file_location("_example_torch_attention", path)
     module = importlib.util.module_from_spec(spec)

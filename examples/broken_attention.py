@@ -1,6 +1,5 @@
 """Two deliberately broken variants of my_attention.Attention, one bug of each kind."""
 import numpy as np
-
 from my_attention import Attention, _probabilities
 
 

@@ -11,8 +11,8 @@ the three in a row::
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from . import checker, report, runner
 from .errors import GradcheckError, Terminated, caused_by_interrupt

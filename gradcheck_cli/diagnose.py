@@ -26,7 +26,7 @@ class Evidence:
     allowed: np.ndarray
 
     @classmethod
-    def from_sites(cls, analytic: np.ndarray, sites: np.ndarray, numeric: np.ndarray, allowed: np.ndarray) -> "Evidence":
+    def from_sites(cls, analytic: np.ndarray, sites: np.ndarray, numeric: np.ndarray, allowed: np.ndarray) -> Evidence:
         num = np.full(analytic.size, np.nan)
         lim = np.full(analytic.size, np.nan)
         num[sites], lim[sites] = numeric, allowed

@@ -15,7 +15,7 @@ class ExitCode(IntEnum):
     TERMINATED = 143   # SIGTERM (128 + SIGTERM)
 
     @classmethod
-    def of_verdict(cls, verdict: str) -> "ExitCode":
+    def of_verdict(cls, verdict: str) -> ExitCode:
         """The exit code of a report's verdict ("pass", "fail" or "inconclusive")."""
         return {"pass": cls.OK, "fail": cls.FAILED, "inconclusive": cls.INCONCLUSIVE}[verdict]
 

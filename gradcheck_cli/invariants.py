@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 
 from .result import Check, Kind
-from .tolerance import INVARIANT_ULPS
 
 
 def bounded(name: str, tensor: str, values: np.ndarray, bound: float, detail: str,

@@ -6,7 +6,7 @@ rejected by the scenario loader using :func:`first_empty_row`.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

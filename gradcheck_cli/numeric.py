@@ -11,9 +11,9 @@ import enum
 import functools
 import itertools
 import os
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
@@ -118,7 +118,8 @@ def _in_chunks(work: Callable[[int, int], object], total: int, chunking: Chunkin
     with _blas_controller().limit(limits=1, user_api="blas"):
         pool, queue = _pool(chunking.workers), iter(bounds)
         # Only a window of chunks is queued ahead (memory, and a prompt stop on Ctrl-C).
-        pending = collections.deque((ab, pool.submit(work, *ab)) for ab in itertools.islice(queue, 2 * chunking.workers))
+        pending = collections.deque((ab, pool.submit(work, *ab))
+                                    for ab in itertools.islice(queue, 2 * chunking.workers))
         try:
             while pending:
                 (a, b), future = pending.popleft()
@@ -132,7 +133,7 @@ def _in_chunks(work: Callable[[int, int], object], total: int, chunking: Chunkin
                 future.cancel()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pool(workers: int) -> ThreadPoolExecutor:
     """One long-lived pool per size: starting threads for every tensor costs more than small checks."""
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attn-gradcheck")
@@ -255,7 +256,8 @@ def leakage_by_block(loss_parts: Callable[[np.ndarray], np.ndarray], x: np.ndarr
 
 
 def directions(loss: Loss, x: np.ndarray, grad: np.ndarray, which: np.ndarray, seed: int, epsilon: float,
-               chunking: Chunking, progress: Progress | None = None, size: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+               chunking: Chunking, progress: Progress | None = None,
+               size: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """Directional derivatives along the random unit directions numbered ``which`` (direction i is
     ``unit_direction(seed, i, x.shape)``, so the numbers depend on neither chunking nor selection).
 

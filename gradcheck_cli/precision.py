@@ -37,7 +37,7 @@ class Policy:
     ulps: float
 
     @classmethod
-    def for_dtype(cls, dtype: str, factor: float = DEFAULT_FACTOR, slack: float | None = None) -> "Policy":
+    def for_dtype(cls, dtype: str, factor: float = DEFAULT_FACTOR, slack: float | None = None) -> Policy:
         return cls(dtype, factor, DEFAULT_SLACK[dtype] if slack is None else slack, AGREEMENT_ULPS[dtype])
 
     @property

@@ -1,9 +1,10 @@
 """Frozen result records: what the checker returns and the reports render. Imports nothing of ours."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Iterable
+from typing import Any
 
 
 class _Word(str, Enum):

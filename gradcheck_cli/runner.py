@@ -4,7 +4,7 @@ Never prints; the CLI renders what it yields."""
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from . import checker
 from .scenario import Scenario
@@ -28,7 +28,8 @@ def run(config: str, scenarios: Sequence[Scenario], faults: Sequence[str] = (), 
     user's code can then neither end the run (``os._exit``, a crash, a kill: a failed check naming
     it) nor hang it (stopped after ``check.timeout`` seconds: a failed check). With ``jobs`` > 1 every
     scenario runs in one of that many worker processes (started fresh; each scenario is sent to it
-    whole, ``config`` is never read again), and results are identical to a run in this process: every number depends only on the
+    whole, ``config`` is never read again), and results are identical to a run in this process:
+    every number depends only on the
     scenario and its seeds. Closing the generator early (Ctrl-C) stops the workers at once.
     """
     isolated = [sc.implementation is not None for sc in scenarios]

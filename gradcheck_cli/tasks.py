@@ -2,8 +2,8 @@
 with its negative controls when asked, or sweep its finite-difference step."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from . import checker
 from .result import ControlCell, ScenarioResult

@@ -1,4 +1,5 @@
-"""Realistic BUGGY attention implementations (NumPy flavour), one bug each, for the tests of the verdict and the hints (tests/test_hints.py).
+"""Realistic BUGGY attention implementations (NumPy flavour), one bug each, for the tests of the verdict and
+the hints (tests/test_hints.py).
 
 Interface (README "Checking your own implementation"):
     forward(q, k, v, visible, scale, kv_map) -> o

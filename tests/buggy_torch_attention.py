@@ -1,4 +1,5 @@
-"""BUGGY torch attention implementations (torch flavour), one bug each, for the tests of the verdict (tests/test_hints.py).
+"""BUGGY torch attention implementations (torch flavour), one bug each, for the tests of the verdict
+(tests/test_hints.py).
 callable f(q, k, v, visible, scale, kv_map) -> o, built on a custom torch.autograd.Function whose
 backward is hand-written. ``CATALOG = {name: (callable, cause_tag, description)}``.
 

@@ -4,6 +4,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from gradcheck_cli import masks
+
 from helpers import make
 
 

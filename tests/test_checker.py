@@ -4,6 +4,7 @@ three-valued verdict. The fault contract over every op and shipped config is tes
 import numpy as np
 
 from gradcheck_cli import checker
+
 from helpers import make
 
 
@@ -59,7 +60,8 @@ def test_colouring_catches_a_forward_that_mixes_rows(monkeypatch):
     """If the forward leaked between query rows, colouring would be invalid: the check must say so.
     Finite differences evaluate the fast forward (ops/attention/copies.py), so that is the one made to leak
     (the naive engine's reference too, so that only the independence check can see it)."""
-    from gradcheck_cli.ops.attention import copies, naive as attention
+    from gradcheck_cli.ops.attention import copies
+    from gradcheck_cli.ops.attention import naive as attention
 
     def mix(o, q):
         return o + 0.1 * q[..., :1, : o.shape[-1]].sum(axis=-2, keepdims=True)  # row 0 of q feeds every row
@@ -108,6 +110,7 @@ def test_three_valued_verdict():
 
 def test_inconclusive_exits_3(tmp_path):
     from click.testing import CliRunner
+
     from gradcheck_cli.cli import main
     cfg = tmp_path / "p.yaml"
     cfg.write_text("scenarios: [{name: p, dtype: float32, heads_q: 2, n_q: 16, d_head: 16, scale: 100.0, seed: 2, "
@@ -137,6 +140,7 @@ def test_an_error_a_few_times_the_tolerance_fails_when_the_differences_are_accur
     ~1e-9 was 'inconclusive: the finite differences are too inaccurate', contradicting its own estimate.
     Out of tolerance by far more than the finite-difference error is a failure."""
     import dataclasses
+
     from gradcheck_cli.ops.attention import naive as attention  # the built-in engine
     backward = attention.backward
 

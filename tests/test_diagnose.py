@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from gradcheck_cli.ops.attention import ENGINE_FAULTS
 from gradcheck_cli import checker, diagnose
 from gradcheck_cli.cli import main
 from gradcheck_cli.ops import OPS
+from gradcheck_cli.ops.attention import ENGINE_FAULTS
 from gradcheck_cli.ops.registry import Structure
+
 from helpers import make
 
 #: A phrase that only the hint of each fault contains.

@@ -6,11 +6,13 @@ import pytest
 
 from gradcheck_cli import checker, scenario
 from gradcheck_cli.ops import FAULTS, OPS
+
 from helpers import CONFIGS, load_config, make
 
 # The built-in engines engine faults apply to, as scenario keys; an op of one engine checks on it alone.
 # The tiled engine gets blocks smaller than the example, so that its faults cross block boundaries.
-ENGINES = {"attention": {"naive": {}, "tiled": dict(engine="tiled", block_q=2, block_k=4), "torch": dict(backend="torch")}}
+ENGINES = {"attention": {"naive": {}, "tiled": dict(engine="tiled", block_q=2, block_k=4),
+                         "torch": dict(backend="torch")}}
 # Checks a fault may fail besides its record's: an engine's cross-checks against independent implementations
 # (the tiled engine against the naive one, the torch engine against autograd and SDPA, and in float16/bfloat16
 # against the float64 reference). They are not named in the records; the tests require a check the record

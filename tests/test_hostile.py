@@ -6,8 +6,8 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from gradcheck_cli import scenario
 from gradcheck_cli.cli import main
 from gradcheck_cli.errors import ScenarioError
+
 from helpers import examples
 
 CORRECT = "import sys\nsys.path.insert(0, {examples!r})\nfrom my_attention import Attention\n"
@@ -145,7 +146,8 @@ def test_overflowing_results_give_reports_and_a_merge_without_a_traceback(root, 
                 return Attention.forward(*args) * 1e308
         impl = Impl()
         """)
-    (tmp_path / "c.yaml").write_text("scenarios:\n  - {name: a, heads_q: 2, n_q: 3, d_head: 2, implementation: 'huge:impl'}\n")
+    (tmp_path / "c.yaml").write_text("scenarios:\n"
+                                     "  - {name: a, heads_q: 2, n_q: 3, d_head: 2, implementation: 'huge:impl'}\n")
     proc = subprocess.run([sys.executable, "-m", "gradcheck_cli", "run", str(tmp_path / "c.yaml"), "--no-progress",
                            "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml")],
                           capture_output=True, text=True, timeout=120)
@@ -206,7 +208,8 @@ def test_workers_and_what_they_fork_do_not_keep_a_killed_run_alive(root, tmp_pat
     try:
         deadline = time.monotonic() + 60
         # the file exists once opened, before its pid is written: wait for the content (a race seen on a busy machine)
-        while not ((tmp_path / "pid").exists() and (tmp_path / "pid").read_text().strip()) and time.monotonic() < deadline:
+        while (not ((tmp_path / "pid").exists() and (tmp_path / "pid").read_text().strip())
+               and time.monotonic() < deadline):
             time.sleep(0.05)
         worker = int((tmp_path / "pid").read_text())
     finally:
@@ -323,7 +326,8 @@ def test_sweep_eps_runs_implementations_in_their_own_process(root, tmp_path):
                            "--steps", "1e-2:1e-4"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, (proc.stdout, proc.stderr)
     assert "scenario 'exits': not swept: the process checking it exited with code 0" in proc.stderr
-    assert "scenario 'raises': not swept: the implementation failed: backward raised RuntimeError: user bug" in proc.stderr
+    assert ("scenario 'raises': not swept: the implementation failed: backward raised RuntimeError: user bug"
+            in proc.stderr)
     assert "builtin" in proc.stdout
 
 
@@ -376,7 +380,8 @@ def test_sizes_are_checked_before_anything_that_size_is_built():
     with pytest.raises(ScenarioError, match="out of range"):
         scenario.loads("scenarios: [{name: a, n_q: 2, d_head: 2, heads_q: 2, kv_map: [0, 100000000000000000000]}]\n")
     with pytest.raises(ScenarioError, match="serve no query head"):
-        scenario.loads("scenarios: [{name: a, n_q: 2, d_head: 2, heads_q: 2, kv_map: [0, 1], heads_kv: 10000000000000}]\n")
+        scenario.loads("scenarios: [{name: a, n_q: 2, d_head: 2, heads_q: 2, kv_map: [0, 1], "
+                       "heads_kv: 10000000000000}]\n")
     with pytest.raises(ScenarioError, match="needs about"):  # no default kv_map of 1e20 heads built first
         scenario.loads("scenarios: [{name: a, n_q: 3, d_head: 2, heads_q: 100000000000000000000}]\n")
     with pytest.raises(ScenarioError) as err:
@@ -399,7 +404,8 @@ def test_npy_headers_are_checked_before_their_data(tmp_path):
         (tmp_path / "c.yaml").write_text(f"scenarios: [{{name: a, n_q: 3, d_head: 2, mask: {{visible: {name}}}}}]\n")
         return scenario.load(tmp_path / "c.yaml")
 
-    header = b"\x93NUMPY\x01\x00" + b"v\x00{'descr': '|b1', 'fortran_order': False, 'shape': (100000, 100000, 100000), }"
+    header = (b"\x93NUMPY\x01\x00" + b"v\x00{'descr': '|b1', 'fortran_order': False, "
+              b"'shape': (100000, 100000, 100000), }")
     (tmp_path / "huge.npy").write_bytes(header.ljust(128 - 1, b" ") + b"\n")
     with pytest.raises(ScenarioError, match="claims 1,000,000,000,000,000 elements"):
         load("huge.npy")
@@ -437,7 +443,8 @@ def test_special_files_never_hang_or_read_forever(tmp_path):
         result = _cli("run", target)
         assert result.exit_code == 2 and "not a regular file" in result.stderr or "is empty" in result.stderr
         assert time.monotonic() - start < 10
-        (tmp_path / "c.yaml").write_text(f"scenarios: [{{name: a, n_q: 3, d_head: 2, mask: {{visible: '{target}'}}}}]\n")
+        (tmp_path / "c.yaml").write_text(f"scenarios: [{{name: a, n_q: 3, d_head: 2, "
+                                         f"mask: {{visible: '{target}'}}}}]\n")
         result = _cli("run", tmp_path / "c.yaml")
         assert result.exit_code == 2 and "Traceback" not in result.output and "mask.visible" in result.stderr
         result = _cli("merge", target)
@@ -672,7 +679,8 @@ def test_merge_survives_pathological_json(tmp_path, text, words):
 
 def test_merge_fuzzed_reports_never_trace_back(root, tmp_path_factory):
     """Hypothesis over report-like JSON: any subtree of a real report replaced by any JSON value."""
-    from hypothesis import HealthCheck, given, settings, strategies as st
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
     folder = tmp_path_factory.mktemp("fuzz")
     base = _good_report(root, folder)
     leaves = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**6), st.floats(allow_nan=False),

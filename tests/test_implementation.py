@@ -175,7 +175,7 @@ def test_bad_implementation_specs_are_input_errors(root, tmp_path, monkeypatch, 
     cfg.write_text(SHAPES + f"  - name: t\n    implementation: '{spec}'\n")
     with pytest.raises(ScenarioError) as err:
         (sc,) = scenario.load(cfg)
-        sc.implementation_object
+        _ = sc.implementation_object  # imported on first use: the error comes from there
     assert err.value.key == "scenarios[0].implementation" and err.value.line == 11 and words in str(err.value)
     if not at_load:
         assert len(scenario.load(cfg)) == 1
@@ -201,7 +201,8 @@ def test_a_named_fault_on_a_user_implementation_is_its_interface_variant(root):
     (sc,) = scenario.load(root / "examples/attention.yaml")[:1]
     result = checker.run_scenario(sc, ("softmax-term",))
     assert result.faults == ("softmax-term",) and result.verdict == "fail"
-    assert {"gradient q", "backward agrees with the reference"} <= {c.name for c in result.checks if c.verdict == "fail"}
+    assert ({"gradient q", "backward agrees with the reference"}
+            <= {c.name for c in result.checks if c.verdict == "fail"})
     assert checker.run_scenario(sc).verdict == "pass"
 
 

@@ -1,13 +1,16 @@
 """Visible sets against the element-by-element rules, and the empty-row rejection."""
 import numpy as np
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gradcheck_cli import masks
+
 from reference import visible_loops
 
 
 @given(st.integers(1, 2), st.integers(1, 6), st.integers(1, 8), st.sampled_from(masks.CAUSAL),
-       st.one_of(st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 4)), st.one_of(st.none(), st.integers(0, 4)))),
+       st.one_of(st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 4)),
+                                      st.one_of(st.none(), st.integers(0, 4)))),
        st.data())
 def test_build_visible_matches_the_rules(batch, n_q, n_k, causal, window, data):
     key_lengths = data.draw(st.one_of(st.none(), st.lists(st.integers(0, n_k), min_size=batch, max_size=batch)))

@@ -79,7 +79,8 @@ def test_shards_merge_back_into_the_unsharded_report(root, tmp_path, sweep_repor
 def test_merge_refuses_incomplete_or_overlapping_shards(root, tmp_path):
     cfg = root / "configs/sweep.yaml"
     for i in (1, 2):
-        assert run("run", cfg, "--shard", f"{i}/3", "--select", "causal*", "--json", tmp_path / f"{i}.json").exit_code == 0
+        assert run("run", cfg, "--shard", f"{i}/3", "--select", "causal*",
+                   "--json", tmp_path / f"{i}.json").exit_code == 0
     missing = run("merge", tmp_path / "1.json", tmp_path / "2.json")
     assert missing.exit_code == 2 and "shard 3/3" in missing.stderr and "missing" in missing.stderr
     twice = run("merge", tmp_path / "1.json", tmp_path / "1.json")

@@ -9,6 +9,7 @@ import pytest
 
 from gradcheck_cli import checker, verdict
 from gradcheck_cli.precision import Policy, detectable
+
 from helpers import make
 
 SHAPE = dict(batch=2, heads_q=4, heads_kv=2, n_q=6, n_k=9, d_head=4, mask={"causal": "lower-right",

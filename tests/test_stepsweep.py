@@ -7,6 +7,7 @@ from click.testing import CliRunner
 
 from gradcheck_cli import stepsweep
 from gradcheck_cli.cli import main
+
 from helpers import make
 
 

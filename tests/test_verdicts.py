@@ -8,6 +8,7 @@ import pytest
 
 from gradcheck_cli import checker, report
 from gradcheck_cli.result import ControlCell, controls_verdict
+
 from helpers import make
 
 

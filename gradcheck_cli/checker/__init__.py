@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -19,8 +19,16 @@ from ..ops import OPS
 from ..ops.registry import NonFinite
 from ..result import Check, ControlCell, Kind, ScenarioResult
 from ..scenario import Scenario
-from .controls import (APPLICABLE_FACTOR, SIZED_FACTOR, applicable_faults, build, fault_applies, fault_effect,
-                       fault_sizes, not_applicable_reason)
+from .controls import (
+    APPLICABLE_FACTOR,
+    SIZED_FACTOR,
+    applicable_faults,
+    build,
+    fault_applies,
+    fault_effect,
+    fault_sizes,
+    not_applicable_reason,
+)
 from .gradients import Progress, coloured, gradient_check, independence_checks
 
 __all__ = ["APPLICABLE_FACTOR", "DEFAULT_MEMORY_BUDGET", "SIZED_FACTOR", "Progress", "applicable_faults",

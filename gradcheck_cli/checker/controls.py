@@ -2,7 +2,7 @@
 much a fault changes the output or a gradient, and why one is not applicable."""
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 

@@ -3,7 +3,7 @@
 that leaves the check without power), Richardson's verdict, and the independence test colouring rests on."""
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -106,7 +106,8 @@ def gradient_check(sc: Scenario, problem, name: str, x: np.ndarray, active, rng,
             remedy = (f"a larger epsilon (now {sc.epsilon:g}; the {sc.dtype} default is {usual:g}), "
                       if sc.epsilon < usual else "") + ("float64, or smaller shapes" if sc.dtype != "float64"
                                                          else "smaller shapes")
-        detail += (f"; no power: the largest noise floor ({float(np.max(floor)):.2g}) is over {verdict.POWER_LIMIT:.0%} of "
+        detail += (f"; no power: the largest noise floor ({float(np.max(floor)):.2g}) is over "
+                   f"{verdict.POWER_LIMIT:.0%} of "
                    f"the largest gradient ({size:.2g}), so errors that size would pass unseen: use {remedy}")
     elif outcome == "pass" and resolvable and negligible:
         detail += (f"; zero to within the noise floor ({top_floor:.2g}), which is small against the largest "
@@ -186,8 +187,8 @@ def _verdict(sc, problem, name, x, ana, num, allowed, floor, sites, ok, directio
     half = sc.epsilon / 2
     if sc.mode == "directional":
         grad = problem.gradients[name]
-        num_half, _ = numeric.directions(lambda c: problem.loss(name, c), x, grad, probe, direction_seed, half, chunking,
-                                         size=_size(problem, name))
+        num_half, _ = numeric.directions(lambda c: problem.loss(name, c), x, grad, probe, direction_seed, half,
+                                         chunking, size=_size(problem, name))
     else:
         num_half = numeric.elements(lambda c: problem.loss(name, c), x, sites[probe], half, chunking,
                                     size=_size(problem, name))

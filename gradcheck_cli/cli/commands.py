@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
 import click
@@ -126,7 +125,8 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
 @click.argument("reports", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option("--json", "json_path", type=click.Path(path_type=str),
               help="Write the merged JSON report here (written atomically).")
-@click.option("--junit", "junit_path", type=click.Path(path_type=str), help="Write a JUnit XML report of the merge here.")
+@click.option("--junit", "junit_path", type=click.Path(path_type=str),
+              help="Write a JUnit XML report of the merge here.")
 def merge(reports, json_path, junit_path):
     """Combine the JSON REPORTS of several runs into one report and one verdict.
 
@@ -203,7 +203,8 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
     out, sweeps, failed = _console(), [], False
     for sc in scenarios:
         try:  # an implementation runs in a process of its own, as in 'run'
-            result = sweep_isolated(config, sc, steps, samples) if sc.implementation else stepsweep.sweep(sc, steps, samples)
+            result = (sweep_isolated(config, sc, steps, samples) if sc.implementation
+                      else stepsweep.sweep(sc, steps, samples))
         except GradcheckError as exc:
             raise _fail(str(exc)) from None
         if isinstance(result, str):

@@ -40,7 +40,7 @@ def _error(message: str) -> None:
     click.echo(f"error: {text}", err=True)
 
 
-def _fail(message: str) -> "click.exceptions.Exit":
+def _fail(message: str) -> click.exceptions.Exit:
     """Print the one-line error and return the exit (2) to raise."""
     _error(message)
     return click.exceptions.Exit(ExitCode.BAD_INPUT)

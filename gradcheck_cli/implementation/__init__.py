@@ -164,7 +164,8 @@ def call(fn, what: str, args: tuple, expected: dict[str, tuple[tuple[int, ...], 
             raise ImplementationFailure(f"{what} must return numpy arrays; {name} is {kind}", name)
         arr = np.array(value, copy=True, subok=False)
         if arr.shape != shape:
-            raise ImplementationFailure(f"{what} returned {name} of shape {list(arr.shape)}, expected {list(shape)}", name)
+            raise ImplementationFailure(f"{what} returned {name} of shape {list(arr.shape)}, "
+                                        f"expected {list(shape)}", name)
         if arr.dtype != dtype:
             raise ImplementationFailure(f"{what} returned {name} of dtype {arr.dtype}, expected {dtype}", name)
         bad = ~np.isfinite(arr)

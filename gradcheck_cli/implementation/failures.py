@@ -28,8 +28,9 @@ def determinism(name: str, first: dict[str, np.ndarray], second: dict[str, np.nd
             worst, worst_t, allowed_w = float(diff.ravel()[flat]), t, allowed
             worst_i = tuple(int(i) for i in np.unravel_index(flat, diff.shape))
     passed = worst <= allowed_w
-    differing = [t for t, a in first.items() if float(np.abs(a.astype(np.float64) - second[t].astype(np.float64))
-                                                       .max(initial=0.0)) > tolerance * float(np.abs(a).max(initial=0.0))]
+    differing = [t for t, a in first.items()
+                 if float(np.abs(a.astype(np.float64) - second[t].astype(np.float64)).max(initial=0.0))
+                 > tolerance * float(np.abs(a).max(initial=0.0))]
     where = f"{worst_t}[{', '.join(map(str, worst_i))}]" if worst_i else (worst_t or "-")
     detail = (f"{name} run twice on the same inputs: " + ("identical results" if worst == 0 else
               f"largest difference {worst:.3g} at {where}") + (f" (nondet_tol {tolerance:g} of the largest value)"

@@ -4,7 +4,8 @@ from __future__ import annotations
 from . import attention, block, infonce, layernorm, logit_scale, projections, rmsnorm, rope, swiglu
 from .registry import Fault, Op, Problem
 
-OPS: dict[str, Op] = {op.name: op for op in (attention.OP, projections.OP, rope.OP, rmsnorm.OP, swiglu.OP, block.OP, infonce.OP, logit_scale.OP, layernorm.OP)}
+OPS: dict[str, Op] = {op.name: op for op in (attention.OP, projections.OP, rope.OP, rmsnorm.OP, swiglu.OP, block.OP,
+                                             infonce.OP, logit_scale.OP, layernorm.OP)}
 
 #: The op of a scenario without ``op:``.
 DEFAULT_OP = attention.OP.name

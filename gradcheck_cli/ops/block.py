@@ -15,7 +15,7 @@ applies here under the same name.
 """
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
 
 import numpy as np
 
@@ -120,7 +120,8 @@ def build(sc, faults: Collection[str] = ()):
         for w in ("w3", "w2"):
             value = float(np.sum(grads[w].astype(np.float64) * data[w]))
             out.append(invariants.bounded(f"<G_{w.upper()}, {w.upper()}> = sum(G * SwiGLU)", f"g_{w}",
-                                          np.asarray([value - target]), INVARIANT_ULPS * eps * max(size, 1.0) * EULER_MARGIN,
+                                          np.asarray([value - target]),
+                                          INVARIANT_ULPS * eps * max(size, 1.0) * EULER_MARGIN,
                                           f"the block is affine in {w.upper()}: {value:.9g} against {target:.9g}"))
         return out
 
@@ -153,7 +154,8 @@ def _memory(sc) -> int:
 
 
 #: A small scenario on which every fault of this op applies (the fault contract's).
-EXAMPLE = {"batch": 2, "n_q": 6, "d_model": 12, "d_ff": 16, "d_head": 4, "heads_q": 4, "heads_kv": 2, "mask": {"causal": "lower-right"}}
+EXAMPLE = {"batch": 2, "n_q": 6, "d_model": 12, "d_ff": 16, "d_head": 4, "heads_q": 4, "heads_kv": 2,
+           "mask": {"causal": "lower-right"}}
 
 OP = Op(name="block", summary="pre-norm transformer block (RMSNorm, RoPE attention with projections, SwiGLU, "
                               "residuals): gradients of x and every parameter",

@@ -5,7 +5,7 @@ weight [d, f] multiplying x [B, n, d] needs one: copies [C, 1, d, f] @ x -> [C, 
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 

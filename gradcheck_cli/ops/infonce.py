@@ -13,7 +13,7 @@ Jacobians (u - u_hat (u_hat . u)) / |x|; G_tau = -sum(G_z * s) / tau^2.
 """
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
 
 import numpy as np
 
@@ -175,7 +175,8 @@ def _validate(params: dict, base: dict) -> list:
 #: A small scenario on which every fault of this op applies (the fault contract's).
 EXAMPLE = {"batch": 4, "dim": 8}
 
-OP = Op(name="infonce", summary="InfoNCE retriever loss with in-batch and hard negatives: gradients of q, p, n (and tau)",
+OP = Op(name="infonce", summary="InfoNCE retriever loss with in-batch and hard negatives: gradients of q, p, n "
+                                "(and tau)",
         tensors=("q", "p", "n", "tau"), faults=FAULTS, build=build,
         keys={"dim": Param("int", help="embedding width, e.g. 'dim: 8'"),
               "hard_negatives": Param("int", 0, "hard negatives per query", minimum=0),

@@ -13,7 +13,7 @@ and the invariants below on its gradients.
 """
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
 
 import numpy as np
 
@@ -28,7 +28,8 @@ _ADDED = "adds to the implementation's gradients the change this bug makes to th
 
 FAULTS = {f.name: f for f in (
     Fault("layernorm-mean-term", "G_x drops -mean(g), the feedback of the centring x - mu",
-          ("gradient x", "G_x rows sum to 0", "<G_x, x> = 0 per row when eps = 0", "backward agrees with the reference"),
+          ("gradient x", "G_x rows sum to 0", "<G_x, x> = 0 per row when eps = 0",
+           "backward agrees with the reference"),
           user=_ADDED),
     Fault("layernorm-scale-term", "G_x drops -xhat mean(g xhat), the feedback of the scale s",
           ("gradient x", "<G_x, x> = 0 per row when eps = 0", "backward agrees with the reference"), user=_ADDED),

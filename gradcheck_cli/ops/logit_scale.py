@@ -12,8 +12,8 @@ shows the naive prediction outside the interval and this exact one inside.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from statistics import NormalDist
-from typing import Collection
 
 import numpy as np
 
@@ -108,7 +108,8 @@ OP = Op(name="logit-scale", summary="A.10.4 as an experiment: Var(q.k) = d sigma
               "sigma_q": Param("float", 1.0, "standard deviation of q's coordinates"),
               "sigma_k": Param("float", 1.0, "standard deviation of k's coordinates"),
               "draws": Param("int", 20000, "pairs (q, k) drawn per d"),
-              "correlation": Param("float", 0.0, "rho in [0, 1): correlation between a vector's coordinates", minimum=0.0),
+              "correlation": Param("float", 0.0, "rho in [0, 1): correlation between a vector's coordinates",
+                                   minimum=0.0),
               "confidence": Param("float", 0.999, "of the intervals")},
         validate=_validate, shapes=lambda sc: {}, common_keys=("name", "op", "seed"),
         memory=lambda sc: 4 * 8 * sc.p("draws") * max(sc.p("d_heads")),  # it has no tensors of its own

@@ -15,7 +15,7 @@ G_M = G_K W_K^T + G_V W_V^T: only paths that really share an input are summed.
 """
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
 
 import numpy as np
 
@@ -186,7 +186,8 @@ def mask_invariants(sc, source: str, data: dict, forward, backward) -> list:
         unseen[:, 0] = False
     checks.append(invariants.bounded(
         f"unseen {source} rows get zero gradient", source, grads[source][unseen], 0.0,
-        f"loss on query row 0 only; the {int(unseen.sum())} {source} rows it cannot see must get exactly zero gradient"))
+        f"loss on query row 0 only; the {int(unseen.sum())} {source} rows it cannot see must get exactly zero "
+        "gradient"))
     return checks
 
 
@@ -204,7 +205,8 @@ def _memory(sc) -> int:
 
 
 #: A small scenario on which every fault of this op applies (the fault contract's).
-EXAMPLE = {"batch": 2, "d_model": 12, "d_head": 4, "n_q": 6, "heads_q": 4, "heads_kv": 2, "mask": {"causal": "lower-right"}}
+EXAMPLE = {"batch": 2, "d_model": 12, "d_head": 4, "n_q": 6, "heads_q": 4, "heads_kv": 2,
+           "mask": {"causal": "lower-right"}}
 
 OP = Op(name="attention-projections",
         summary="attention with Q/K/V/O projections and head split/merge: gradients of x (and m), W_Q, W_K, W_V, W_O",

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -174,14 +175,14 @@ class Op:
     describe: Callable[[Any], str] | None = None
     common_keys: tuple[str, ...] | None = None  # the shared keys it takes (default: all of them)
     memory: Callable[[Any], int] | None = None  # bytes a scenario needs (load-time estimate; default: its tensors')
-    why_not: Callable[[Any, str], str | None] | None = None
+    why_not: Callable[[Any, str], str | None] | None = None  # why a fault cannot apply to a scenario, if known
     # Capabilities, as data: they drive the loader, the CLI's choices, the schema and the fault contract.
     backends: tuple[str, ...] = ("numpy",)       # values of ``backend:`` (more than one: ``backend``/``device`` apply)
     dtypes: tuple[str, ...] = ("float64", "float32")  # values of ``dtype:``
     implementation: Interface | None = None     # the ``implementation:`` it accepts, if any
     colouring: bool = False                     # its output splits into independent blocks (``Problem.parts``)
     example: Mapping[str, Any] = field(default_factory=dict)  # scenario keys on which every engine fault applies
-    non_finite: Callable[[Any], NonFinite] | None = None  # what NaN or inf in a scenario means for this op  # why a fault cannot apply to a scenario, if known
+    non_finite: Callable[[Any], NonFinite] | None = None  # what NaN or inf in a scenario means for this op
 
     def problem(self, sc, faults=(), sizes: dict[str, float] | None = None) -> Problem:
         """The problem of scenario ``sc`` with ``faults`` injected (``sizes``: of the sized faults), from the

@@ -7,7 +7,7 @@ normalisation-scale feedback term); G_gamma = sum over rows of G_y * x / r.
 """
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
 
 import numpy as np
 

@@ -10,7 +10,7 @@ map, so the backward is its transpose: the upstream gradient rotated by the oppo
 """
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
 
 import numpy as np
 

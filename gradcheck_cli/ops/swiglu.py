@@ -9,7 +9,7 @@ G_x = G_a W_1^T + G_b W_3^T.
 """
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
 
 import numpy as np
 

@@ -3,7 +3,7 @@ results, the command that re-runs a scenario, and the plain-text lines of a fail
 from __future__ import annotations
 
 import shlex
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..diagnose import ranges
 from ..result import ScenarioResult
@@ -65,7 +65,8 @@ def diagnosis_lines(c, indent: str = "    ") -> list[str]:
             lines.append(f"{indent}  {str(i * heat['bin'][0]).rjust(width)} |{cells}|")
     if d["worst"]:
         lines.append(indent + "worst: " + "; ".join(
-            f"{c.tensor}{'[' + ', '.join(map(str, w['index'])) + ']' if w['index'] else ''} analytic {_g(w['analytic'])} numeric {_g(w['numeric'])}"
+            f"{c.tensor}{'[' + ', '.join(map(str, w['index'])) + ']' if w['index'] else ''} "
+            f"analytic {_g(w['analytic'])} numeric {_g(w['numeric'])}"
             for w in d["worst"]))
     return lines
 
@@ -74,5 +75,6 @@ def failure_message(c) -> str:
     """One line: the check, the tensor and where it is worst."""
     where = ""
     if c.worst_index is not None and c.kind == "invariant":
-        where = f" at {c.tensor}[{', '.join(map(str, c.worst_index))}] (violation {_g(c.max_abs_error, '.3g')}, allowed {_g(c.tolerance, '.3g')})"
+        where = (f" at {c.tensor}[{', '.join(map(str, c.worst_index))}] "
+                 f"(violation {_g(c.max_abs_error, '.3g')}, allowed {_g(c.tolerance, '.3g')})")
     return f"{c.name} ({c.tensor}){where}: {c.detail}"

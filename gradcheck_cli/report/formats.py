@@ -6,14 +6,13 @@ import io
 import json
 import math
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from types import SimpleNamespace
-from typing import Sequence
 
 from .. import __version__
 from ..result import ControlCell, ScenarioResult, controls_verdict
 from . import schema as report_schema
 from .common import diagnosis_lines, failure_message, reproduce_command, summary, verdict
-
 
 #: Version of the JSON report layout (README "JSON report"). Bumped on any incompatible change.
 JSON_SCHEMA_VERSION = report_schema.SCHEMA_VERSION
@@ -124,7 +123,8 @@ def junit_xml(report: dict) -> bytes:
             case = ET.SubElement(suite, "testcase", classname="attn-gradcheck.negative-controls",
                                  name=f"{c['fault']} on {c['scenario']}")
             if c["status"] == "missed":
-                ET.SubElement(case, "failure", message=f"fault {c['fault']} not detected (effect {_num(c['effect'], '.2e')})")
+                ET.SubElement(case, "failure",
+                              message=f"fault {c['fault']} not detected (effect {_num(c['effect'], '.2e')})")
             elif c["status"] == "not applicable":
                 ET.SubElement(case, "skipped", message=f"not applicable (effect {_num(c['effect'], '.2e')})"
                               + (f": {c['reason']}" if c.get("reason") else ""))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 from .. import __version__
 from ..errors import GradcheckError
@@ -19,7 +19,8 @@ def merge_reports(reports: Sequence[tuple[str, dict]]) -> dict:
     ours, is from an interrupted run, or when shards are missing or overlap."""
     groups: dict[str, list[tuple[str, dict]]] = {}
     for path, data in reports:
-        if not isinstance(data, dict) or data.get("tool") != "attn-gradcheck" or not isinstance(data.get("scenarios"), list):
+        if (not isinstance(data, dict) or data.get("tool") != "attn-gradcheck"
+                or not isinstance(data.get("scenarios"), list)):
             raise GradcheckError(f"{path}: not an attn-gradcheck JSON report")
         if data.get("schema_version") != JSON_SCHEMA_VERSION:
             raise GradcheckError(f"{path}: schema_version {data.get('schema_version')!r}; this version merges "

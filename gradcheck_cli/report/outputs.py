@@ -9,8 +9,8 @@ import os
 import re
 import stat
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -131,7 +131,7 @@ class StagedWrites:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
 
-    def __enter__(self) -> "StagedWrites":
+    def __enter__(self) -> StagedWrites:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -3,7 +3,7 @@
 ``merge_reports``). Writers are looked up here by name (model: check-jsonschema's REPORTER_BY_NAME)."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .formats import json_bytes, junit_xml
 

@@ -3,7 +3,7 @@ report and an epsilon sweep (plain aligned columns when the output is not a term
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from rich import box
 from rich.console import Console
@@ -184,6 +184,6 @@ def render_sweep(console: Console, sweep, description: str) -> None:
         rows.append(cells + (["<- run"] if h == sweep.chosen else [""]))
     _table(console, f"{sweep.name} ({description}): relative error against epsilon", ["epsilon"] + tensors + [""],
            rows, [True] * (1 + len(tensors)) + [False])
-    console.print("  large steps: truncation (~h^2); small steps: rounding (~eps/h); * = smallest error; <- run = the step "
-                  "the run uses", soft_wrap=True)
+    console.print("  large steps: truncation (~h^2); small steps: rounding (~eps/h); * = smallest error; "
+                  "<- run = the step the run uses", soft_wrap=True)
     console.print()

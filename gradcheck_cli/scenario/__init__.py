@@ -17,9 +17,26 @@ line numbers), ``fields`` (the keys, their limits and typed readers), ``sweep``,
 ``Scenario`` record), ``resources`` (memory), ``visible`` (explicit masks), ``parse`` (one scenario),
 ``loader`` (files and lists of scenarios) and ``schema`` (the JSON Schema).
 """
-from .fields import (ATTENTION_KEYS, BACKEND_KEYS, BACKENDS, CHECK_KEYS, COMMON_KEYS, DEVICES, ENGINES, LOW_PRECISION,
-                     MASK_KEYS, MAX_DIRECTIONS, MAX_EPSILON, MAX_SCALE, MAX_TOLERANCE, MODES, NAME_RE, NESTED,
-                     SCENARIO_KEYS, TOP_KEYS)
+from .fields import (
+                     ATTENTION_KEYS,
+                     BACKEND_KEYS,
+                     BACKENDS,
+                     CHECK_KEYS,
+                     COMMON_KEYS,
+                     DEVICES,
+                     ENGINES,
+                     LOW_PRECISION,
+                     MASK_KEYS,
+                     MAX_DIRECTIONS,
+                     MAX_EPSILON,
+                     MAX_SCALE,
+                     MAX_TOLERANCE,
+                     MODES,
+                     NAME_RE,
+                     NESTED,
+                     SCENARIO_KEYS,
+                     TOP_KEYS,
+)
 from .loader import load, loads, read_files, select, with_engine
 from .model import Scenario, default_kv_map
 from .resources import available_memory, cgroup_room, need

@@ -6,6 +6,7 @@ import math
 import re
 from typing import Any
 
+from ..errors import ScenarioError
 from ..ops import OPS
 from ..ops.registry import REQUIRED, Param
 from .yaml_lines import _Doc, _show
@@ -132,7 +133,8 @@ def _merge(doc: _Doc, defaults: dict, scenario: dict, index: int) -> dict[str, t
             allowed = SCENARIO_KEYS if source is scenario else tuple(k for k in SCENARIO_KEYS if k != "name")
             if key not in allowed:
                 owner = next((n for n, subkeys in NESTED.items() if key in subkeys), None)
-                hint = f"'{key}' belongs under '{owner}:' ({owner}: {{{key}: ...}})" if owner else _suggest(key, allowed)
+                hint = (f"'{key}' belongs under '{owner}:' ({owner}: {{{key}: ...}})" if owner
+                        else _suggest(key, allowed))
                 raise doc.error(path, f"unknown key '{key}'", hint=hint)
             if key in NESTED:
                 if value is not None:

@@ -7,11 +7,27 @@ from pathlib import Path
 
 from .. import implementation, masks
 from ..ops import DEFAULT_OP, OPS
-from ..ops.registry import IMPLEMENTATION_CHECK_KEYS
 from ..ops.attention.formulas import DEFAULT_BLOCK
+from ..ops.registry import IMPLEMENTATION_CHECK_KEYS
 from ..tolerance import DEFAULT_FACTOR, defaults_for, machine_epsilon
-from .fields import (ATTENTION_KEYS, BACKEND_KEYS, COMMON_KEYS, DEFAULT_DIRECTIONS, DEFAULT_SAMPLES, DEVICES, MIN_STEP_ULPS, LOW_PRECISION, MAX_DIRECTIONS,
-                     MAX_EPSILON, MAX_SCALE, MAX_TOLERANCE, MODES, NAME_RE, _Fields, _read_param)
+from .fields import (
+    ATTENTION_KEYS,
+    BACKEND_KEYS,
+    COMMON_KEYS,
+    DEFAULT_DIRECTIONS,
+    DEFAULT_SAMPLES,
+    DEVICES,
+    LOW_PRECISION,
+    MAX_DIRECTIONS,
+    MAX_EPSILON,
+    MAX_SCALE,
+    MAX_TOLERANCE,
+    MIN_STEP_ULPS,
+    MODES,
+    NAME_RE,
+    _Fields,
+    _read_param,
+)
 from .model import Scenario, default_kv_map
 from .resources import _Probe, need
 from .visible import _load_visible
@@ -33,7 +49,8 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
         if top not in allowed or (key in IMPLEMENTATION_CHECK_KEYS and not op_spec.takes(key)):
             owners = [o.name for o in OPS.values() if top in o.keys or (top in ATTENTION_KEYS and o.attention_keys)
                       or o.takes(top) or (top == "check" and o.takes(key))]
-            raise f.error(key, f"does not apply to op {op}" + (f" (it is a key of {', '.join(owners)})" if owners else ""),
+            raise f.error(key, f"does not apply to op {op}"
+                          + (f" (it is a key of {', '.join(owners)})" if owners else ""),
                           hint=f"keys of op {op}: {', '.join(sorted(allowed - {'name', 'op'}))}")
     if not op_spec.attention_keys:
         return _parse_plain(doc, f, name, op, base_dir, memory_limit)
@@ -144,7 +161,8 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     if empty is not None:
         b, h, i = empty
         constraints = [c for c, on in (("causal", causal != "none"), ("window", window is not None),
-                                       ("key_lengths", key_lengths is not None), ("visible", explicit is not None)) if on]
+                                       ("key_lengths", key_lengths is not None),
+                                       ("visible", explicit is not None)) if on]
         given = [k for k in ("mask.visible", "mask.key_lengths", "mask.window", "mask.causal") if f.has(k)]
         swept = [k for k in given if "sweep" in f.where(k)]
         raise doc.error(f.where((swept or given)[0]) if given else f.path,
@@ -159,11 +177,11 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     return Scenario(name=name, op=op, batch=batch, heads_q=heads_q, heads_kv=heads_kv, kv_map=tuple(kv_map),
                     n_q=n_q, n_k=n_k, d_head=d_head, d_value=d_value, scale=scale, causal=causal,
                     window=window, key_lengths=key_lengths, visible_source=source, loss_rows=loss_rows,
-                    mode=mode, samples=samples, directions=directions, colouring=colouring, dtype=dtype, epsilon=epsilon,
-                    tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
-                    implementation=spec, backend=backend, device=device, factor=factor, slack=slack, nondet_tol=nondet_tol,
-                    visible=visible, base_dir=str(base_dir), implementation_line=spec_line, timeout=timeout, params=tuple(params.items()), engine=engine,
-                    block_q=block_q, block_k=block_k)
+                    mode=mode, samples=samples, directions=directions, colouring=colouring, dtype=dtype,
+                    epsilon=epsilon, tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
+                    implementation=spec, backend=backend, device=device, factor=factor, slack=slack,
+                    nondet_tol=nondet_tol, visible=visible, base_dir=str(base_dir), implementation_line=spec_line,
+                    timeout=timeout, params=tuple(params.items()), engine=engine, block_q=block_q, block_k=block_k)
 
 
 def _user_code_policy(f: _Fields) -> tuple[float, float | None, float, float]:
@@ -175,7 +193,8 @@ def _user_code_policy(f: _Fields) -> tuple[float, float | None, float, float]:
     nondet_tol = f.float("check.nondet_tol", 0.0, positive=False)
     if f.has("check.nondet_tol") and not f.has("implementation") and f.where("check.nondet_tol")[0] != "defaults":
         raise f.error("check.nondet_tol", "applies to a scenario with an implementation: the built-in engines are "
-                      "deterministic and are not run twice", hint="remove it, or add 'implementation: module:attribute'")
+                      "deterministic and are not run twice",
+                      hint="remove it, or add 'implementation: module:attribute'")
     if nondet_tol < 0:
         raise f.error("check.nondet_tol", f"must be >= 0, got {nondet_tol}",
                       hint="0 (the default) requires two calls on the same inputs to agree bit for bit")

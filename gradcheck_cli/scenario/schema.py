@@ -4,8 +4,18 @@ from __future__ import annotations
 from .. import implementation, masks
 from ..ops import OPS
 from ..ops.attention.formulas import DEFAULT_BLOCK
-from .fields import (BACKENDS, DEVICES, ENGINES, MAX_DIRECTIONS, MAX_EPSILON, MAX_TOLERANCE, MODES,
-                     NAME_RE, NESTED, SCENARIO_KEYS)
+from .fields import (
+    BACKENDS,
+    DEVICES,
+    ENGINES,
+    MAX_DIRECTIONS,
+    MAX_EPSILON,
+    MAX_TOLERANCE,
+    MODES,
+    NAME_RE,
+    NESTED,
+    SCENARIO_KEYS,
+)
 
 
 def json_schema() -> dict:
@@ -16,7 +26,8 @@ def json_schema() -> dict:
     side = {"oneOf": [{"type": "null"}, {"type": "integer", "minimum": -1}]}
     number = {"oneOf": [{"type": "number"}, {"type": "string"}]}
     mask = {"type": "object", "additionalProperties": False, "properties": {
-        "causal": {"enum": list(masks.CAUSAL) + [None], "description": "upper-left: j <= i; lower-right: j <= i + n_k - n_q"},
+        "causal": {"enum": list(masks.CAUSAL) + [None],
+                   "description": "upper-left: j <= i; lower-right: j <= i + n_k - n_q"},
         "window": {"type": "array", "items": side, "minItems": 2, "maxItems": 2,
                    "description": "(left, right) around the diagonal, as FlashAttention's window_size"},
         "key_lengths": {**ints, "description": "valid keys per batch element"},
@@ -33,7 +44,8 @@ def json_schema() -> dict:
         "backend": {"enum": list(BACKENDS)}, "device": {"enum": list(DEVICES)},
         "batch": pos, "heads_q": pos, "heads_kv": pos, "kv_map": ints, "n_q": pos, "n_k": pos,
         "d_head": pos, "d_value": pos, "scale": number, "mask": mask, "loss_rows": ints, "check": check,
-        "dtype": {"enum": list(dict.fromkeys(d for op in OPS.values() for d in op.dtypes))}, "epsilon": {**number, "maximum": MAX_EPSILON},
+        "dtype": {"enum": list(dict.fromkeys(d for op in OPS.values() for d in op.dtypes))},
+        "epsilon": {**number, "maximum": MAX_EPSILON},
         "tolerance": {**number, "maximum": MAX_TOLERANCE},
         "seed": {"type": "integer", "minimum": 0},
         "engine": {"enum": list(ENGINES), "description": "naive (default) or tiled (FlashAttention-style: online "

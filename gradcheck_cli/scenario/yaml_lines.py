@@ -68,7 +68,8 @@ class _Doc:
             node = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
             self.value = self._convert(node, ()) if node is not None else None
         except yaml.YAMLError as exc:
-            raise ScenarioError(f"not valid YAML: {_yaml_problem(exc)}", file=file, line=_yaml_line(exc, text)) from None
+            raise ScenarioError(f"not valid YAML: {_yaml_problem(exc)}", file=file,
+                                line=_yaml_line(exc, text)) from None
         except RecursionError:
             raise ScenarioError("the YAML is nested too deeply to be a scenario file", file=file) from None
 

@@ -8,6 +8,7 @@ from click.testing import CliRunner
 
 from gradcheck_cli.cli import main
 from gradcheck_cli.ops import FAULTS
+
 from helpers import CONFIGS
 
 
@@ -104,7 +105,8 @@ def test_out_of_memory_is_exit_2_without_a_traceback(root, monkeypatch):
 
 def test_select_deselect_and_the_reproduce_line(root, tmp_path):
     config = str(root / "configs/quickstart.yaml")
-    result = run("run", config, "--select", "c*", "--deselect", "cross-*", "--fault", "scale", "--json", tmp_path / "r.json")
+    result = run("run", config, "--select", "c*", "--deselect", "cross-*", "--fault", "scale",
+                 "--json", tmp_path / "r.json")
     names = [s["name"] for s in json.loads((tmp_path / "r.json").read_text())["scenarios"]]
     assert names == ["causal-self", "cache-gqa"] and result.exit_code == 1
     line = next(l for l in result.stdout.splitlines() if "reproduce:" in l and "cache-gqa" in l)

@@ -6,13 +6,16 @@ import os
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gradcheck_cli.cli import main
 from gradcheck_cli.ops import FAULTS
+
 from helpers import examples
 
-TINY = "scenarios:\n  - {name: a, n_q: 2, d_head: 2, mask: {causal: lower-right}}\n  - {name: b, n_q: 3, n_k: 4, d_head: 2, sweep: {batch: [1, 2]}}\n"
+TINY = ("scenarios:\n  - {name: a, n_q: 2, d_head: 2, mask: {causal: lower-right}}\n"
+        "  - {name: b, n_q: 3, n_k: 4, d_head: 2, sweep: {batch: [1, 2]}}\n")
 BAD = "scenarios:\n  - {name: a, n_q: 0, d_head: 2}\n"
 
 

@@ -6,11 +6,13 @@ import platform
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gradcheck_cli import checker, numeric
 from gradcheck_cli.ops import attention
 from gradcheck_cli.ops.attention import copies, naive
+
 from helpers import examples, make
 from strategies import problems
 

@@ -5,9 +5,10 @@ from hypothesis import assume, given
 
 from gradcheck_cli import checker
 from gradcheck_cli.ops import attention as A
+
 from helpers import make, random_inputs
 from reference import attention_loops
-from strategies import valid_or_none, scenarios
+from strategies import scenarios, valid_or_none
 
 
 @given(scenarios())
@@ -93,7 +94,8 @@ def test_backward_matches_torch_autograd(keys):
     o = torch.softmax(s, dim=-1) @ tv[:, idx]
     (o * torch.tensor(g)).sum().backward()
     grads = A.backward(q, k, v, sc.visible, sc.scale, kv_map, g)
-    np.testing.assert_allclose(A.forward(q, k, v, sc.visible, sc.scale, kv_map), o.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(A.forward(q, k, v, sc.visible, sc.scale, kv_map), o.detach().numpy(),
+                               rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(grads.q, tq.grad.numpy(), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(grads.k, tk.grad.numpy(), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(grads.v, tv.grad.numpy(), rtol=1e-10, atol=1e-12)

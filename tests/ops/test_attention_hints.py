@@ -5,6 +5,7 @@ each bug fails (or, for correct float32-internal code, is inconclusive with the 
 import pytest
 
 from gradcheck_cli import checker
+
 from helpers import make
 
 #: A phrase that only the hint of each cause contains.
@@ -165,7 +166,8 @@ def test_torch_flavour_bugs_get_the_right_verdict_and_hint(bug, dtype, cause):
 
 
 @pytest.mark.parametrize("bug,tensor,dtypes", [("inplace_grad_o", "grad_o", ("float64", "float32", "bfloat16")),
-                                               ("inplace_input", "q", ("float64", "float32"))])  # q x 1.001 rounds back to q in bfloat16
+                                               # q x 1.001 rounds back to q in bfloat16
+                                               ("inplace_input", "q", ("float64", "float32"))])
 def test_torch_flavour_mutation_is_reported_and_cannot_rewrite_the_loss(bug, tensor, dtypes):
     pytest.importorskip("torch")
     for dtype in dtypes:

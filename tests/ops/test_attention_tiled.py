@@ -13,6 +13,7 @@ from gradcheck_cli.cli import main
 from gradcheck_cli.errors import ScenarioError
 from gradcheck_cli.ops import attention
 from gradcheck_cli.ops.attention import tiled
+
 from helpers import CONFIGS, examples, load_config, make
 from strategies import problems
 
@@ -65,7 +66,8 @@ def test_every_shipped_attention_scenario_passes_on_the_tiled_engine():
     for sc in _attention_scenarios():
         for bq, bk in ((64, 64), (3, 5)):
             result = checker.run_scenario(dataclasses.replace(sc, engine="tiled", block_q=bq, block_k=bk))
-            assert result.passed, (sc.name, bq, bk, [(c.name, c.tensor, c.detail) for c in result.checks if not c.passed])
+            assert result.passed, (sc.name, bq, bk,
+                                   [(c.name, c.tensor, c.detail) for c in result.checks if not c.passed])
             assert any(c.name == "tiled agrees with the naive engine" for c in result.checks)
             ran += 1
     assert ran >= 40
@@ -142,7 +144,8 @@ def test_the_engine_is_recorded_in_reports_and_merge_refuses_a_mix(root, tmp_pat
     assert out.exit_code == 1 and "--fault gqa-sum --engine tiled" in out.output
     data = __import__("json").loads((tmp_path / "t.json").read_text())
     assert data["engine"] == "tiled" and {s["engine"] for s in data["scenarios"]} == {"tiled"}
-    assert run(main, ["run", cfg, "--shard", "1/2", "--engine", "tiled", "--json", str(tmp_path / "a.json")]).exit_code == 0
+    assert run(main, ["run", cfg, "--shard", "1/2", "--engine", "tiled",
+                      "--json", str(tmp_path / "a.json")]).exit_code == 0
     assert run(main, ["run", cfg, "--shard", "2/2", "--json", str(tmp_path / "b.json")]).exit_code == 0
     mixed = run(main, ["merge", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
     assert mixed.exit_code == 2 and "different engines" in mixed.stderr

@@ -8,12 +8,13 @@ from click.testing import CliRunner
 from hypothesis import assume, given, settings
 
 from gradcheck_cli import checker
-from gradcheck_cli.scenario import load as load_file
 from gradcheck_cli.cli import main
 from gradcheck_cli.errors import ScenarioError
 from gradcheck_cli.ops import attention as engine
+from gradcheck_cli.scenario import load as load_file
+
 from helpers import examples, make
-from strategies import valid_or_none, scenarios
+from strategies import scenarios, valid_or_none
 
 torch = pytest.importorskip("torch")
 from gradcheck_cli.ops.attention import torch_engine as torch_backend  # noqa: E402
@@ -31,7 +32,8 @@ def test_torch_formulas_match_the_numpy_engine_and_every_check_passes(keys):
     kv = np.array(sc.kv_map)
     ref = engine.backward(*(inputs[t] for t in "qkv"), sc.visible, sc.scale, kv, g)
     t = [torch.from_numpy(inputs[n]) for n in "qkv"]
-    got = torch_backend.backward(*t, torch.from_numpy(sc.visible), sc.scale, torch.tensor(sc.kv_map), torch.from_numpy(g))
+    got = torch_backend.backward(*t, torch.from_numpy(sc.visible), sc.scale, torch.tensor(sc.kv_map),
+                                 torch.from_numpy(g))
     for mine, theirs in zip(got, (ref.q, ref.k, ref.v)):
         np.testing.assert_allclose(mine.numpy(), theirs, rtol=1e-10, atol=1e-12)
     result = checker.run_scenario(sc)
@@ -87,7 +89,8 @@ def test_the_shipped_torch_examples(root):
 
 
 @pytest.mark.parametrize("body,words", [
-    ("def f(q, k, v, visible, scale, kv_map):\n    raise RuntimeError('no kernel')\n", "forward raised RuntimeError: no kernel"),
+    ("def f(q, k, v, visible, scale, kv_map):\n    raise RuntimeError('no kernel')\n",
+     "forward raised RuntimeError: no kernel"),
     ("def f(q, k, v, visible, scale, kv_map):\n    return attention(q, k, v, visible, scale, kv_map)[..., :1]\n",
      "of shape"),
     ("def f(q, k, v, visible, scale, kv_map):\n    return attention(q, k, v, visible, scale, kv_map).float()\n",

@@ -3,6 +3,7 @@ rotate_half, SDPA, SwiGLU), which also checks attention-projections as its middl
 import pytest
 
 from gradcheck_cli.ops import OPS
+
 from helpers import assert_close, make
 
 

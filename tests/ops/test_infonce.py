@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from gradcheck_cli.ops import OPS
+
 from helpers import assert_close, make
 from reference import complex_step_gradients, infonce_ref
 
@@ -18,4 +19,5 @@ def test_infonce_backward_against_complex_step(similarity, in_batch, hard, learn
     def f(q, p, n=None, tau=None):
         return infonce_ref(q, p, n, 0.5 if tau is None else tau, similarity, in_batch)
     assert_close(p.gradients, complex_step_gradients(f, p.inputs, p.arrays["grad_output"]))
-    assert np.allclose(p.output, infonce_ref(p.inputs["q"], p.inputs["p"], p.inputs.get("n"), 0.5, similarity, in_batch))
+    assert np.allclose(p.output,
+                       infonce_ref(p.inputs["q"], p.inputs["p"], p.inputs.get("n"), 0.5, similarity, in_batch))

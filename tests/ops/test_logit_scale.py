@@ -1,5 +1,6 @@
 """The logit-scale experiment (ops/logit_scale.py): its predictions fail only where the seed says."""
 from gradcheck_cli import checker
+
 from helpers import make
 
 

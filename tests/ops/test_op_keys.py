@@ -4,7 +4,6 @@ import pytest
 
 from helpers import assert_rejected
 
-
 BAD_OP_KEYS = [
     ("op: rmsnorm\n    n: 3\n", 2, "scenarios[0].d_model", "is required"),
     ("op: rmsnorm\n    d_model: 4\n    eps: -1\n", 5, "scenarios[0].eps", "must be >= 0"),

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from gradcheck_cli.ops import OPS
+
 from helpers import assert_close, make
 from reference import complex_step_gradients, projections_ref
 

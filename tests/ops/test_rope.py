@@ -2,9 +2,11 @@
 torch autograd (HF's rotate_half), its invariant catching its fault, and orthogonality for any shape."""
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gradcheck_cli.ops import OPS, rope
+
 from helpers import assert_close, make
 from reference import complex_step_gradients, rope_ref
 

@@ -2,9 +2,11 @@
 against torch autograd, its invariant catching its fault, and its Euler identities for any shape."""
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gradcheck_cli.ops import OPS, swiglu
+
 from helpers import assert_close, make
 from reference import complex_step_gradients, swiglu_ref
 

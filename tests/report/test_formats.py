@@ -8,6 +8,7 @@ from click.testing import CliRunner
 
 from gradcheck_cli.cli import main
 from gradcheck_cli.ops.attention import ENGINE_FAULTS
+
 from reference import attention_loops
 
 
@@ -50,7 +51,8 @@ def test_negative_controls_json_and_junit(root, tmp_path):
     root_el = ET.parse(tmp_path / "r.xml").getroot()
     suites = {s.get("name"): s for s in root_el.iter("testsuite")}
     assert set(suites) == set(names) | {"negative-controls"}
-    assert suites["gqa-4x2"].get("failures") == "0" and int(suites["gqa-4x2"].get("tests")) == 16  # 3 gradient checks, 3 independence checks, the fast forward, 9 invariants
+    # 3 gradient checks, 3 independence checks, the fast forward, 9 invariants
+    assert suites["gqa-4x2"].get("failures") == "0" and int(suites["gqa-4x2"].get("tests")) == 16
 
 
 def test_junit_failure_carries_the_worst_element(root, tmp_path):

@@ -47,7 +47,8 @@ def test_a_report_that_cannot_be_written_leaves_none(root, tmp_path, monkeypatch
         real(a, b)
 
     monkeypatch.setattr(outputs.os, "replace", replace)
-    result = run("run", root / "configs/quickstart.yaml", "--json", tmp_path / "r.json", "--save-arrays", tmp_path / "arrays")
+    result = run("run", root / "configs/quickstart.yaml", "--json", tmp_path / "r.json",
+                 "--save-arrays", tmp_path / "arrays")
     assert result.exit_code == 2 and "cannot write the reports" in result.stderr and "none written" in result.stderr
     assert not (tmp_path / "r.json").exists()
     assert list((tmp_path / "arrays").iterdir()) == []

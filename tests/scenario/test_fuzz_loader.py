@@ -1,10 +1,12 @@
 """The loader never raises anything but ScenarioError, whatever document it is given."""
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gradcheck_cli import scenario
 from gradcheck_cli.errors import ScenarioError
+
 from helpers import examples
 
 KEYS = (list(scenario.SCENARIO_KEYS) + list(scenario.MASK_KEYS) + list(scenario.CHECK_KEYS)
@@ -19,8 +21,9 @@ scenario_docs = st.fixed_dictionaries(
     {"name": st.one_of(st.sampled_from(["a", "b"]), scalars), "n_q": st.one_of(st.integers(1, 6), scalars),
      "d_head": st.one_of(st.integers(1, 4), scalars)},
     optional={k: values for k in KEYS if k not in ("name", "n_q", "d_head")})
-documents = st.one_of(values, st.fixed_dictionaries({"scenarios": st.lists(scenario_docs, max_size=3)},
-                                                    optional={"defaults": st.dictionaries(st.sampled_from(KEYS), values, max_size=5)}))
+documents = st.one_of(values, st.fixed_dictionaries(
+    {"scenarios": st.lists(scenario_docs, max_size=3)},
+    optional={"defaults": st.dictionaries(st.sampled_from(KEYS), values, max_size=5)}))
 
 
 @pytest.mark.slow  # a fuzzer: ~7 s in the dev profile, 3x in ci

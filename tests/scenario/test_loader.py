@@ -8,6 +8,7 @@ from click.testing import CliRunner
 from gradcheck_cli import scenario
 from gradcheck_cli.cli import main
 from gradcheck_cli.errors import ScenarioError
+
 from helpers import assert_rejected
 
 BASE = """\
@@ -28,7 +29,8 @@ BAD = [
     ("    heads_q: 2\n    kv_map: [0]\n", 6, "scenarios[0].kv_map", "has 1 entries"),
     ("    batch: 2\n    mask:\n      key_lengths: [4, 4, 4]\n", 7, "scenarios[0].mask.key_lengths", "batch is 2"),
     ("    mask:\n      key_lengths: [5]\n", 6, "scenarios[0].mask.key_lengths[0]", "out of range"),
-    ("    mask:\n      key_lengths: [0]\n", 6, "scenarios[0].mask.key_lengths", "query row 0 of batch 0, head 0 sees no key"),
+    ("    mask:\n      key_lengths: [0]\n", 6, "scenarios[0].mask.key_lengths",
+     "query row 0 of batch 0, head 0 sees no key"),
     ("    mask:\n      visible: [[true, false], [true, true]]\n", 6, "scenarios[0].mask.visible", "does not broadcast"),
     ("    mask:\n      causal: sideways\n", 6, "scenarios[0].mask.causal", "expected one of"),
     ("    mask:\n      window: [1]\n", 6, "scenarios[0].mask.window", "expected [left, right]"),
@@ -153,8 +155,10 @@ def test_defaults_are_inherited_and_overridden(tmp_path):
           - {name: b, n_q: 3, dtype: float64, check: {samples: 9}, mask: {key_lengths: [2]}}
     """)
     a, b = scenario.loads(text)
-    assert (a.dtype, a.d_head, a.causal, a.mode, a.samples, a.epsilon) == ("float32", 8, "lower-right", "sample", 7, 3e-3)
-    assert (b.dtype, b.mode, b.samples, b.causal, b.key_lengths, b.epsilon) == ("float64", "sample", 9, "lower-right", (2,), 1e-6)
+    assert ((a.dtype, a.d_head, a.causal, a.mode, a.samples, a.epsilon)
+            == ("float32", 8, "lower-right", "sample", 7, 3e-3))
+    assert ((b.dtype, b.mode, b.samples, b.causal, b.key_lengths, b.epsilon)
+            == ("float64", "sample", 9, "lower-right", (2,), 1e-6))
 
 
 def test_shape_defaults():
@@ -193,8 +197,8 @@ def test_memory_estimate_uses_the_limit():
 
 
 def test_a_mask_or_check_key_at_scenario_level_says_where_it_belongs():
-    assert_rejected("scenarios:\n  - name: a\n    n_q: 4\n    d_head: 4\n    causal: lower-right\n", 5, "scenarios[0].causal",
-                    "'causal' belongs under 'mask:'")
+    assert_rejected("scenarios:\n  - name: a\n    n_q: 4\n    d_head: 4\n    causal: lower-right\n", 5,
+                    "scenarios[0].causal", "'causal' belongs under 'mask:'")
     assert_rejected("scenarios:\n  - name: a\n    n_q: 4\n    d_head: 4\n    mode: sample\n", 5, "scenarios[0].mode",
                     "'mode' belongs under 'check:'")
 

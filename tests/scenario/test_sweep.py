@@ -8,6 +8,7 @@ from click.testing import CliRunner
 from gradcheck_cli import checker, scenario
 from gradcheck_cli.cli import main
 from gradcheck_cli.errors import GradcheckError, ScenarioError
+
 from helpers import assert_rejected
 
 
@@ -81,7 +82,8 @@ def test_bad_sweeps(sweep, line, key, words):
 
 def test_too_many_cases_is_refused():
     values = list(range(1, 20))
-    text = f"scenarios:\n  - name: s\n    d_head: 2\n    sweep:\n      n_q: {values}\n      n_k: {values}\n      batch: {values}\n"
+    text = (f"scenarios:\n  - name: s\n    d_head: 2\n    sweep:\n      n_q: {values}\n      n_k: {values}\n"
+            f"      batch: {values}\n")
     with pytest.raises(ScenarioError, match="more than 4096 scenarios"):
         scenario.loads(text, file="s.yaml")
 
@@ -105,7 +107,8 @@ def test_cli_runs_and_reproduces_a_generated_scenario(tmp_path):
     assert "s[n_q=6,mask.causal=lower-right] (B=1" in out.output  # printed as written, not as rich markup
     line = next(x for x in out.output.splitlines() if "reproduce:" in x and "n_q=6" in x)
     assert line.endswith("--select 's[n_q=6,mask.causal=lower-right]' --fault scale")
-    again = CliRunner().invoke(main, ["run", str(cfg), "--select", "s[n_q=6,mask.causal=lower-right]", "--fault", "scale"])
+    again = CliRunner().invoke(main, ["run", str(cfg), "--select", "s[n_q=6,mask.causal=lower-right]",
+                                      "--fault", "scale"])
     assert again.exit_code == 1 and "1 scenario(s)" in again.output
     results = [checker.run_scenario(sc) for sc in scenario.load(cfg)]
     assert all(r.passed for r in results)

@@ -12,10 +12,9 @@ package but the shared machinery below ``ops``):
 from __future__ import annotations
 
 from ..registry import Engine, Interface, Op
-from .memory import need as memory_need
-from .formulas import (ENGINE_FAULTS, FAULTS, Gradients, attention_weights, backward, forward, repeat_kv,
-                       sum_groups)
+from .formulas import ENGINE_FAULTS, FAULTS, Gradients, attention_weights, backward, forward, repeat_kv, sum_groups
 from .inputs import seeded_inputs
+from .memory import need as memory_need
 from .overflow import non_finite
 from .rounding import output_term_sizes, output_terms, term_sizes
 

@@ -12,8 +12,8 @@ share a KV head. The n x n softmax Jacobian is never built.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Collection
 
 import numpy as np
 
@@ -40,7 +40,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("gqa-sum", "K/V gradients: the last query head of a group overwrites instead of summing "
                      "(no effect without shared KV heads)",
           ("gradient k", "gradient v", "backward agrees with the reference"), user=_ADDED),
-    *(Fault(f"scale-d{t}", f"d{t.upper()} x (1 + 10 x the smallest relative error the clean run would have caught in it)",
+    *(Fault(f"scale-d{t}", f"d{t.upper()} x (1 + 10 x the smallest relative error the clean run would have "
+                           "caught in it)",
             (f"gradient {t}", "backward agrees with the reference"), engine=False, sized=True,
             user=f"multiplies the implementation's d{t.upper()} by that factor") for t in "qkv"),
     Fault("swap-dk-dv", "returns dV as dK and dK as dV (applies when d_head = d_value)",

@@ -102,7 +102,8 @@ def output_invariants(forward, backward_kv, inputs, visible, kv_map, o, rng, ter
     moved = np.take(shift.astype(np.float64), kv_map, axis=-3)  # [B, Hq, 1, d_v]: each query head's KV head
     checks.append(bounded_each("shifting every V row shifts O by as much", "o", o3 - o - moved,
                                ulps * eps * (terms["o_convex"] + 2 * np.abs(moved)),
-                               "O(V + c) - O(V) - c per element, c one random vector per (batch, KV head) added to every V "
+                               "O(V + c) - O(V) - c per element, c one random vector per (batch, KV head) "
+                               "added to every V "
                                f"row: the attention weights of each row sum to 1; allowed {ulps:g} ulps of "
                                f"{precision} of sum_j A_ij |V_jc| + 2 |c|",
                                guarded=float(np.abs(moved).max(initial=0.0))))

@@ -2,7 +2,7 @@
 evaluate the same forward through ``copies.Forward``, checked against ``formulas.forward`` in every run."""
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
 
 import numpy as np
 
@@ -10,8 +10,8 @@ from ...numeric import SeedStream
 from ..registry import Problem
 from . import copies
 from .formulas import attention_weights, backward, forward
-from .invariants import engine_invariants
 from .inputs import seeded_inputs
+from .invariants import engine_invariants
 from .reference import diagnosis_fields
 from .rounding import Blocks, output_terms
 

@@ -12,7 +12,8 @@ def non_finite(sc) -> NonFinite:
     """A user's implementation that overflows where the built-in engine, in the same dtype on the same
     inputs, stays finite gets its own hint; otherwise the scores are the likely cause."""
     return NonFinite(hint=_needless_overflow(sc) if sc.implementation is not None else None,
-                     cause=f", e.g. scores scale * q.k (scale is {sc.scale:g}) overflow; lower scale or use a wider dtype",
+                     cause=f", e.g. scores scale * q.k (scale is {sc.scale:g}) overflow; lower scale or use "
+                           "a wider dtype",
                      unstable=f"scale is {sc.scale:g}")
 
 

@@ -2,7 +2,7 @@
 interface variants of the faults, the reference and plain computations, and the hints' context."""
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
 
 import numpy as np
 

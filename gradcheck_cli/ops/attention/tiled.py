@@ -14,7 +14,7 @@ without it), ``scale`` (G_Q, G_K without the scale), ``gqa-sum`` (the last query
 """
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
 
 import numpy as np
 
@@ -24,11 +24,10 @@ from ...tolerance import ENGINE_AGREEMENT_ULPS, INVARIANT_ULPS
 from ..registry import Problem
 from . import formulas
 from .formulas import DEFAULT_BLOCK, repeat_kv, sum_groups
-from .invariants import output_invariants
 from .inputs import seeded_inputs
+from .invariants import output_invariants
 from .reference import diagnosis_fields
 from .rounding import Blocks, output_terms, term_sizes
-
 
 
 def _block(visible, rows: slice, cols: slice):

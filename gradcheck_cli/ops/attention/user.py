@@ -1,15 +1,15 @@
 """A user's NumPy implementation as an engine (README "Checking your own implementation")."""
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
 
 import numpy as np
 
 from ... import implementation, precision
 from ...numeric import SeedStream
 from ..registry import Problem
-from .invariants import output_invariants
 from .inputs import seeded_inputs
+from .invariants import output_invariants
 from .reference import REFERENCE_CHECKS, Interface, diagnosis_fields, hint_context, plain, reference, varies
 from .rounding import Blocks, output_terms
 

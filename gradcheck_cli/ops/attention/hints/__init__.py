@@ -20,7 +20,7 @@ on no other):
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -126,9 +126,11 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                 out.append(shift)
         factors = {t: _factor(evidence.get(t)) for t in failed}
         against = dict.fromkeys(factors, "its finite differences")
-        if context is not None:  # a constant factor the float64 reference sees (below the finite differences' tolerance)
+        # a constant factor the float64 reference sees (below the finite differences' tolerance)
+        if context is not None:
             for c in checks:
-                if c.kind == "reference" and c.verdict == "fail" and c.tensor in "qkv" and factors.get(c.tensor) is None:
+                if (c.kind == "reference" and c.verdict == "fail" and c.tensor in "qkv"
+                        and factors.get(c.tensor) is None):
                     factors[c.tensor] = _reference_factor(context, c.tensor)
                     against[c.tensor] = "the float64 reference's"
         scale_hint = _scale(sc, factors, verdicts)

@@ -4,8 +4,8 @@ its forward with it: what it computes instead of attention, whether it mixes bat
 rows it never reads, and whether its backward ignores the mask."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -13,7 +13,6 @@ from .... import masks
 from ....indices import ranges
 from ....numeric import SeedStream
 from ..formulas import backward
-
 
 #: An alternative explains the implementation's output when it is this many times closer to it than
 #: the reference is.

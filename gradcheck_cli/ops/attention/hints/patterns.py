@@ -127,7 +127,8 @@ def _gqa(sc, evidence, verdicts, kv_map, factors) -> str | None:
     if not found:
         return None
     parts = "; ".join(f"KV head {g}: query head(s) {', '.join(map(str, sorted(set(sum(v.values(), [])))))} "
-                      f"missing or counted extra in d{'/d'.join(t.upper() for t in v)}" for g, v in sorted(found.items()))
+                      f"missing or counted extra in d{'/d'.join(t.upper() for t in v)}"
+                      for g, v in sorted(found.items()))
     return (f"errors only in K/V gradients of KV heads shared by several query heads ({parts}), and G_Q is right: "
             "the GQA reduction must sum the gradients of every query head in a group (sum_groups)")
 

@@ -9,7 +9,7 @@ closed forms, SDPA and autograd on torch tensors) and ``calls`` (a user's implem
 """
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
 
 import numpy as np
 import torch

@@ -3,7 +3,7 @@ probabilities, the forward, the backward, torch's SDPA on the same inputs, and a
 Imports torch: only the torch engine imports this module."""
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
 
 import torch
 import torch.nn.functional as F
