@@ -10,7 +10,7 @@ from gradcheck_cli import checker, scenario
 from gradcheck_cli.errors import ScenarioError
 from gradcheck_cli.ops import layernorm
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def test_closed_forms_match_torch_autograd():
