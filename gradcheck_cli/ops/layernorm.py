@@ -17,22 +17,19 @@ from collections.abc import Collection
 
 import numpy as np
 
-from .. import implementation, invariants, precision
+from .. import invariants
 from ..tolerance import INVARIANT_ULPS, machine_epsilon
-from . import dense
+from . import dense, user_engine
 from .registry import Engine, Fault, Interface, Op, Param, Structure
-
-#: What a fault does to a user's implementation: the change the bug makes to the float64 reference's
-#: gradients is added to the implementation's.
-_ADDED = "adds to the implementation's gradients the change this bug makes to the float64 reference's"
 
 FAULTS = {f.name: f for f in (
     Fault("layernorm-mean-term", "G_x drops -mean(g), the feedback of the centring x - mu",
           ("gradient x", "G_x rows sum to 0", "<G_x, x> = 0 per row when eps = 0",
            "backward agrees with the reference"),
-          user=_ADDED),
+          user=user_engine.ADDED),
     Fault("layernorm-scale-term", "G_x drops -xhat mean(g xhat), the feedback of the scale s",
-          ("gradient x", "<G_x, x> = 0 per row when eps = 0", "backward agrees with the reference"), user=_ADDED),
+          ("gradient x", "<G_x, x> = 0 per row when eps = 0", "backward agrees with the reference"),
+          user=user_engine.ADDED),
 )}
 
 
@@ -131,71 +128,15 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                          rounding=_rounding, structure=_STRUCTURE)
 
 
-#: Names of the reference checks of each result.
-REFERENCE_CHECKS = {"o": "forward agrees with the reference", "x": "backward agrees with the reference",
-                    "gamma": "backward agrees with the reference", "beta": "backward agrees with the reference"}
-
-
 def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None):
-    """A user's implementation: its forward differenced (copies of x stacked along the batch axis, copies
-    of gamma and beta one call each) against its backward, its results against the float64 reference, and
-    the invariants on its G_x. Faults act through the interface (``Fault.user``)."""
-    impl = sc.implementation_object
+    """A user's implementation, through the shared engine (``user_engine``)."""
     data, g = _inputs(sc)
-    eps, dt = sc.p("eps"), np.dtype(sc.dtype)
-    names = ("x", "gamma", "beta", "eps", "grad_y")
-
-    def user_forward(x, gamma, beta):
-        if x.ndim > 3:  # copies of x: one call on a batch of them
-            return user_forward(x.reshape((-1,) + x.shape[2:]), gamma, beta).reshape(x.shape)
-        if gamma.ndim > 1 or beta.ndim > 1:  # copies of gamma or beta: a call each
-            gammas, betas = np.broadcast_arrays(gamma, beta)
-            return np.stack([user_forward(x, a, b) for a, b in zip(gammas, betas)])
-        return implementation.call(impl.forward, "forward", (x, gamma, beta, eps), {"y": (x.shape, dt)}, names)["y"]
-
-    def user_backward(grad_y, at=None):
-        e = eps if at is None else at
-        out = implementation.call(impl.backward, "backward", (data["x"], data["gamma"], data["beta"], e, grad_y),
-                                  {"dx": (data["x"].shape, dt), "dgamma": (data["gamma"].shape, dt),
-                                   "dbeta": (data["beta"].shape, dt)}, names)
-        grads = {"x": out["dx"], "gamma": out["dgamma"], "beta": out["dbeta"]}
-        if faults:
-            args = [data[t].astype(np.float64) for t in ("x", "gamma", "beta")] + [e, grad_y.astype(np.float64)]
-            changes = zip(("x", "gamma", "beta"), backward(*args, faults), backward(*args))
-            grads = {t: (grads[t] + wrong - right).astype(dt) for t, wrong, right in changes}
-        return grads
-
-    y = user_forward(data["x"], data["gamma"], data["beta"])
-    grads = user_backward(g)
-    again = {"o": user_forward(data["x"], data["gamma"], data["beta"]), **user_backward(g)}
-    results = {"o": y, **grads}
-    deterministic = implementation.determinism("forward and backward", results, again, sc.nondet_tol)
-    x64 = {t: v.astype(np.float64) for t, v in data.items()}
-    ref = dict(zip(("x", "gamma", "beta"), backward(x64["x"], x64["gamma"], x64["beta"], eps, g.astype(np.float64))))
-    ref["o"] = forward(x64["x"], x64["gamma"], x64["beta"], eps)
-
-    def plain(p):
-        xs = {t: v.astype(p) for t, v in data.items()}
-        return {"o": forward(xs["x"], xs["gamma"], xs["beta"], eps),
-                **dict(zip(("x", "gamma", "beta"), backward(xs["x"], xs["gamma"], xs["beta"], eps, g.astype(p))))}
-
-    terms = _terms(data["x"], data["gamma"], eps, g)
-    agree, computes_in = precision.judge(results, {t: ref[t] for t in results}, terms, sc.dtype, plain,
-                                         REFERENCE_CHECKS, sc.factor, sc.slack)
-
-    def checks() -> list:
-        try:
-            return [deterministic] + agree + _invariants(lambda at: user_backward(g, at)["x"], data, g, computes_in)
-        except implementation.ImplementationFailure as exc:
-            return [deterministic] + agree + [implementation.failure_check("invariants", exc)]
-
-    rule = precision.Policy.for_dtype(computes_in)
-    problem = dense.problem(sc, data, user_forward, grads, g, invariants=checks, rounding=_rounding,
-                            structure=_STRUCTURE, arrays={"reference_output": ref["o"]},
-                            analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in grads},
-                            rounding_forward=lambda x, gamma, beta: forward(x, gamma, beta, eps))
-    problem.compute_dtype = None if computes_in == sc.dtype else computes_in
-    return problem
+    return user_engine.build(sc, user_engine.UserOp(
+        inputs=data, args={"eps": sc.p("eps")}, g=g, forward=forward, backward=backward,
+        terms=lambda inputs, args, g: _terms(inputs["x"], inputs["gamma"], args["eps"], g),
+        invariants=lambda gradients, dtype: _invariants(
+            lambda at: gradients(**({} if at is None else {"eps": at}))["x"], data, g, dtype),
+        batched=("x",), rounding=_rounding, structure=_STRUCTURE), faults)
 
 
 #: A small scenario on which every fault of this op applies (the fault contract's).
