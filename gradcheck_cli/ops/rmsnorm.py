@@ -12,14 +12,15 @@ from collections.abc import Collection
 import numpy as np
 
 from .. import invariants
-from ..tolerance import INVARIANT_ULPS
-from . import dense
-from .registry import Fault, Op, Param, Structure
+from ..tolerance import INVARIANT_ULPS, machine_epsilon
+from . import dense, user_engine
+from .registry import Engine, Fault, Interface, Op, Param, Structure
 
 FAULTS = {f.name: f for f in (
     Fault("rmsnorm-feedback", "G_x = G_y * gamma / r: drops the feedback term -x mean(g x) / r^3 of the "
                               "normalisation scale (the forward still looks right)",
-          ("gradient x", "<G_x, x> = 0 per row when eps = 0")),
+          ("gradient x", "<G_x, x> = 0 per row when eps = 0", "backward agrees with the reference"),
+          user=user_engine.ADDED),
 )}
 
 
@@ -44,50 +45,91 @@ def _shapes(sc) -> dict:
     return {"x": (sc.batch, sc.p("n"), sc.p("d_model")), "gamma": (sc.p("d_model"),)}
 
 
-def build(sc, faults: Collection[str] = ()):
+def _inputs(sc) -> tuple[dict, np.ndarray]:
     shapes = _shapes(sc)
     data = dense.seeded(sc, {**shapes, "g": shapes["x"]})
     g = data.pop("g")
     data["gamma"] = (1.0 + 0.5 * data["gamma"]).astype(data["gamma"].dtype)  # away from 0, mixed signs rare
+    return data, g
+
+
+def _scale_invariance(gx0, data, g, dtype: str) -> list:
+    """With eps = 0, y(c x) = y(x), so <G_x, x> = 0 on every row; ``gx0`` is the G_x under test at eps = 0,
+    computed in ``dtype``."""
+    x64, gamma64, g64 = (t.astype(np.float64) for t in (data["x"], data["gamma"], g))
+    products = np.asarray(gx0, dtype=np.float64) * x64
+    eps_m = machine_epsilon(dtype)
+    # the size of the terms, never of the result: G_x[c] = g[c] / r - x[c] mean(g x) / r^3 cancels
+    # to nothing when d_model = 1
+    r = np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True))
+    gg = np.abs(g64 * gamma64)
+    terms = np.abs(x64) * (gg / r + np.abs(x64) * np.mean(gg * np.abs(x64), axis=-1, keepdims=True) / r**3)
+    bound = INVARIANT_ULPS * eps_m * x64.shape[-1] * terms.sum(axis=-1)
+    return [invariants.bounded_each("<G_x, x> = 0 per row when eps = 0", "g_x", products.sum(axis=-1), bound,
+                                    f"|sum_c G_x[c] x[c]| per row, allowed {INVARIANT_ULPS} ulps of "
+                                    "d_model x the size of its "
+                                    "terms, sum_c |x[c]| (|g[c] gamma[c]| / r + |x[c]| mean|g gamma x| / r^3) "
+                                    "(RMSNorm is scale invariant when eps = 0), backward at eps = 0")]
+
+
+def _terms(x, gamma, eps, grad_y) -> dict[str, np.ndarray]:
+    """The size of the terms of y, G_x and G_gamma (float64): G_x = g / r - x mean(g x) / r^3 cancels (to
+    exactly 0 when d_model = 1), so its rounding is that of its terms, never of its value."""
+    x64, gamma64, g64 = (np.asarray(t, dtype=np.float64) for t in (x, gamma, grad_y))
+    r = np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    gg = np.abs(g64 * gamma64)
+    d = x64.shape[-1]
+    return {"o": 2 * np.abs(gamma64 * x64) / r,
+            "x": gg / r + np.abs(x64) * np.mean(gg * np.abs(x64), axis=-1, keepdims=True) / r**3,
+            "gamma": 2 * (np.abs(g64 * x64) / r).reshape(-1, d).sum(axis=0)}
+
+
+_STRUCTURE = {"x": Structure(("batch", "row", "feature")), "gamma": Structure(("feature",))}
+
+
+def _rounding(t):
+    return {"x": np.broadcast_to(dense.rss(t, -1)[..., None], t.shape).copy(),   # its row
+            "gamma": dense.rss(t.reshape(-1, t.shape[-1]), 0)}                    # its column
+
+
+def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None):
+    data, g = _inputs(sc)
     eps = sc.p("eps")
     g_x, g_gamma = backward(data["x"], data["gamma"], eps, g, faults)
 
     def checks():
-        # scale invariance: with eps = 0, y(c x) = y(x), so <G_x, x> = 0 on every row
         x64, gamma64, g64 = (t.astype(np.float64) for t in (data["x"], data["gamma"], g))
-        gx0, _ = backward(x64, gamma64, 0.0, g64, faults)
-        products = gx0 * x64
-        eps_m = float(np.finfo(np.float64).eps)
-        # the size of the terms, never of the result: G_x[c] = g[c] / r - x[c] mean(g x) / r^3 cancels
-        # to nothing when d_model = 1
-        r = np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True))
-        gg = np.abs(g64 * gamma64)
-        terms = np.abs(x64) * (gg / r + np.abs(x64) * np.mean(gg * np.abs(x64), axis=-1, keepdims=True) / r**3)
-        bound = INVARIANT_ULPS * eps_m * x64.shape[-1] * terms.sum(axis=-1)
-        return [invariants.bounded_each("<G_x, x> = 0 per row when eps = 0", "g_x", products.sum(axis=-1), bound,
-                                        f"|sum_c G_x[c] x[c]| per row, allowed {INVARIANT_ULPS} ulps of "
-                                        "d_model x the size of its "
-                                        "terms, sum_c |x[c]| (|g[c] gamma[c]| / r + |x[c]| mean|g gamma x| / r^3) "
-                                        "(RMSNorm is scale invariant when eps = 0), backward at eps = 0")]
+        return _scale_invariance(backward(x64, gamma64, 0.0, g64, faults)[0], data, g, "float64")
 
-    # G_x = g / r - x mean(g x) / r^3 cancels (to exactly 0 when d_model = 1): allow the rounding of its terms
-    x64, gg = data["x"].astype(np.float64), np.abs(g.astype(np.float64) * data["gamma"].astype(np.float64))
-    r = np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
-    terms = gg / r + np.abs(x64) * np.mean(gg * np.abs(x64), axis=-1, keepdims=True) / r**3
+    terms = _terms(data["x"], data["gamma"], eps, g)["x"]
     analytic = {"x": INVARIANT_ULPS * float(np.finfo(np.dtype(sc.dtype)).eps) * terms}
     return dense.problem(
         sc, data, lambda x, gamma: forward(x, gamma, eps), {"x": g_x, "gamma": g_gamma}, g,
-        lift={"gamma": 2}, invariants=checks, analytic_rounding=analytic,
-        rounding=lambda t: {"x": np.broadcast_to(dense.rss(t, -1)[..., None], t.shape).copy(),   # its row
-                            "gamma": dense.rss(t.reshape(-1, t.shape[-1]), 0)},                    # its column
-        structure={"x": Structure(("batch", "row", "feature")), "gamma": Structure(("feature",))})
+        lift={"gamma": 2}, invariants=checks, analytic_rounding=analytic, rounding=_rounding, structure=_STRUCTURE)
+
+
+def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None):
+    """A user's implementation, through the shared engine (``user_engine``)."""
+    data, g = _inputs(sc)
+    return user_engine.build(sc, user_engine.UserOp(
+        inputs=data, args={"eps": sc.p("eps")}, g=g, forward=forward, backward=backward,
+        terms=lambda inputs, args, g: _terms(inputs["x"], inputs["gamma"], args["eps"], g),
+        invariants=lambda gradients, dtype: _scale_invariance(gradients(eps=0.0)["x"], data, g, dtype),
+        batched=("x",), rounding=_rounding, structure=_STRUCTURE), faults)
 
 
 #: A small scenario on which every fault of this op applies (the fault contract's).
 EXAMPLE = {"batch": 2, "n": 5, "d_model": 16}
 
 OP = Op(name="rmsnorm", summary="RMSNorm y = gamma * x / sqrt(mean(x^2) + eps): gradients of x and gamma",
-        tensors=("x", "gamma"), faults=FAULTS, build=build,
+        tensors=("x", "gamma"), faults=FAULTS,
+        engines={e.name: e for e in (
+            Engine("naive", "gradcheck_cli.ops.rmsnorm:build", "the closed forms in NumPy"),
+            Engine("numpy-implementation", "gradcheck_cli.ops.rmsnorm:build_user",
+                   "a user's NumPy forward and backward", choice=False))},
+        engine_for=lambda sc: "numpy-implementation" if sc.implementation is not None else "naive",
+        implementation=Interface(("numpy",), "an object with forward(x, gamma, eps) -> y and "
+                                             "backward(x, gamma, eps, grad_y) -> (dx, dgamma)"),
         keys={"n": Param("int", 4, "rows per batch element"),
               "d_model": Param("int", help="features per row, e.g. 'd_model: 16'"),
               "eps": Param("float", 1e-6, "added to mean(x^2); 0 allowed", minimum=0.0)},

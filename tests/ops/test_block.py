@@ -12,7 +12,7 @@ def test_block_and_projections_against_torch_autograd():
     F = torch.nn.functional
     sc = make(op="block", batch=2, n_q=4, d_model=8, d_ff=6, d_head=4, heads_q=2, heads_kv=1,
               mask={"causal": "lower-right"}, rope_layout="half")
-    p = OPS["block"].build(sc)
+    p = OPS["block"].problem(sc)
     t = {k: torch.tensor(v, requires_grad=True) for k, v in p.inputs.items()}
 
     def norm(x, gamma):

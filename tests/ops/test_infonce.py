@@ -14,7 +14,7 @@ from reference import complex_step_gradients, infonce_ref
 def test_infonce_backward_against_complex_step(similarity, in_batch, hard, learn):
     sc = make(op="infonce", batch=3, dim=4, similarity=similarity, in_batch=in_batch, hard_negatives=hard,
               learn_temperature=learn, temperature=0.5)
-    p = OPS["infonce"].build(sc)
+    p = OPS["infonce"].problem(sc)
 
     def f(q, p, n=None, tau=None):
         return infonce_ref(q, p, n, 0.5 if tau is None else tau, similarity, in_batch)

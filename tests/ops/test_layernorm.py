@@ -50,6 +50,7 @@ def test_a_user_layernorm_with_a_wrong_variance_term_fails_where_it_is_wrong():
 
 
 def test_implementation_applies_to_the_ops_that_declare_an_interface_only():
-    with pytest.raises(ScenarioError, match=r"does not apply to op rmsnorm \(it is a key of attention, layernorm\)"):
-        scenario.loads(yaml.safe_dump({"scenarios": [{"name": "r", "op": "rmsnorm", "d_model": 4,
+    owners = r"does not apply to op swiglu \(it is a key of attention, rmsnorm, layernorm\)"
+    with pytest.raises(ScenarioError, match=owners):
+        scenario.loads(yaml.safe_dump({"scenarios": [{"name": "r", "op": "swiglu", "d_model": 4, "d_ff": 4,
                                                       "implementation": "my_layernorm:layernorm"}]}))

@@ -16,7 +16,7 @@ def test_projections_backward_against_complex_step(source):
     if source == "cross":
         keys.update(n_k=4, d_value=3, mask={"key_lengths": [4, 2]})
     sc = make(**keys)
-    p = OPS["attention-projections"].build(sc)
+    p = OPS["attention-projections"].problem(sc)
     kv = np.asarray(sc.kv_map)
     ref = complex_step_gradients(
         lambda x, w_q, w_k, w_v, w_o, m=None: projections_ref(x, w_q, w_k, w_v, w_o, sc.visible, sc.scale, kv, 2, 1, m),

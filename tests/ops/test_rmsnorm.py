@@ -13,7 +13,7 @@ from reference import complex_step_gradients, rmsnorm_ref
 
 def test_rmsnorm_backward_against_complex_step():
     sc = make(op="rmsnorm", batch=2, n=3, d_model=5, eps=0.01)
-    p = OPS["rmsnorm"].build(sc)
+    p = OPS["rmsnorm"].problem(sc)
     g = p.arrays["grad_output"]
     ref = complex_step_gradients(lambda x, gamma: rmsnorm_ref(x, gamma, 0.01), p.inputs, g)
     assert_close(p.gradients, ref)
@@ -23,7 +23,7 @@ def test_rmsnorm_backward_against_complex_step():
 def test_rmsnorm_backward_against_torch_autograd():
     torch = pytest.importorskip("torch")
     sc = make(op="rmsnorm", batch=2, n=3, d_model=6, eps=1e-3)
-    p = OPS["rmsnorm"].build(sc)
+    p = OPS["rmsnorm"].problem(sc)
     x, gamma = (torch.tensor(p.inputs[t], requires_grad=True) for t in ("x", "gamma"))
     y = gamma * x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-3)
     (y * torch.tensor(p.arrays["grad_output"])).sum().backward()
@@ -49,3 +49,31 @@ def test_rmsnorm_scale_invariance_property(batch, n, d, eps, seed):
     assert np.allclose(gx3 * 3, gx, rtol=1e-10, atol=1e-12 * terms)
     y = rmsnorm.forward(x, gamma, eps)
     assert y.shape == x.shape and np.isfinite(y).all()
+
+
+def _user(spec: str, **keys):
+    import yaml
+
+    from gradcheck_cli import scenario
+    examples = __import__("pathlib").Path(__file__).resolve().parents[2] / "examples"
+    doc = {"scenarios": [{"name": "mine", "op": "rmsnorm", "batch": 2, "n": 4, "d_model": 8,
+                          "implementation": spec, **keys}]}
+    return scenario.loads(yaml.safe_dump(doc), base_dir=examples)[0]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_correct_user_rmsnorm_passes_and_its_fault_is_caught_on_it(dtype):
+    from gradcheck_cli import checker
+    sc = _user("my_rmsnorm:rmsnorm", dtype=dtype)
+    result = checker.run_scenario(sc)
+    assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
+    assert {"forward agrees with the reference", "deterministic"} <= {c.name for c in result.checks}
+    assert {c.status for c in checker.negative_controls([sc])} == {"detected"}
+
+
+def test_a_user_rmsnorm_missing_the_feedback_term_fails_where_it_is_wrong():
+    from gradcheck_cli import checker
+    failed = {(c.name, c.tensor) for c in checker.run_scenario(_user("my_rmsnorm:missing_feedback", eps=0.0)).checks
+              if not c.passed}
+    assert failed == {("gradient x", "x"), ("backward agrees with the reference", "x"),
+                      ("<G_x, x> = 0 per row when eps = 0", "g_x")}, failed

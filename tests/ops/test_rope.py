@@ -14,7 +14,7 @@ from reference import complex_step_gradients, rope_ref
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_rope_backward_against_complex_step(layout):
     sc = make(op="rope", heads=2, n=4, d_head=6, rotary_dim=4, layout=layout, position_offset=7, base=100.0)
-    p = OPS["rope"].build(sc)
+    p = OPS["rope"].problem(sc)
     ref = complex_step_gradients(lambda x: rope_ref(x, 100.0, 4, layout, 7), p.inputs, p.arrays["grad_output"])
     assert_close(p.gradients, ref)
     assert np.allclose(p.output, rope_ref(p.inputs["x"], 100.0, 4, layout, 7), rtol=1e-13, atol=1e-14)
@@ -24,7 +24,7 @@ def test_rope_backward_against_torch_autograd():
     """The half layout written as HF's rotate_half."""
     torch = pytest.importorskip("torch")
     sc = make(op="rope", heads=2, n=5, d_head=8)
-    p = OPS["rope"].build(sc)
+    p = OPS["rope"].problem(sc)
     x = torch.tensor(p.inputs["x"], requires_grad=True)
     inv = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
     freqs = torch.outer(torch.arange(5, dtype=torch.float64), inv)

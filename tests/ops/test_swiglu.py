@@ -13,7 +13,7 @@ from reference import complex_step_gradients, swiglu_ref
 
 def test_swiglu_backward_against_complex_step():
     sc = make(op="swiglu", batch=2, n=2, d_model=3, d_ff=4)
-    p = OPS["swiglu"].build(sc)
+    p = OPS["swiglu"].problem(sc)
     ref = complex_step_gradients(swiglu_ref, p.inputs, p.arrays["grad_output"])
     assert_close(p.gradients, ref)
 
@@ -21,7 +21,7 @@ def test_swiglu_backward_against_complex_step():
 def test_swiglu_backward_against_torch_autograd():
     torch = pytest.importorskip("torch")
     sc = make(op="swiglu", batch=2, n=3, d_model=4, d_ff=5)
-    p = OPS["swiglu"].build(sc)
+    p = OPS["swiglu"].problem(sc)
     t = {k: torch.tensor(v, requires_grad=True) for k, v in p.inputs.items()}
     y = (torch.nn.functional.silu(t["x"] @ t["w1"]) * (t["x"] @ t["w3"])) @ t["w2"]
     (y * torch.tensor(p.arrays["grad_output"])).sum().backward()
