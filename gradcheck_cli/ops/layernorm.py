@@ -134,7 +134,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
     return user_engine.build(sc, user_engine.UserOp(
         inputs=data, args={"eps": sc.p("eps")}, g=g, forward=forward, backward=backward,
         terms=lambda inputs, args, g: _terms(inputs["x"], inputs["gamma"], args["eps"], g),
-        invariants=lambda gradients, dtype: _invariants(
+        invariants=lambda gradients, dtype, y: _invariants(
             lambda at: gradients(**({} if at is None else {"eps": at}))["x"], data, g, dtype),
         batched=("x",), rounding=_rounding, structure=_STRUCTURE), faults)
 

@@ -114,7 +114,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
     return user_engine.build(sc, user_engine.UserOp(
         inputs=data, args={"eps": sc.p("eps")}, g=g, forward=forward, backward=backward,
         terms=lambda inputs, args, g: _terms(inputs["x"], inputs["gamma"], args["eps"], g),
-        invariants=lambda gradients, dtype: _scale_invariance(gradients(eps=0.0)["x"], data, g, dtype),
+        invariants=lambda gradients, dtype, y: _scale_invariance(gradients(eps=0.0)["x"], data, g, dtype),
         batched=("x",), rounding=_rounding, structure=_STRUCTURE), faults)
 
 

@@ -16,12 +16,13 @@ import numpy as np
 
 from .. import invariants
 from ..tolerance import INVARIANT_ULPS
-from . import dense
-from .registry import Fault, Op, Param, Structure
+from . import dense, user_engine
+from .registry import Engine, Fault, Interface, Op, Param, Structure
 
 FAULTS = {f.name: f for f in (
     Fault("rope-transpose", "the backward rotates the gradient forward (by +angle) instead of by the opposite angle",
-          ("gradient x", "backward is the transpose of the forward")),
+          ("gradient x", "backward is the transpose of the forward", "backward agrees with the reference"),
+          user=user_engine.ADDED),
 )}
 LAYOUTS = ("half", "interleaved")
 
@@ -41,8 +42,14 @@ def _pairs(rotary_dim: int, layout: str) -> tuple[np.ndarray, np.ndarray]:
 
 def rotate(x, theta, layout: str, sign: float = 1.0):
     """x [..., n, d] with pairs rotated by sign * theta [n, rotary_dim / 2]."""
-    first, second = _pairs(2 * theta.shape[-1], layout)
-    cos, sin = np.cos(theta).astype(x.dtype), (sign * np.sin(theta)).astype(x.dtype)
+    return rotate_cs(x, np.cos(theta).astype(x.dtype), np.sin(theta).astype(x.dtype), layout, sign)
+
+
+def rotate_cs(x, cos, sin, layout: str, sign: float = 1.0):
+    """x [..., n, d] with pairs rotated by the angles whose cosines and sines are ``cos``, ``sin``
+    [n, rotary_dim / 2] (times ``sign``)."""
+    first, second = _pairs(2 * cos.shape[-1], layout)
+    cos, sin = cos.astype(x.dtype), (sign * sin).astype(x.dtype)
     a, b = x[..., first], x[..., second]
     out = x.copy() if x.flags.writeable else np.array(x)
     out[..., first] = a * cos - b * sin
@@ -88,7 +95,14 @@ def pair_norm_checks(x, y, theta, layout, grad_y, grad_x, label: str = "") -> li
     return checks
 
 
-def build(sc, faults: Collection[str] = ()):
+_STRUCTURE = {"x": Structure(("batch", "head", "position", "feature"), heat=("head", "position"))}
+
+
+def _rounding(t):
+    return {"x": np.broadcast_to(dense.rss(t, -1)[..., None], t.shape).copy()}  # its position
+
+
+def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None):
     shape = _shapes(sc)["x"]
     data = dense.seeded(sc, {"x": shape, "g": shape})
     g = data.pop("g")
@@ -98,9 +112,38 @@ def build(sc, faults: Collection[str] = ()):
     return dense.problem(
         sc, data, lambda x: forward(x, theta, layout), {"x": g_x}, g, magnitude=np.abs(data["x"]) + np.abs(y),
         invariants=lambda: pair_norm_checks(data["x"], y, theta, layout, g, g_x),
-        rounding=lambda t: {"x": np.broadcast_to(dense.rss(t, -1)[..., None], t.shape).copy()},  # its position
-        structure={"x": Structure(("batch", "head", "position", "feature"), heat=("head", "position"))},
+        rounding=_rounding, structure=_STRUCTURE,
         arrays={"angles": theta})
+
+
+def _rotation_terms(v, cos, sin, layout: str) -> np.ndarray:
+    """The size of the terms of a rotation of ``v`` (float64): |a cos| + |b sin| per rotated feature, |v| for
+    the features that pass through."""
+    v, cos, sin = (np.abs(np.asarray(t, dtype=np.float64)) for t in (v, cos, sin))
+    first, second = _pairs(2 * cos.shape[-1], layout)
+    out = v.copy()
+    out[..., first] = v[..., first] * cos + v[..., second] * sin
+    out[..., second] = v[..., first] * sin + v[..., second] * cos
+    return out
+
+
+def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None):
+    """A user's implementation, through the shared engine (``user_engine``): forward(x, cos, sin) with the
+    cosines and sines of the angles [n, rotary_dim / 2] in the scenario's dtype, pairs as ``layout`` says."""
+    shape = _shapes(sc)["x"]
+    data = dense.seeded(sc, {"x": shape, "g": shape})
+    g, layout, theta = data.pop("g"), sc.p("layout"), _theta(sc)
+    args = {"cos": np.cos(theta).astype(sc.dtype), "sin": np.sin(theta).astype(sc.dtype)}
+
+    def backward_cs(x, cos, sin, grad_y, faults=()):
+        return (rotate_cs(grad_y, cos, sin, layout, +1.0 if "rope-transpose" in faults else -1.0),)
+
+    return user_engine.build(sc, user_engine.UserOp(
+        inputs=data, args=args, g=g, forward=lambda x, cos, sin: rotate_cs(x, cos, sin, layout), backward=backward_cs,
+        terms=lambda inputs, a, g: {"o": _rotation_terms(inputs["x"], a["cos"], a["sin"], layout),
+                                    "x": _rotation_terms(g, a["cos"], a["sin"], layout)},
+        invariants=lambda gradients, dtype, y: pair_norm_checks(data["x"], y, theta, layout, g, gradients()["x"]),
+        batched=("x",), rounding=_rounding, structure=_STRUCTURE), faults)
 
 
 def _validate(params: dict, _attention: dict) -> list:
@@ -117,7 +160,15 @@ def _validate(params: dict, _attention: dict) -> list:
 EXAMPLE = {"batch": 2, "heads": 2, "n": 6, "d_head": 8}
 
 OP = Op(name="rope", summary="rotary position embedding at fixed positions: gradient of x",
-        tensors=("x",), faults=FAULTS, build=build,
+        tensors=("x",), faults=FAULTS,
+        engines={e.name: e for e in (
+            Engine("naive", "gradcheck_cli.ops.rope:build", "the closed forms in NumPy"),
+            Engine("numpy-implementation", "gradcheck_cli.ops.rope:build_user",
+                   "a user's NumPy forward and backward", choice=False))},
+        engine_for=lambda sc: "numpy-implementation" if sc.implementation is not None else "naive",
+        implementation=Interface(("numpy",), "an object with forward(x, cos, sin) -> y and backward(x, cos, sin, "
+                                             "grad_y) -> dx, cos and sin [n, rotary_dim / 2] of the angles, pairs "
+                                             "as the scenario's layout says"),
         keys={"heads": Param("int", 1, "heads"),
               "n": Param("int", help="positions, e.g. 'n: 8'"),
               "d_head": Param("int", help="features per head, e.g. 'd_head: 8'"),

@@ -39,16 +39,17 @@ class UserOp:
     forward(*inputs, *args) -> y and backward(*inputs, *args, grad_y, faults) -> tuple of gradients (in the
     inputs' order): the built-in formulas, in whatever dtype they are given. terms(inputs, args, g) -> dict
     of float64 arrays, the size of the terms of ``o`` (the output) and of each input's gradient (rounding
-    puts about eps x these in each element). invariants(gradients, precision) -> checks, where
+    puts about eps x these in each element). invariants(gradients, precision, output) -> checks, where
     ``gradients(**args)`` is the implementation's gradients (dict by input) at the scenario's g, with some
-    of the args replaced (e.g. eps = 0). ``batched``: inputs whose axis 0 is the batch axis."""
+    of the args replaced (e.g. eps = 0), and ``output`` its output. ``batched``: inputs whose axis 0 is the
+    batch axis."""
     inputs: dict[str, np.ndarray]
     args: dict[str, Any]
     g: np.ndarray
     forward: Callable[..., np.ndarray]
     backward: Callable[..., tuple]
     terms: Callable[[dict, dict, np.ndarray], dict]
-    invariants: Callable[[Callable[..., dict], str], list] = lambda gradients, dtype: []
+    invariants: Callable[[Callable[..., dict], str, np.ndarray], list] = lambda gradients, dtype, output: []
     batched: tuple[str, ...] = ()
     rounding: Callable[[np.ndarray], dict] | None = None
     structure: dict[str, Structure] | None = None
@@ -115,7 +116,8 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
 
     def checks() -> list:
         try:
-            return [deterministic] + agree + op.invariants(lambda **changed: gradients(op.g, **changed), computes_in)
+            under_test = lambda **changed: gradients(op.g, **changed)  # noqa: E731
+            return [deterministic] + agree + op.invariants(under_test, computes_in, y)
         except implementation.ImplementationFailure as exc:
             return [deterministic] + agree + [implementation.failure_check("invariants", exc)]
 

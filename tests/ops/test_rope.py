@@ -51,3 +51,33 @@ def test_rope_is_orthogonal_property(n, d, layout, offset, seed):
     assert np.allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-12)
     assert np.allclose(rope.backward(rope.forward(x, theta, layout), theta, layout), x, atol=1e-12)
     assert abs(np.sum(y * g) - np.sum(x * rope.backward(g, theta, layout))) <= 1e-10 * np.abs(y * g).sum()
+
+
+def _user(spec: str, **keys):
+    from pathlib import Path
+
+    import yaml
+
+    from gradcheck_cli import scenario
+    doc = {"scenarios": [{"name": "mine", "op": "rope", "batch": 2, "heads": 2, "n": 5, "d_head": 8,
+                          "implementation": spec, **keys}]}
+    return scenario.loads(yaml.safe_dump(doc), base_dir=Path(__file__).resolve().parents[2] / "examples")[0]
+
+
+@pytest.mark.parametrize("keys", [{}, {"dtype": "float32"}, {"rotary_dim": 4, "position_offset": 9}])
+def test_a_correct_user_rope_passes_and_its_fault_is_caught_on_it(keys):
+    from gradcheck_cli import checker
+    sc = _user("my_rope:rope", **keys)
+    result = checker.run_scenario(sc)
+    assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
+    assert {c.status for c in checker.negative_controls([sc])} == {"detected"}
+
+
+def test_a_user_rope_in_the_other_layout_fails_the_reference_and_one_rotating_forward_fails_the_transpose():
+    from gradcheck_cli import checker
+    other = {c.name for c in checker.run_scenario(_user("my_rope:rope", layout="interleaved")).checks if not c.passed}
+    assert "forward agrees with the reference" in other
+    failed = {(c.name, c.tensor) for c in checker.run_scenario(_user("my_rope:forward_rotation")).checks
+              if not c.passed}
+    assert failed == {("gradient x", "x"), ("backward agrees with the reference", "x"),
+                      ("backward is the transpose of the forward", "g_x")}, failed
