@@ -14,15 +14,16 @@ from collections.abc import Collection
 import numpy as np
 
 from .. import invariants
-from ..tolerance import INVARIANT_ULPS
-from . import dense
-from .registry import Fault, Op, Param, Structure
+from ..tolerance import INVARIANT_ULPS, machine_epsilon
+from . import dense, user_engine
+from .registry import Engine, Fault, Interface, Op, Param, Structure
 
 FAULTS = {f.name: f for f in (
     Fault("silu-derivative", "G_a = G_h * b: drops SiLU's own derivative SiLU'(x W_1)",
-          ("gradient x", "gradient w1")),
+          ("gradient x", "gradient w1", "backward agrees with the reference"), user=user_engine.ADDED),
     Fault("gate-branch", "G_b = G_h: the linear branch does not get the gate branch's value SiLU(x W_1)",
-          ("gradient x", "gradient w3", "<G_W3, W_3> = L")),
+          ("gradient x", "gradient w3", "<G_W3, W_3> = L", "backward agrees with the reference"),
+          user=user_engine.ADDED),
 )}
 
 
@@ -75,12 +76,44 @@ def euler_checks(inputs, grads, loss_value: float, terms_scale: float, eps: floa
     return out
 
 
-def build(sc, faults: Collection[str] = ()):
+def _inputs(sc) -> tuple[dict, np.ndarray]:
     shapes = _shapes(sc)
     d, f = sc.p("d_model"), sc.p("d_ff")
     data = dense.seeded(sc, {**shapes, "g": shapes["x"]},
                         scales={"w1": d ** -0.5, "w3": d ** -0.5, "w2": f ** -0.5})
-    g = data.pop("g")
+    return data, data.pop("g")
+
+
+def _terms(x, w1, w3, w2, grad_y) -> dict[str, np.ndarray]:
+    """The size of the terms of y and of each gradient (float64): every product and sum taken on absolute
+    values, each nonlinearity charged its slope times the size of its argument (|SiLU''| <= 1/2)."""
+    x, w1, w3, w2, gy = (np.asarray(t, dtype=np.float64) for t in (x, w1, w3, w2, grad_y))
+    a, b = x @ w1, x @ w3
+    s = _sigmoid(a)
+    slope = np.abs(s * (1.0 + a * (1.0 - s)))
+    ax, aw1, aw3, aw2, agy = np.abs(x), np.abs(w1), np.abs(w3), np.abs(w2), np.abs(gy)
+    ta, tb = ax @ aw1, ax @ aw3
+    t_silu = slope * ta + np.abs(a * s)
+    h = np.abs(a * s * b)
+    t_h = t_silu * np.abs(b) + np.abs(a * s) * tb + h
+    g_h = np.abs(gy @ w2.T)
+    t_gh = agy @ aw2.T
+    g_a, g_b = g_h * np.abs(b) * slope, g_h * np.abs(a * s)
+    t_ga = (t_gh * np.abs(b) + g_h * tb) * slope + 0.5 * g_h * np.abs(b) * ta
+    t_gb = t_gh * np.abs(a * s) + g_h * t_silu
+    xs = _sum_rows(ax)
+    return {"o": (t_h + h) @ aw2, "x": (t_ga + g_a) @ aw1.T + (t_gb + g_b) @ aw3.T,
+            "w1": xs.T @ _sum_rows(t_ga + g_a), "w3": xs.T @ _sum_rows(t_gb + g_b),
+            "w2": _sum_rows(t_h + h).T @ _sum_rows(agy)}
+
+
+_STRUCTURE = {"x": Structure(("batch", "row", "feature")), "w1": Structure(("d_model", "d_ff")),
+              "w3": Structure(("d_model", "d_ff")), "w2": Structure(("d_ff", "d_model"))}
+
+
+def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None):
+    data, g = _inputs(sc)
+    d, f = sc.p("d_model"), sc.p("d_ff")
     grads = backward(**data, grad_y=g, faults=faults)
     x, w1, w3, w2 = (data[t] for t in ("x", "w1", "w3", "w2"))
     a, b = x @ w1, x @ w3
@@ -94,16 +127,41 @@ def build(sc, faults: Collection[str] = ()):
     return dense.problem(
         sc, data, forward, grads, g, lift={"w1": 1, "w3": 1, "w2": 1}, magnitude=magnitude,
         invariants=lambda: euler_checks(data, grads, loss_value, scale, eps),
-        work_factor=4.0 * f / d + 2,
-        structure={"x": Structure(("batch", "row", "feature")), "w1": Structure(("d_model", "d_ff")),
-                   "w3": Structure(("d_model", "d_ff")), "w2": Structure(("d_ff", "d_model"))})
+        work_factor=4.0 * f / d + 2, structure=_STRUCTURE)
+
+
+def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None):
+    """A user's implementation, through the shared engine (``user_engine``): its weight gradients are
+    checked like its input's."""
+    data, g = _inputs(sc)
+    order = ("x", "w1", "w3", "w2")
+
+    def backward_tuple(x, w1, w3, w2, grad_y, faults=()):
+        grads = backward(x, w1, w3, w2, grad_y, faults)
+        return tuple(grads[t] for t in order)
+
+    def checks(gradients, dtype, y):
+        scale = float(np.sum(np.abs(g) * _terms(*data.values(), g)["o"]))
+        return euler_checks(data, gradients(), float(np.sum(y.astype(np.float64) * g)), scale, machine_epsilon(dtype))
+
+    return user_engine.build(sc, user_engine.UserOp(
+        inputs={t: data[t] for t in order}, args={}, g=g, forward=forward, backward=backward_tuple,
+        terms=lambda inputs, args, g: _terms(*inputs.values(), g), invariants=checks, batched=("x",),
+        structure=_STRUCTURE), faults)
 
 
 #: A small scenario on which every fault of this op applies (the fault contract's).
 EXAMPLE = {"batch": 2, "n": 4, "d_model": 8, "d_ff": 12}
 
 OP = Op(name="swiglu", summary="SwiGLU (SiLU(x W1) * x W3) W2: gradients of x, W1, W2, W3",
-        tensors=("x", "w1", "w3", "w2"), faults=FAULTS, build=build,
+        tensors=("x", "w1", "w3", "w2"), faults=FAULTS,
+        engines={e.name: e for e in (
+            Engine("naive", "gradcheck_cli.ops.swiglu:build", "the closed forms in NumPy"),
+            Engine("numpy-implementation", "gradcheck_cli.ops.swiglu:build_user",
+                   "a user's NumPy forward and backward", choice=False))},
+        engine_for=lambda sc: "numpy-implementation" if sc.implementation is not None else "naive",
+        implementation=Interface(("numpy",), "an object with forward(x, w1, w3, w2) -> y and "
+                                             "backward(x, w1, w3, w2, grad_y) -> (dx, dw1, dw3, dw2)"),
         keys={"n": Param("int", 4, "rows per batch element"),
               "d_model": Param("int", help="features per row, e.g. 'd_model: 8'"),
               "d_ff": Param("int", help="hidden width, e.g. 'd_ff: 16'")},

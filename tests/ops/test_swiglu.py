@@ -43,3 +43,33 @@ def test_swiglu_euler_identities_property(batch, n, d, f, seed):
     loss = np.sum(swiglu.forward(x, w1, w3, w2) * g)
     for w in ("w3", "w2"):
         assert abs(np.sum(grads[w] * {"w3": w3, "w2": w2}[w]) - loss) <= 1e-10 * max(abs(loss), 1.0)
+
+
+def _user(spec: str, **keys):
+    from pathlib import Path
+
+    import yaml
+
+    from gradcheck_cli import scenario
+    doc = {"scenarios": [{"name": "mine", "op": "swiglu", "batch": 2, "n": 3, "d_model": 6, "d_ff": 8,
+                          "implementation": spec, **keys}]}
+    return scenario.loads(yaml.safe_dump(doc), base_dir=Path(__file__).resolve().parents[2] / "examples")[0]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_correct_user_swiglu_passes_weight_gradients_included_and_its_faults_are_caught(dtype):
+    from gradcheck_cli import checker
+    sc = _user("my_swiglu:swiglu", dtype=dtype)
+    result = checker.run_scenario(sc)
+    assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
+    assert {("gradient w1", "w1"), ("gradient w3", "w3"), ("gradient w2", "w2"),
+            ("backward agrees with the reference", "w2")} <= {(c.name, c.tensor) for c in result.checks}
+    assert {c.status for c in checker.negative_controls([sc])} == {"detected"}
+
+
+def test_a_user_swiglu_with_the_sigmoids_derivative_fails_in_x_and_w1_only():
+    from gradcheck_cli import checker
+    failed = {(c.name, c.tensor) for c in checker.run_scenario(_user("my_swiglu:sigmoid_for_silu")).checks
+              if not c.passed}
+    assert failed == {("gradient x", "x"), ("gradient w1", "w1"), ("backward agrees with the reference", "x"),
+                      ("backward agrees with the reference", "w1")}, failed
