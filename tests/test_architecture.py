@@ -37,10 +37,11 @@ def test_attention_formulas_are_a_leaf(graph):
 
 
 def test_torch_is_imported_only_where_a_scenario_asks_for_it():
-    """torch is imported by the torch engine (resolved by name when a scenario uses it), attention's overflow
-    hint for a torch scenario, and the loader checking that torch is installed; by nothing else."""
+    """torch is imported by the torch engine (resolved by name when a scenario uses it), the torch flavour of
+    user code (imported when a scenario names a torch implementation), attention's overflow hint for a torch
+    scenario, and the loader checking that torch is installed; by nothing else."""
     ext = grimp.build_graph("gradcheck_cli", include_external_packages=True, cache_dir=None)
     allowed = ("gradcheck_cli.ops.attention.torch_engine", "gradcheck_cli.ops.attention.overflow",
-               "gradcheck_cli.scenario")
+               "gradcheck_cli.ops.torch_flavour", "gradcheck_cli.scenario")
     importers = {m for m in ext.find_modules_that_directly_import("torch") if not m.startswith(allowed)}
     assert not importers

@@ -139,6 +139,12 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         batched=("x",), rounding=_rounding, structure=_STRUCTURE), faults)
 
 
+#: What a user's implementation provides (``implementation:``).
+INTERFACE = Interface(("numpy", "torch"), (
+    "numpy: an object with forward(x, gamma, beta, eps) -> y and backward(x, gamma, beta, eps, "
+    "grad_y) -> (dx, dgamma, dbeta); torch: a callable f(x, gamma, beta, eps) -> y, differentiated by"
+    " autograd"))
+
 #: A small scenario on which every fault of this op applies (the fault contract's).
 EXAMPLE = {"batch": 2, "n": 4, "d_model": 8, "eps": 0.0}
 
@@ -156,6 +162,6 @@ OP = Op(name="layernorm", summary="LayerNorm y = gamma * (x - mean) / sqrt(var +
         shapes=_shapes,
         describe=lambda sc: f"B={sc.batch} n={sc.p('n')} d_model={sc.p('d_model')} eps={sc.p('eps'):g} "
                             f"{sc.dtype} {sc.mode}",
-        implementation=Interface(("numpy",), "an object with forward(x, gamma, beta, eps) -> y and "
-                                             "backward(x, gamma, beta, eps, grad_y) -> (dx, dgamma, dbeta)"),
+        backends=("numpy", "torch"),
+        implementation=INTERFACE,
         example=EXAMPLE)

@@ -118,6 +118,11 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         batched=("x",), rounding=_rounding, structure=_STRUCTURE), faults)
 
 
+#: What a user's implementation provides (``implementation:``).
+INTERFACE = Interface(("numpy", "torch"), (
+    "numpy: an object with forward(x, gamma, eps) -> y and backward(x, gamma, eps, grad_y) -> (dx, "
+    "dgamma); torch: a callable f(x, gamma, eps) -> y, differentiated by autograd"))
+
 #: A small scenario on which every fault of this op applies (the fault contract's).
 EXAMPLE = {"batch": 2, "n": 5, "d_model": 16}
 
@@ -128,8 +133,8 @@ OP = Op(name="rmsnorm", summary="RMSNorm y = gamma * x / sqrt(mean(x^2) + eps): 
             Engine("numpy-implementation", "gradcheck_cli.ops.rmsnorm:build_user",
                    "a user's NumPy forward and backward", choice=False))},
         engine_for=lambda sc: "numpy-implementation" if sc.implementation is not None else "naive",
-        implementation=Interface(("numpy",), "an object with forward(x, gamma, eps) -> y and "
-                                             "backward(x, gamma, eps, grad_y) -> (dx, dgamma)"),
+        backends=("numpy", "torch"),
+        implementation=INTERFACE,
         keys={"n": Param("int", 4, "rows per batch element"),
               "d_model": Param("int", help="features per row, e.g. 'd_model: 16'"),
               "eps": Param("float", 1e-6, "added to mean(x^2); 0 allowed", minimum=0.0)},

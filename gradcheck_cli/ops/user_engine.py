@@ -1,4 +1,5 @@
-"""A user's NumPy implementation of an op without attention's block structure, as an engine.
+"""A user's implementation of an op without attention's block structure, as an engine: NumPy (forward and
+backward), or torch (one callable, gradients by autograd: ``torch_flavour``).
 
 The op describes itself in a :class:`UserOp`: its differentiable inputs (in the order its interface
 passes them), the arguments that follow them (eps, angles, ...), its built-in forward and backward, the
@@ -59,8 +60,11 @@ class UserOp:
 def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
     """The problem of scenario ``sc`` for the implementation it names (``sc.implementation_object``)."""
     impl = sc.implementation_object
-    dt = np.dtype(sc.dtype)
     order = tuple(op.inputs)
+    if sc.backend == "torch":  # one callable, differentiated by autograd
+        from . import torch_flavour
+        impl = torch_flavour.wrap(impl, len(order), sc.dtype, sc.device)
+    dt = np.dtype(sc.dtype)
     names = order + tuple(op.args) + ("grad_y",)
     shape = np.shape(op.forward(*op.inputs.values(), *op.args.values()))
 

@@ -270,12 +270,20 @@ def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memo
         raise f.error(key, message, hint=hint)
     factor, slack, nondet_tol, timeout = _user_code_policy(f)
     impl, impl_line = _implementation(doc, f, base_dir)
+    backend = f.choice("backend", spec.backends, spec.backends[0])
+    device = f.choice("device", DEVICES, "cpu")
+    if backend != spec.backends[0] and impl is None:
+        raise f.error("backend", f"backend: {backend} applies to an implementation of yours (op {op}'s built-in "
+                      f"engine is {spec.backends[0]}'s)", hint="add 'implementation: module:attribute' or remove it")
+    if backend == "torch" or device != "cpu":
+        _require_torch(f, backend, device, dtype)
     sc = Scenario(name=name, op=op, batch=batch, heads_q=1, heads_kv=1, kv_map=(0,), n_q=0, n_k=0, d_head=0,
                   d_value=0, scale=1.0, causal="none", window=None, key_lengths=None, visible_source=None,
                   loss_rows=None, mode=mode, samples=samples, directions=directions, colouring=False, dtype=dtype,
                   epsilon=epsilon, tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
                   params=tuple(params.items()), implementation=impl, implementation_line=impl_line,
-                  base_dir=str(base_dir), factor=factor, slack=slack, nondet_tol=nondet_tol, timeout=timeout)
+                  base_dir=str(base_dir), factor=factor, slack=slack, nondet_tol=nondet_tol, timeout=timeout,
+                  backend=backend, device=device)
     if spec.shapes:
         needed = need(spec, sc)
         if needed > memory_limit:

@@ -1,0 +1,27 @@
+"""torch implementations of the norms, RoPE and the SwiGLU MLP, as users write them: one callable each,
+differentiated by autograd (the tool computes every gradient with torch.autograd.grad)."""
+import torch
+import torch.nn.functional as F
+
+
+def layernorm(x, gamma, beta, eps):
+    return F.layer_norm(x, x.shape[-1:], gamma, beta, eps)
+
+
+def rmsnorm(x, gamma, eps):
+    return gamma * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rmsnorm_detached(x, gamma, eps):
+    # bug: the normalisation scale is detached (a "stop-gradient" left in), so autograd misses its feedback
+    return gamma * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps).detach()
+
+
+def rope(x, cos, sin):
+    half = cos.shape[-1]
+    a, b, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos, rest], dim=-1)
+
+
+def swiglu(x, w1, w3, w2):
+    return (F.silu(x @ w1) * (x @ w3)) @ w2
