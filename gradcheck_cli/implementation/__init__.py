@@ -67,10 +67,10 @@ def load(spec: str, base_dir: Path, flavour: str = "numpy") -> Any:
     obj: Any = module
     for part in attr_path.split("."):
         obj = _attribute(obj, part, module_name, attr_path)
-    if flavour == "torch":
+    if flavour in ("torch", "jax"):
         if not _safe(callable, obj):
-            raise LoadError(f"{spec} must be callable as f(q, k, v, visible, scale, kv_map) -> o "
-                            "(see the README: the torch interface)")
+            raise LoadError(f"{spec} must be callable: a {flavour} function of the op's tensors, e.g. f(q, k, v, "
+                            f"visible, scale, kv_map) -> o for attention (see the README: the {flavour} interface)")
     else:
         missing = [name for name in ("forward", "backward")
                    if not _safe(callable, _attribute(obj, name, module_name, f"{attr_path}.{name}", missing_ok=True))]

@@ -140,7 +140,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
 
 
 #: What a user's implementation provides (``implementation:``).
-INTERFACE = Interface(("numpy", "torch"), (
+INTERFACE = Interface(("numpy", "torch", "jax"), (
     "numpy: an object with forward(x, gamma, beta, eps) -> y and backward(x, gamma, beta, eps, "
     "grad_y) -> (dx, dgamma, dbeta); torch: a callable f(x, gamma, beta, eps) -> y, differentiated by"
     " autograd"))
@@ -162,6 +162,6 @@ OP = Op(name="layernorm", summary="LayerNorm y = gamma * (x - mean) / sqrt(var +
         shapes=_shapes,
         describe=lambda sc: f"B={sc.batch} n={sc.p('n')} d_model={sc.p('d_model')} eps={sc.p('eps'):g} "
                             f"{sc.dtype} {sc.mode}",
-        backends=("numpy", "torch"),
+        backends=("numpy", "torch", "jax"),
         implementation=INTERFACE,
         example=EXAMPLE)

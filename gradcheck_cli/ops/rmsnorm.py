@@ -119,9 +119,10 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
 
 
 #: What a user's implementation provides (``implementation:``).
-INTERFACE = Interface(("numpy", "torch"), (
+INTERFACE = Interface(("numpy", "torch", "jax"), (
     "numpy: an object with forward(x, gamma, eps) -> y and backward(x, gamma, eps, grad_y) -> (dx, "
-    "dgamma); torch: a callable f(x, gamma, eps) -> y, differentiated by autograd"))
+    "dgamma); torch: a callable f(x, gamma, eps) -> y, differentiated by autograd; jax: the same "
+    "function on JAX arrays, differentiated by jax.vjp"))
 
 #: A small scenario on which every fault of this op applies (the fault contract's).
 EXAMPLE = {"batch": 2, "n": 5, "d_model": 16}
@@ -133,7 +134,7 @@ OP = Op(name="rmsnorm", summary="RMSNorm y = gamma * x / sqrt(mean(x^2) + eps): 
             Engine("numpy-implementation", "gradcheck_cli.ops.rmsnorm:build_user",
                    "a user's NumPy forward and backward", choice=False))},
         engine_for=lambda sc: "numpy-implementation" if sc.implementation is not None else "naive",
-        backends=("numpy", "torch"),
+        backends=("numpy", "torch", "jax"),
         implementation=INTERFACE,
         keys={"n": Param("int", 4, "rows per batch element"),
               "d_model": Param("int", help="features per row, e.g. 'd_model: 16'"),

@@ -157,10 +157,11 @@ def _validate(params: dict, _attention: dict) -> list:
 
 
 #: What a user's implementation provides (``implementation:``).
-INTERFACE = Interface(("numpy", "torch"), (
+INTERFACE = Interface(("numpy", "torch", "jax"), (
     "numpy: an object with forward(x, cos, sin) -> y and backward(x, cos, sin, grad_y) -> dx; torch: "
-    "a callable f(x, cos, sin) -> y, differentiated by autograd; cos and sin [n, rotary_dim / 2] of "
-    "the angles, pairs as the scenario's layout says"))
+    "a callable f(x, cos, sin) -> y, differentiated by autograd; jax: the same function on JAX "
+    "arrays, differentiated by jax.vjp; cos and sin [n, rotary_dim / 2] of the angles, pairs as the "
+    "scenario's layout says"))
 
 #: A small scenario on which every fault of this op applies (the fault contract's).
 EXAMPLE = {"batch": 2, "heads": 2, "n": 6, "d_head": 8}
@@ -172,7 +173,7 @@ OP = Op(name="rope", summary="rotary position embedding at fixed positions: grad
             Engine("numpy-implementation", "gradcheck_cli.ops.rope:build_user",
                    "a user's NumPy forward and backward", choice=False))},
         engine_for=lambda sc: "numpy-implementation" if sc.implementation is not None else "naive",
-        backends=("numpy", "torch"),
+        backends=("numpy", "torch", "jax"),
         implementation=INTERFACE,
         keys={"heads": Param("int", 1, "heads"),
               "n": Param("int", help="positions, e.g. 'n: 8'"),

@@ -151,10 +151,10 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
 
 
 #: What a user's implementation provides (``implementation:``).
-INTERFACE = Interface(("numpy", "torch"), (
+INTERFACE = Interface(("numpy", "torch", "jax"), (
     "numpy: an object with forward(x, w1, w3, w2) -> y and backward(x, w1, w3, w2, grad_y) -> (dx, "
-    "dw1, dw3, dw2); torch: a callable f(x, w1, w3, w2) -> y, differentiated by autograd; weights "
-    "[in, out]"))
+    "dw1, dw3, dw2); torch: a callable f(x, w1, w3, w2) -> y, differentiated by autograd; jax: the "
+    "same function on JAX arrays, differentiated by jax.vjp; weights [in, out]"))
 
 #: A small scenario on which every fault of this op applies (the fault contract's).
 EXAMPLE = {"batch": 2, "n": 4, "d_model": 8, "d_ff": 12}
@@ -166,7 +166,7 @@ OP = Op(name="swiglu", summary="SwiGLU (SiLU(x W1) * x W3) W2: gradients of x, W
             Engine("numpy-implementation", "gradcheck_cli.ops.swiglu:build_user",
                    "a user's NumPy forward and backward", choice=False))},
         engine_for=lambda sc: "numpy-implementation" if sc.implementation is not None else "naive",
-        backends=("numpy", "torch"),
+        backends=("numpy", "torch", "jax"),
         implementation=INTERFACE,
         keys={"n": Param("int", 4, "rows per batch element"),
               "d_model": Param("int", help="features per row, e.g. 'd_model: 8'"),

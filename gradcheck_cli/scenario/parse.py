@@ -275,7 +275,9 @@ def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memo
     if backend != spec.backends[0] and impl is None:
         raise f.error("backend", f"backend: {backend} applies to an implementation of yours (op {op}'s built-in "
                       f"engine is {spec.backends[0]}'s)", hint="add 'implementation: module:attribute' or remove it")
-    if backend == "torch" or device != "cpu":
+    if backend == "jax":
+        _require_jax(f, device)
+    elif backend == "torch" or device != "cpu":
         _require_torch(f, backend, device, dtype)
     sc = Scenario(name=name, op=op, batch=batch, heads_q=1, heads_kv=1, kv_map=(0,), n_q=0, n_k=0, d_head=0,
                   d_value=0, scale=1.0, causal="none", window=None, key_lengths=None, visible_source=None,
@@ -290,6 +292,18 @@ def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memo
             raise doc.error(f.path, f"scenario '{name}' needs about {needed / 2**30:.1f} GiB, more than the "
                             f"{memory_limit / 2**30:.1f} GiB available", hint="reduce its sizes")
     return sc
+
+
+def _require_jax(f: _Fields, device: str) -> None:
+    """JAX scenarios need JAX, on its default device."""
+    if device != "cpu":
+        raise f.error("device", "device applies to backend: torch (JAX runs on its default device)",
+                      hint="remove device")
+    try:
+        import jax  # noqa: F401
+    except ImportError:
+        raise f.error("backend", "this scenario needs JAX, which is not installed",
+                      hint="pip install 'attn-gradcheck[jax]' (or pip install 'jax[cpu]')") from None
 
 
 def _require_torch(f: _Fields, backend: str, device: str, dtype: str) -> None:
