@@ -14,6 +14,20 @@ import numpy as np
 
 from ..implementation import ImplementationFailure
 
+#: The compiled forward and VJP of each user function, kept for the life of the process: the negative
+#: controls build a scenario once per fault, and each build would otherwise trace and compile again.
+_COMPILED: dict[int, tuple] = {}
+
+
+def _compiled_functions(user) -> tuple:
+    if id(user) not in _COMPILED:
+        @jax.jit
+        def vjp(inputs, rest, grad_y):
+            _, pull = jax.vjp(lambda *xs: user(*xs, *rest), *inputs)
+            return pull(grad_y)
+        _COMPILED[id(user)] = (user, jax.jit(lambda *args: user(*args)), vjp)  # user kept: its id stays its own
+    return _COMPILED[id(user)][1:]
+
 
 def wrap(user, count: int, dtype: str) -> SimpleNamespace:
     """The numpy ``forward``/``backward`` of ``user`` (a JAX function), whose first ``count`` arguments are the
@@ -31,12 +45,7 @@ def wrap(user, count: int, dtype: str) -> SimpleNamespace:
             raise ImplementationFailure(f"the implementation must return a JAX array, got {type(t).__name__}", name)
         return np.asarray(t)
 
-    forward_jit = jax.jit(lambda *args: user(*args))
-
-    @jax.jit
-    def vjp(inputs, rest, grad_y):
-        _, pull = jax.vjp(lambda *xs: user(*xs, *rest), *inputs)
-        return pull(grad_y)
+    forward_jit, vjp = _compiled_functions(user)
 
     def timed(key, fn, *args):
         first = key not in state.shapes

@@ -128,7 +128,7 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
             out = [deterministic] + agree + op.invariants(under_test, computes_in, y)
         except implementation.ImplementationFailure as exc:
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
-        return out + _compiled(impl)
+        return out + compiled_rows(impl)
 
     rule = precision.Policy.for_dtype(computes_in)
     problem = dense.problem(sc, dict(op.inputs), user_forward, grads, op.g, invariants=checks, rounding=op.rounding,
@@ -139,7 +139,7 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
     return problem
 
 
-def _compiled(impl) -> list:
+def compiled_rows(impl) -> list:
     """For a compiled flavour (JAX), how many shapes it compiled: a passing ``implementation`` row (the
     invariants run last, so every shape the run needed is counted)."""
     state = getattr(impl, "state", None)

@@ -94,14 +94,21 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     backend = f.choice("backend", op_spec.backends, op_spec.backends[0])
     device = f.choice("device", DEVICES, "cpu")
     dtype = f.choice("dtype", op_spec.dtypes, "float64")
-    if backend == "torch" or device != "cpu" or dtype in LOW_PRECISION:
+    if backend == "jax":
+        if not f.has("implementation"):
+            raise f.error("backend", f"backend: jax applies to an implementation of yours (op {op}'s built-in "
+                          "engines are NumPy's and torch's)", hint="add 'implementation: module:attribute'")
+        if dtype in LOW_PRECISION:
+            raise f.error("dtype", f"dtype {dtype} needs backend: torch", hint="use float64 or float32 with JAX")
+        _require_jax(f, device)
+    elif backend == "torch" or device != "cpu" or dtype in LOW_PRECISION:
         _require_torch(f, backend, device, dtype)
     choices = op_spec.engine_choices or ("naive",)
     engine = f.choice("engine", choices, choices[0])
     block_q, block_k = f.int("block_q", DEFAULT_BLOCK), f.int("block_k", DEFAULT_BLOCK)
     if engine != choices[0] and (backend != "numpy" or f.has("implementation")):
         raise f.error("engine", f"engine: {engine} is the built-in NumPy engine's; it does not apply to "
-                      + ("backend: torch" if backend != "numpy" else "an implementation of yours"),
+                      + (f"backend: {backend}" if backend != "numpy" else "an implementation of yours"),
                       hint="remove engine, or the backend / implementation")
     for owner, spec in op_spec.engines.items():
         for key in spec.keys:

@@ -29,3 +29,16 @@ def test_a_stop_gradient_on_the_normalisation_fails_where_the_vjp_misses_the_fee
     failed = {(c.name, c.tensor) for c in result.checks if not c.passed}
     assert failed == {("gradient x", "x"), ("backward agrees with the reference", "x"),
                       ("<G_x, x> = 0 per row when eps = 0", "g_x")}, failed
+
+
+def test_a_jax_attention_passes_every_control_and_a_finitely_masked_one_fails_the_mask_checks():
+    scenarios = scenario.load(EXAMPLES / "jax_attention.yaml")
+    for sc in scenarios:
+        assert checker.run_scenario(sc).verdict == "pass", sc.name
+    assert {c.status for c in checker.negative_controls(scenarios[:1])} == {"detected"}
+    doc = {"scenarios": [{"name": "t", "heads_q": 2, "n_q": 4, "d_head": 4, "mask": {"causal": "lower-right"},
+                          "backend": "jax", "implementation": "jax_attention:attention_additive_mask"}]}
+    result = checker.run_scenario(scenario.loads(yaml.safe_dump(doc), base_dir=EXAMPLES)[0])
+    failed = {c.name for c in result.checks if not c.passed}
+    assert {"forward agrees with the reference", "unseen K/V rows get zero gradient"} <= failed, failed
+    assert any("hidden keys reach O" in h for h in result.hints), result.hints

@@ -61,10 +61,10 @@ def engine_for(sc) -> str:
 
 #: What a user's implementation provides (README "Checking your own implementation").
 INTERFACE = Interface(
-    flavours=("numpy", "torch"),
+    flavours=("numpy", "torch", "jax"),
     signature="numpy: an object with forward(q, k, v, visible, scale, kv_map) -> o and backward(q, k, v, visible, "
               "scale, kv_map, grad_o) -> (dq, dk, dv); torch: a callable (q, k, v, visible, scale, kv_map) -> o, "
-              "differentiated by autograd")
+              "differentiated by autograd; jax: the same function on JAX arrays, differentiated by jax.vjp")
 
 #: A small scenario on which every fault of the built-in engines applies (the fault contract's).
 EXAMPLE = {"batch": 2, "heads_q": 4, "heads_kv": 2, "n_q": 3, "n_k": 10, "d_head": 8,
@@ -73,5 +73,5 @@ EXAMPLE = {"batch": 2, "heads_q": 4, "heads_kv": 2, "n_q": 3, "n_k": 10, "d_head
 OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradients of q, k, v",
         tensors=("q", "k", "v"), faults=FAULTS, engines=ENGINES, engine_for=engine_for, attention_keys=True,
         shapes=shapes, why_not=why_not, non_finite=non_finite, memory=memory_need,
-        backends=("numpy", "torch"), dtypes=("float64", "float32", "float16", "bfloat16"), implementation=INTERFACE,
-        colouring=True, example=EXAMPLE)
+        backends=("numpy", "torch", "jax"), dtypes=("float64", "float32", "float16", "bfloat16"),
+        implementation=INTERFACE, colouring=True, example=EXAMPLE)

@@ -1,4 +1,5 @@
-"""A user's NumPy implementation as an engine (README "Checking your own implementation")."""
+"""A user's NumPy implementation, or JAX function (wrapped by ``ops.jax_flavour``), as an engine (README
+"Checking your own implementation")."""
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -8,6 +9,7 @@ import numpy as np
 from ... import implementation, precision
 from ...numeric import SeedStream
 from ..registry import Problem
+from ..user_engine import compiled_rows
 from .inputs import seeded_inputs
 from .invariants import output_invariants
 from .reference import REFERENCE_CHECKS, Interface, diagnosis_fields, hint_context, plain, reference, varies
@@ -20,6 +22,9 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     misbehaviour is a failed check), perturbed copies are stacked along the batch axis, and the built-in
     engine in float64 is the reference its output and gradients must agree with (``precision``)."""
     impl = sc.implementation_object
+    if sc.backend == "jax":  # one JAX function, differentiated by jax.vjp, compiled once per shape
+        from .. import jax_flavour
+        impl = jax_flavour.wrap(impl, 3, sc.dtype)
     inputs, g = seeded_inputs(sc)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     dt = np.dtype(sc.dtype)
@@ -65,12 +70,13 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
 
     def checks() -> list:
         try:
-            return [deterministic] + agree + output_invariants(
+            out = [deterministic] + agree + output_invariants(
                 lambda q, k, v: user_forward(q, k, v, interface.visible),
                 lambda q, k, v, go: user_backward(q, k, v, go)[1:],
                 inputs, visible, kv_map, o, rng_inv, output_terms(inputs, a64, scale, kv_map), computes_in)
         except implementation.ImplementationFailure as exc:
-            return [deterministic] + agree + [implementation.failure_check("invariants", exc)]
+            out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
+        return out + compiled_rows(impl)
 
     copy_bytes = 3 * a64.size * dt.itemsize + o.size * dt.itemsize + (k.size + v.size + q.size) * dt.itemsize
     return Problem(
