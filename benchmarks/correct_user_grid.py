@@ -1,0 +1,86 @@
+"""A random grid of CORRECT user implementations of the ops beyond attention (layernorm, rmsnorm, rope,
+swiglu) in the three flavours (NumPy: examples/my_*.py; torch: examples/torch_ops.py; JAX:
+examples/jax_ops.py), plus JAX attention (examples/jax_attention.py): no run may FAIL, and inconclusive
+verdicts are listed with their checks. Shapes, eps, rotary dims, offsets, bases, dtypes and check modes are
+drawn at random.
+
+    python benchmarks/correct_user_grid.py [--count 300] [--seed 0] [--flavour numpy|torch|jax|all]
+
+Exit 1 when any scenario FAILs. Flavours whose framework is not installed are skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import random
+import sys
+from pathlib import Path
+
+import yaml
+
+from gradcheck_cli import checker, scenario
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SOURCES = {"numpy": lambda op: f"my_{op}:{op}", "torch": lambda op: f"torch_ops:{op}",
+           "jax": lambda op: f"jax_ops:{op}"}
+
+
+def draw(rng: random.Random, flavour: str, i: int) -> dict:
+    """The keys of one correct scenario."""
+    ops = ["layernorm", "rmsnorm", "rope", "swiglu"] + (["attention"] if flavour == "jax" else [])
+    op = rng.choice(ops)
+    keys = {"name": f"s{i}", "op": op, "dtype": rng.choice(["float64", "float32"]), "seed": rng.randrange(10**6),
+            "batch": rng.randint(1, 3)}
+    if flavour != "numpy":
+        keys["backend"] = flavour
+    if op in ("layernorm", "rmsnorm"):
+        keys.update(n=rng.randint(1, 5), d_model=rng.randint(2, 24), eps=rng.choice([0.0, 1e-6, 1e-5, 0.1]))
+    elif op == "rope":
+        d = 2 * rng.randint(1, 8)
+        keys.update(heads=rng.randint(1, 3), n=rng.randint(1, 9), d_head=d, rotary_dim=2 * rng.randint(1, d // 2),
+                    position_offset=rng.randint(0, 500), base=rng.choice([10000.0, 500000.0, 10.0]))
+    elif op == "swiglu":
+        keys.update(n=rng.randint(1, 4), d_model=rng.randint(1, 10), d_ff=rng.randint(1, 16))
+    else:
+        hkv = rng.randint(1, 2)
+        n_q = rng.randint(1, 6)
+        keys.update(heads_q=hkv * rng.randint(1, 2), heads_kv=hkv, n_q=n_q, n_k=rng.randint(n_q, n_q + 5),
+                    d_head=rng.randint(1, 8), mask=rng.choice([{}, {"causal": "lower-right"},
+                                                               {"causal": "lower-right", "window": [2, 0]}]))
+    keys["implementation"] = "jax_attention:attention" if op == "attention" else SOURCES[flavour](op)
+    if rng.random() < 0.2:
+        keys["check"] = {"mode": rng.choice(["sample", "directional"])}
+    return keys
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--flavour", choices=["numpy", "torch", "jax", "all"], default="all")
+    args = parser.parse_args()
+    flavours = ["numpy", "torch", "jax"] if args.flavour == "all" else [args.flavour]
+    flavours = [f for f in flavours if f == "numpy" or importlib.util.find_spec(f) is not None]
+    rng = random.Random(args.seed)
+    tally, odd = collections.Counter(), []
+    for i in range(args.count):
+        flavour = flavours[i % len(flavours)]
+        keys = draw(rng, flavour, i)
+        sc = scenario.loads(yaml.safe_dump({"scenarios": [keys]}), base_dir=EXAMPLES)[0]
+        result = checker.run_scenario(sc)
+        tally[(flavour, keys["op"], keys["dtype"], str(result.verdict))] += 1
+        if result.verdict != "pass":
+            odd.append((str(result.verdict), keys, [(c.name, c.verdict) for c in result.checks if c.verdict != "pass"]))
+    for key, count in sorted(tally.items()):
+        print(*key, count)
+    for verdict, keys, checks in odd:
+        print(verdict.upper(), keys, checks)
+    failed = sum(count for key, count in tally.items() if key[-1] == "fail")
+    print(f"{sum(tally.values())} scenarios: {failed} FAIL, "
+          f"{sum(c for k, c in tally.items() if k[-1] == 'inconclusive')} inconclusive")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
