@@ -310,7 +310,7 @@ def _require_jax(f: _Fields, device: str) -> None:
         import jax  # noqa: F401
     except ImportError:
         raise f.error("backend", "this scenario needs JAX, which is not installed",
-                      hint="pip install 'attn-gradcheck[jax]' (or pip install 'jax[cpu]')") from None
+                      hint="pip install 'attn-gradcheck[jax]', or pip install 'jax[cpu]'") from None
 
 
 def _require_torch(f: _Fields, backend: str, device: str, dtype: str) -> None:
