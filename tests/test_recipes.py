@@ -19,7 +19,7 @@ def llama():
 
 
 def test_the_llama_recipes_pass_and_every_fault_is_caught_on_them(llama):
-    assert {sc.op for sc in llama} == {"rmsnorm", "rope", "swiglu", "attention"}
+    assert {sc.op for sc in llama} == {"rmsnorm", "rope", "swiglu", "attention"} and len(llama) == 5
     for sc in llama:
         result = checker.run_scenario(sc)
         assert result.verdict == "pass", (sc.name, [(c.name, c.detail) for c in result.checks if not c.passed])
@@ -39,3 +39,15 @@ def test_llama_rmsnorm_in_float64_is_said_to_compute_in_float32(llama):
     result = checker.run_scenario(scenario.loads(yaml.safe_dump(doc), base_dir=RECIPES)[0])
     assert result.verdict == "inconclusive", [(c.name, c.verdict) for c in result.checks]
     assert any("float32" in c.detail for c in result.checks if c.verdict == "inconclusive")
+
+
+def test_jax_nn_dot_product_attention_passes_in_float32_and_is_said_to_compute_in_float32_in_float64():
+    pytest.importorskip("jax")
+    scenarios = scenario.load(RECIPES / "jax_nn.yaml")
+    for sc in scenarios:
+        assert checker.run_scenario(sc).verdict == "pass", sc.name
+    assert {c.status for c in checker.negative_controls(scenarios[:1])} == {"detected"}
+    doc = {"scenarios": [{"name": "t", "heads_q": 2, "n_q": 4, "d_head": 4, "backend": "jax",
+                          "implementation": "jax_nn:dot_product_attention"}]}
+    result = checker.run_scenario(scenario.loads(yaml.safe_dump(doc), base_dir=RECIPES)[0])
+    assert result.verdict == "inconclusive" and any("float32" in h for h in result.hints), result.hints

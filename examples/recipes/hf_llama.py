@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import torch
 from transformers import LlamaConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -34,6 +35,12 @@ def eager_attention(q, k, v, visible, scale, kv_map):  # contiguous KV groups, a
     mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, torch.finfo(q.dtype).min)
     out, _ = eager_attention_forward(module, q, k, v, mask, scaling=scale)
     return out.transpose(1, 2)  # the library returns [B, n, H, d]
+
+
+def sdpa_attention(q, k, v, visible, scale, kv_map):  # the library's SDPA path: a boolean mask (True = keep)
+    module = SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1], training=False, is_causal=False)
+    out, _ = sdpa_attention_forward(module, q, k, v, visible, scaling=scale, is_causal=False)
+    return out.transpose(1, 2)
 
 
 def rope_interleaved_tables(x, cos, sin):  # broken: cos/sin repeated per pair (GPT-J's tables) for Llama's layout
