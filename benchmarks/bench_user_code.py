@@ -1,0 +1,98 @@
+"""Checking a user's own code: the tool's time against its floor and against torch.autograd.gradcheck of the
+same function, in the same run (issue 14, item 5).
+
+The user's code is PyTorch's SDPA behind the tool's torch interface (benchmarks/user_sdpa.py), float64,
+causal, B=1, H=1, at n=64, d=32 and n=128, d=64, full mode. Every call of the user's forward is recorded
+with its batch size (the finite differences stack perturbed copies along the batch axis).
+
+- tool: the wall time of ``checker.run_scenario`` (in this process: torch's import is not counted).
+- floor: the same calls replayed: one forward of the user's function per recorded call, at its batch size,
+  on fresh random inputs (what any black-box check of this many copies must spend in the user's code).
+- gradcheck: ``torch.autograd.gradcheck`` of the scalar L = sum(O * G) in q, k, v (the like-for-like
+  comparison: attn-gradcheck differentiates L too), once.
+
+The floor is serial; the tool runs its chunks of copies on ``numeric.WORKERS`` threads (torch releases the
+GIL), so on a machine with spare cores it can come in under it.
+
+    python benchmarks/bench_user_code.py [--repeat 3]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from gradcheck_cli import checker, scenario
+
+HERE = Path(__file__).resolve().parent
+SHAPES = [(64, 32), (128, 64)]
+
+
+def _scenario(n: int, d: int):
+    doc = {"scenarios": [{"name": f"sdpa-n{n}-d{d}", "n_q": n, "d_head": d, "backend": "torch",
+                          "mask": {"causal": "lower-right"}, "implementation": "user_sdpa:sdpa"}]}
+    return scenario.loads(yaml.safe_dump(doc), base_dir=HERE)[0]
+
+
+def _floor(calls: list[int], n: int, d: int, repeat: int) -> float:
+    import torch
+    import user_sdpa
+    visible = torch.ones(n, n, dtype=torch.bool).tril()
+    kv_map = torch.zeros(1, dtype=torch.long)
+    total = 0.0
+    for batch, count in collections.Counter(calls).items():
+        q, k, v = (torch.randn(batch, 1, n, d, dtype=torch.float64) for _ in range(3))
+        best = float("inf")
+        for _ in range(repeat):
+            start = time.perf_counter()
+            user_sdpa.sdpa(q, k, v, visible, d ** -0.5, kv_map)
+            best = min(best, time.perf_counter() - start)
+        total += best * count
+    return total
+
+
+def _gradcheck(n: int, d: int) -> float:
+    import torch
+    import user_sdpa
+    q, k, v = (torch.randn(1, 1, n, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    g = torch.randn(1, 1, n, d, dtype=torch.float64)
+    visible = torch.ones(n, n, dtype=torch.bool).tril()
+    kv_map = torch.zeros(1, dtype=torch.long)
+    start = time.perf_counter()
+    assert torch.autograd.gradcheck(lambda q, k, v: (user_sdpa.sdpa(q, k, v, visible, d ** -0.5, kv_map) * g).sum(),
+                                    (q, k, v))
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    sys.path.insert(0, str(HERE))
+    import user_sdpa
+    print(f"{'scenario':<16} {'tool s':>8} {'floor s':>8} {'tool/floor':>10} {'calls':>6} {'copies':>7} "
+          f"{'gradcheck s':>11} {'gradcheck/tool':>14}")
+    for n, d in SHAPES:
+        sc = _scenario(n, d)
+        checker.run_scenario(sc)  # warm: imports, first calls
+        best, calls = float("inf"), []
+        for _ in range(args.repeat):
+            user_sdpa.CALLS.clear()
+            start = time.perf_counter()
+            result = checker.run_scenario(sc)
+            best = min(best, time.perf_counter() - start)
+            calls = list(user_sdpa.CALLS)
+        assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
+        floor = _floor(calls, n, d, args.repeat)
+        grad = _gradcheck(n, d)
+        print(f"{sc.name:<16} {best:8.3f} {floor:8.3f} {best / floor:10.2f} {len(calls):6d} {sum(calls):7d} "
+              f"{grad:11.2f} {grad / best:14.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
