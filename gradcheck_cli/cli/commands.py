@@ -243,6 +243,26 @@ def faults():
             out.print(f"    also in:   {', '.join(ops[1:])} (same name, same bug)")
 
 
+@main.command(epilog=EPILOG_INFO, short_help="List the ops: their tensors, keys, engines and the code they accept.")
+def ops():
+    """List the ops (``op:``): what each checks, its own keys, its engines and backends, and the
+    implementation of yours it accepts (``implementation:``), with a scenario to start from."""
+    out = _console()
+    for name, op in OPS.items():
+        out.print(f"{name}  {op.summary}", style="bold" if out.is_terminal else None, highlight=False)
+        out.print(f"    tensors:   {', '.join(op.tensors) or '-'}", highlight=False)
+        keys = list(op.keys) + (["the attention keys (heads, n_q, n_k, d_head, mask, ...)"]
+                                if op.attention_keys else [])
+        out.print(f"    keys:      {', '.join(keys)}", highlight=False)
+        out.print(f"    engines:   {', '.join(op.engine_choices) or 'naive'}; backends: {', '.join(op.backends)}; "
+                  f"dtypes: {', '.join(op.dtypes)}", highlight=False)
+        out.print("    your code: " + (f"{op.implementation.signature}" if op.implementation
+                                       else "not accepted (the built-in formulas only)"), highlight=False)
+        if op.example:
+            example = ", ".join(f"{k}: {json.dumps(v)}" for k, v in op.example.items())
+            out.print(f"    example:   {{op: {name}, {example}}}", highlight=False)
+
+
 @main.command(epilog=EPILOG_INFO, short_help="Print the JSON Schema of the scenario format (or of the report).")
 @click.option("--report", "of_report", is_flag=True,
               help="The schema of the --json report instead (shipped as schema/report.schema.json).")

@@ -157,3 +157,24 @@ def test_a_reader_that_goes_away_ends_with_141_not_1(root):
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141 and "Traceback" not in err
+
+
+def test_ops_lists_every_op_with_the_code_it_accepts_and_an_example_that_runs():
+    import yaml
+
+    from gradcheck_cli import checker, scenario
+    from gradcheck_cli.ops import OPS
+    result = run("ops")
+    assert result.exit_code == 0, result.output
+    for name, op in OPS.items():
+        assert f"\n{name}  {op.summary}" in "\n" + result.stdout
+    lines = result.stdout.splitlines()
+    accepted = {lines[i - 4].split()[0] for i, line in enumerate(lines) if line.startswith("    your code:")
+                and "not accepted" not in line}
+    assert accepted == {name for name, op in OPS.items() if op.implementation is not None}
+    examples = [line.split("example:", 1)[1].strip() for line in lines if line.startswith("    example:")]
+    assert len(examples) == len(OPS)
+    for text in examples:  # each printed example is a scenario that loads and passes
+        keys = yaml.safe_load(text)
+        [sc] = scenario.loads(yaml.safe_dump({"scenarios": [{"name": "ex", **keys}]}))
+        assert checker.run_scenario(sc).verdict == "pass", keys
