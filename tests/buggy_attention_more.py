@@ -57,6 +57,19 @@ class Correct:
 correct = Correct()
 
 
+class DropMaskConvention(Correct):
+    """Reads visible as a drop mask (True = hidden), as boolean masks of nn.MultiheadAttention do."""
+
+    def forward(self, q, k, v, visible, scale, kv_map):
+        return super().forward(q, k, v, ~visible, scale, kv_map)
+
+    def backward(self, q, k, v, visible, scale, kv_map, grad_o):
+        return super().backward(q, k, v, ~visible, scale, kv_map, grad_o)
+
+
+drop_mask_convention = DropMaskConvention()
+
+
 # ------------------------------------------------------------------------ 1. sliding window one too wide
 class _OwnWindow(Correct):
     """Kernel builds its own sliding-window mask (FlashAttention window_size=(left, right), diagonal

@@ -26,6 +26,7 @@ PHRASES = {
     "factor-v": "constant factor on dV alone",
     "gqa": "GQA reduction",
     "nondeterminism": "not deterministic",
+    "mask-convention": "reads visible as a drop mask",
 }
 
 GQA = dict(batch=2, heads_q=4, heads_kv=2, n_q=5, n_k=7, d_head=4, mask={"causal": "lower-right",
@@ -38,6 +39,7 @@ TAIL = dict(batch=2, heads_q=2, heads_kv=1, n_q=5, n_k=11, d_head=4)
 WINDOW = dict(batch=2, heads_q=2, n_q=12, d_head=8, mask={"causal": "lower-right", "window": [3, 0]})
 CACHE_6x10 = dict(batch=2, heads_q=2, n_q=6, n_k=10, d_head=8, mask={"causal": "lower-right"})
 SQUARE_12 = dict(batch=2, heads_q=2, n_q=12, d_head=8, mask={"causal": "lower-right"})
+PADDED = dict(batch=2, heads_q=2, n_q=6, n_k=9, d_head=4, mask={"key_lengths": [7, 5]})
 
 #: (bug in tests/buggy_attention.py, scenario, dtype, expected cause or None for "no specific hint")
 TABLE = [
@@ -66,6 +68,7 @@ TABLE = [
     ("float32_internal_correct", GQA, "float64", "precision"),
     ("float32_internal_correct", CACHE, "float64", "precision"),
     # written by an independent review (tests/buggy_attention_more.py)
+    ("more:drop_mask_convention", PADDED, "float64", "mask-convention"),
     ("more:window_one_too_wide", WINDOW, "float64", "forward-mask"),
     ("more:causal_offset_swapped", CACHE_6x10, "float64", "forward-mask"),
     ("more:tiled_local_mask_index", SQUARE_12, "float64", "forward-mask"),

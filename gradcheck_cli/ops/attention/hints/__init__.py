@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ...registry import Structure
-from .context import Context, _alternative, _mask_backward, _missing_keys, _mixing
+from .context import DROP_MASK, Context, _alternative, _mask_backward, _missing_keys, _mixing
 from .patterns import _factor, _gqa, _reference_factor, _scale, _shift_violation, _swapped
 
 __all__ = ["Context", "diagnosis"]
@@ -84,7 +84,9 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
         alternative = _alternative(sc, context, kv_map) if context is not None and forward_wrong else None
         leak = [name for name in ("attention is 0 off the visible set", "hidden K/V rows do not change O")
                 if name in broken]
-        if leak or alternative == "no mask":
+        if alternative == DROP_MASK:
+            out.append(alternative)
+        elif leak or alternative == "no mask":
             out.append("the forward lets hidden keys reach O (" + ("; ".join(leak) if leak else
                        "its output is exactly attention without the mask") + ")"
                        + (", while finite differences agree with the backward"

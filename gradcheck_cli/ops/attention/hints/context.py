@@ -47,11 +47,21 @@ def _matches(o: np.ndarray, alternative: np.ndarray, reference: np.ndarray) -> b
     return to_ref > 0 and to_alt * CLOSER < to_ref
 
 
+#: The hint of a forward that reads the visible set as a drop mask (the other boolean mask convention).
+DROP_MASK = ("the forward reads visible as a drop mask (True = hidden, the convention of boolean masks in "
+             "torch.nn.MultiheadAttention), while the scenario's visible set is a keep mask (True = key visible, "
+             "as SDPA's boolean attn_mask): invert the mask where your code receives it")
+
+
 def _alternative(sc, context: Context, kv_map) -> str | None:
-    """What the implementation's forward computes instead, when it is exactly one of: attention without
-    the mask, with the other causal alignment, or with the other KV-head layout."""
+    """What the implementation's forward computes instead, when it is exactly one of: attention with the
+    mask inverted (a drop mask), without the mask, with the other causal alignment, or with the other
+    KV-head layout."""
     ref = context.reference()
     o = context.output
+    dropped = ~sc.visible
+    if not sc.visible.all() and dropped.any(axis=-1).all() and _matches(o, context.reference(visible=dropped), ref):
+        return DROP_MASK
     if not sc.visible.all() and _matches(o, context.reference(visible=np.ones_like(sc.visible)), ref):
         return "no mask"
     if sc.causal != "none" and sc.visible_source is None and sc.n_q != sc.n_k:
