@@ -20,7 +20,7 @@ import numpy as np
 from .. import invariants
 from ..tolerance import INVARIANT_ULPS, machine_epsilon
 from . import dense, user_engine
-from .registry import Engine, Fault, Interface, Op, Param, Structure
+from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
 
 FAULTS = {f.name: f for f in (
     Fault("layernorm-mean-term", "G_x drops -mean(g), the feedback of the centring x - mu",
@@ -151,11 +151,7 @@ EXAMPLE = {"batch": 2, "n": 4, "d_model": 8, "eps": 0.0}
 OP = Op(name="layernorm", summary="LayerNorm y = gamma * (x - mean) / sqrt(var + eps) + beta: gradients of x, "
                                   "gamma and beta; checks your implementation too",
         tensors=("x", "gamma", "beta"), faults=FAULTS,
-        engines={e.name: e for e in (
-            Engine("naive", "gradcheck_cli.ops.layernorm:build", "the closed forms in NumPy"),
-            Engine("numpy-implementation", "gradcheck_cli.ops.layernorm:build_user",
-                   "a user's NumPy forward and backward", choice=False))},
-        engine_for=lambda sc: "numpy-implementation" if sc.implementation is not None else "naive",
+        **user_code_engines("gradcheck_cli.ops.layernorm"),
         keys={"n": Param("int", 4, "rows per batch element"),
               "d_model": Param("int", help="features per row, e.g. 'd_model: 16'"),
               "eps": Param("float", 1e-5, "added to var(x); 0 allowed", minimum=0.0)},

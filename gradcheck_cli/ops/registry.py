@@ -107,6 +107,20 @@ class NonFinite:
     unstable: str = "large values"
 
 
+def user_code_engines(module: str) -> dict:
+    """``engines`` and ``engine_for`` of an op with one built-in engine (``module:build``) that also checks a
+    user's implementation (``module:build_user``, in every flavour its ``Interface`` names)."""
+    return {"engines": {e.name: e for e in (
+                Engine("naive", f"{module}:build", "the closed forms in NumPy"),
+                Engine("implementation", f"{module}:build_user", "a user's implementation (NumPy, torch or JAX)",
+                       choice=False))},
+            "engine_for": _built_in_or_user}
+
+
+def _built_in_or_user(sc) -> str:
+    return "implementation" if sc.implementation is not None else "naive"
+
+
 #: ``check`` keys of the agreement policy and of the isolation of user code: they apply to ops that accept
 #: an implementation.
 IMPLEMENTATION_CHECK_KEYS = ("check.factor", "check.slack", "check.nondet_tol", "check.timeout")

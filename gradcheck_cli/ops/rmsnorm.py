@@ -14,7 +14,7 @@ import numpy as np
 from .. import invariants
 from ..tolerance import INVARIANT_ULPS, machine_epsilon
 from . import dense, user_engine
-from .registry import Engine, Fault, Interface, Op, Param, Structure
+from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
 
 FAULTS = {f.name: f for f in (
     Fault("rmsnorm-feedback", "G_x = G_y * gamma / r: drops the feedback term -x mean(g x) / r^3 of the "
@@ -129,11 +129,7 @@ EXAMPLE = {"batch": 2, "n": 5, "d_model": 16}
 
 OP = Op(name="rmsnorm", summary="RMSNorm y = gamma * x / sqrt(mean(x^2) + eps): gradients of x and gamma",
         tensors=("x", "gamma"), faults=FAULTS,
-        engines={e.name: e for e in (
-            Engine("naive", "gradcheck_cli.ops.rmsnorm:build", "the closed forms in NumPy"),
-            Engine("numpy-implementation", "gradcheck_cli.ops.rmsnorm:build_user",
-                   "a user's NumPy forward and backward", choice=False))},
-        engine_for=lambda sc: "numpy-implementation" if sc.implementation is not None else "naive",
+        **user_code_engines("gradcheck_cli.ops.rmsnorm"),
         backends=("numpy", "torch", "jax"),
         implementation=INTERFACE,
         keys={"n": Param("int", 4, "rows per batch element"),

@@ -17,7 +17,7 @@ import numpy as np
 from .. import invariants
 from ..tolerance import INVARIANT_ULPS
 from . import dense, user_engine
-from .registry import Engine, Fault, Interface, Op, Param, Structure
+from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
 
 FAULTS = {f.name: f for f in (
     Fault("rope-transpose", "the backward rotates the gradient forward (by +angle) instead of by the opposite angle",
@@ -168,11 +168,7 @@ EXAMPLE = {"batch": 2, "heads": 2, "n": 6, "d_head": 8}
 
 OP = Op(name="rope", summary="rotary position embedding at fixed positions: gradient of x",
         tensors=("x",), faults=FAULTS,
-        engines={e.name: e for e in (
-            Engine("naive", "gradcheck_cli.ops.rope:build", "the closed forms in NumPy"),
-            Engine("numpy-implementation", "gradcheck_cli.ops.rope:build_user",
-                   "a user's NumPy forward and backward", choice=False))},
-        engine_for=lambda sc: "numpy-implementation" if sc.implementation is not None else "naive",
+        **user_code_engines("gradcheck_cli.ops.rope"),
         backends=("numpy", "torch", "jax"),
         implementation=INTERFACE,
         keys={"heads": Param("int", 1, "heads"),

@@ -16,7 +16,7 @@ import numpy as np
 from .. import invariants
 from ..tolerance import INVARIANT_ULPS, machine_epsilon
 from . import dense, user_engine
-from .registry import Engine, Fault, Interface, Op, Param, Structure
+from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
 
 FAULTS = {f.name: f for f in (
     Fault("silu-derivative", "G_a = G_h * b: drops SiLU's own derivative SiLU'(x W_1)",
@@ -161,11 +161,7 @@ EXAMPLE = {"batch": 2, "n": 4, "d_model": 8, "d_ff": 12}
 
 OP = Op(name="swiglu", summary="SwiGLU (SiLU(x W1) * x W3) W2: gradients of x, W1, W2, W3",
         tensors=("x", "w1", "w3", "w2"), faults=FAULTS,
-        engines={e.name: e for e in (
-            Engine("naive", "gradcheck_cli.ops.swiglu:build", "the closed forms in NumPy"),
-            Engine("numpy-implementation", "gradcheck_cli.ops.swiglu:build_user",
-                   "a user's NumPy forward and backward", choice=False))},
-        engine_for=lambda sc: "numpy-implementation" if sc.implementation is not None else "naive",
+        **user_code_engines("gradcheck_cli.ops.swiglu"),
         backends=("numpy", "torch", "jax"),
         implementation=INTERFACE,
         keys={"n": Param("int", 4, "rows per batch element"),
