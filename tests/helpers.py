@@ -29,6 +29,12 @@ def make(**keys) -> scenario.Scenario:
     return scenario.loads(yaml.safe_dump({"scenarios": [keys]}))[0]
 
 
+def with_examples(**keys) -> scenario.Scenario:
+    """One scenario whose ``implementation`` is found in examples/ (as a YAML there would find it)."""
+    keys.setdefault("name", "mine")
+    return scenario.loads(yaml.safe_dump({"scenarios": [keys]}), base_dir=ROOT / "examples")[0]
+
+
 def random_inputs(sc, seed=0):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((sc.batch, sc.heads_q, sc.n_q, sc.d_head))

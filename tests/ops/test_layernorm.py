@@ -1,7 +1,5 @@
 """The layernorm op: its closed forms against torch autograd, and a user's LayerNorm checked through the same
 door as attention's (examples/my_layernorm.py). Its faults are in the fault contract (test_fault_contract.py)."""
-from pathlib import Path
-
 import numpy as np
 import pytest
 import yaml
@@ -10,7 +8,7 @@ from gradcheck_cli import checker, scenario
 from gradcheck_cli.errors import ScenarioError
 from gradcheck_cli.ops import layernorm
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+from helpers import with_examples
 
 
 def test_closed_forms_match_torch_autograd():
@@ -27,9 +25,7 @@ def test_closed_forms_match_torch_autograd():
 
 
 def _user(spec: str, **keys):
-    doc = {"scenarios": [{"name": "mine", "op": "layernorm", "batch": 2, "n": 4, "d_model": 8,
-                          "implementation": spec, **keys}]}
-    return scenario.loads(yaml.safe_dump(doc), base_dir=EXAMPLES)[0]
+    return with_examples(op="layernorm", batch=2, n=4, d_model=8, implementation=spec, **keys)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

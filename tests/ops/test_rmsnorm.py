@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from gradcheck_cli.ops import OPS, rmsnorm
 
-from helpers import assert_close, make
+from helpers import assert_close, make, with_examples
 from reference import complex_step_gradients, rmsnorm_ref
 
 
@@ -52,13 +52,7 @@ def test_rmsnorm_scale_invariance_property(batch, n, d, eps, seed):
 
 
 def _user(spec: str, **keys):
-    import yaml
-
-    from gradcheck_cli import scenario
-    examples = __import__("pathlib").Path(__file__).resolve().parents[2] / "examples"
-    doc = {"scenarios": [{"name": "mine", "op": "rmsnorm", "batch": 2, "n": 4, "d_model": 8,
-                          "implementation": spec, **keys}]}
-    return scenario.loads(yaml.safe_dump(doc), base_dir=examples)[0]
+    return with_examples(op="rmsnorm", batch=2, n=4, d_model=8, implementation=spec, **keys)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

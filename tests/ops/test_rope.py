@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from gradcheck_cli.ops import OPS, rope
 
-from helpers import assert_close, make
+from helpers import assert_close, make, with_examples
 from reference import complex_step_gradients, rope_ref
 
 
@@ -54,14 +54,7 @@ def test_rope_is_orthogonal_property(n, d, layout, offset, seed):
 
 
 def _user(spec: str, **keys):
-    from pathlib import Path
-
-    import yaml
-
-    from gradcheck_cli import scenario
-    doc = {"scenarios": [{"name": "mine", "op": "rope", "batch": 2, "heads": 2, "n": 5, "d_head": 8,
-                          "implementation": spec, **keys}]}
-    return scenario.loads(yaml.safe_dump(doc), base_dir=Path(__file__).resolve().parents[2] / "examples")[0]
+    return with_examples(op="rope", batch=2, heads=2, n=5, d_head=8, implementation=spec, **keys)
 
 
 @pytest.mark.parametrize("keys", [{}, {"dtype": "float32"}, {"rotary_dim": 4, "position_offset": 9}])

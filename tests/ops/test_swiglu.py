@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from gradcheck_cli.ops import OPS, swiglu
 
-from helpers import assert_close, make
+from helpers import assert_close, make, with_examples
 from reference import complex_step_gradients, swiglu_ref
 
 
@@ -46,14 +46,7 @@ def test_swiglu_euler_identities_property(batch, n, d, f, seed):
 
 
 def _user(spec: str, **keys):
-    from pathlib import Path
-
-    import yaml
-
-    from gradcheck_cli import scenario
-    doc = {"scenarios": [{"name": "mine", "op": "swiglu", "batch": 2, "n": 3, "d_model": 6, "d_ff": 8,
-                          "implementation": spec, **keys}]}
-    return scenario.loads(yaml.safe_dump(doc), base_dir=Path(__file__).resolve().parents[2] / "examples")[0]
+    return with_examples(op="swiglu", batch=2, n=3, d_model=6, d_ff=8, implementation=spec, **keys)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
