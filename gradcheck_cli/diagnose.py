@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .indices import ranges  # noqa: F401  (re-exported: reports format index ranges)
 from .ops.registry import Structure
 
 #: Worst elements listed per failed check.

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from gradcheck_cli import checker, diagnose
+from gradcheck_cli import checker, diagnose, indices
 from gradcheck_cli.cli import main
 from gradcheck_cli.ops import OPS
 from gradcheck_cli.ops.attention import ENGINE_FAULTS
@@ -130,8 +130,8 @@ def test_heat_map_bins_long_axes():
 
 
 def test_ranges():
-    assert diagnose.ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
-    assert diagnose.ranges([]) == ""
+    assert indices.ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert indices.ranges([]) == ""
 
 
 def test_directional_failure_says_how_to_localise():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 
-from ..diagnose import ranges
+from ..indices import ranges
 from ..result import ScenarioResult
 
 
