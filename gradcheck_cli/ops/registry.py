@@ -192,6 +192,7 @@ class Op:
     why_not: Callable[[Any, str], str | None] | None = None  # why a fault cannot apply to a scenario, if known
     # Capabilities, as data: they drive the loader, the CLI's choices, the schema and the fault contract.
     backends: tuple[str, ...] = ("numpy",)       # values of ``backend:`` (more than one: ``backend``/``device`` apply)
+    built_in_backends: tuple[str, ...] = ("numpy",)  # those its built-in engines run on (the others: user code)
     dtypes: tuple[str, ...] = ("float64", "float32")  # values of ``dtype:``
     implementation: Interface | None = None     # the ``implementation:`` it accepts, if any
     colouring: bool = False                     # its output splits into independent blocks (``Problem.parts``)

@@ -91,18 +91,8 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
         raise f.error("scale", f"must be non-zero and within +-{MAX_SCALE:g}, got {scale:g}",
                       hint="omit it for 1/sqrt(d_head)")
 
-    backend = f.choice("backend", op_spec.backends, op_spec.backends[0])
-    device = f.choice("device", DEVICES, "cpu")
     dtype = f.choice("dtype", op_spec.dtypes, "float64")
-    if backend == "jax":
-        if not f.has("implementation"):
-            raise f.error("backend", f"backend: jax applies to an implementation of yours (op {op}'s built-in "
-                          "engines are NumPy's and torch's)", hint="add 'implementation: module:attribute'")
-        if dtype in LOW_PRECISION:
-            raise f.error("dtype", f"dtype {dtype} needs backend: torch", hint="use float64 or float32 with JAX")
-        _require_jax(f, device)
-    elif backend == "torch" or device != "cpu" or dtype in LOW_PRECISION:
-        _require_torch(f, backend, device, dtype)
+    backend, device = _backend_and_device(f, op_spec, dtype)
     choices = op_spec.engine_choices or ("naive",)
     engine = f.choice("engine", choices, choices[0])
     block_q, block_k = f.int("block_q", DEFAULT_BLOCK), f.int("block_k", DEFAULT_BLOCK)
@@ -277,15 +267,7 @@ def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memo
         raise f.error(key, message, hint=hint)
     factor, slack, nondet_tol, timeout = _user_code_policy(f)
     impl, impl_line = _implementation(doc, f, base_dir)
-    backend = f.choice("backend", spec.backends, spec.backends[0])
-    device = f.choice("device", DEVICES, "cpu")
-    if backend != spec.backends[0] and impl is None:
-        raise f.error("backend", f"backend: {backend} applies to an implementation of yours (op {op}'s built-in "
-                      f"engine is {spec.backends[0]}'s)", hint="add 'implementation: module:attribute' or remove it")
-    if backend == "jax":
-        _require_jax(f, device)
-    elif backend == "torch" or device != "cpu":
-        _require_torch(f, backend, device, dtype)
+    backend, device = _backend_and_device(f, spec, dtype)
     sc = Scenario(name=name, op=op, batch=batch, heads_q=1, heads_kv=1, kv_map=(0,), n_q=0, n_k=0, d_head=0,
                   d_value=0, scale=1.0, causal="none", window=None, key_lengths=None, visible_source=None,
                   loss_rows=None, mode=mode, samples=samples, directions=directions, colouring=False, dtype=dtype,
@@ -299,6 +281,25 @@ def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memo
             raise doc.error(f.path, f"scenario '{name}' needs about {needed / 2**30:.1f} GiB, more than the "
                             f"{memory_limit / 2**30:.1f} GiB available", hint="reduce its sizes")
     return sc
+
+
+def _backend_and_device(f: _Fields, spec, dtype: str) -> tuple[str, str]:
+    """``backend`` and ``device``: a backend none of the op's built-in engines runs on applies to an
+    implementation of yours; JAX runs in float64/float32 on its default device; torch (and a GPU for cuda)
+    must be there."""
+    backend = f.choice("backend", spec.backends, spec.backends[0])
+    device = f.choice("device", DEVICES, "cpu")
+    if backend not in spec.built_in_backends and not f.has("implementation"):
+        raise f.error("backend", f"backend: {backend} applies to an implementation of yours (op {spec.name}'s "
+                      f"built-in engines run on {' and '.join(spec.built_in_backends)})",
+                      hint="add 'implementation: module:attribute' or remove it")
+    if backend == "jax":
+        if dtype in LOW_PRECISION:
+            raise f.error("dtype", f"dtype {dtype} needs backend: torch", hint="use float64 or float32 with JAX")
+        _require_jax(f, device)
+    elif backend == "torch" or device != "cpu" or dtype in LOW_PRECISION:
+        _require_torch(f, backend, device, dtype)
+    return backend, device
 
 
 def _require_jax(f: _Fields, device: str) -> None:

@@ -73,5 +73,6 @@ EXAMPLE = {"batch": 2, "heads_q": 4, "heads_kv": 2, "n_q": 3, "n_k": 10, "d_head
 OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradients of q, k, v",
         tensors=("q", "k", "v"), faults=FAULTS, engines=ENGINES, engine_for=engine_for, attention_keys=True,
         shapes=shapes, why_not=why_not, non_finite=non_finite, memory=memory_need,
-        backends=("numpy", "torch", "jax"), dtypes=("float64", "float32", "float16", "bfloat16"),
+        backends=("numpy", "torch", "jax"), built_in_backends=("numpy", "torch"),
+        dtypes=("float64", "float32", "float16", "bfloat16"),
         implementation=INTERFACE, colouring=True, example=EXAMPLE)
