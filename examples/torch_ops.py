@@ -25,3 +25,38 @@ def rope(x, cos, sin):
 
 def swiglu(x, w1, w3, w2):
     return (F.silu(x @ w1) * (x @ w3)) @ w2
+
+
+def _heads(t, heads):  # [B, n, H*d] -> [B, H, n, d]
+    return t.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+
+def _attend(x, w_q, w_k, w_v, w_o, visible, scale, kv_map, rotate=lambda t: t, m=None):
+    hq = visible.shape[1]
+    hkv = w_k.shape[1] * hq // w_q.shape[1]  # the KV heads have the query heads' width
+    s = x if m is None else m
+    q, k, v = rotate(_heads(x @ w_q, hq)), rotate(_heads(s @ w_k, hkv)), _heads(s @ w_v, hkv)
+    o = F.scaled_dot_product_attention(q, k[:, kv_map], v[:, kv_map], attn_mask=visible, scale=scale)
+    return o.transpose(1, 2).flatten(-2) @ w_o
+
+
+def attention_projections(x, w_q, w_k, w_v, w_o, visible, scale, kv_map):
+    return _attend(x, w_q, w_k, w_v, w_o, visible, scale, kv_map)
+
+
+def cross_attention(x, m, w_q, w_k, w_v, w_o, visible, scale, kv_map):
+    return _attend(x, w_q, w_k, w_v, w_o, visible, scale, kv_map, m=m)
+
+
+def block(x, gamma1, w_q, w_k, w_v, w_o, gamma2, w1, w3, w2, visible, cos, sin, scale, kv_map, eps):
+    h = x + _attend(rmsnorm(x, gamma1, eps), w_q, w_k, w_v, w_o, visible, scale, kv_map,
+                    rotate=lambda t: rope(t, cos, sin))
+    return h + swiglu(rmsnorm(h, gamma2, eps), w1, w3, w2)
+
+
+def block_detached_residual(x, gamma1, w_q, w_k, w_v, w_o, gamma2, w1, w3, w2, visible, cos, sin, scale, kv_map,
+                            eps):
+    # bug: the attention residual is added detached (x.detach() + ...), so x gets no gradient through it
+    h = x.detach() + _attend(rmsnorm(x, gamma1, eps), w_q, w_k, w_v, w_o, visible, scale, kv_map,
+                             rotate=lambda t: rope(t, cos, sin))
+    return h + swiglu(rmsnorm(h, gamma2, eps), w1, w3, w2)

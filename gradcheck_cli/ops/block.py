@@ -21,12 +21,15 @@ import numpy as np
 
 from .. import invariants
 from ..tolerance import INVARIANT_ULPS
-from . import attention, dense, projections, rmsnorm, rope, swiglu
+from . import attention, dense, projections, rmsnorm, rope, swiglu, user_engine
 from .attention import memory as attention_memory
 from .projections import merge, split
-from .registry import Op, Param, Structure
+from .registry import Interface, Op, Param, Structure, user_code_engines
 
-FAULTS = {**attention.ENGINE_FAULTS, **projections.FAULTS, **rope.FAULTS, **rmsnorm.FAULTS, **swiglu.FAULTS}
+#: Every fault of the parts, under its own name; on a user's implementation each adds the change it makes to
+#: the reference gradients.
+FAULTS = user_engine.added({**attention.ENGINE_FAULTS, **projections.FAULTS, **rope.FAULTS, **rmsnorm.FAULTS,
+                            **swiglu.FAULTS})
 WEIGHTS = ("w_q", "w_k", "w_v", "w_o", "w1", "w3", "w2")
 #: <G_W, W> = sum(G * SwiGLU) is bounded by the rounding of the terms of the right side only, while the
 #: left side sums G_W, which the backward forms through SwiGLU's two branches: the invariants' ulps are
@@ -91,7 +94,8 @@ def _shapes(sc) -> dict:
             "w2": (f, d)}
 
 
-def build(sc, faults: Collection[str] = ()):
+def _data(sc) -> tuple[dict, np.ndarray]:
+    """The seeded inputs (gammas near 1) and the upstream gradient g (zero outside ``loss_rows``)."""
     shapes = _shapes(sc)
     d, f = sc.p("d_model"), sc.p("d_ff")
     fan_in = {"w_q": d, "w_k": d, "w_v": d, "w_o": sc.heads_q * sc.d_value, "w1": d, "w3": d, "w2": f}
@@ -103,6 +107,16 @@ def build(sc, faults: Collection[str] = ()):
         g[..., ~keep, :] = 0
     for gamma in ("gamma1", "gamma2"):
         data[gamma] = (1.0 + 0.5 * data[gamma]).astype(data[gamma].dtype)
+    return data, g
+
+
+_STRUCTURE = {"x": Structure(("batch", "row", "feature")), "gamma1": Structure(("feature",)),
+              "gamma2": Structure(("feature",)), **{w: Structure(("d_in", "d_out")) for w in WEIGHTS}}
+
+
+def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None):
+    data, g = _data(sc)
+    d, f = sc.p("d_model"), sc.p("d_ff")
     block = Block(sc)
     grads = block.backward(**data, grad_y=g, faults=faults)
     y, ffn_out = block.forward(**data, faults=faults, parts=True)
@@ -129,10 +143,36 @@ def build(sc, faults: Collection[str] = ()):
     lift = {**{w: 1 for w in WEIGHTS}, "gamma1": 2, "gamma2": 2}
     return dense.problem(
         sc, data, fwd, grads, g, lift=lift, magnitude=magnitude, invariants=checks,
-        work_factor=6.0 * sc.heads_q * sc.n_q / d + 4.0 * f / d + 8,
-        structure={"x": Structure(("batch", "row", "feature")), "gamma1": Structure(("feature",)),
-                   "gamma2": Structure(("feature",)), **{w: Structure(("d_in", "d_out")) for w in WEIGHTS}},
+        work_factor=6.0 * sc.heads_q * sc.n_q / d + 4.0 * f / d + 8, structure=_STRUCTURE,
         arrays={"visible": sc.visible, "scale": np.asarray(sc.scale), "kv_map": block.kv_map, "angles": block.theta})
+
+
+def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None):
+    """A user's implementation, through the shared engine (``user_engine``): f(x, gamma1, w_q, w_k, w_v, w_o,
+    gamma2, w1, w3, w2, visible, cos, sin, scale, kv_map, eps), every parameter's gradient checked like x's.
+    The mask invariants run on it; the Euler identities of the built-in engine need SwiGLU's output inside
+    the block, which a black box does not show."""
+    data, g = _data(sc)
+    block = Block(sc)
+    order = tuple(data)
+    args = {"visible": sc.visible, "cos": np.cos(block.theta).astype(sc.dtype),
+            "sin": np.sin(block.theta).astype(sc.dtype), "scale": sc.scale, "kv_map": block.kv_map,
+            "eps": block.eps}
+
+    def forward(*values):
+        return block.forward(*values[:len(order)])
+
+    def backward(*values):  # (*inputs, *args, grad_y, faults)
+        grads = block.backward(*values[:len(order)], grad_y=values[-2], faults=values[-1])
+        return tuple(grads[t] for t in order)
+
+    length = sc.batch * sc.n_q + sc.p("d_model") + sc.p("d_ff") + sc.heads_q * sc.d_head
+    return user_engine.build(sc, user_engine.UserOp(
+        inputs=data, args=args, g=g, forward=forward, backward=backward,
+        terms=lambda inputs, a, g: user_engine.bounded_terms(forward, backward, inputs, a, g, length),
+        invariants=lambda calls, dtype, y: projections.mask_invariants(sc, "x", data, calls.forward, calls.backward,
+                                                                        dtype),
+        batched=("x", "visible"), structure=_STRUCTURE), faults)
 
 
 def _validate(params: dict, att: dict) -> list:
@@ -157,9 +197,21 @@ def _memory(sc) -> int:
 EXAMPLE = {"batch": 2, "n_q": 6, "d_model": 12, "d_ff": 16, "d_head": 4, "heads_q": 4, "heads_kv": 2,
            "mask": {"causal": "lower-right"}}
 
+#: What a user's implementation provides (``implementation:``).
+INTERFACE = Interface(("numpy", "torch", "jax"), (
+    "numpy: an object with forward(x, gamma1, w_q, w_k, w_v, w_o, gamma2, w1, w3, w2, visible, cos, sin, scale, "
+    "kv_map, eps) -> y and backward(same arguments, grad_y) -> (dx, dgamma1, dw_q, dw_k, dw_v, dw_o, dgamma2, "
+    "dw1, dw3, dw2); torch: a callable f(same arguments) -> y, differentiated by autograd; jax: the same "
+    "function on JAX arrays, differentiated by jax.vjp; x [B, n, d_model], weights [in, out], heads split as "
+    "[B, n, H*d] -> [B, H, n, d], RoPE on Q and K with cos/sin [n, rotary_dim / 2] (pairs as rope_layout says), "
+    "visible [B, Hq, n, n] (True = key visible), kv_map[h] the KV head of query head h, eps the RMSNorm eps"),
+    args=("visible", "cos", "sin", "scale", "kv_map", "eps"))
+
 OP = Op(name="block", summary="pre-norm transformer block (RMSNorm, RoPE attention with projections, SwiGLU, "
                               "residuals): gradients of x and every parameter",
-        tensors=("x", "gamma1") + WEIGHTS[:4] + ("gamma2",) + WEIGHTS[4:], faults=FAULTS, build=build,
+        tensors=("x", "gamma1") + WEIGHTS[:4] + ("gamma2",) + WEIGHTS[4:], faults=FAULTS,
+        **user_code_engines("gradcheck_cli.ops.block"),
+        backends=("numpy", "torch", "jax"), implementation=INTERFACE,
         attention_keys=True,
         keys={"d_model": Param("int", help="model width, e.g. 'd_model: 16'"),
               "d_ff": Param("int", help="SwiGLU hidden width, e.g. 'd_ff: 32'"),

@@ -29,12 +29,18 @@ def _compiled_functions(user) -> tuple:
     return _COMPILED[id(user)][1:]
 
 
+def enable(dtype: str) -> None:
+    """JAX's x64 mode for a float64 scenario (without it JAX computes in float32 whatever it is given); before
+    a factory builds a module, so that its parameters can be float64."""
+    if dtype == "float64":
+        jax.config.update("jax_enable_x64", True)
+
+
 def wrap(user, count: int, dtype: str) -> SimpleNamespace:
     """The numpy ``forward``/``backward`` of ``user`` (a JAX function), whose first ``count`` arguments are the
     differentiable inputs; the arguments after them are passed as they are (arrays become JAX arrays).
     ``state.shapes`` are the shapes compiled, ``state.compile_s`` the time the first call of each took."""
-    if dtype == "float64":
-        jax.config.update("jax_enable_x64", True)
+    enable(dtype)
     state = SimpleNamespace(compile_s=0.0, shapes=set())
 
     def as_jax(a):
@@ -71,3 +77,90 @@ def wrap(user, count: int, dtype: str) -> SimpleNamespace:
         return out[0] if count == 1 else out
 
     return SimpleNamespace(forward=forward, backward=backward, state=state)
+
+
+def from_module(built, spec, order: tuple[str, ...], arg_names: tuple[str, ...], shapes: dict):
+    """The function f(*inputs, *args) of what the factory of ``spec`` (``implementation.modules.ModuleSpec``)
+    built: a flax ``nnx.Module``; a flax ``linen.Module`` with its variables, as a pair (module, variables);
+    or a pair (fn, params) with fn(params, *args) -> y. Each mapped leaf of the parameters (a dotted path;
+    a linen path may leave out its leading ``params.``) is replaced by its expression of the op's tensors, the
+    module called with ``spec.call`` and, when it returns a tuple or list, its first element taken. Returns
+    (f, mapped, frozen)."""
+    from ..implementation.modules import expression_shape, fitted, suggest
+    apply, params = _functional(built, spec.factory)
+    leaves = dict(_flatten(params))
+    paths = {}
+    for path, expr in spec.weights:
+        full = path if path in leaves else f"params.{path}" if f"params.{path}" in leaves else None
+        if full is None:
+            raise ImplementationFailure(f"the module built by {spec.factory} has no parameter {path!r}"
+                                        f"{suggest(path, leaves)}; its parameters: {', '.join(leaves) or 'none'}")
+        paths[full] = (expr, fitted(expression_shape(expr, shapes), tuple(np.shape(leaves[full])), path, expr))
+    frozen = [p for p in leaves if p not in paths]
+    names = order + arg_names
+
+    def f(*values):
+        named = dict(zip(names, values))
+        new = {}
+        for p, (e, shape) in paths.items():
+            w = e.evaluate(named, lambda t: jax.numpy.swapaxes(t, -1, -2), lambda ts: jax.numpy.concatenate(ts, 0))
+            new[p] = w if shape is None else w.reshape(shape)
+        args = tuple(named[c] for c in spec.call)
+        p = _replaced(params, new)
+        out = apply(p, **dict(zip(spec.keywords, args))) if spec.keywords is not None else apply(p, *args)
+        return out[0] if isinstance(out, (tuple, list)) and out else out
+
+    return f, [path for path, _ in spec.weights], frozen
+
+
+def _functional(built, factory: str):
+    """(apply(params, *args, **kwargs), params) of what a factory built."""
+    try:
+        from flax import nnx
+    except ImportError:
+        nnx = None
+    if nnx is not None and isinstance(built, nnx.Module):
+        graphdef, state = nnx.split(built)
+        pure = state.to_pure_dict()
+
+        def apply_nnx(p, *args, **kwargs):
+            s = nnx.State(state)
+            nnx.replace_by_pure_dict(s, p)
+            return nnx.merge(graphdef, s)(*args, **kwargs)
+        return apply_nnx, pure
+    if isinstance(built, tuple) and len(built) == 2:
+        first, params = built
+        if hasattr(first, "apply") and hasattr(first, "init"):  # a flax.linen Module and its variables
+            return (lambda p, *args, **kwargs: first.apply(p, *args, **kwargs)), _plain(params)
+        if callable(first):
+            return first, params
+    raise ImplementationFailure(f"the factory {factory} must return a flax nnx.Module, a pair (linen module, "
+                                f"variables) or a pair (fn, params) with fn(params, *args); got {type(built).__name__}")
+
+
+def _plain(tree):
+    """Nested mappings (flax FrozenDict included) as dicts."""
+    if hasattr(tree, "items"):
+        return {k: _plain(v) for k, v in tree.items()}
+    return tree
+
+
+def _flatten(tree, prefix: str = ""):
+    """(dotted path, leaf) of nested mappings and sequences."""
+    if hasattr(tree, "items"):
+        for k, v in tree.items():
+            yield from _flatten(v, f"{prefix}{k}.")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _flatten(v, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], tree
+
+
+def _replaced(tree, new: dict, prefix: str = ""):
+    """``tree`` with the leaves at the paths of ``new`` replaced."""
+    if hasattr(tree, "items"):
+        return {k: _replaced(v, new, f"{prefix}{k}.") for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_replaced(v, new, f"{prefix}{i}.") for i, v in enumerate(tree))
+    return new.get(prefix[:-1], tree)

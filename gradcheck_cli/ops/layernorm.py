@@ -143,7 +143,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
 INTERFACE = Interface(("numpy", "torch", "jax"), (
     "numpy: an object with forward(x, gamma, beta, eps) -> y and backward(x, gamma, beta, eps, "
     "grad_y) -> (dx, dgamma, dbeta); torch: a callable f(x, gamma, beta, eps) -> y, differentiated by"
-    " autograd"))
+    " autograd"), args=("eps",))
 
 #: A small scenario on which every fault of this op applies (the fault contract's).
 EXAMPLE = {"batch": 2, "n": 4, "d_model": 8, "eps": 0.0}

@@ -22,21 +22,22 @@ import numpy as np
 from .. import invariants
 from ..numeric import SeedStream
 from ..tolerance import INVARIANT_ULPS
-from . import attention, dense
+from . import attention, dense, user_engine
 from .attention import memory as attention_memory
-from .registry import Fault, Op, Param, Structure
+from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
 
 FAULTS = {f.name: f for f in (
     Fault("shared-input-sum", "G_X = G_Q W_Q^T only: drops the K and V paths of a shared input "
                               "(no effect on cross-attention, where X feeds only Q)",
-          ("gradient x",)),
+          ("gradient x",), user=user_engine.ADDED),
     Fault("head-merge", "the backward splits G_merged and merges G_Q, G_K, G_V by a bare reshape, without "
                         "the inverse head/sequence permutation (no effect with one head or one row)",
           ("gradient x", "gradient m", "gradient w_q", "gradient w_k", "gradient w_v",
-           "unseen x rows get zero gradient")),
+           "unseen x rows get zero gradient"), user=user_engine.ADDED),
 )}
-#: The attention faults flow through unchanged (their names mean the same thing here).
-ALL_FAULTS = {**FAULTS, **attention.ENGINE_FAULTS}
+#: The attention faults flow through unchanged (their names mean the same thing here); on a user's
+#: implementation each adds the change it makes to the reference gradients.
+ALL_FAULTS = {**FAULTS, **user_engine.added(attention.ENGINE_FAULTS)}
 
 
 def split(t, heads: int, faults: Collection[str] = ()):
@@ -121,7 +122,8 @@ def _magnitude(layer, data):
     return merge(terms) @ size["w_o"]
 
 
-def build(sc, faults: Collection[str] = ()):
+def _data(sc) -> tuple[dict, np.ndarray]:
+    """The seeded inputs and the upstream gradient g (zero outside ``loss_rows``)."""
     shapes = _shapes(sc)
     d = sc.p("d_model")
     scales = {"w_q": d ** -0.5, "w_k": d ** -0.5, "w_v": d ** -0.5, "w_o": (sc.heads_q * sc.d_value) ** -0.5}
@@ -131,6 +133,15 @@ def build(sc, faults: Collection[str] = ()):
         keep = np.zeros(sc.n_q, dtype=bool)
         keep[list(sc.loss_rows)] = True
         g[..., ~keep, :] = 0
+    return data, g
+
+
+_STRUCTURE = {"x": Structure(("batch", "query row", "feature")), "m": Structure(("batch", "key row", "feature")),
+              **{w: Structure(("d_in", "d_out")) for w in ("w_q", "w_k", "w_v", "w_o")}}
+
+
+def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None):
+    data, g = _data(sc)
     layer = Layer(sc)
     grads = layer.backward(**data, grad_y=g, faults=faults)
 
@@ -143,10 +154,34 @@ def build(sc, faults: Collection[str] = ()):
     lift = {name: 1 for name in ("w_q", "w_k", "w_v", "w_o")}
     return dense.problem(
         sc, data, fwd, grads, g, lift=lift, magnitude=_magnitude(layer, data), invariants=checks,
-        work_factor=4.0 * sc.heads_q * sc.n_k / d + 6,
-        structure={"x": Structure(("batch", "query row", "feature")), "m": Structure(("batch", "key row", "feature")),
-                   **{w: Structure(("d_in", "d_out")) for w in ("w_q", "w_k", "w_v", "w_o")}},
+        work_factor=4.0 * sc.heads_q * sc.n_k / sc.p("d_model") + 6, structure=_STRUCTURE,
         arrays={"visible": sc.visible, "scale": np.asarray(sc.scale), "kv_map": layer.kv_map})
+
+
+def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None):
+    """A user's implementation, through the shared engine (``user_engine``): f(x, [m,] w_q, w_k, w_v, w_o,
+    visible, scale, kv_map), every weight's gradient checked like x's; the mask invariants run on it."""
+    data, g = _data(sc)
+    layer = Layer(sc)
+    order = tuple(data)
+    args = {"visible": sc.visible, "scale": sc.scale, "kv_map": layer.kv_map}
+
+    def forward(*values):
+        return layer.forward(**dict(zip(order, values[:len(order)])))
+
+    def backward(*values):  # (*inputs, *args, grad_y, faults)
+        grads = layer.backward(**dict(zip(order, values[:len(order)])), grad_y=values[-2], faults=values[-1])
+        return tuple(grads[t] for t in order)
+
+    def checks(calls, dtype, y):
+        return mask_invariants(sc, "m" if layer.cross else "x", data, calls.forward, calls.backward, dtype)
+
+    return user_engine.build(sc, user_engine.UserOp(
+        inputs=data, args=args, g=g, forward=forward, backward=backward,
+        terms=lambda inputs, a, g: user_engine.bounded_terms(forward, backward, inputs, a, g,
+                                                             sc.batch * sc.n_q + sc.n_k + sc.p("d_model")
+                                                             + sc.heads_q * sc.d_head),
+        invariants=checks, batched=("x", "m", "visible"), structure=_STRUCTURE), faults)
 
 
 def _invariants(sc, layer, data, faults) -> list:
@@ -155,11 +190,12 @@ def _invariants(sc, layer, data, faults) -> list:
                            lambda t, g: layer.backward(**t, grad_y=g, faults=faults))
 
 
-def mask_invariants(sc, source: str, data: dict, forward, backward) -> list:
+def mask_invariants(sc, source: str, data: dict, forward, backward, dtype: str | None = None) -> list:
     """What finite differences cannot see: the mask, through the whole layer. ``source`` is the input
-    whose rows are the keys (x for self-attention, where a row is also a query; m for cross)."""
+    whose rows are the keys (x for self-attention, where a row is also a query; m for cross); ``dtype``, the
+    precision the forward computes in (default the scenario's)."""
     rng = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
-    eps = float(np.finfo(np.dtype(sc.dtype)).eps)
+    eps = float(np.finfo(np.dtype(dtype or sc.dtype)).eps)
     # Key rows that query row i cannot see must not move y[i].
     seen_by = sc.visible.any(axis=1)  # [B, n_q, n_k]: some head of row i sees key j
     moved = np.zeros((seen_by.shape[0], seen_by.shape[2]), dtype=bool)  # [B, n_k]
@@ -208,9 +244,20 @@ def _memory(sc) -> int:
 EXAMPLE = {"batch": 2, "d_model": 12, "d_head": 4, "n_q": 6, "heads_q": 4, "heads_kv": 2,
            "mask": {"causal": "lower-right"}}
 
+#: What a user's implementation provides (``implementation:``).
+INTERFACE = Interface(("numpy", "torch", "jax"), (
+    "numpy: an object with forward(x, [m,] w_q, w_k, w_v, w_o, visible, scale, kv_map) -> y and backward(x, "
+    "[m,] w_q, w_k, w_v, w_o, visible, scale, kv_map, grad_y) -> (dx, [dm,] dw_q, dw_k, dw_v, dw_o) (m: the "
+    "memory of source: cross); torch: a callable f(same arguments) -> y, differentiated by autograd; jax: the "
+    "same function on JAX arrays, differentiated by jax.vjp; x [B, n_q, d_model], weights [in, out] (Q = x W_Q), "
+    "heads split as [B, n, H*d] -> [B, H, n, d], visible [B, Hq, n_q, n_k] (True = key visible), kv_map[h] the "
+    "KV head of query head h"), args=("visible", "scale", "kv_map"))
+
 OP = Op(name="attention-projections",
         summary="attention with Q/K/V/O projections and head split/merge: gradients of x (and m), W_Q, W_K, W_V, W_O",
-        tensors=("x", "m", "w_q", "w_k", "w_v", "w_o"), faults=ALL_FAULTS, build=build, attention_keys=True,
+        tensors=("x", "m", "w_q", "w_k", "w_v", "w_o"), faults=ALL_FAULTS, attention_keys=True,
+        **user_code_engines("gradcheck_cli.ops.projections"),
+        backends=("numpy", "torch", "jax"), implementation=INTERFACE,
         keys={"d_model": Param("int", help="model width, e.g. 'd_model: 16'"),
               "source": Param("choice", "self", "self: K, V from x; cross: from a separate memory m of n_k rows",
                               choices=("self", "cross"))},

@@ -92,9 +92,13 @@ class Problem:
 class Interface:
     """What a user's implementation of an op provides (the ``implementation:`` key): ``flavours`` are the
     backends it may be written for; ``signature`` says what each callable takes and returns (messages and
-    ``attn-gradcheck faults``)."""
+    ``attn-gradcheck faults``); ``args``, the names of the arguments after the tensors (what the module form's
+    ``call`` may pass: ``implementation.modules``), and ``modules`` whether it accepts that form (an op with
+    weights)."""
     flavours: tuple[str, ...]
     signature: str
+    args: tuple[str, ...] = ()
+    modules: bool = True
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
 INTERFACE = Interface(("numpy", "torch", "jax"), (
     "numpy: an object with forward(x, gamma, eps) -> y and backward(x, gamma, eps, grad_y) -> (dx, "
     "dgamma); torch: a callable f(x, gamma, eps) -> y, differentiated by autograd; jax: the same "
-    "function on JAX arrays, differentiated by jax.vjp"))
+    "function on JAX arrays, differentiated by jax.vjp"), args=("eps",))
 
 #: A small scenario on which every fault of this op applies (the fault contract's).
 EXAMPLE = {"batch": 2, "n": 5, "d_model": 16}

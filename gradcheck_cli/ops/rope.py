@@ -161,7 +161,7 @@ INTERFACE = Interface(("numpy", "torch", "jax"), (
     "numpy: an object with forward(x, cos, sin) -> y and backward(x, cos, sin, grad_y) -> dx; torch: "
     "a callable f(x, cos, sin) -> y, differentiated by autograd; jax: the same function on JAX "
     "arrays, differentiated by jax.vjp; cos and sin [n, rotary_dim / 2] of the angles, pairs as the "
-    "scenario's layout says"))
+    "scenario's layout says"), args=("cos", "sin"))
 
 #: A small scenario on which every fault of this op applies (the fault contract's).
 EXAMPLE = {"batch": 2, "heads": 2, "n": 6, "d_head": 8}

@@ -154,7 +154,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
 INTERFACE = Interface(("numpy", "torch", "jax"), (
     "numpy: an object with forward(x, w1, w3, w2) -> y and backward(x, w1, w3, w2, grad_y) -> (dx, "
     "dw1, dw3, dw2); torch: a callable f(x, w1, w3, w2) -> y, differentiated by autograd; jax: the "
-    "same function on JAX arrays, differentiated by jax.vjp; weights [in, out]"))
+    "same function on JAX arrays, differentiated by jax.vjp; weights [in, out]"), args=())
 
 #: A small scenario on which every fault of this op applies (the fault contract's).
 EXAMPLE = {"batch": 2, "n": 4, "d_model": 8, "d_ff": 12}

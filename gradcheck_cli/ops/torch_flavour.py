@@ -50,3 +50,43 @@ def wrap(user, count: int, dtype: str, device: str = "cpu") -> SimpleNamespace:
         return out[0] if count == 1 else out
 
     return SimpleNamespace(forward=forward, backward=backward)
+
+
+def from_module(module, spec, order: tuple[str, ...], arg_names: tuple[str, ...], shapes: dict, dtype: str,
+                device: str = "cpu"):
+    """The callable f(*inputs, *args) of a ``torch.nn.Module`` built by the factory of ``spec``
+    (``implementation.modules.ModuleSpec``): each mapped parameter replaced by its expression of the op's
+    tensors (``torch.func.functional_call``, so autograd reaches them), the module called with ``spec.call``
+    and, when it returns a tuple or list, its first element taken. The module is put in ``dtype`` on
+    ``device`` and in eval mode (dropout off). Returns (f, mapped, frozen): the parameters replaced and the
+    others (kept as built, not differentiated)."""
+    from ..implementation.modules import expression_shape, fitted, suggest
+    if not isinstance(module, torch.nn.Module):
+        raise ImplementationFailure(f"the factory {spec.factory} must return a torch.nn.Module, got "
+                                    f"{type(module).__name__}")
+    module = module.to(device=torch.device(device), dtype=DTYPES[dtype]).eval()
+    params = dict(module.named_parameters())
+    params.update(dict(module.named_buffers()))
+    reshape = {}
+    for path, expr in spec.weights:
+        if path not in params:
+            raise ImplementationFailure(f"the module built by {spec.factory} has no parameter {path!r}"
+                                        f"{suggest(path, params)}; its parameters: {', '.join(params) or 'none'}")
+        reshape[path] = fitted(expression_shape(expr, shapes), tuple(params[path].shape), path, expr)
+    mapped = [path for path, _ in spec.weights]
+    frozen = [name for name, _ in module.named_parameters() if name not in mapped]
+    names = order + arg_names
+
+    def f(*values):
+        named = dict(zip(names, values))
+        weights = {path: expr.evaluate(named, lambda t: t.transpose(-1, -2), lambda ts: torch.cat(ts, 0))
+                   for path, expr in spec.weights}
+        weights = {path: w if reshape[path] is None else w.reshape(reshape[path]) for path, w in weights.items()}
+        args = tuple(named[c] for c in spec.call)
+        if spec.keywords is not None:
+            out = torch.func.functional_call(module, weights, (), dict(zip(spec.keywords, args)))
+        else:
+            out = torch.func.functional_call(module, weights, args)
+        return out[0] if isinstance(out, (tuple, list)) and out else out
+
+    return f, mapped, frozen

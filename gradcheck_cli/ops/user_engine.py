@@ -17,7 +17,7 @@ size of the terms of its output and gradients, and its invariants. From that, on
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -25,10 +25,33 @@ import numpy as np
 from .. import implementation, precision
 from ..result import Check, Kind
 from . import dense
-from .registry import Problem, Structure
+from .registry import Fault, Problem, Structure
 
 #: What a fault does to a user's implementation of such an op (``Fault.user``).
 ADDED = "adds to the implementation's gradients the change this bug makes to the float64 reference's"
+
+
+
+def added(faults: Mapping[str, Fault]) -> dict[str, Fault]:
+    """``faults`` (of an op this one composes) as they apply to a user's implementation of this one: each
+    adds the change it makes to the reference gradients (``ADDED``)."""
+    return {name: replace(f, user=ADDED) for name, f in faults.items()}
+
+
+def bounded_terms(forward, backward, inputs: dict, args: dict, g: np.ndarray, length: int) -> dict:
+    """For a composite op (a layer, a block), whose terms are not summed element by element: each tensor's
+    largest reference element times sqrt(length), the longest sum behind an element (rounding errors of
+    independent terms grow as its square root), for every element of the tensor. Looser than the op-by-op
+    sums where an element is far below its tensor's largest (it then allows that tensor's rounding);
+    ``precision.judge`` adds factor x the built-in engine's own error in the same precision."""
+    xs = [np.asarray(v, dtype=np.float64) for v in inputs.values()]
+    rest = [a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a for a in args.values()]
+    y = forward(*xs, *rest)
+    grads = backward(*xs, *rest, np.asarray(g, dtype=np.float64), ())
+    root = float(np.sqrt(max(length, 1)))
+    return {t: np.full(np.shape(v), root * float(np.max(np.abs(v), initial=0.0)))
+            for t, v in zip(("o",) + tuple(inputs), (y,) + tuple(grads))}
+
 
 #: Names of the reference checks of the output (``o``) and of each gradient.
 FORWARD_CHECK, BACKWARD_CHECK = "forward agrees with the reference", "backward agrees with the reference"
@@ -43,8 +66,9 @@ class UserOp:
     of float64 arrays, the size of the terms of ``o`` (the output) and of each input's gradient (rounding
     puts about eps x these in each element). invariants(gradients, precision, output) -> checks, where
     ``gradients(**args)`` is the implementation's gradients (dict by input) at the scenario's g, with some
-    of the args replaced (e.g. eps = 0), and ``output`` its output. ``batched``: inputs whose axis 0 is the
-    batch axis."""
+    of the args replaced (e.g. eps = 0), and ``output`` its output; ``gradients`` is a :class:`Calls`, which
+    also calls the implementation on other inputs (``forward``, ``backward``). ``batched``: inputs (and
+    arguments, such as a mask [B, ...]) whose axis 0 is the batch axis."""
     inputs: dict[str, np.ndarray]
     args: dict[str, Any]
     g: np.ndarray
@@ -58,10 +82,31 @@ class UserOp:
     lift: Mapping[str, int] = field(default_factory=dict)
 
 
+class Calls:
+    """The implementation under test, for invariants: ``calls(**args)`` its gradients at the scenario's
+    inputs and g (dicts by input), ``forward(inputs)`` its output on other inputs (a dict, some of the
+    scenario's replaced), ``backward(inputs, grad_y)`` its gradients there."""
+
+    def __init__(self, forward, gradients):
+        self._forward, self._gradients = forward, gradients
+
+    def __call__(self, **changed) -> dict:
+        return self._gradients(None, None, **changed)
+
+    def forward(self, inputs: dict) -> np.ndarray:
+        return self._forward({**inputs})
+
+    def backward(self, inputs: dict, grad_y: np.ndarray) -> dict:
+        return self._gradients(inputs, grad_y)
+
+
 def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
     """The problem of scenario ``sc`` for the implementation it names (``sc.implementation_object``)."""
     impl = sc.implementation_object
     order = tuple(op.inputs)
+    module_rows = []
+    if sc.module is not None:  # a module built by the user's factory, its weights mapped from the op's tensors
+        impl, module_rows = _from_module(sc, impl, order, tuple(op.args), {t: v.shape for t, v in op.inputs.items()})
     if sc.backend == "torch":  # one callable, differentiated by autograd
         from . import torch_flavour
         impl = torch_flavour.wrap(impl, len(order), sc.dtype, sc.device)
@@ -73,8 +118,11 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
     shape = np.shape(op.forward(*op.inputs.values(), *op.args.values()))
 
     def call_forward(xs: dict) -> np.ndarray:
+        copies = len(xs[op.batched[0]]) // len(op.inputs[op.batched[0]]) if op.batched else 1
         out = (len(xs[op.batched[0]]),) + shape[1:] if op.batched else shape  # the batch axis may hold copies
-        return implementation.call(impl.forward, "forward", tuple(xs[t] for t in order) + tuple(op.args.values()),
+        args = tuple(np.concatenate([a] * copies) if copies > 1 and name in op.batched else a
+                     for name, a in op.args.items())
+        return implementation.call(impl.forward, "forward", tuple(xs[t] for t in order) + args,
                                    {"y": (out, dt)}, names)["y"]
 
     def user_forward(**xs) -> np.ndarray:
@@ -93,22 +141,23 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
         return np.stack([call_forward({**xs, moved: c}) for c in flat]).reshape(copies.shape[:-op.inputs[moved].ndim]
                                                                                + shape)
 
-    def gradients(grad_y: np.ndarray, **changed) -> dict:
+    def gradients(at: dict | None, grad_y: np.ndarray | None, **changed) -> dict:
+        at, grad_y = {**op.inputs, **(at or {})}, op.g if grad_y is None else grad_y
         args = {**op.args, **changed}
         expected = {f"d{t}": (op.inputs[t].shape, dt) for t in order}
         out = implementation.call(impl.backward, "backward",
-                                  tuple(op.inputs.values()) + tuple(args.values()) + (grad_y,), expected, names)
+                                  tuple(at[t] for t in order) + tuple(args.values()) + (grad_y,), expected, names)
         grads = {t: out[f"d{t}"] for t in order}
         if faults:  # the interface variants: the change each fault makes to the float64 reference's gradients
-            xs = [v.astype(np.float64) for v in op.inputs.values()]
+            xs = [at[t].astype(np.float64) for t in order]
             wrong = op.backward(*xs, *args.values(), grad_y.astype(np.float64), faults)
             right = op.backward(*xs, *args.values(), grad_y.astype(np.float64), ())
             grads = {t: (grads[t] + w - r).astype(dt) for t, w, r in zip(order, wrong, right)}
         return grads
 
     y = call_forward(op.inputs)
-    grads = gradients(op.g)
-    again = {"o": call_forward(op.inputs), **gradients(op.g)}
+    grads = gradients(None, None)
+    again = {"o": call_forward(op.inputs), **gradients(None, None)}
     results = {"o": y, **grads}
     deterministic = implementation.determinism("forward and backward", results, again, sc.nondet_tol)
 
@@ -124,11 +173,10 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
 
     def checks() -> list:
         try:
-            under_test = lambda **changed: gradients(op.g, **changed)  # noqa: E731
-            out = [deterministic] + agree + op.invariants(under_test, computes_in, y)
+            out = [deterministic] + agree + op.invariants(Calls(call_forward, gradients), computes_in, y)
         except implementation.ImplementationFailure as exc:
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
-        return out + compiled_rows(impl)
+        return out + module_rows + compiled_rows(impl)
 
     rule = precision.Policy.for_dtype(computes_in)
     problem = dense.problem(sc, dict(op.inputs), user_forward, grads, op.g, invariants=checks, rounding=op.rounding,
@@ -137,6 +185,41 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
                             rounding_forward=lambda **xs: op.forward(*(xs[t] for t in order), *op.args.values()))
     problem.compute_dtype = None if computes_in == sc.dtype else computes_in
     return problem
+
+
+#: The callable made of each module, per factory, scenario sizes and flavour: built once per process (the
+#: negative controls build a scenario once per fault; JAX compiles once per function).
+_MODULES: dict[tuple, tuple] = {}
+
+
+def _from_module(sc, factory, order: tuple[str, ...], arg_names: tuple[str, ...], shapes: dict) -> tuple:
+    """(f, rows): the one callable f(*inputs, *args) of the module the scenario's factory builds
+    (``implementation.modules``), in its flavour, and a passing ``implementation`` row that lists the
+    parameters checked and those frozen."""
+    from ..implementation import modules
+    available = modules.sizes(sc, sc.n_q > 0)  # n_q is 0 outside the attention family
+    key = (id(factory), sc.module, repr(sorted(available.items())), sc.backend)
+    if key not in _MODULES:
+        if sc.backend == "torch":
+            from . import torch_flavour
+            built = modules.build(factory, available, sc.implementation)
+            made = torch_flavour.from_module(built, sc.module, order, arg_names, shapes, sc.dtype, sc.device)
+        else:
+            from . import jax_flavour
+            jax_flavour.enable(sc.dtype)
+            built = modules.build(factory, available, sc.implementation)
+            made = jax_flavour.from_module(built, sc.module, order, arg_names, shapes)
+        _MODULES[key] = (factory,) + made  # the factory kept: its id stays its own
+    f, mapped, frozen = _MODULES[key][1:]
+    weights = ", ".join(f"{path} <- {expr}" for path, expr in sc.module.weights) or "none"
+    call = ", ".join(f"{k}={n}" for k, n in zip(sc.module.keywords, sc.module.call)) if sc.module.keywords \
+        else ", ".join(sc.module.call)
+    detail = (f"module from {sc.implementation}, called with ({call}); weights checked: {weights}; "
+              + (f"frozen (kept as the factory built them, not checked): {', '.join(frozen)}" if frozen
+                 else "no other parameters"))
+    return f, [Check(kind=Kind.IMPLEMENTATION, name="module parameters", tensor="-", shape=None, max_abs_error=0.0,
+                     relative_error=0.0, tolerance=0.0, noise_floor=0.0, worst_index=None, passed=True,
+                     detail=detail)]
 
 
 def compiled_rows(impl) -> list:

@@ -2,10 +2,12 @@
 check, masks and memory, each checked with its file, line and key."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
 from .. import implementation, masks
+from ..implementation import modules
 from ..ops import DEFAULT_OP, OPS
 from ..ops.attention.formulas import DEFAULT_BLOCK
 from ..ops.registry import IMPLEMENTATION_CHECK_KEYS
@@ -147,7 +149,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     if kv_map is None:
         kv_map = default_kv_map(heads_q, heads_kv)
 
-    spec, spec_line = _implementation(doc, f, base_dir)
+    spec, spec_line, module = _implementation(doc, f, base_dir)
 
     explicit, source = None, None
     if f.has("mask.visible"):
@@ -171,15 +173,16 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                  "d_value": d_value}
     for key, message, hint in (op_spec.validate(params, attention) if op_spec.validate else []):
         raise f.error(key, message, hint=hint)
-    return Scenario(name=name, op=op, batch=batch, heads_q=heads_q, heads_kv=heads_kv, kv_map=tuple(kv_map),
+    sc = Scenario(name=name, op=op, batch=batch, heads_q=heads_q, heads_kv=heads_kv, kv_map=tuple(kv_map),
                     n_q=n_q, n_k=n_k, d_head=d_head, d_value=d_value, scale=scale, causal=causal,
                     window=window, key_lengths=key_lengths, visible_source=source, loss_rows=loss_rows,
                     mode=mode, samples=samples, directions=directions, colouring=colouring, dtype=dtype,
                     epsilon=epsilon, tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
                     implementation=spec, backend=backend, device=device, factor=factor, slack=slack,
                     nondet_tol=nondet_tol, visible=visible, base_dir=str(base_dir), implementation_line=spec_line,
-                    timeout=timeout, params=tuple(params.items()), engine=engine, block_q=block_q, block_k=block_k)
-
+                    timeout=timeout, params=tuple(params.items()), engine=engine, block_q=block_q, block_k=block_k,
+                    module=module)
+    return _with_module(doc, f, sc)
 
 def _user_code_policy(f: _Fields) -> tuple[float, float | None, float, float]:
     """The ``check`` keys of an op that accepts an implementation: (factor, slack, nondet_tol, timeout)."""
@@ -202,19 +205,91 @@ def _user_code_policy(f: _Fields) -> tuple[float, float | None, float, float]:
     return factor, slack, nondet_tol, timeout
 
 
-def _implementation(doc: _Doc, f: _Fields, base_dir: Path) -> tuple[str | None, int]:
-    """The ``implementation`` key: (its 'module:attribute', its line), located but not imported."""
-    spec, spec_line = None, 0
-    if f.has("implementation"):
-        spec = f.raw("implementation")
-        if not isinstance(spec, str):
-            raise f.error("implementation", f"expected 'module:attribute', got {_show(spec)}")
+def _implementation(doc: _Doc, f: _Fields, base_dir: Path) -> tuple[str | None, int, modules.ModuleSpec | None]:
+    """The ``implementation`` key: (its 'module:attribute', its line, None), located but not imported; or, in
+    its mapping form (``implementation.modules``), (the factory's 'module:attribute', its line, the parsed
+    form, its ``call`` resolved later by :func:`_with_module`)."""
+    if not f.has("implementation"):
+        return None, 0, None
+    raw, where = f.raw("implementation"), f.where("implementation")
+    module = None
+    if isinstance(raw, dict):
+        for key in raw:
+            if key not in modules.KEYS:
+                raise doc.error(where + (key,), f"unknown key '{key}'{modules.suggest(str(key), modules.KEYS)}",
+                                hint="the mapping form takes factory, weights and call")
+        if "factory" not in raw:
+            raise doc.error(where, "the mapping form needs 'factory: module:attribute' (a function that builds "
+                                   "your module)", hint="or give 'implementation: module:attribute' for a function")
+        spec = raw["factory"]
+        module = _module_spec(doc, where, raw)
+        where = where + ("factory",)
+    else:
+        spec = raw
+    if not isinstance(spec, str):
+        raise doc.error(where, f"expected 'module:attribute', got {_show(spec)}")
+    try:
+        implementation.locate(spec, base_dir)  # found, not run: the loader never runs user code
+    except implementation.LoadError as exc:
+        raise doc.error(where, str(exc)) from None
+    return spec, doc.line(where) or 0, module
+
+
+def _module_spec(doc: _Doc, where: tuple, raw: dict) -> modules.ModuleSpec:
+    """The ``weights`` and ``call`` of the mapping form, their spelling checked (their names are checked
+    against the op's tensors once the scenario is built)."""
+    weights = raw.get("weights") or {}
+    if not isinstance(weights, dict):
+        raise doc.error(where + ("weights",), f"expected a mapping of module parameter -> expression, got "
+                        f"{_show(weights)}", hint="e.g. weights: {gate_proj.weight: w1.T}")
+    parsed = []
+    for path, text in weights.items():
+        if not isinstance(path, str) or not path:
+            raise doc.error(where + ("weights",), f"a parameter name must be a string, got {_show(path)}")
         try:
-            implementation.locate(spec, base_dir)  # found, not run: the loader never runs user code
-        except implementation.LoadError as exc:
-            raise f.error("implementation", str(exc)) from None
-        spec_line = doc.line(f.where("implementation")) or 0
-    return spec, spec_line
+            parsed.append((path, modules.parse_expr(text)))
+        except ValueError as exc:
+            raise doc.error(where + ("weights", path), str(exc),
+                            hint="e.g. w1, w1.T or concat(w_q.T, w_k.T, w_v.T)") from None
+    call = raw.get("call")
+    keywords = None
+    if isinstance(call, dict):
+        keywords, call = tuple(call), tuple(call.values())
+    elif isinstance(call, list):
+        call = tuple(call)
+    elif call is not None:
+        raise doc.error(where + ("call",), f"expected a list of names (positional) or a mapping keyword -> name, "
+                        f"got {_show(call)}", hint="e.g. call: [x] or call: {hidden_states: x}")
+    for i, name in enumerate(call or ()):
+        if not isinstance(name, str):
+            raise doc.error(where + ("call", keywords[i] if keywords else i), f"expected a tensor or argument "
+                            f"name, got {_show(name)}")
+    return modules.ModuleSpec(factory=raw["factory"], weights=tuple(parsed), call=call, keywords=keywords)
+
+
+def _with_module(doc: _Doc, f: _Fields, sc: Scenario) -> Scenario:
+    """``sc`` with the mapping form of its implementation checked against its op: a backend with modules
+    (torch or JAX), an op with weights, names that exist, every tensor reaching the module; ``call`` defaults
+    to the tensors no weight uses, in the op's order."""
+    module = sc.module
+    if module is None:
+        return sc
+    spec = OPS[sc.op]
+    where = f.where("implementation")
+    if not spec.implementation.modules:
+        raise doc.error(where, f"the mapping form (factory, weights) applies to ops with weights; op {sc.op} has "
+                               "none", hint="give 'implementation: module:attribute'")
+    if sc.backend not in ("torch", "jax"):
+        raise doc.error(where, "the mapping form (factory, weights) builds a torch or JAX module",
+                        hint="add 'backend: torch' or 'backend: jax'")
+    tensors = tuple(spec.shapes(sc)) if spec.shapes else spec.tensors
+    if module.call is None:
+        module = dataclasses.replace(module, call=tuple(t for t in tensors if t not in module.mapped))
+    for key, message in modules.check_names(module, tensors, spec.implementation.args):
+        path = where + tuple(key.split(".", 1)) if key != "call" or f.raw("implementation").get("call") else where
+        raise doc.error(path, message, hint="every tensor of the op goes to the module once: as a weight "
+                                            "(weights: {param: expression}) or as an argument (call: [...])")
+    return dataclasses.replace(sc, module=module)
 
 
 def _precision_and_check(f: _Fields, dtype: str, colouring_default: bool = True):
@@ -266,13 +341,13 @@ def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memo
     for key, message, hint in (spec.validate(params, {"batch": batch}) if spec.validate else []):
         raise f.error(key, message, hint=hint)
     factor, slack, nondet_tol, timeout = _user_code_policy(f)
-    impl, impl_line = _implementation(doc, f, base_dir)
+    impl, impl_line, module = _implementation(doc, f, base_dir)
     backend, device = _backend_and_device(f, spec, dtype)
     sc = Scenario(name=name, op=op, batch=batch, heads_q=1, heads_kv=1, kv_map=(0,), n_q=0, n_k=0, d_head=0,
                   d_value=0, scale=1.0, causal="none", window=None, key_lengths=None, visible_source=None,
                   loss_rows=None, mode=mode, samples=samples, directions=directions, colouring=False, dtype=dtype,
                   epsilon=epsilon, tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
-                  params=tuple(params.items()), implementation=impl, implementation_line=impl_line,
+                  params=tuple(params.items()), implementation=impl, implementation_line=impl_line, module=module,
                   base_dir=str(base_dir), factor=factor, slack=slack, nondet_tol=nondet_tol, timeout=timeout,
                   backend=backend, device=device)
     if spec.shapes:
@@ -280,7 +355,7 @@ def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memo
         if needed > memory_limit:
             raise doc.error(f.path, f"scenario '{name}' needs about {needed / 2**30:.1f} GiB, more than the "
                             f"{memory_limit / 2**30:.1f} GiB available", hint="reduce its sizes")
-    return sc
+    return _with_module(doc, f, sc)
 
 
 def _backend_and_device(f: _Fields, spec, dtype: str) -> tuple[str, str]:
