@@ -52,3 +52,9 @@ def block(x, gamma1, w_q, w_k, w_v, w_o, gamma2, w1, w3, w2, visible, cos, sin, 
     h = x + _attend(rmsnorm(x, gamma1, eps), w_q, w_k, w_v, w_o, visible, scale, kv_map,
                     rotate=lambda t: rope(t, cos, sin))
     return h + swiglu(rmsnorm(h, gamma2, eps), w1, w3, w2)
+
+
+def swiglu_with_params(d_model, d_ff):  # the module form without flax: a function of (params, x) and its params
+    params = {"mlp": {"gate": jnp.zeros((d_model, d_ff)), "up": jnp.zeros((d_model, d_ff)),
+                      "down": jnp.zeros((d_ff, d_model))}}
+    return (lambda p, x: swiglu(x, p["mlp"]["gate"], p["mlp"]["up"], p["mlp"]["down"])), params

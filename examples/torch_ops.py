@@ -60,3 +60,15 @@ def block_detached_residual(x, gamma1, w_q, w_k, w_v, w_o, gamma2, w1, w3, w2, v
     h = x.detach() + _attend(rmsnorm(x, gamma1, eps), w_q, w_k, w_v, w_o, visible, scale, kv_map,
                              rotate=lambda t: rope(t, cos, sin))
     return h + swiglu(rmsnorm(h, gamma2, eps), w1, w3, w2)
+
+
+class SwiGLU(torch.nn.Module):  # a module with weights, as a model would hold them (nn.Linear: [out, in])
+    def __init__(self, d_model, d_ff):
+        super().__init__()
+        self.gate = torch.nn.Linear(d_model, d_ff, bias=False)
+        self.up = torch.nn.Linear(d_model, d_ff, bias=False)
+        self.down = torch.nn.Linear(d_ff, d_model, bias=False)
+        self.scale = torch.nn.Parameter(torch.ones(()))  # not mapped: frozen, listed in the report
+
+    def forward(self, x):
+        return self.scale * self.down(F.silu(self.gate(x)) * self.up(x))

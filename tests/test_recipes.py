@@ -1,6 +1,7 @@
 """Recipes for real libraries (examples/recipes/): each passes on the library as it is, with every applicable
 fault detected, and its shipped broken variant fails with the right check named. Skipped where the library
 is not installed (.ci/run installs pinned versions)."""
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -19,11 +20,33 @@ def llama():
 
 
 def test_the_llama_recipes_pass_and_every_fault_is_caught_on_them(llama):
-    assert {sc.op for sc in llama} == {"rmsnorm", "rope", "swiglu", "attention"} and len(llama) == 5
+    assert {sc.op for sc in llama} == {"rmsnorm", "rope", "swiglu", "attention", "attention-projections", "block"}
+    assert len(llama) == 9 and sum(sc.module is not None for sc in llama) == 4
     for sc in llama:
         result = checker.run_scenario(sc)
         assert result.verdict == "pass", (sc.name, [(c.name, c.detail) for c in result.checks if not c.passed])
     assert {c.status for c in checker.negative_controls(llama)} == {"detected"}
+
+
+def test_the_llama_decoder_layer_checks_every_weight_and_a_detached_residual_fails_gradient_x(llama):
+    (layer,) = [sc for sc in llama if sc.name == "llama-decoder-layer"]
+    result = checker.run_scenario(layer)
+    assert {c.tensor for c in result.checks if c.name.startswith("gradient ")} == {
+        "x", "gamma1", "w_q", "w_k", "w_v", "w_o", "gamma2", "w1", "w3", "w2"}
+    broken = dataclasses.replace(layer, implementation="hf_llama:decoder_layer_detached_residual")
+    failed = {(c.name, c.tensor) for c in checker.run_scenario(broken).checks if not c.passed}
+    assert ("gradient x", "x") in failed and ("backward agrees with the reference", "x") in failed
+    assert not {t for _, t in failed} - {"x"}, failed  # every weight's gradient is still right
+
+
+def test_torch_multihead_attention_passes_with_its_fused_weight_and_a_keep_mask_fails_the_reference():
+    pytest.importorskip("torch")
+    scenarios = scenario.load(RECIPES / "torch_nn.yaml")
+    for sc in scenarios:
+        assert checker.run_scenario(sc).verdict == "pass", sc.name
+    broken = dataclasses.replace(scenarios[0], implementation="torch_nn:multihead_attention_keep_mask")
+    failed = {c.name for c in checker.run_scenario(broken).checks if not c.passed}
+    assert {"forward agrees with the reference", "hidden x rows do not change y"} <= failed, failed
 
 
 def test_llama_rope_with_the_other_layouts_tables_fails_the_reference(llama):
@@ -41,8 +64,9 @@ def test_llama_rmsnorm_in_float64_is_said_to_compute_in_float32(llama):
     assert any("float32" in c.detail for c in result.checks if c.verdict == "inconclusive")
 
 
-def test_jax_nn_dot_product_attention_passes_in_float32_and_is_said_to_compute_in_float32_in_float64():
+def test_jax_and_flax_recipes_pass_in_float32_and_jax_nn_is_said_to_compute_in_float32_in_float64():
     pytest.importorskip("jax")
+    pytest.importorskip("flax")
     scenarios = scenario.load(RECIPES / "jax_nn.yaml")
     for sc in scenarios:
         assert checker.run_scenario(sc).verdict == "pass", sc.name

@@ -122,7 +122,7 @@ class ModuleSpec:
 
 def suggest(name: str, choices) -> str:
     """' (did you mean X?)' for the closest of ``choices``, or ''."""
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -183,7 +183,9 @@ def check_names(spec: ModuleSpec, tensors: tuple[str, ...], args: tuple[str, ...
     missing = [t for t in tensors if t not in spec.mapped and t not in spec.call]
     if missing and not problems:
         problems.append(("weights", f"tensor(s) {', '.join(missing)} reach the module neither through a weight nor "
-                                    "through call: their gradients could not be checked"))
+                                    "through call: their gradients could not be checked; every tensor of the op goes "
+                                    "to the module once, as a weight (weights: {param: expression}) or as an argument "
+                                    "(call: [...])"))
     return problems
 
 

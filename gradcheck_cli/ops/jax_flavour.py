@@ -121,13 +121,7 @@ def _functional(built, factory: str):
         nnx = None
     if nnx is not None and isinstance(built, nnx.Module):
         graphdef, state = nnx.split(built)
-        pure = state.to_pure_dict()
-
-        def apply_nnx(p, *args, **kwargs):
-            s = nnx.State(state)
-            nnx.replace_by_pure_dict(s, p)
-            return nnx.merge(graphdef, s)(*args, **kwargs)
-        return apply_nnx, pure
+        return (lambda p, *args, **kwargs: nnx.merge(graphdef, p)(*args, **kwargs)), nnx.to_pure_dict(state)
     if isinstance(built, tuple) and len(built) == 2:
         first, params = built
         if hasattr(first, "apply") and hasattr(first, "init"):  # a flax.linen Module and its variables

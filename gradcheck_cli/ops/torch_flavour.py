@@ -38,6 +38,16 @@ def wrap(user, count: int, dtype: str, device: str = "cpu") -> SimpleNamespace:
         with torch.no_grad():
             return plain("y", user(*(tensor(a) for a in args)))
 
+    def forward_copies(index: int, *args):
+        """The forward of each of the copies args[index] [C, ...] (the others as they are), in one call
+        vectorised by torch.vmap: the copies of a weight, which no batch axis can hold."""
+        given = [tensor(a) for a in args]
+
+        def one(w):
+            return user(*given[:index], w, *given[index + 1:])
+        with torch.no_grad():
+            return plain("y", torch.vmap(one)(given[index]))
+
     def backward(*args):
         *given, grad_y = args
         inputs = [tensor(a, grad=True) for a in given[:count]]
@@ -49,7 +59,7 @@ def wrap(user, count: int, dtype: str, device: str = "cpu") -> SimpleNamespace:
         out = tuple(np.zeros_like(given[i]) if g is None else plain(f"d{i}", g) for i, g in enumerate(grads))
         return out[0] if count == 1 else out
 
-    return SimpleNamespace(forward=forward, backward=backward)
+    return SimpleNamespace(forward=forward, backward=backward, forward_copies=forward_copies)
 
 
 def from_module(module, spec, order: tuple[str, ...], arg_names: tuple[str, ...], shapes: dict, dtype: str,

@@ -125,9 +125,12 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
         return implementation.call(impl.forward, "forward", tuple(xs[t] for t in order) + args,
                                    {"y": (out, dt)}, names)["y"]
 
+    vectorise = [True] if hasattr(impl, "forward_copies") else []
+
     def user_forward(**xs) -> np.ndarray:
         """``xs`` with perturbed copies on one input: on a batched one, copies [C, B, ...] stacked along the
-        batch axis in one call; on another, a call per copy."""
+        batch axis in one call; on another (a weight), one vectorised call where the flavour has one, else a
+        call per copy."""
         moved = next((t for t in order if np.ndim(xs[t]) > op.inputs[t].ndim), None)
         if moved is None:
             return call_forward(xs)
@@ -138,8 +141,23 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
                     for t, v in xs.items() if t != moved}
             return call_forward({**rest, moved: stacked}).reshape(copies.shape[:1] + shape)
         flat = copies.reshape((-1,) + op.inputs[moved].shape)
-        return np.stack([call_forward({**xs, moved: c}) for c in flat]).reshape(copies.shape[:-op.inputs[moved].ndim]
-                                                                               + shape)
+        out = vectorised(moved, xs, flat) if vectorise else None
+        if out is None:
+            out = np.stack([call_forward({**xs, moved: c}) for c in flat])
+        return out.reshape(copies.shape[:-op.inputs[moved].ndim] + shape)
+
+    def vectorised(moved: str, xs: dict, flat: np.ndarray) -> np.ndarray | None:
+        """The forward of every copy in ``flat`` in one vectorised call (``forward_copies``: torch.vmap), or
+        None where the implementation cannot be vectorised (from then on it is called once per copy, which
+        also reports any failure of its own)."""
+        position = order.index(moved)
+        args = tuple(flat if t == moved else xs[t] for t in order) + tuple(op.args.values())
+        try:
+            return implementation.call(lambda *a: impl.forward_copies(position, *a), "forward", args,
+                                       {"y": ((len(flat),) + shape, dt)}, names)["y"]
+        except implementation.ImplementationFailure:
+            vectorise.clear()
+            return None
 
     def gradients(at: dict | None, grad_y: np.ndarray | None, **changed) -> dict:
         at, grad_y = {**op.inputs, **(at or {})}, op.g if grad_y is None else grad_y

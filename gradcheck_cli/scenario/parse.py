@@ -287,8 +287,7 @@ def _with_module(doc: _Doc, f: _Fields, sc: Scenario) -> Scenario:
         module = dataclasses.replace(module, call=tuple(t for t in tensors if t not in module.mapped))
     for key, message in modules.check_names(module, tensors, spec.implementation.args):
         path = where + tuple(key.split(".", 1)) if key != "call" or f.raw("implementation").get("call") else where
-        raise doc.error(path, message, hint="every tensor of the op goes to the module once: as a weight "
-                                            "(weights: {param: expression}) or as an argument (call: [...])")
+        raise doc.error(path, message)
     return dataclasses.replace(sc, module=module)
 
 
