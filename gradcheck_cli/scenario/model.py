@@ -9,6 +9,7 @@ import numpy as np
 from .. import implementation
 from ..errors import ScenarioError
 from ..ops import OPS
+from ..ops.attention.convention import Convention
 from ..ops.attention.formulas import DEFAULT_BLOCK
 from ..tolerance import DEFAULT_FACTOR
 from .fields import LOW_PRECISION
@@ -57,6 +58,7 @@ class Scenario:
     base_dir: str = "."          # the YAML's folder: where ``implementation`` and mask files are found
     implementation_line: int = 0  # the line of the ``implementation`` key
     timeout: float = 900.0       # seconds an isolated run of an implementation may take (``check.timeout``)
+    convention: Convention = Convention()  # how an attention implementation is called (``convention:``)
 
     def p(self, key: str):
         """The value of the op-specific key ``key``."""
