@@ -33,3 +33,9 @@ def nnx_attention(d_model, heads_q, heads_kv, d_head, dtype):
     return nnx.MultiHeadAttention(num_heads=heads_q, num_kv_heads=heads_kv, in_features=d_model,
                                   qkv_features=heads_q * d_head, out_features=d_model, use_bias=False, decode=False,
                                   param_dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
+
+
+def dot_product_attention_bnhd(q, k, v, mask, scale, kv_map):
+    """The same with no layout adapter: the scenario says ``convention: {layout: bnhd}`` (jax_nn.yaml), so the
+    tool passes [B, n, H, d] and takes o back in it; this only names the keyword arguments."""
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)

@@ -16,7 +16,8 @@ def multihead_attention(d_model, heads_q):
 
 class KeepMask(MultiheadAttention):  # broken: the tool's keep-mask passed as it is (the module hides True)
     def forward(self, x, visible):
-        return torch.nn.MultiheadAttention.forward(self, x, x, x, attn_mask=visible.flatten(0, 1), need_weights=False)[0]
+        mask = visible.flatten(0, 1)
+        return torch.nn.MultiheadAttention.forward(self, x, x, x, attn_mask=mask, need_weights=False)[0]
 
 
 def multihead_attention_keep_mask(d_model, heads_q):

@@ -74,7 +74,7 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
         problem = build(sc, active, sizes)
     except ImplementationFailure as exc:
         return result((failure_check("implementation runs", exc),),
-                      hints=(_range_hint(sc),) if "non-finite" in exc.message else ())
+                      hints=(exc.hint,) if exc.hint else ((_range_hint(sc),) if "non-finite" in exc.message else ()))
     broken = _non_finite(sc, problem)
     if broken:  # differences of NaN/inf say nothing: report where they first appear, and stop there
         return result(broken, arrays=dict(problem.arrays), hints=(_range_hint(sc),))

@@ -11,6 +11,7 @@ class ImplementationFailure(Exception):
     def __init__(self, message: str, tensor: str | None = None, index: tuple[int, ...] | None = None):
         super().__init__(message)
         self.message, self.tensor, self.index = message, tensor, index
+        self.hint: str | None = None  # a likely cause the report names as a hint, when the engine knows one
 
 
 def determinism(name: str, first: dict[str, np.ndarray], second: dict[str, np.ndarray], tolerance: float):

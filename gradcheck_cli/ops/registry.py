@@ -93,12 +93,13 @@ class Interface:
     """What a user's implementation of an op provides (the ``implementation:`` key): ``flavours`` are the
     backends it may be written for; ``signature`` says what each callable takes and returns (messages and
     ``attn-gradcheck faults``); ``args``, the names of the arguments after the tensors (what the module form's
-    ``call`` may pass: ``implementation.modules``), and ``modules`` whether it accepts that form (an op with
-    weights)."""
+    ``call`` may pass: ``implementation.modules``); ``modules``, whether it accepts that form (an op with
+    weights); ``conventions``, whether the ``convention:`` keys (layout, mask kind, scale) apply to it."""
     flavours: tuple[str, ...]
     signature: str
     args: tuple[str, ...] = ()
     modules: bool = True
+    conventions: bool = False
 
 
 @dataclass(frozen=True)

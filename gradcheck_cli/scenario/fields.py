@@ -22,7 +22,11 @@ ATTENTION_KEYS = ("heads_q", "heads_kv", "kv_map", "n_q", "n_k", "d_head", "d_va
 BACKEND_KEYS = ("implementation", "backend", "device", "engine", "block_q", "block_k")
 #: The engines ``engine:`` chooses between, over every op (``Op.engine_choices``).
 ENGINES = tuple(dict.fromkeys(name for op in OPS.values() for name in op.engine_choices))
-SCENARIO_KEYS = tuple(dict.fromkeys(COMMON_KEYS[:2] + BACKEND_KEYS + COMMON_KEYS[2:3] + ATTENTION_KEYS + COMMON_KEYS[3:]
+#: The calling convention of an attention implementation (``ops.attention.convention``): op attention,
+#: with an implementation only.
+CONVENTION_KEYS = ("layout", "mask", "mask_heads", "scale")
+SCENARIO_KEYS = tuple(dict.fromkeys(COMMON_KEYS[:2] + BACKEND_KEYS + ("convention",) + COMMON_KEYS[2:3]
+                                    + ATTENTION_KEYS + COMMON_KEYS[3:]
                                     + tuple(k for op in OPS.values() for k in op.keys)))
 MASK_KEYS = ("causal", "window", "key_lengths", "visible")
 CHECK_KEYS = ("mode", "samples", "directions", "colouring", "factor", "slack", "nondet_tol", "timeout")
@@ -30,7 +34,7 @@ CHECK_KEYS = ("mode", "samples", "directions", "colouring", "factor", "slack", "
 BACKENDS = tuple(dict.fromkeys(b for op in OPS.values() for b in op.backends))
 DEVICES = ("cpu", "cuda")
 LOW_PRECISION = ("float16", "bfloat16")
-NESTED = {"mask": MASK_KEYS, "check": CHECK_KEYS}
+NESTED = {"mask": MASK_KEYS, "check": CHECK_KEYS, "convention": CONVENTION_KEYS}
 TOP_KEYS = ("defaults", "scenarios")
 #: The smallest step, in units of the dtype's resolution: a smaller one rounds back to the input.
 MIN_STEP_ULPS = 8

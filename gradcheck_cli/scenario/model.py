@@ -10,6 +10,7 @@ from .. import implementation
 from ..errors import ScenarioError
 from ..implementation.modules import ModuleSpec
 from ..ops import OPS
+from ..ops.attention.convention import Convention
 from ..ops.attention.formulas import DEFAULT_BLOCK
 from ..tolerance import DEFAULT_FACTOR
 from .fields import LOW_PRECISION
@@ -59,6 +60,7 @@ class Scenario:
     implementation_line: int = 0  # the line of the ``implementation`` key
     timeout: float = 900.0       # seconds an isolated run of an implementation may take (``check.timeout``)
     module: ModuleSpec | None = None  # the mapping form of ``implementation`` (factory, weights, call)
+    convention: Convention = Convention()  # how an attention implementation is called (``convention:``)
 
     def p(self, key: str):
         """The value of the op-specific key ``key``."""

@@ -9,6 +9,16 @@ from pathlib import Path
 from .. import implementation, masks
 from ..implementation import modules
 from ..ops import DEFAULT_OP, OPS
+from ..ops.attention.convention import (
+    KV_LAYOUTS,
+    LAYOUTS,
+    MASK_HEADS,
+    MASKS,
+    SCALES,
+    Convention,
+    interleaved_kv_map,
+    shared_mask_problem,
+)
 from ..ops.attention.formulas import DEFAULT_BLOCK
 from ..ops.registry import IMPLEMENTATION_CHECK_KEYS
 from ..tolerance import DEFAULT_FACTOR, defaults_for, machine_epsilon
@@ -46,11 +56,12 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     common = COMMON_KEYS if op_spec.common_keys is None else op_spec.common_keys
     allowed = set(common) | set(op_spec.keys) | (set(ATTENTION_KEYS) if op_spec.attention_keys else set())
     allowed |= {key for key in BACKEND_KEYS if op_spec.takes(key)}
+    allowed |= {"convention"} if _conventions(op_spec) else set()
     for key in f.values:
         top = key.split(".")[0]
         if top not in allowed or (key in IMPLEMENTATION_CHECK_KEYS and not op_spec.takes(key)):
             owners = [o.name for o in OPS.values() if top in o.keys or (top in ATTENTION_KEYS and o.attention_keys)
-                      or o.takes(top) or (top == "check" and o.takes(key))]
+                      or o.takes(top) or (top == "check" and o.takes(key)) or (top == "convention" and _conventions(o))]
             raise f.error(key, f"does not apply to op {op}"
                           + (f" (it is a key of {', '.join(owners)})" if owners else ""),
                           hint=f"keys of op {op}: {', '.join(sorted(allowed - {'name', 'op'}))}")
@@ -63,7 +74,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     d_head = f.int("d_head")
     d_value = f.int("d_value", d_head)
 
-    if f.has("kv_map"):
+    if f.has("kv_map") and not isinstance(f.raw("kv_map"), str):
         kv_map = f.int_list("kv_map", 0, heads_q - 1, "a KV head index (every KV head serves a query head, so "
                                                       "there are at most heads_q of them)")
         if len(kv_map) != heads_q:
@@ -82,6 +93,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
             raise f.error("kv_map", f"KV head {unused[0]} of heads_kv={heads_kv} is read by no query head",
                           hint="every KV head must serve at least one query head; lower heads_kv")
     else:
+        kv_layout = _kv_layout(f)
         heads_kv = f.int("heads_kv", heads_q)
         if heads_q % heads_kv:
             raise f.error("heads_kv", f"{heads_kv} does not divide heads_q={heads_q}",
@@ -147,7 +159,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                         hint="reduce batch, heads, n_q, n_k or the head dimensions"
                              + (f" (or {', '.join(sizes)})" if sizes else ""))
     if kv_map is None:
-        kv_map = default_kv_map(heads_q, heads_kv)
+        kv_map = (interleaved_kv_map if kv_layout == "interleaved" else default_kv_map)(heads_q, heads_kv)
 
     spec, spec_line, module = _implementation(doc, f, base_dir)
 
@@ -169,20 +181,64 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                         hint="every query row needs at least one visible key; widen the window, raise "
                              "key_lengths, or check the causal alignment for n_q != n_k")
 
+    convention = _convention(f, visible, scale, d_head)
     attention = {"batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "n_q": n_q, "n_k": n_k, "d_head": d_head,
                  "d_value": d_value}
     for key, message, hint in (op_spec.validate(params, attention) if op_spec.validate else []):
         raise f.error(key, message, hint=hint)
     sc = Scenario(name=name, op=op, batch=batch, heads_q=heads_q, heads_kv=heads_kv, kv_map=tuple(kv_map),
-                    n_q=n_q, n_k=n_k, d_head=d_head, d_value=d_value, scale=scale, causal=causal,
-                    window=window, key_lengths=key_lengths, visible_source=source, loss_rows=loss_rows,
-                    mode=mode, samples=samples, directions=directions, colouring=colouring, dtype=dtype,
-                    epsilon=epsilon, tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
-                    implementation=spec, backend=backend, device=device, factor=factor, slack=slack,
-                    nondet_tol=nondet_tol, visible=visible, base_dir=str(base_dir), implementation_line=spec_line,
-                    timeout=timeout, params=tuple(params.items()), engine=engine, block_q=block_q, block_k=block_k,
-                    module=module)
+                  n_q=n_q, n_k=n_k, d_head=d_head, d_value=d_value, scale=scale, causal=causal,
+                  window=window, key_lengths=key_lengths, visible_source=source, loss_rows=loss_rows,
+                  mode=mode, samples=samples, directions=directions, colouring=colouring, dtype=dtype,
+                  epsilon=epsilon, tolerance=tolerance, seed=seed, file=doc.file, line=doc.line(f.path) or 0,
+                  implementation=spec, backend=backend, device=device, factor=factor, slack=slack,
+                  nondet_tol=nondet_tol, visible=visible, base_dir=str(base_dir), implementation_line=spec_line,
+                  timeout=timeout, params=tuple(params.items()), engine=engine, block_q=block_q, block_k=block_k,
+                  module=module, convention=convention)
     return _with_module(doc, f, sc)
+
+
+def _conventions(op_spec) -> bool:
+    """Whether ``convention:`` applies to an op (``Interface.conventions``: bare attention's implementations)."""
+    return op_spec.implementation is not None and op_spec.implementation.conventions
+
+
+def _kv_layout(f: _Fields) -> str:
+    """``kv_map`` given by name: contiguous (the default) or interleaved."""
+    if f.has("kv_map") and f.raw("kv_map") not in KV_LAYOUTS:
+        raise f.error("kv_map", f"expected a list of KV head indices or one of {', '.join(KV_LAYOUTS)}; got "
+                      f"{_show(f.raw('kv_map'))}", hint="contiguous: query head r reads KV head r // (heads_q / "
+                      "heads_kv) (repeat_kv's); interleaved: r % heads_kv (k.repeat(...)'s)")
+    return f.raw("kv_map", KV_LAYOUTS[0])
+
+
+def _convention(f: _Fields, visible, scale: float, d_head: int) -> Convention:
+    """The ``convention`` keys: how an implementation takes its arguments (``ops.attention.convention``)."""
+    given = [key for key in f.values if key.startswith("convention.") and f.has(key)]
+    if not given:
+        return Convention()
+    if not f.has("implementation"):
+        for key in given:
+            if f.where(key)[0] != "defaults":
+                raise f.error(key, "applies to a scenario with an implementation: it says how your code takes its "
+                              "arguments", hint="remove it, or add 'implementation: module:attribute'")
+        return Convention()
+    values = {"layout": LAYOUTS, "mask": MASKS, "mask_heads": MASK_HEADS, "scale": SCALES}
+    convention = Convention(**{key: f.choice(f"convention.{key}", choices, choices[0])
+                               for key, choices in values.items()})
+    if convention.mask_heads == "shared":
+        row = shared_mask_problem(visible)
+        if row is not None:
+            b, h, i = row
+            raise f.error("convention.mask_heads", f"shared passes one mask [B, 1, n_q, n_k] for every head, but the "
+                          f"visible set differs between heads (batch {b}, head {h}, query row {i} sees other keys "
+                          "than head 0)", hint="use mask_heads: per-head, or a mask the same for every head")
+    if convention.scale == "omitted" and f.has("scale") and scale != 1.0 / math.sqrt(d_head):
+        raise f.error("convention.scale", f"omitted means the implementation uses 1/sqrt(d_head) = "
+                      f"{1 / math.sqrt(d_head):.6g} itself, but the scenario's scale is {scale:g}",
+                      hint="remove scale, or use convention: {scale: passed}")
+    return convention
+
 
 def _user_code_policy(f: _Fields) -> tuple[float, float | None, float, float]:
     """The ``check`` keys of an op that accepts an implementation: (factor, slack, nondet_tol, timeout)."""

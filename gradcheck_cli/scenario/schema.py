@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .. import implementation, masks
 from ..ops import OPS
+from ..ops.attention.convention import KV_LAYOUTS, LAYOUTS, MASK_HEADS, MASKS, MEANING, SCALES
 from ..ops.attention.formulas import DEFAULT_BLOCK
 from .fields import (
     BACKENDS,
@@ -37,12 +38,23 @@ def json_schema() -> dict:
         "mode": {"enum": list(MODES)}, "samples": pos, "directions": {**pos, "maximum": MAX_DIRECTIONS},
         "colouring": {"type": "boolean"}, "factor": number, "slack": number, "nondet_tol": number,
         "timeout": number}}
+    described = lambda key, values: {"enum": list(values), "description": "; ".join(  # noqa: E731
+        f"{v}: {MEANING[key, v]}" for v in values) + f" (default {values[0]})"}
+    convention = {"type": "object", "additionalProperties": False,
+                  "description": "how your attention implementation takes its arguments (with implementation)",
+                  "properties": {"layout": described("layout", LAYOUTS), "mask": described("mask", MASKS),
+                                 "mask_heads": described("mask_heads", MASK_HEADS),
+                                 "scale": described("scale", SCALES)}}
+    kv_map = {"oneOf": [ints, {"enum": list(KV_LAYOUTS)}],
+              "description": "KV head of each query head, or contiguous (r // (heads_q / heads_kv), the default) "
+                             "or interleaved (r % heads_kv)"}
     fields = {
         "name": {"type": "string", "pattern": NAME_RE.pattern},
         "op": {"enum": sorted(OPS)},
         "implementation": {"type": "string", "pattern": implementation.SPEC_RE.pattern},
         "backend": {"enum": list(BACKENDS)}, "device": {"enum": list(DEVICES)},
-        "batch": pos, "heads_q": pos, "heads_kv": pos, "kv_map": ints, "n_q": pos, "n_k": pos,
+        "convention": convention, "batch": pos, "heads_q": pos, "heads_kv": pos, "kv_map": kv_map,
+        "n_q": pos, "n_k": pos,
         "d_head": pos, "d_value": pos, "scale": number, "mask": mask, "loss_rows": ints, "check": check,
         "dtype": {"enum": list(dict.fromkeys(d for op in OPS.values() for d in op.dtypes))},
         "epsilon": {**number, "maximum": MAX_EPSILON},

@@ -27,6 +27,11 @@ PHRASES = {
     "gqa": "GQA reduction",
     "nondeterminism": "not deterministic",
     "mask-convention": "reads visible as a drop mask",
+    "layout-convention": "set convention: {layout: bnhd}",
+    "additive-convention": "set convention: {mask: additive}",
+    "additive-min-convention": "set convention: {mask: additive-min}",
+    "shared-convention": "set convention: {mask_heads: shared}",
+    "scale-convention": "set convention: {scale: omitted}",
 }
 
 GQA = dict(batch=2, heads_q=4, heads_kv=2, n_q=5, n_k=7, d_head=4, mask={"causal": "lower-right",
@@ -79,12 +84,22 @@ TABLE = [
     ("more:dk_wrong_kv_head", GQA, "float64", None),
     ("more:backward_transposed_mask", GQA, "float64", None),
     ("more:dq_layout_reshape", GQA, "float64", None),
+    # correct code written for another calling convention (tests/convention_attention.py), run under the default
+    ("conv:bnhd", GQA, "float64", "layout-convention"),            # the call fails: shapes do not fit
+    ("conv:bnhd", dict(batch=2, heads_q=6, n_q=6, d_head=4), "float64", "layout-convention"),  # O is wrong
+    ("conv:drop", PADDED, "float64", "mask-convention"),
+    ("conv:drop", GQA, "float32", "mask-convention"),               # a row sees no key: O is NaN there
+    ("conv:additive", GQA, "float64", "additive-convention"),
+    ("conv:additive_min", CACHE, "float64", "additive-min-convention"),  # it compares with finfo.min
+    ("conv:shared", GQA, "float64", "shared-convention"),
+    ("conv:no_scale", GQA, "float64", "scale-convention"),
+    ("conv:interleaved", CACHE, "float64", "kv-layout"),
 ]
 
 
 def _run(bug, shape, dtype, faults=()):
     module, _, name = bug.rpartition(":")
-    module = {"": "buggy_attention", "more": "buggy_attention_more"}[module]
+    module = {"": "buggy_attention", "more": "buggy_attention_more", "conv": "convention_attention"}[module]
     sc = make(**shape, dtype=dtype, implementation=f"{module}:{name}")
     return checker.run_scenario(sc, faults)
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from .formulas import DIFFERENCE_FAULTS, backward, forward
 from .hints import Context, diagnosis
+from .hints.context import _convention
 from .rounding import term_sizes
 
 
@@ -28,6 +29,20 @@ def hint_context(inputs: dict, g, visible, scale, kv_map, results: dict, referen
                    reference_gradients={t: reference_results[t] for t in "qkv"},
                    gradients={t: np.asarray(results[t], dtype=np.float64) for t in "qkv"}, forward=impl_forward,
                    inputs=inputs, g=np.asarray(g, dtype=np.float64))
+
+
+def called_as(sc, call, inputs: dict):
+    """``call(sc.convention)``: the implementation's first call. When it fails and, called in another
+    convention (``convention:`` keys), its forward agrees with the reference, the failure says so
+    (``ImplementationFailure.hint``)."""
+    from ...implementation import ImplementationFailure
+    try:
+        return call(sc.convention)
+    except ImplementationFailure as exc:
+        x = {t: val.astype(np.float64) for t, val in inputs.items()}
+        ref = forward(x["q"], x["k"], x["v"], sc.visible, sc.scale, np.asarray(sc.kv_map, dtype=np.intp))
+        exc.hint = _convention(sc, call, ref)
+        raise
 
 
 class Interface:

@@ -12,7 +12,16 @@ from ..registry import Problem
 from ..user_engine import compiled_rows
 from .inputs import seeded_inputs
 from .invariants import output_invariants
-from .reference import REFERENCE_CHECKS, Interface, diagnosis_fields, hint_context, plain, reference, varies
+from .reference import (
+    REFERENCE_CHECKS,
+    Interface,
+    called_as,
+    diagnosis_fields,
+    hint_context,
+    plain,
+    reference,
+    varies,
+)
 from .rounding import Blocks, output_terms
 
 
@@ -32,17 +41,22 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     visible, scale, batch = sc.visible, sc.scale, sc.batch
     blocks = Blocks(sc, kv_map)
     interface = Interface(faults, sizes, visible, scale, kv_map)
-    names = ("q", "k", "v", "visible", "scale", "kv_map", "grad_o")
 
-    def user_forward(q, k, v, visible):
-        shape = (q.shape[0], sc.heads_q, sc.n_q, sc.d_value)
-        return implementation.call(impl.forward, "forward", (q, k, v, visible, scale, kv_map), {"o": (shape, dt)},
-                                   names)["o"]
+    def user_forward(q, k, v, visible, conv=sc.convention):
+        """The implementation's O, called in convention ``conv`` (its layout, mask and scale), in the tool's."""
+        shape = conv.shape((q.shape[0], sc.heads_q, sc.n_q, sc.d_value))
+        return conv.tensor(implementation.call(impl.forward, "forward",
+                                               conv.arguments(q, k, v, visible, scale, kv_map, dt),
+                                               {"o": (shape, dt)}, conv.names())["o"])
 
     def user_backward(q, k, v, grad_o):
-        out = implementation.call(impl.backward, "backward", (q, k, v, interface.visible, scale, kv_map, grad_o),
-                                  {"dq": (q.shape, dt), "dk": (k.shape, dt), "dv": (v.shape, dt)}, names)
-        return interface.gradients(q, k, v, grad_o, out["dq"], out["dk"], out["dv"])
+        conv = sc.convention
+        out = implementation.call(impl.backward, "backward",
+                                  conv.arguments(q, k, v, interface.visible, scale, kv_map, dt)
+                                  + (conv.tensor(grad_o),),
+                                  {f"d{t}": (conv.shape(x.shape), dt) for t, x in zip("qkv", (q, k, v))},
+                                  conv.names() + ("grad_o",))
+        return interface.gradients(q, k, v, grad_o, *(conv.tensor(out[f"d{t}"]) for t in "qkv"))
 
     def copies_forward(name: str, x: np.ndarray) -> np.ndarray:
         """x [C, B, ...]: C perturbed copies of input ``name``, stacked along the batch axis."""
@@ -55,7 +69,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         except implementation.ImplementationFailure as exc:
             raise implementation.in_copies(exc, batch, name) from None
 
-    o = user_forward(q, k, v, interface.visible)
+    o = called_as(sc, lambda conv: user_forward(q, k, v, interface.visible, conv), inputs)
     dq, dk, dv = user_backward(q, k, v, g)
     again = {"o": user_forward(q, k, v, interface.visible), **dict(zip("qkv", user_backward(q, k, v, g)))}
     results = {"o": o, "q": dq, "k": dk, "v": dv}

@@ -7,6 +7,9 @@ on no other):
 - the forward lets hidden keys reach O (``attention is 0 off the visible set`` or ``hidden K/V rows do
   not change O`` fails, or O is exactly attention without the mask);
 - the forward uses the other causal alignment, or the other KV-head layout (O is exactly that);
+- the implementation is written for another calling convention (``convention:`` keys: layout, mask
+  convention, shared mask, no scale argument): called that way, its forward agrees with the reference
+  (also when, called the scenario's way, it fails);
 - the forward mixes batch elements (moving one batch element's inputs changes another's output);
 - the forward never reads some key rows (they get zero gradient where the reference's is not, and O is
   attention with them hidden);
@@ -25,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ...registry import Structure
-from .context import DROP_MASK, Context, _alternative, _mask_backward, _missing_keys, _mixing
+from .context import DROP_MASK, Context, _alternative, _convention, _mask_backward, _missing_keys, _mixing
 from .patterns import _factor, _gqa, _reference_factor, _scale, _shift_violation, _swapped
 
 __all__ = ["Context", "diagnosis"]
@@ -81,10 +84,18 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                        "when small differences are intended")
             return out
         forward_wrong = "forward agrees with the reference" in broken
-        alternative = _alternative(sc, context, kv_map) if context is not None and forward_wrong else None
+        convention = None
+        if context is not None and forward_wrong and context.forward is not None:
+            x = context.inputs
+            convention = _convention(sc, lambda conv: context.forward(x["q"], x["k"], x["v"], sc.visible, conv),
+                                     context.reference(), context.output)
+        alternative = convention or (_alternative(sc, context, kv_map) if context is not None and forward_wrong
+                                     else None)
         leak = [name for name in ("attention is 0 off the visible set", "hidden K/V rows do not change O")
                 if name in broken]
-        if alternative == DROP_MASK:
+        if convention:
+            out.append(convention)
+        elif alternative == DROP_MASK:
             out.append(alternative)
         elif leak or alternative == "no mask":
             out.append("the forward lets hidden keys reach O (" + ("; ".join(leak) if leak else

@@ -4,6 +4,7 @@ its forward with it: what it computes instead of attention, whether it mixes bat
 rows it never reads, and whether its backward ignores the mask."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ import numpy as np
 from .... import masks
 from ....indices import ranges
 from ....numeric import SeedStream
+from ....tolerance import machine_epsilon
 from ..formulas import backward
 
 #: An alternative explains the implementation's output when it is this many times closer to it than
@@ -35,7 +37,8 @@ class Context:
     reference: Callable[..., np.ndarray]             # reference(visible=..., kv_map=...) -> O, float64
     reference_gradients: dict[str, np.ndarray]       # the float64 reference's dq, dk, dv
     gradients: dict[str, np.ndarray]                 # the implementation's, float64
-    forward: Callable[..., np.ndarray] | None        # forward(q, k, v, visible) -> O of the implementation
+    forward: Callable[..., np.ndarray] | None        # forward(q, k, v, visible[, convention]) -> O of the
+    #                                                  implementation (called in another ``convention``)
     inputs: dict[str, np.ndarray]
     g: np.ndarray | None = None                      # the upstream gradient, float64
 
@@ -50,7 +53,54 @@ def _matches(o: np.ndarray, alternative: np.ndarray, reference: np.ndarray) -> b
 #: The hint of a forward that reads the visible set as a drop mask (the other boolean mask convention).
 DROP_MASK = ("the forward reads visible as a drop mask (True = hidden, the convention of boolean masks in "
              "torch.nn.MultiheadAttention), while the scenario's visible set is a keep mask (True = key visible, "
-             "as SDPA's boolean attn_mask): invert the mask where your code receives it")
+             "as SDPA's boolean attn_mask): invert the mask where your code receives it, or set "
+             "convention: {mask: drop}")
+
+
+def _convention(sc, call: Callable, reference: np.ndarray, output: np.ndarray | None = None) -> str | None:
+    """The hint of an implementation written for another calling convention (``convention:`` keys): called
+    with one key changed (``call(convention) -> O`` in the tool's layout), its forward agrees with the
+    reference. With ``output`` (its O as called), agreeing is being CLOSER times closer to the reference;
+    without (its call failed), being within sqrt(eps) of the dtype of the reference's largest value."""
+    from ..convention import MEANING, applies, setting
+    current = sc.convention
+    for key, value, alt in current.alternatives():
+        if not applies(alt, sc):
+            continue
+        try:
+            with warnings.catch_warnings(), np.errstate(all="ignore"):  # a wrong way may well warn
+                warnings.simplefilter("ignore")
+                o = np.asarray(call(alt), dtype=np.float64)
+        except Exception:  # noqa: BLE001 -- the implementation fails that way too: not its convention
+            continue
+        if o.shape != reference.shape or not np.isfinite(o).all():
+            continue
+        if output is not None:
+            agrees = _matches(reference, o, output)
+        else:
+            size = max(float(np.abs(reference).max(initial=0.0)), 1e-300)
+            agrees = float(np.abs(o - reference).max(initial=0.0)) <= np.sqrt(machine_epsilon(sc.dtype)) * size
+        if not agrees:
+            continue
+        what = _written_for(key, value)
+        mine = getattr(current, key)
+        return (f"{what}: called with {setting(key, value)} it agrees with the reference, while the scenario's "
+                f"convention is {key}: {mine} ({MEANING[(key, mine)]}); set {setting(key, value)} in the scenario "
+                "(README \"Checking your own implementation\")")
+    return None
+
+
+def _written_for(key: str, value: str) -> str:
+    """What an implementation written for ``convention: {key: value}`` does."""
+    from ..convention import MEANING
+    if key == "layout":
+        return "the forward takes q, k, v and returns o as " + ("[B, n, H, d]" if value == "bnhd" else "[B, H, n, d]")
+    if key == "mask":
+        return f"the forward reads visible as {'an' if value[0] == 'a' else 'a'} {value} mask ({MEANING[key, value]})"
+    if key == "mask_heads":
+        return f"the forward takes {MEANING[key, value]}"
+    return "the forward " + ("takes no scale argument (it uses 1/sqrt(d_head) itself)" if value == "omitted"
+                             else "takes a scale argument after the mask")
 
 
 def _alternative(sc, context: Context, kv_map) -> str | None:
@@ -88,8 +138,10 @@ def _alternative(sc, context: Context, kv_map) -> str | None:
         else:
             return None
         if _matches(o, context.reference(kv_map=other), ref):
+            other_name = name.split()[0]
             return (f"the forward maps query heads to KV heads {name}, while the scenario's kv_map is {mine} "
-                    f"({list(map(int, kv_map))}): repeat_kv and its reduction must follow the model's layout")
+                    f"({list(map(int, kv_map))}): if that is your model's layout, set kv_map: {other_name} in the "
+                    "scenario; otherwise repeat_kv and its reduction must follow the model's layout")
     return None
 
 

@@ -21,7 +21,7 @@ from ....result import Check
 from ...registry import Problem
 from ..inputs import seeded_inputs
 from ..invariants import output_invariants
-from ..reference import REFERENCE_CHECKS, Interface, diagnosis_fields, hint_context, reference, varies
+from ..reference import REFERENCE_CHECKS, Interface, called_as, diagnosis_fields, hint_context, reference, varies
 from ..rounding import Blocks, output_terms
 from .calls import call_user, user_gradients
 from .formulas import DTYPES, backward, by_autograd, forward, probabilities, sdpa
@@ -57,22 +57,29 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     rounded = {t: np_(x) for t, x in zip("qkv", (q, k, v))}  # the inputs as the dtype holds them
     g_rounded = np_(g)
 
-    def fwd(q_, k_, v_, vis_=vis):
-        if user is not None:
+    lowest = float(torch.finfo(dt).min)
+
+    def fwd(q_, k_, v_, vis_=vis, conv=sc.convention):
+        if user is not None:  # called in its convention (layout, mask, scale), O back in the tool's layout
             with torch.no_grad():
-                return call_user(user, (q_, k_, v_, vis_, scale, kv_map), (q_.shape[0],) + tuple(g.shape[1:]), dt)
+                return conv.tensor(call_user(user, conv.arguments(q_, k_, v_, vis_, scale, kv_map, dt, lowest),
+                                             conv.shape((q_.shape[0],) + tuple(g.shape[1:])), dt, conv.names()))
         return forward(q_, k_, v_, vis_, scale, kv_map, faults)
 
     def bwd(q_, k_, v_, grad_o):
         if user is None:
             return backward(q_, k_, v_, vis, scale, kv_map, grad_o, faults)
-        grads = user_gradients(user, (q_, k_, v_), (vis, scale, kv_map), grad_o.clone(), tuple(g.shape), dt)
+        conv = sc.convention
+        args = conv.arguments(q_, k_, v_, vis, scale, kv_map, dt, lowest)
+        grads = user_gradients(user, args[:3], args[3:], conv.tensor(grad_o).clone(), conv.shape(g.shape), dt,
+                               conv.names())
+        grads = tuple(conv.tensor(x) for x in grads)
         if not interface.faults:
             return grads
         changed = interface.gradients(*(np_(x) for x in (q_, k_, v_, grad_o)), *(np_(x) for x in grads))
         return tuple(to(x) for x in changed)
 
-    o = fwd(q, k, v)
+    o = fwd(q, k, v) if user is None else called_as(sc, lambda conv: fwd(q, k, v, conv=conv), rounded)
     dq, dk, dv = bwd(q, k, v, g)
     grads = {"q": dq, "k": dk, "v": dv}
     results = {"o": np_(o), **{t: np_(x) for t, x in grads.items()}}
@@ -106,8 +113,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
 
     context = None
     if user is not None:
-        def impl_forward(q_, k_, v_, visible):
-            return np_(fwd(to(q_), to(k_), to(v_), torch.from_numpy(visible).to(device)))
+        def impl_forward(q_, k_, v_, visible, conv=sc.convention):
+            return np_(fwd(to(q_), to(k_), to(v_), torch.from_numpy(visible).to(device), conv))
         context = hint_context(rounded, g_rounded, sc.visible, scale, kv_np, results, ref, impl_forward)
     if low:
         return Problem(inputs={}, loss=None, gradients={t: np_(grads[t]) for t in "qkv"}, rounding={},

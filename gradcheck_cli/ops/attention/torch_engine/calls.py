@@ -7,11 +7,13 @@ import torch
 
 from ....implementation import ImplementationFailure, guarded
 
+#: The names of a user's forward's arguments, by default (``convention.Convention.names``).
+NAMES = ("q", "k", "v", "visible", "scale", "kv_map")
 
-def call_user(user, args, shape, dtype):
+
+def call_user(user, args, shape, dtype, names=NAMES):
     """The user's torch forward on clones of the inputs (so changing them in place cannot affect the
     check; a change is reported), so that misbehaviour is a failed check naming the tensor."""
-    names = ("q", "k", "v", "visible", "scale", "kv_map")
     given = tuple(a.clone() if isinstance(a, torch.Tensor) and not a.requires_grad else a for a in args)
     o = guarded("forward", user, *given)
     for name, before, after in zip(names, args, given):
@@ -50,14 +52,14 @@ def _finite(what, name, t):
                                     f"[{', '.join(map(str, index))}]", name, index)
 
 
-def user_gradients(user, qkv, rest, grad_o, shape, dtype):
+def user_gradients(user, qkv, rest, grad_o, shape, dtype, names=NAMES):
     """dq, dk, dv of the user's forward by autograd (so a custom autograd.Function's backward is what
     gets checked). ``grad_o`` is the implementation's own copy: a backward that changes it in place is
     reported, and cannot change the checker's upstream gradient."""
     leaves = [t.detach().clone().requires_grad_(True) for t in qkv]
     kept = grad_o.clone()
     with torch.enable_grad():
-        o = call_user(user, (*leaves, *rest), shape, dtype)
+        o = call_user(user, (*leaves, *rest), shape, dtype, names)
         if not o.requires_grad:
             raise ImplementationFailure("forward's output does not require grad: autograd cannot reach q, k, v", "o")
         grads = guarded("backward", lambda: torch.autograd.grad(o, leaves, grad_o, allow_unused=True))
