@@ -26,10 +26,8 @@ from .attention import memory as attention_memory
 from .projections import merge, split
 from .registry import Interface, Op, Param, Structure, user_code_engines
 
-#: Every fault of the parts, under its own name; on a user's implementation each adds the change it makes to
-#: the reference gradients.
-FAULTS = user_engine.added({**attention.ENGINE_FAULTS, **projections.FAULTS, **rope.FAULTS, **rmsnorm.FAULTS,
-                            **swiglu.FAULTS})
+#: Every fault of the parts, under its own name (on a user's implementation as on the parts').
+FAULTS = {**attention.ENGINE_FAULTS, **projections.FAULTS, **rope.FAULTS, **rmsnorm.FAULTS, **swiglu.FAULTS}
 WEIGHTS = ("w_q", "w_k", "w_v", "w_o", "w1", "w3", "w2")
 #: <G_W, W> = sum(G * SwiGLU) is bounded by the rounding of the terms of the right side only, while the
 #: left side sums G_W, which the backward forms through SwiGLU's two branches: the invariants' ulps are
@@ -172,7 +170,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         terms=lambda inputs, a, g: user_engine.bounded_terms(forward, backward, inputs, a, g, length),
         invariants=lambda calls, dtype, y: projections.mask_invariants(sc, "x", data, calls.forward, calls.backward,
                                                                         dtype),
-        batched=("x", "visible"), structure=_STRUCTURE), faults)
+        batched=("x", "visible"), structure=_STRUCTURE, shown=projections.SHOWN), faults)
 
 
 def _validate(params: dict, att: dict) -> list:

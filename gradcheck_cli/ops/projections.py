@@ -35,9 +35,11 @@ FAULTS = {f.name: f for f in (
           ("gradient x", "gradient m", "gradient w_q", "gradient w_k", "gradient w_v",
            "unseen x rows get zero gradient"), user=user_engine.ADDED),
 )}
-#: The attention faults flow through unchanged (their names mean the same thing here); on a user's
-#: implementation each adds the change it makes to the reference gradients.
-ALL_FAULTS = {**FAULTS, **user_engine.added(attention.ENGINE_FAULTS)}
+#: The attention faults flow through unchanged (their names mean the same thing here, on a user's implementation
+#: too: ``mask`` shows it every key as visible, the others add their change to the reference gradients).
+ALL_FAULTS = {**FAULTS, **attention.ENGINE_FAULTS}
+#: What the ``mask`` fault shows a user's implementation (``UserOp.shown``): every key visible.
+SHOWN = {"mask": lambda args: {**args, "visible": np.ones_like(args["visible"])}}
 
 
 def split(t, heads: int, faults: Collection[str] = ()):

@@ -4,6 +4,7 @@ on arrays, the gradients by autograd. Imported only when a scenario names a torc
 imported here, at the top)."""
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -45,7 +46,8 @@ def wrap(user, count: int, dtype: str, device: str = "cpu") -> SimpleNamespace:
 
         def one(w):
             return user(*given[:index], w, *given[index + 1:])
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():  # an op without a batching rule is only slower
+            warnings.filterwarnings("ignore", message=".*batching rule.*")
             return plain("y", torch.vmap(one)(given[index]))
 
     def backward(*args):

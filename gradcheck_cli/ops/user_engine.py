@@ -17,7 +17,7 @@ size of the terms of its output and gradients, and its invariants. From that, on
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,17 +25,11 @@ import numpy as np
 from .. import implementation, precision
 from ..result import Check, Kind
 from . import dense
-from .registry import Fault, Problem, Structure
+from .registry import Problem, Structure
 
 #: What a fault does to a user's implementation of such an op (``Fault.user``).
 ADDED = "adds to the implementation's gradients the change this bug makes to the float64 reference's"
 
-
-
-def added(faults: Mapping[str, Fault]) -> dict[str, Fault]:
-    """``faults`` (of an op this one composes) as they apply to a user's implementation of this one: each
-    adds the change it makes to the reference gradients (``ADDED``)."""
-    return {name: replace(f, user=ADDED) for name, f in faults.items()}
 
 
 def bounded_terms(forward, backward, inputs: dict, args: dict, g: np.ndarray, length: int) -> dict:
@@ -68,7 +62,9 @@ class UserOp:
     ``gradients(**args)`` is the implementation's gradients (dict by input) at the scenario's g, with some
     of the args replaced (e.g. eps = 0), and ``output`` its output; ``gradients`` is a :class:`Calls`, which
     also calls the implementation on other inputs (``forward``, ``backward``). ``batched``: inputs (and
-    arguments, such as a mask [B, ...]) whose axis 0 is the batch axis."""
+    arguments, such as a mask [B, ...]) whose axis 0 is the batch axis. ``shown``: faults that change what the
+    implementation is shown instead (fault -> args -> args, e.g. every key visible for ``mask``); the others
+    add their change to the reference gradients (``ADDED``)."""
     inputs: dict[str, np.ndarray]
     args: dict[str, Any]
     g: np.ndarray
@@ -80,6 +76,7 @@ class UserOp:
     rounding: Callable[[np.ndarray], dict] | None = None
     structure: dict[str, Structure] | None = None
     lift: Mapping[str, int] = field(default_factory=dict)
+    shown: Mapping[str, Callable[[dict], dict]] = field(default_factory=dict)
 
 
 class Calls:
@@ -116,12 +113,16 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
     dt = np.dtype(sc.dtype)
     names = order + tuple(op.args) + ("grad_y",)
     shape = np.shape(op.forward(*op.inputs.values(), *op.args.values()))
+    shown = dict(op.args)  # what the implementation is shown: the scenario's arguments, or a fault's
+    for fault in faults:
+        shown = op.shown[fault](shown) if fault in op.shown else shown
+    added = tuple(f for f in faults if f not in op.shown)
 
     def call_forward(xs: dict) -> np.ndarray:
         copies = len(xs[op.batched[0]]) // len(op.inputs[op.batched[0]]) if op.batched else 1
         out = (len(xs[op.batched[0]]),) + shape[1:] if op.batched else shape  # the batch axis may hold copies
         args = tuple(np.concatenate([a] * copies) if copies > 1 and name in op.batched else a
-                     for name, a in op.args.items())
+                     for name, a in shown.items())
         return implementation.call(impl.forward, "forward", tuple(xs[t] for t in order) + args,
                                    {"y": (out, dt)}, names)["y"]
 
@@ -151,7 +152,7 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
         None where the implementation cannot be vectorised (from then on it is called once per copy, which
         also reports any failure of its own)."""
         position = order.index(moved)
-        args = tuple(flat if t == moved else xs[t] for t in order) + tuple(op.args.values())
+        args = tuple(flat if t == moved else xs[t] for t in order) + tuple(shown.values())
         try:
             return implementation.call(lambda *a: impl.forward_copies(position, *a), "forward", args,
                                        {"y": ((len(flat),) + shape, dt)}, names)["y"]
@@ -163,12 +164,12 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
         at, grad_y = {**op.inputs, **(at or {})}, op.g if grad_y is None else grad_y
         args = {**op.args, **changed}
         expected = {f"d{t}": (op.inputs[t].shape, dt) for t in order}
-        out = implementation.call(impl.backward, "backward",
-                                  tuple(at[t] for t in order) + tuple(args.values()) + (grad_y,), expected, names)
+        out = implementation.call(impl.backward, "backward", tuple(at[t] for t in order)
+                                  + tuple({**shown, **changed}.values()) + (grad_y,), expected, names)
         grads = {t: out[f"d{t}"] for t in order}
-        if faults:  # the interface variants: the change each fault makes to the float64 reference's gradients
+        if added:  # the interface variants: the change each fault makes to the float64 reference's gradients
             xs = [at[t].astype(np.float64) for t in order]
-            wrong = op.backward(*xs, *args.values(), grad_y.astype(np.float64), faults)
+            wrong = op.backward(*xs, *args.values(), grad_y.astype(np.float64), added)
             right = op.backward(*xs, *args.values(), grad_y.astype(np.float64), ())
             grads = {t: (grads[t] + w - r).astype(dt) for t, w, r in zip(order, wrong, right)}
         return grads
