@@ -27,3 +27,9 @@ def rope(x, cos, sin):
 
 def swiglu(x, w1, w3, w2):
     return (jax.nn.silu(x @ w1) * (x @ w3)) @ w2
+
+
+def infonce(q, p, n, tau):
+    # DPR: each query's candidates are every positive of the batch and every hard negative (n [B, k, dim])
+    z = q @ jnp.concatenate([p, n.reshape(-1, n.shape[-1])]).T / tau
+    return jax.nn.logsumexp(z, axis=-1) - jnp.diagonal(z)

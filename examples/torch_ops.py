@@ -25,3 +25,16 @@ def rope(x, cos, sin):
 
 def swiglu(x, w1, w3, w2):
     return (F.silu(x @ w1) * (x @ w3)) @ w2
+
+
+def infonce(q, p, n, tau):
+    # DPR: each query's candidates are every positive of the batch and every hard negative (n [B, k, dim])
+    candidates = torch.cat([p, n.reshape(-1, n.shape[-1])])
+    return F.cross_entropy(q @ candidates.T / tau, torch.arange(len(q)), reduction="none")
+
+
+def infonce_detached_lse(q, p, n, tau):
+    # bug: the log-sum-exp is detached (computed "for stability" and left out of the graph), so autograd
+    # misses the gradient of the softmax denominator
+    z = q @ torch.cat([p, n.reshape(-1, n.shape[-1])]).T / tau
+    return torch.logsumexp(z, dim=-1).detach() - z.diagonal()

@@ -44,7 +44,8 @@ class UserOp:
     puts about eps x these in each element). invariants(gradients, precision, output) -> checks, where
     ``gradients(**args)`` is the implementation's gradients (dict by input) at the scenario's g, with some
     of the args replaced (e.g. eps = 0), and ``output`` its output. ``batched``: inputs whose axis 0 is the
-    batch axis."""
+    batch axis. ``adapt(impl, backend)``: the user's implementation as the engine calls it (inputs, then args),
+    when the op's interface passes them in another order or returns gradients that are not checked."""
     inputs: dict[str, np.ndarray]
     args: dict[str, Any]
     g: np.ndarray
@@ -56,11 +57,14 @@ class UserOp:
     rounding: Callable[[np.ndarray], dict] | None = None
     structure: dict[str, Structure] | None = None
     lift: Mapping[str, int] = field(default_factory=dict)
+    adapt: Callable[[Any, str], Any] | None = None
 
 
 def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
     """The problem of scenario ``sc`` for the implementation it names (``sc.implementation_object``)."""
     impl = sc.implementation_object
+    if op.adapt is not None:
+        impl = op.adapt(impl, sc.backend)
     order = tuple(op.inputs)
     if sc.backend == "torch":  # one callable, differentiated by autograd
         from . import torch_flavour
@@ -90,8 +94,8 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
                     for t, v in xs.items() if t != moved}
             return call_forward({**rest, moved: stacked}).reshape(copies.shape[:1] + shape)
         flat = copies.reshape((-1,) + op.inputs[moved].shape)
-        return np.stack([call_forward({**xs, moved: c}) for c in flat]).reshape(copies.shape[:-op.inputs[moved].ndim]
-                                                                               + shape)
+        lead = copies.shape[:copies.ndim - op.inputs[moved].ndim]  # [:-ndim] would drop them all for a 0-d input
+        return np.stack([call_forward({**xs, moved: c}) for c in flat]).reshape(lead + shape)
 
     def gradients(grad_y: np.ndarray, **changed) -> dict:
         args = {**op.args, **changed}
