@@ -57,10 +57,11 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     rounded = {t: np_(x) for t, x in zip("qkv", (q, k, v))}  # the inputs as the dtype holds them
     g_rounded = np_(g)
 
-    def fwd(q_, k_, v_, vis_=vis):
+    def fwd(q_, k_, v_, vis_=vis, sources=None):
         if user is not None:
             with torch.no_grad():
-                return call_user(user, (q_, k_, v_, vis_, scale, kv_map), (q_.shape[0],) + tuple(g.shape[1:]), dt)
+                return call_user(user, (q_, k_, v_, vis_, scale, kv_map), (q_.shape[0],) + tuple(g.shape[1:]), dt,
+                                 sources)
         return forward(q_, k_, v_, vis_, scale, kv_map, faults)
 
     def bwd(q_, k_, v_, grad_o):
@@ -133,16 +134,18 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             t = t.expand((c,) + tuple(t.shape)) if t.dim() == 4 else t
             return t.reshape((c * sc.batch,) + tuple(t.shape[2:]))
 
+        # the unmoved inputs and the mask are stacked afresh for this call: they need no clone (call_user)
+        sources = {i: t for i, t in enumerate((*(args[u] for u in "qkv"), vis)) if t.dim() == 4}
         try:
-            return fwd(*(stack(args[t]) for t in "qkv"), stack(vis)).reshape((c,) + tuple(g.shape))
+            return fwd(*(stack(args[t]) for t in "qkv"), stack(vis), sources=sources).reshape((c,) + tuple(g.shape))
         except ImplementationFailure as exc:
             raise in_copies(exc, sc.batch, name) from None
 
     def loss(name, x):
         return np_((copies_forward(name, x) * g).to(torch.float64).sum(dim=(-4, -3, -2, -1)))
 
-    def loss_parts(name, x):
-        return blocks.sums(name, np_(copies_forward(name, x) * g))
+    def loss_parts(name, x):  # the product is a tensor of its own: read in place, not copied as np_ does
+        return blocks.sums(name, (copies_forward(name, x) * g).detach().to("cpu", torch.float64).numpy())
 
     def checks():
         out = list(checks_first)
