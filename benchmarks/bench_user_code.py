@@ -12,14 +12,22 @@ with its batch size (the finite differences stack perturbed copies along the bat
   comparison: attn-gradcheck differentiates L too), once.
 
 The floor is serial; the tool runs its chunks of copies on ``numeric.WORKERS`` threads (torch releases the
-GIL), so on a machine with spare cores it can come in under it.
+GIL), so on a machine with spare cores it can come in under it. Each figure is the median of ``--repeat``
+runs (tool and floor alike), so a machine shared with other work moves it less.
 
-    python benchmarks/bench_user_code.py [--repeat 3]
+The second table times the same scenarios with the NumPy and the JAX flavours of a user's attention
+(examples/my_attention.py, examples/jax_attention.py): the tool's median time on warm runs, and for JAX
+the first run's jax.jit compilation (``jax_flavour``'s ``state.compile_s``, summed over the shapes it
+compiled) apart from it. Skipped for a flavour whose framework is not installed.
+
+    python benchmarks/bench_user_code.py [--repeat 5]
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,6 +44,46 @@ def _scenario(n: int, d: int):
     doc = {"scenarios": [{"name": f"sdpa-n{n}-d{d}", "n_q": n, "d_head": d, "backend": "torch",
                           "mask": {"causal": "lower-right"}, "implementation": "user_sdpa:sdpa"}]}
     return scenario.loads(yaml.safe_dump(doc), base_dir=HERE)[0]
+
+
+def _flavour_scenario(n: int, d: int, backend: str):
+    spec = {"numpy": "my_attention:attention", "jax": "jax_attention:attention"}[backend]
+    doc = {"scenarios": [{"name": f"{backend}-n{n}-d{d}", "n_q": n, "d_head": d, "backend": backend,
+                          "mask": {"causal": "lower-right"}, "implementation": spec}]}
+    return scenario.loads(yaml.safe_dump(doc), base_dir=HERE.parent / "examples")[0]
+
+
+def _flavours(repeat: int) -> None:
+    """The NumPy and JAX flavours on the same shapes: median warm time, and JAX's compilation apart."""
+    from gradcheck_cli.ops import jax_flavour
+    states = []
+    if importlib.util.find_spec("jax") is not None:
+        wrap = jax_flavour.wrap
+
+        def recording(*args, **kwargs):  # keeps each build's state (its compile_s) for this table
+            out = wrap(*args, **kwargs)
+            states.append(out.state)
+            return out
+        jax_flavour.wrap = recording
+    print(f"\n{'scenario':<16} {'flavour':>7} {'tool s':>8} {'first run s':>11} {'jit compile s':>13}")
+    for n, d in SHAPES:
+        for backend in ("numpy", "jax"):
+            if backend == "jax" and importlib.util.find_spec("jax") is None:
+                continue
+            sc = _flavour_scenario(n, d, backend)
+            states.clear()
+            start = time.perf_counter()
+            result = checker.run_scenario(sc)  # the first run: JAX traces and compiles here
+            first = time.perf_counter() - start
+            compile_s = sum(s.compile_s for s in states)
+            assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
+            times = []
+            for _ in range(repeat):
+                start = time.perf_counter()
+                checker.run_scenario(sc)
+                times.append(time.perf_counter() - start)
+            shown = f"{compile_s:13.2f}" if backend == "jax" else f"{'-':>13}"
+            print(f"{sc.name:<16} {backend:>7} {statistics.median(times):8.3f} {first:11.3f} {shown}")
 
 
 def _floor(calls: list[int], n: int, d: int, repeat: int) -> float:
@@ -70,7 +118,8 @@ def _gradcheck(n: int, d: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--no-flavours", action="store_true", help="skip the NumPy and JAX table")
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
     import user_sdpa
@@ -79,18 +128,21 @@ def main() -> int:
     for n, d in SHAPES:
         sc = _scenario(n, d)
         checker.run_scenario(sc)  # warm: imports, first calls
-        best, calls = float("inf"), []
-        for _ in range(args.repeat):
+        times, floors, calls = [], [], []
+        for _ in range(args.repeat):  # tool and floor alternate, so a change of the machine's load hits both
             user_sdpa.CALLS.clear()
             start = time.perf_counter()
             result = checker.run_scenario(sc)
-            best = min(best, time.perf_counter() - start)
+            times.append(time.perf_counter() - start)
             calls = list(user_sdpa.CALLS)
+            floors.append(_floor(calls, n, d, 3))
         assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
-        floor = _floor(calls, n, d, args.repeat)
+        best, floor = statistics.median(times), statistics.median(floors)
         grad = _gradcheck(n, d)
         print(f"{sc.name:<16} {best:8.3f} {floor:8.3f} {best / floor:10.2f} {len(calls):6d} {sum(calls):7d} "
               f"{grad:11.2f} {grad / best:14.1f}")
+    if not args.no_flavours:
+        _flavours(args.repeat)
     return 0
 
 

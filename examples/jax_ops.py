@@ -58,3 +58,9 @@ def swiglu_with_params(d_model, d_ff):  # the module form without flax: a functi
     params = {"mlp": {"gate": jnp.zeros((d_model, d_ff)), "up": jnp.zeros((d_model, d_ff)),
                       "down": jnp.zeros((d_ff, d_model))}}
     return (lambda p, x: swiglu(x, p["mlp"]["gate"], p["mlp"]["up"], p["mlp"]["down"])), params
+
+
+def infonce(q, p, n, tau):
+    # DPR: each query's candidates are every positive of the batch and every hard negative (n [B, k, dim])
+    z = q @ jnp.concatenate([p, n.reshape(-1, n.shape[-1])]).T / tau
+    return jax.nn.logsumexp(z, axis=-1) - jnp.diagonal(z)

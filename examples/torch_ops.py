@@ -72,3 +72,16 @@ class SwiGLU(torch.nn.Module):  # a module with weights, as a model would hold t
 
     def forward(self, x):
         return self.scale * self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def infonce(q, p, n, tau):
+    # DPR: each query's candidates are every positive of the batch and every hard negative (n [B, k, dim])
+    candidates = torch.cat([p, n.reshape(-1, n.shape[-1])])
+    return F.cross_entropy(q @ candidates.T / tau, torch.arange(len(q)), reduction="none")
+
+
+def infonce_detached_lse(q, p, n, tau):
+    # bug: the log-sum-exp is detached (computed "for stability" and left out of the graph), so autograd
+    # misses the gradient of the softmax denominator
+    z = q @ torch.cat([p, n.reshape(-1, n.shape[-1])]).T / tau
+    return torch.logsumexp(z, dim=-1).detach() - z.diagonal()

@@ -110,7 +110,7 @@ def execute(plan: RunPlan, progress: Callable[[int], None] | None = None,
             result = item.result
             results.append(result)
             if cells is not None:
-                cells.extend(item.cells)
+                cells.extend(item.cells or ())  # none when the implementation broke its worker
             if on_result is not None:
                 on_result(scenarios[len(results) - 1], result)
     except KeyboardInterrupt as exc:

@@ -75,6 +75,25 @@ def test_user_code_cannot_end_or_hang_the_run(root, tmp_path, name, body, words)
     assert [s["verdict"] for s in report["scenarios"]] == ["fail", "pass"]
 
 
+def test_user_code_that_ends_its_worker_under_negative_controls_is_a_failed_scenario(root, tmp_path):
+    """A worker that dies has no row of the negative-control matrix: the run reports the scenario failed
+    and goes on (it once raised a TypeError from the missing row)."""
+    _module(tmp_path, root, "exits", """
+        import os
+        class Impl(Attention):
+            @staticmethod
+            def forward(q, k, v, visible, scale, kv_map):
+                os._exit(0)
+        impl = Impl()
+        """)
+    (tmp_path / "c.yaml").write_text("defaults: {batch: 2, heads_q: 2, n_q: 4, d_head: 4}\n"
+                                     "scenarios:\n  - {name: mine, implementation: 'exits:impl'}\n"
+                                     "  - {name: builtin}\n")
+    result = _cli("run", tmp_path / "c.yaml", "--no-progress", "--negative-controls")
+    assert result.exit_code == 1 and not isinstance(result.exception, TypeError), (result.output, result.exception)
+    assert "exited with code 0" in result.output and "builtin: passed" in result.output, result.output
+
+
 def test_whatever_user_code_raises_or_breaks_is_its_failed_check_and_stays_in_its_scenario(root, tmp_path):
     """Exceptions the run would otherwise take for Ctrl-C or for its own errors, a process the
     implementation broke, and a module that patches NumPy: each a failed scenario (exit 1), never exit 2,

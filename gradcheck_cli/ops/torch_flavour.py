@@ -23,7 +23,8 @@ def wrap(user, count: int, dtype: str, device: str = "cpu") -> SimpleNamespace:
     def tensor(a, grad: bool = False):
         if not isinstance(a, np.ndarray):
             return a
-        t = torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=tdtype if a.dtype.kind == "f" else None)
+        contiguous = np.ascontiguousarray(a).reshape(a.shape)  # ascontiguousarray makes a 0-d array 1-d
+        t = torch.from_numpy(contiguous).to(device=dev, dtype=tdtype if a.dtype.kind == "f" else None)
         return t.requires_grad_(grad)
 
     def plain(name: str, t) -> np.ndarray:

@@ -64,7 +64,9 @@ class UserOp:
     also calls the implementation on other inputs (``forward``, ``backward``). ``batched``: inputs (and
     arguments, such as a mask [B, ...]) whose axis 0 is the batch axis. ``shown``: faults that change what the
     implementation is shown instead (fault -> args -> args, e.g. every key visible for ``mask``); the others
-    add their change to the reference gradients (``ADDED``)."""
+    add their change to the reference gradients (``ADDED``). ``adapt(impl, backend)``: the user's
+    implementation as the engine calls it (inputs, then args), when the op's interface passes them in another
+    order or returns gradients that are not checked."""
     inputs: dict[str, np.ndarray]
     args: dict[str, Any]
     g: np.ndarray
@@ -77,6 +79,7 @@ class UserOp:
     structure: dict[str, Structure] | None = None
     lift: Mapping[str, int] = field(default_factory=dict)
     shown: Mapping[str, Callable[[dict], dict]] = field(default_factory=dict)
+    adapt: Callable[[Any, str], Any] | None = None
 
 
 class Calls:
@@ -100,6 +103,8 @@ class Calls:
 def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
     """The problem of scenario ``sc`` for the implementation it names (``sc.implementation_object``)."""
     impl = sc.implementation_object
+    if op.adapt is not None:
+        impl = op.adapt(impl, sc.backend)
     order = tuple(op.inputs)
     module_rows = []
     if sc.module is not None:  # a module built by the user's factory, its weights mapped from the op's tensors
@@ -145,7 +150,8 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
         out = vectorised(moved, xs, flat) if vectorise else None
         if out is None:
             out = np.stack([call_forward({**xs, moved: c}) for c in flat])
-        return out.reshape(copies.shape[:-op.inputs[moved].ndim] + shape)
+        lead = copies.shape[:copies.ndim - op.inputs[moved].ndim]  # [:-ndim] would drop them all for a 0-d input
+        return out.reshape(lead + shape)
 
     def vectorised(moved: str, xs: dict, flat: np.ndarray) -> np.ndarray | None:
         """The forward of every copy in ``flat`` in one vectorised call (``forward_copies``: torch.vmap), or

@@ -105,6 +105,15 @@ def test_the_shipped_torch_examples(root):
     ("def f(q, k, v, visible, scale, kv_map):\n    return [attention(q, k, v, visible, scale, kv_map)]\n",
      "must return a torch.Tensor"),
     ("def f(q, k, v, visible, scale, kv_map):\n    raise SystemExit(3)\n", "forward raised SystemExit: 3"),
+    # in place on stacked copies only: the unmoved inputs and the mask are stacked for the call without a
+    # clone and checked against what they were stacked from; the moved input is cloned and compared
+    ("def f(q, k, v, visible, scale, kv_map):\n    o = attention(q, k, v, visible, scale, kv_map)\n"
+     "    if q.shape[0] > 2:\n        k.mul_(1.001)\n    return o\n", "forward changed its argument k in place"),
+    ("def f(q, k, v, visible, scale, kv_map):\n    o = attention(q, k, v, visible, scale, kv_map)\n"
+     "    if q.shape[0] > 2:\n        visible[-1].fill_(False)\n    return o\n",
+     "forward changed its argument visible in place"),
+    ("def f(q, k, v, visible, scale, kv_map):\n    o = attention(q, k, v, visible, scale, kv_map)\n"
+     "    if q.shape[0] > 2:\n        q[-1].zero_()\n    return o\n", "forward changed its argument q in place"),
     ("def f(q, k, v, visible, scale, kv_map):\n    return attention(q, k, v, visible, scale, kv_map).to('meta')\n",
      "returned o as a torch.strided tensor on meta; expected a dense (strided) tensor on cpu"),
     ("def f(q, k, v, visible, scale, kv_map):\n    return attention(q, k, v, visible, scale, kv_map).to_sparse()\n",

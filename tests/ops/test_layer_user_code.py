@@ -3,8 +3,9 @@ flavour with every weight's gradient checked, the mask invariants run on it, a d
 gradient x alone, and every fault of the parts is detected on it."""
 import numpy as np
 import pytest
+import yaml
 
-from gradcheck_cli import checker
+from gradcheck_cli import checker, scenario
 
 from helpers import with_examples
 
@@ -97,10 +98,8 @@ class NumpyProjections:
                 rows(x).T @ rows(gv), rows(merged).T @ rows(grad_y))
 
 
-def test_the_numpy_flavour_checks_a_hand_written_layer(monkeypatch, tmp_path):
-    (tmp_path / "np_layer.py").write_text("import sys\nlayer = sys.modules['test_layer_user_code'].NumpyProjections()\n")
-    import yaml
-
-    from gradcheck_cli import scenario
+def test_the_numpy_flavour_checks_a_hand_written_layer(tmp_path):
+    (tmp_path / "np_layer.py").write_text("import sys\n"
+                                          "layer = sys.modules['test_layer_user_code'].NumpyProjections()\n")
     doc = {"scenarios": [{"name": "np", **PROJECTIONS, "implementation": "np_layer:layer"}]}
     _passes(scenario.loads(yaml.safe_dump(doc), base_dir=tmp_path)[0])

@@ -50,7 +50,7 @@ def test_implementation_applies_to_the_ops_that_declare_an_interface_only():
 
     from gradcheck_cli.ops import OPS
     owners = ", ".join(name for name, op in OPS.items() if op.implementation is not None)
-    assert "layernorm" in owners and "infonce" not in owners
-    with pytest.raises(ScenarioError, match=re.escape(f"does not apply to op infonce (it is a key of {owners})")):
-        scenario.loads(yaml.safe_dump({"scenarios": [{"name": "r", "op": "infonce", "dim": 4,
+    assert "layernorm" in owners and "infonce" in owners and "logit-scale" not in owners
+    with pytest.raises(ScenarioError, match=re.escape(f"does not apply to op logit-scale (it is a key of {owners})")):
+        scenario.loads(yaml.safe_dump({"scenarios": [{"name": "r", "op": "logit-scale",
                                                       "implementation": "my_layernorm:layernorm"}]}))

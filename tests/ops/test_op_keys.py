@@ -16,8 +16,8 @@ BAD_OP_KEYS = [
     ("op: swiglu\n    d_model: 4\n    d_ff: 2\n    dtype: float16\n", 6, "scenarios[0].dtype", "expected one of"),
     ("op: swiglu\n    d_model: 4\n    d_ff: 2\n    check: {colouring: true}\n", 6, "scenarios[0].check.colouring",
      "no independent output blocks"),
-    ("op: infonce\n    dim: 4\n    implementation: a:b\n", 5, "scenarios[0].implementation",
-     "does not apply to op infonce"),
+    ("op: logit-scale\n    draws: 200\n    implementation: a:b\n", 5, "scenarios[0].implementation",
+     "does not apply to op logit-scale"),
 ]
 
 

@@ -15,7 +15,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 def test_the_shipped_torch_implementations_pass_and_every_fault_is_caught_on_them():
     scenarios = scenario.load(EXAMPLES / "torch_ops.yaml")
-    assert {sc.op for sc in scenarios} == {"layernorm", "rmsnorm", "rope", "swiglu"}
+    assert {sc.op for sc in scenarios} == {"layernorm", "rmsnorm", "rope", "swiglu", "infonce"}
     for sc in scenarios:
         result = checker.run_scenario(sc)
         assert result.verdict == "pass", (sc.name, [(c.name, c.detail) for c in result.checks if not c.passed])
@@ -38,6 +38,16 @@ def test_a_detached_normalisation_fails_where_autograd_misses_the_feedback(tmp_p
     failed = {(c.name, c.tensor) for c in result.checks if not c.passed}
     assert failed == {("gradient x", "x"), ("backward agrees with the reference", "x"),
                       ("<G_x, x> = 0 per row when eps = 0", "g_x")}, failed
+
+
+def test_a_detached_log_sum_exp_fails_where_autograd_misses_the_softmax_denominator():
+    doc = {"scenarios": [{"name": "t", "op": "infonce", "batch": 4, "dim": 8, "hard_negatives": 2,
+                          "backend": "torch", "implementation": "torch_ops:infonce_detached_lse"}]}
+    result = checker.run_scenario(scenario.loads(yaml.safe_dump(doc), base_dir=EXAMPLES)[0])
+    failed = {(c.name, c.tensor) for c in result.checks if not c.passed}
+    wrong = {(check, t) for t in "qpn" for check in (f"gradient {t}", "backward agrees with the reference")}
+    assert failed == wrong | {
+        ("candidate gradients sum to 0", "g_candidates")}, failed
 
 
 @pytest.mark.parametrize("spec, words", [("bad_torch:numpy_out", "must return a torch.Tensor, got ndarray"),

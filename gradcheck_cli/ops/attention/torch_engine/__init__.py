@@ -19,6 +19,7 @@ from ....implementation import ImplementationFailure, failure_check, in_copies
 from ....numeric import SeedStream
 from ....result import Check
 from ...registry import Problem
+from ..convention import Convention
 from ..inputs import seeded_inputs
 from ..invariants import output_invariants
 from ..reference import REFERENCE_CHECKS, Interface, called_as, diagnosis_fields, hint_context, reference, varies
@@ -59,11 +60,13 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
 
     lowest = float(torch.finfo(dt).min)
 
-    def fwd(q_, k_, v_, vis_=vis, conv=sc.convention):
+    def fwd(q_, k_, v_, vis_=vis, conv=sc.convention, sources=None):
         if user is not None:  # called in its convention (layout, mask, scale), O back in the tool's layout
+            plain = conv == Convention()  # the arguments are the tensors given: stacked ones need no clone
             with torch.no_grad():
                 return conv.tensor(call_user(user, conv.arguments(q_, k_, v_, vis_, scale, kv_map, dt, lowest),
-                                             conv.shape((q_.shape[0],) + tuple(g.shape[1:])), dt, conv.names()))
+                                             conv.shape((q_.shape[0],) + tuple(g.shape[1:])), dt, conv.names(),
+                                             sources if plain else None))
         return forward(q_, k_, v_, vis_, scale, kv_map, faults)
 
     def bwd(q_, k_, v_, grad_o):
@@ -140,16 +143,18 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             t = t.expand((c,) + tuple(t.shape)) if t.dim() == 4 else t
             return t.reshape((c * sc.batch,) + tuple(t.shape[2:]))
 
+        # the unmoved inputs and the mask are stacked afresh for this call: they need no clone (call_user)
+        sources = {i: t for i, t in enumerate((*(args[u] for u in "qkv"), vis)) if t.dim() == 4}
         try:
-            return fwd(*(stack(args[t]) for t in "qkv"), stack(vis)).reshape((c,) + tuple(g.shape))
+            return fwd(*(stack(args[t]) for t in "qkv"), stack(vis), sources=sources).reshape((c,) + tuple(g.shape))
         except ImplementationFailure as exc:
             raise in_copies(exc, sc.batch, name) from None
 
     def loss(name, x):
         return np_((copies_forward(name, x) * g).to(torch.float64).sum(dim=(-4, -3, -2, -1)))
 
-    def loss_parts(name, x):
-        return blocks.sums(name, np_(copies_forward(name, x) * g))
+    def loss_parts(name, x):  # the product is a tensor of its own: read in place, not copied as np_ does
+        return blocks.sums(name, (copies_forward(name, x) * g).detach().to("cpu", torch.float64).numpy())
 
     def checks():
         out = list(checks_first)
