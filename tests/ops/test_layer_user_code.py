@@ -55,7 +55,7 @@ def test_every_fault_of_the_parts_is_detected_on_a_user_block():
     cells = checker.negative_controls([with_examples(**BLOCK, backend="torch", implementation="torch_ops:block")])
     assert {c.status for c in cells} == {"detected"} and len(cells) >= 10
     mask = next(c for c in cells if c.fault == "mask")  # shown every key as visible: the forward disagrees
-    assert "forward agrees with the reference" in mask.failed
+    assert "forward agrees with the reference" in mask.caught_by
 
 
 class NumpyProjections:

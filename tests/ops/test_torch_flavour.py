@@ -15,7 +15,8 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 def test_the_shipped_torch_implementations_pass_and_every_fault_is_caught_on_them():
     scenarios = scenario.load(EXAMPLES / "torch_ops.yaml")
-    assert {sc.op for sc in scenarios} == {"layernorm", "rmsnorm", "rope", "swiglu", "infonce"}
+    assert {sc.op for sc in scenarios} == {"layernorm", "rmsnorm", "rope", "swiglu", "infonce", "attention-projections",
+                                          "block"}
     for sc in scenarios:
         result = checker.run_scenario(sc)
         assert result.verdict == "pass", (sc.name, [(c.name, c.detail) for c in result.checks if not c.passed])
