@@ -51,7 +51,19 @@ def json_schema() -> dict:
     fields = {
         "name": {"type": "string", "pattern": NAME_RE.pattern},
         "op": {"enum": sorted(OPS)},
-        "implementation": {"type": "string", "pattern": implementation.SPEC_RE.pattern},
+        "implementation": {"oneOf": [
+            {"type": "string", "pattern": implementation.SPEC_RE.pattern,
+             "description": "module:attribute of your function (torch, JAX) or forward/backward object (NumPy)"},
+            {"type": "object", "additionalProperties": False, "required": ["factory"],
+             "description": "a module with weights: factory builds it from the sizes it names, weights map its "
+                            "parameters to the op's tensors, call says what it is called with",
+             "properties": {
+                 "factory": {"type": "string", "pattern": implementation.SPEC_RE.pattern},
+                 "weights": {"type": "object", "additionalProperties": {"type": "string"},
+                             "description": "parameter path -> expression: w1, w1.T, concat(w_q.T, w_k.T, w_v.T)"},
+                 "call": {"oneOf": [{"type": "array", "items": {"type": "string"}},
+                                    {"type": "object", "additionalProperties": {"type": "string"}}],
+                          "description": "tensor and argument names, positional (a list) or keyword (a mapping)"}}}]},
         "backend": {"enum": list(BACKENDS)}, "device": {"enum": list(DEVICES)},
         "convention": convention, "batch": pos, "heads_q": pos, "heads_kv": pos, "kv_map": kv_map,
         "n_q": pos, "n_k": pos,

@@ -131,3 +131,15 @@ def test_a_jax_function_with_its_params_pytree_is_checked_with_its_weights():
     result = checker.run_scenario(_load(doc))
     assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
     assert any(c.name == "compiled once per shape" for c in result.checks)
+
+
+def test_the_factory_gets_the_swept_sizes():
+    pytest.importorskip("torch")
+    doc = {"scenarios": [{**MLP, "sweep": {"d_model": [4, 6], "d_ff": [3]}}]}
+    scenarios = scenario.loads(yaml.safe_dump(doc, sort_keys=False), base_dir=ROOT / "examples")
+    assert [sc.p("d_model") for sc in scenarios] == [4, 6]
+    for sc in scenarios:
+        result = checker.run_scenario(sc)
+        assert result.verdict == "pass"
+        (w1,) = [c for c in result.checks if c.name == "gradient w1"]
+        assert w1.shape == (sc.p("d_model"), 3)
