@@ -20,7 +20,9 @@ def test_the_shipped_jax_implementations_pass_and_every_fault_is_caught_on_them(
         result = checker.run_scenario(sc)
         assert result.verdict == "pass", (sc.name, [(c.name, c.detail) for c in result.checks if not c.passed])
         assert "compiled once per shape" in {c.name for c in result.checks}
-    assert {c.status for c in checker.negative_controls(scenarios)} == {"detected"}
+    # the block's controls run in tests/ops/test_layer_user_code.py (its faults are the other ops')
+    controls = checker.negative_controls([sc for sc in scenarios if sc.op != "block"])
+    assert {c.status for c in controls} == {"detected"}
 
 
 def test_a_stop_gradient_on_the_normalisation_fails_where_the_vjp_misses_the_feedback():

@@ -20,7 +20,9 @@ def test_the_shipped_torch_implementations_pass_and_every_fault_is_caught_on_the
     for sc in scenarios:
         result = checker.run_scenario(sc)
         assert result.verdict == "pass", (sc.name, [(c.name, c.detail) for c in result.checks if not c.passed])
-    assert {c.status for c in checker.negative_controls(scenarios)} == {"detected"}
+    # the block's controls run in tests/ops/test_layer_user_code.py (its faults are the other ops')
+    controls = checker.negative_controls([sc for sc in scenarios if sc.op != "block"])
+    assert {c.status for c in controls} == {"detected"}
 
 
 def _one(tmp_path, spec: str, **keys):
