@@ -102,6 +102,7 @@ class ScenarioResult:
     hints: tuple[str, ...] = ()
     index: int = 0  # the scenario's position in its file (reports keep file order; merge restores it)
     engine: str = "naive"
+    compile_s: float = 0.0  # of elapsed_s, the time jax.jit spent compiling a user's JAX code (0: none)
 
     @property
     def passed(self) -> bool:
@@ -136,6 +137,7 @@ class ScenarioResult:
             "passed": self.passed,
             "verdict": self.verdict,
             "elapsed_s": round(self.elapsed_s, 6),
+            **({"compile_s": round(self.compile_s, 6)} if self.compile_s else {}),
             "checks": [c.to_json() for c in self.checks],
             "hints": list(self.hints),
             "detectable": self.detectable,

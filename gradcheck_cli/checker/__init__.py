@@ -111,7 +111,8 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     checks, hints = _diagnose(sc, problem, checks, evidence)
     if not hints and any(c.kind == "implementation" and "non-finite" in c.detail for c in checks):
         hints = [_copies_hint(sc)]
-    return result(checks, arrays=arrays, hints=tuple(hints))
+    compiling = problem.compile_s() if problem.compile_s else 0.0
+    return result(checks, arrays=arrays, hints=tuple(hints), compile_s=compiling)
 
 def _non_finite(sc: Scenario, problem) -> list[Check]:
     """A failed check for each input, output or analytic gradient holding NaN or inf, naming the

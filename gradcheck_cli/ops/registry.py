@@ -86,6 +86,7 @@ class Problem:
     compute_dtype: str | None = None  # the precision the forward was measured to compute in (default: its dtype)
     analytic_rounding: dict[str, np.ndarray] | None = None  # allowed rounding of each analytic gradient element
     nondeterministic: bool = False  # the implementation's forward changes from call to call
+    compile_s: Callable[[], float] | None = None  # seconds a compiled flavour (JAX) has spent compiling so far
 
 
 @dataclass(frozen=True)

@@ -55,14 +55,15 @@ def json_bytes(report: dict) -> bytes:
 
 
 def _with_id(report: dict) -> dict:
-    """The report with its ``run_id``: a digest of everything in it but timings, which its JUnit report
-    carries too (the same results always get the same id, so reports stay byte-identical)."""
+    """The report with its ``run_id``: a digest of everything in it but timings (elapsed_s, compile_s), which
+    its JUnit report carries too (the same results always get the same id, so reports stay byte-identical)."""
     stable = json.loads(json.dumps(report))
     stable.pop("run_id", None)
     stable.pop("merged_from", None)  # the merge of a run's shards has the run's id
     for sc in stable.get("scenarios", []):
         if isinstance(sc, dict):
             sc.pop("elapsed_s", None)
+            sc.pop("compile_s", None)
     report["run_id"] = hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
     return report
 

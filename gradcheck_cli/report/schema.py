@@ -62,6 +62,8 @@ _SCENARIO = {
         "engine": {"type": "string"}, "dtype": {"type": "string"}, "epsilon": _NUMBER, "tolerance": _NUMBER,
         "mode": {"type": "string"}, "faults": _STRINGS, "passed": {"type": "boolean"}, "verdict": _VERDICT,
         "elapsed_s": {"type": "number", "minimum": 0},
+        "compile_s": {"type": "number", "minimum": 0,
+                      "description": "of elapsed_s, jax.jit's compile time for a JAX implementation (absent: none)"},
         "checks": {"type": "array", "items": _CHECK, "minItems": 1}, "hints": _STRINGS,
         "detectable": {"type": "object", "additionalProperties": _NUMBER}, "config": {"type": "string"},
         "reproduce": {"type": "string"},

@@ -73,7 +73,8 @@ def render_scenario(console: Console, r: ScenarioResult, description: str, repro
                       + ", ".join(f"{_fmt(x)} in {'O' if t == 'o' else 'd' + t}" for t, x in power.items()),
                       highlight=False, soft_wrap=True)
     word = {"pass": "passed", "fail": "FAILED", "inconclusive": "INCONCLUSIVE"}[r.verdict]
-    console.print(f"  {r.name}: {word} in {r.elapsed_s:.2f} s", highlight=False)
+    compiling = f" (of which {r.compile_s:.2f} s compiling with jax.jit)" if r.compile_s else ""
+    console.print(f"  {r.name}: {word} in {r.elapsed_s:.2f} s{compiling}", highlight=False)
     if reproduce and not r.passed:
         console.print(f"  reproduce: {reproduce}", highlight=False, markup=False, soft_wrap=True)
     console.print()

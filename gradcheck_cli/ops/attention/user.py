@@ -9,7 +9,7 @@ import numpy as np
 from ... import implementation, precision
 from ...numeric import SeedStream
 from ..registry import Problem
-from ..user_engine import compiled_rows
+from ..user_engine import compile_time, compiled_rows
 from .inputs import seeded_inputs
 from .invariants import output_invariants
 from .reference import (
@@ -110,5 +110,6 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         compute_dtype=None if computes_in == sc.dtype else computes_in,
         analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in "qkv"},
         nondeterministic=varies(o, again["o"], sc.nondet_tol),
+        compile_s=compile_time(impl),
         **diagnosis_fields(sc, hint_context(inputs, g, visible, scale, kv_map, results, ref, user_forward)),
     )
