@@ -77,3 +77,66 @@ def test_jax_and_flax_recipes_pass_in_float32_and_jax_nn_is_said_to_compute_in_f
                           "implementation": "jax_nn:dot_product_attention"}]}
     result = checker.run_scenario(scenario.loads(yaml.safe_dump(doc), base_dir=RECIPES)[0])
     assert result.verdict == "inconclusive" and any("float32" in h for h in result.hints), result.hints
+
+
+def _failed(sc, implementation):
+    result = checker.run_scenario(dataclasses.replace(sc, implementation=implementation))
+    return {c.name for c in result.checks if not c.passed}
+
+
+def _importorskip_timm():
+    """timm 1.0.x needs torchvision to be imported; the recipe then loads timm's attention.py from the
+    installed package, so only timm's presence is required."""
+    import importlib.util
+    if importlib.util.find_spec("timm") is None:
+        pytest.skip("timm is not installed")
+
+
+def test_timm_vit_attention_passes_with_its_fused_qkv_and_the_default_proj_bias_fails_the_reference():
+    pytest.importorskip("torch")
+    _importorskip_timm()
+    scenarios = scenario.load(RECIPES / "timm_vit.yaml")
+    for sc in scenarios:
+        result = checker.run_scenario(sc)
+        assert result.verdict == "pass", (sc.name, [(c.name, c.detail) for c in result.checks if not c.passed])
+    controls = {(c.fault, c.status) for c in checker.negative_controls(scenarios[1:])}
+    assert {f for f, st in controls if st != "detected"} == {"gqa-sum"}, controls  # one KV head per query head
+    assert _failed(scenarios[0], "timm_vit:attention_default_bias") == {"forward agrees with the reference"}
+
+
+def test_torchtune_rmsnorm_rope_and_attention_pass_and_an_untransposed_rope_fails_the_reference():
+    pytest.importorskip("torch")
+    pytest.importorskip("torchtune")
+    scenarios = scenario.load(RECIPES / "torchtune_llama.yaml")
+    assert [sc.op for sc in scenarios] == ["rmsnorm", "rope", "attention-projections"]
+    for sc in scenarios:
+        result = checker.run_scenario(sc)
+        assert result.verdict == "pass", (sc.name, [(c.name, c.detail) for c in result.checks if not c.passed])
+    assert {c.status for c in checker.negative_controls(scenarios[:2])} == {"detected"}
+    assert "forward agrees with the reference" in _failed(scenarios[1], "torchtune_llama:rope_untransposed")
+
+
+def test_x_transformers_attention_and_rmsnorm_pass_and_a_causal_built_module_fails_the_reference():
+    pytest.importorskip("torch")
+    pytest.importorskip("x_transformers")
+    scenarios = scenario.load(RECIPES / "x_transformers_attention.yaml")
+    for sc in scenarios:
+        result = checker.run_scenario(sc)
+        assert result.verdict == "pass", (sc.name, [(c.name, c.detail) for c in result.checks if not c.passed])
+    assert {c.status for c in checker.negative_controls(scenarios[2:])} == {"detected"}
+    failed = _failed(scenarios[0], "x_transformers_attention:attention_causal_built_in")
+    assert "forward agrees with the reference" in failed and "hidden x rows do not change y" not in failed, failed
+
+
+def test_rotary_embedding_torch_passes_interleaved_and_a_dropped_offset_fails_the_reference():
+    pytest.importorskip("torch")
+    pytest.importorskip("rotary_embedding_torch")
+    scenarios = scenario.load(RECIPES / "rotary_torch.yaml")
+    for sc in scenarios:
+        assert sc.p("layout") == "interleaved"
+        result = checker.run_scenario(sc)
+        assert result.verdict == "pass", (sc.name, [(c.name, c.detail) for c in result.checks if not c.passed])
+    assert {c.status for c in checker.negative_controls(scenarios)} == {"detected"}
+    failed = _failed(scenarios[1], "rotary_torch:rotary_offset_dropped")
+    assert {"forward agrees with the reference", "backward agrees with the reference"} <= failed, failed
+    assert not {c for c in failed if c.startswith("gradient") or c.startswith("rotation")}, failed

@@ -17,6 +17,7 @@ an implementation, where a Ctrl-C must still stop the run (``CTRL_C_REACHES_HERE
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ def load(spec: str, base_dir: Path, flavour: str = "numpy") -> Any:
     folder = key[0]
     if folder not in sys.path:
         sys.path.append(folder)
+    local = None
     try:
         local = _local_file(top, Path(folder))
         if local is not None:
@@ -59,6 +61,12 @@ def load(spec: str, base_dir: Path, flavour: str = "numpy") -> Any:
     except BaseException as exc:  # the user's module may raise anything while importing, SystemExit too
         if _ctrl_c(exc):
             raise
+        shadowed = _shadowed(exc, top, local, folder)
+        if shadowed is not None:
+            raise LoadError(f"cannot import {module_name!r}: {local.name} in the YAML's folder has the name of the "
+                            f"installed module {top!r} ({shadowed}), which it imports ({type(exc).__name__}: {exc}); "
+                            f"imported under its own name, the file hides that module from itself: rename the file "
+                            f"(e.g. {top}_recipe.py) and the 'module:' part of implementation") from None
         missing = isinstance(exc, ModuleNotFoundError) and exc.name is not None and top != exc.name.split(".")[0]
         where = (f" (it was found, but it imports {exc.name!r}, which is not installed here)" if missing else
                  " (the module must be importable from the YAML's folder or PYTHONPATH)"
@@ -175,3 +183,17 @@ def call(fn, what: str, args: tuple, expected: dict[str, tuple[tuple[int, ...], 
                                         f"[{', '.join(map(str, index))}]", name, index)
         result[name] = arr
     return result
+
+
+def _shadowed(exc: BaseException, top: str, local: Path | None, folder: str) -> str | None:
+    """Where the installed module ``top`` is, when importing the YAML folder's file of that name failed on its
+    own import of that installed module (a recipe named like the library it wraps); else None."""
+    name = getattr(exc, "name", None)
+    if local is None or not isinstance(exc, ImportError) or not name or name.split(".")[0] != top:
+        return None
+    others = [p for p in sys.path if p and Path(p).resolve() != Path(folder)]
+    try:
+        found = importlib.machinery.PathFinder.find_spec(top, others)
+    except (ImportError, ValueError):
+        return None
+    return None if found is None or not found.origin else found.origin
