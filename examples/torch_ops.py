@@ -85,3 +85,10 @@ def infonce_detached_lse(q, p, n, tau):
     # misses the gradient of the softmax denominator
     z = q @ torch.cat([p, n.reshape(-1, n.shape[-1])]).T / tau
     return torch.logsumexp(z, dim=-1).detach() - z.diagonal()
+
+
+def attention_projections_interleaved(x, w_q, w_k, w_v, w_o, visible, scale, kv_map):
+    # query head h reads KV head h % Hkv (k.repeat(...)), whatever kv_map says: right only with kv_map: interleaved
+    hq = visible.shape[1]
+    hkv = w_k.shape[1] * hq // w_q.shape[1]
+    return _attend(x, w_q, w_k, w_v, w_o, visible, scale, torch.arange(hq) % hkv)

@@ -15,6 +15,7 @@ applies here under the same name.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 
 import numpy as np
@@ -170,7 +171,9 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         terms=lambda inputs, a, g: user_engine.bounded_terms(forward, backward, inputs, a, g, length),
         invariants=lambda calls, dtype, y: projections.mask_invariants(sc, "x", data, calls.forward, calls.backward,
                                                                         dtype),
-        batched=("x", "visible"), structure=_STRUCTURE, shown=projections.SHOWN), faults)
+        batched=("x", "visible"), structure=_STRUCTURE, shown=projections.SHOWN,
+        alternatives=projections.kv_alternatives(sc, lambda kv: Block(dataclasses.replace(sc, kv_map=kv)).forward(
+            *(v.astype(np.float64) for v in data.values())))), faults)
 
 
 def _validate(params: dict, att: dict) -> list:

@@ -15,6 +15,7 @@ G_M = G_K W_K^T + G_V W_V^T: only paths that really share an input are summed.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 
 import numpy as np
@@ -24,6 +25,7 @@ from ..numeric import SeedStream
 from ..tolerance import INVARIANT_ULPS
 from . import attention, dense, user_engine
 from .attention import memory as attention_memory
+from .attention.convention import interleaved_kv_map
 from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
 
 FAULTS = {f.name: f for f in (
@@ -183,13 +185,29 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         terms=lambda inputs, a, g: user_engine.bounded_terms(forward, backward, inputs, a, g,
                                                              sc.batch * sc.n_q + sc.n_k + sc.p("d_model")
                                                              + sc.heads_q * sc.d_head),
-        invariants=checks, batched=("x", "m", "visible"), structure=_STRUCTURE), faults)
+        invariants=checks, batched=("x", "m", "visible"), structure=_STRUCTURE, shown=SHOWN,
+        alternatives=kv_alternatives(sc, lambda kv: Layer(dataclasses.replace(sc, kv_map=kv)).forward(
+            **{t: v.astype(np.float64) for t, v in data.items()}))), faults)
 
 
 def _invariants(sc, layer, data, faults) -> list:
     return mask_invariants(sc, "m" if layer.cross else "x", data,
                            lambda t: layer.forward(**t, faults=faults),
                            lambda t, g: layer.backward(**t, grad_y=g, faults=faults))
+
+
+def kv_alternatives(sc, forward) -> dict:
+    """The other KV-head layout, for the hint of a user's layer whose forward disagrees with the reference:
+    ``forward(kv_map)``, the float64 built-in output with that head map."""
+    if sc.heads_kv in (1, sc.heads_q) or sc.heads_q % sc.heads_kv:
+        return {}
+    out = {}
+    group = sc.heads_q // sc.heads_kv
+    for name, kv in (("kv_map: interleaved", interleaved_kv_map(sc.heads_q, sc.heads_kv)),
+                     ("kv_map: contiguous", tuple(r // group for r in range(sc.heads_q)))):
+        if tuple(kv) != tuple(sc.kv_map):
+            out[name] = lambda kv=kv: forward(tuple(kv))
+    return out
 
 
 def mask_invariants(sc, source: str, data: dict, forward, backward, dtype: str | None = None) -> list:

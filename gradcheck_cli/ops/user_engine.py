@@ -66,7 +66,9 @@ class UserOp:
     implementation is shown instead (fault -> args -> args, e.g. every key visible for ``mask``); the others
     add their change to the reference gradients (``ADDED``). ``adapt(impl, backend)``: the user's
     implementation as the engine calls it (inputs, then args), when the op's interface passes them in another
-    order or returns gradients that are not checked."""
+    order or returns gradients that are not checked. ``alternatives``: when the forward disagrees with the
+    reference, the conventions it may follow instead (the key to set -> the float64 built-in output under
+    that convention); the one it agrees with is named in a hint."""
     inputs: dict[str, np.ndarray]
     args: dict[str, Any]
     g: np.ndarray
@@ -80,6 +82,7 @@ class UserOp:
     lift: Mapping[str, int] = field(default_factory=dict)
     shown: Mapping[str, Callable[[dict], dict]] = field(default_factory=dict)
     adapt: Callable[[Any, str], Any] | None = None
+    alternatives: Mapping[str, Callable[[], np.ndarray]] = field(default_factory=dict)
 
 
 class Calls:
@@ -210,6 +213,8 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
                             rounding_forward=lambda **xs: op.forward(*(xs[t] for t in order), *op.args.values()))
     problem.compute_dtype = None if computes_in == sc.dtype else computes_in
     problem.compile_s = compile_time(impl)
+    if op.alternatives:
+        problem.hints = lambda evidence, checks: convention_hints(checks, y, reference["o"], op.alternatives)
     return problem
 
 
@@ -246,6 +251,21 @@ def _from_module(sc, factory, order: tuple[str, ...], arg_names: tuple[str, ...]
     return f, [Check(kind=Kind.IMPLEMENTATION, name="module parameters", tensor="-", shape=None, max_abs_error=0.0,
                      relative_error=0.0, tolerance=0.0, noise_floor=0.0, worst_index=None, passed=True,
                      detail=detail)]
+
+
+def convention_hints(checks, y: np.ndarray, reference: np.ndarray, alternatives: Mapping) -> list[str]:
+    """When ``forward agrees with the reference`` failed: the alternative convention whose output ``y``
+    matches (its error against that output a thousandth of its error against the reference, or less)."""
+    if not any(c.name == FORWARD_CHECK and c.verdict == "fail" for c in checks):
+        return []
+    y = y.astype(np.float64)
+    wrong = float(np.max(np.abs(y - reference), initial=0.0))
+    for key, output in alternatives.items():
+        other = output()
+        if other.shape == y.shape and float(np.max(np.abs(y - other), initial=0.0)) <= 1e-3 * wrong:
+            return [f"the forward agrees with the reference computed with {key} (not with the scenario's "
+                    f"convention): set {key} in the scenario, or change the code"]
+    return []
 
 
 def compile_time(impl):

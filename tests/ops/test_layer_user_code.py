@@ -103,3 +103,14 @@ def test_the_numpy_flavour_checks_a_hand_written_layer(tmp_path):
                                           "layer = sys.modules['test_layer_user_code'].NumpyProjections()\n")
     doc = {"scenarios": [{"name": "np", **PROJECTIONS, "implementation": "np_layer:layer"}]}
     _passes(scenario.loads(yaml.safe_dump(doc), base_dir=tmp_path)[0])
+
+
+def test_a_layer_that_maps_kv_heads_interleaved_is_told_to_set_kv_map():
+    pytest.importorskip("torch")
+    keys = dict(PROJECTIONS, backend="torch", implementation="torch_ops:attention_projections_interleaved")
+    result = checker.run_scenario(with_examples(**keys))
+    assert "forward agrees with the reference" in {c.name for c in result.checks if not c.passed}
+    assert any("set kv_map: interleaved" in h for h in result.hints), result.hints
+    _passes(with_examples(**keys, kv_map="interleaved"))
+    assert not checker.run_scenario(with_examples(**dict(PROJECTIONS, backend="torch",
+                                                         implementation="torch_ops:attention_projections"))).hints
