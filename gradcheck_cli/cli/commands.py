@@ -254,8 +254,10 @@ def ops():
         keys = list(op.keys) + (["the attention keys (heads, n_q, n_k, d_head, mask, ...)"]
                                 if op.attention_keys else [])
         out.print(f"    keys:      {', '.join(keys)}", highlight=False)
+        low = [d for d in op.dtypes if d in ("float16", "bfloat16")]
+        only = f" ({', '.join(low)}: backend {' or '.join(op.low_precision_backends)})" if low else ""
         out.print(f"    engines:   {', '.join(op.engine_choices) or 'naive'}; backends: {', '.join(op.backends)}; "
-                  f"dtypes: {', '.join(op.dtypes)}", highlight=False)
+                  f"dtypes: {', '.join(op.dtypes)}{only}", highlight=False)
         out.print("    your code: " + (f"{op.implementation.signature}" if op.implementation
                                        else "not accepted (the built-in formulas only)"), highlight=False)
         if op.example:

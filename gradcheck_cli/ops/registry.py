@@ -200,6 +200,7 @@ class Op:
     backends: tuple[str, ...] = ("numpy",)       # values of ``backend:`` (more than one: ``backend``/``device`` apply)
     built_in_backends: tuple[str, ...] = ("numpy",)  # those its built-in engines run on (the others: user code)
     dtypes: tuple[str, ...] = ("float64", "float32")  # values of ``dtype:``
+    low_precision_backends: tuple[str, ...] = ("torch",)  # the backends its float16/bfloat16 (if any) run on
     implementation: Interface | None = None     # the ``implementation:`` it accepts, if any
     colouring: bool = False                     # its output splits into independent blocks (``Problem.parts``)
     example: Mapping[str, Any] = field(default_factory=dict)  # scenario keys on which every engine fault applies

@@ -415,19 +415,26 @@ def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memo
 
 def _backend_and_device(f: _Fields, spec, dtype: str) -> tuple[str, str]:
     """``backend`` and ``device``: a backend none of the op's built-in engines runs on applies to an
-    implementation of yours; JAX runs in float64/float32 on its default device; torch (and a GPU for cuda)
-    must be there."""
+    implementation of yours; JAX runs on its default device (in float16/bfloat16 where the op's
+    ``low_precision_backends`` name it); a NumPy implementation never runs in half precision; torch (and a
+    GPU for cuda) must be there."""
     backend = f.choice("backend", spec.backends, spec.backends[0])
     device = f.choice("device", DEVICES, "cpu")
     if backend not in spec.built_in_backends and not f.has("implementation"):
         raise f.error("backend", f"backend: {backend} applies to an implementation of yours (op {spec.name}'s "
                       f"built-in engines run on {' and '.join(spec.built_in_backends)})",
                       hint="add 'implementation: module:attribute' or remove it")
+    low = dtype in LOW_PRECISION
     if backend == "jax":
-        if dtype in LOW_PRECISION:
-            raise f.error("dtype", f"dtype {dtype} needs backend: torch", hint="use float64 or float32 with JAX")
+        if low and backend not in spec.low_precision_backends:
+            raise f.error("dtype", f"dtype {dtype} with backend: jax is not supported for op {spec.name} (it runs "
+                          f"on {' and '.join(spec.low_precision_backends)})", hint="use float64 or float32 with JAX")
         _require_jax(f, device)
-    elif backend == "torch" or device != "cpu" or dtype in LOW_PRECISION:
+    elif backend == "numpy" and low and f.has("implementation") and "jax" in spec.low_precision_backends:
+        raise f.error("dtype", f"dtype {dtype} needs backend: torch or backend: jax: a NumPy implementation is "
+                      "checked by finite differences, which mean nothing in half precision",
+                      hint="write it in torch or JAX (backend: torch / backend: jax), or use float64 or float32")
+    elif backend == "torch" or device != "cpu" or low:
         _require_torch(f, backend, device, dtype)
     return backend, device
 

@@ -75,5 +75,5 @@ OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradient
         tensors=("q", "k", "v"), faults=FAULTS, engines=ENGINES, engine_for=engine_for, attention_keys=True,
         shapes=shapes, why_not=why_not, non_finite=non_finite, memory=memory_need,
         backends=("numpy", "torch", "jax"), built_in_backends=("numpy", "torch"),
-        dtypes=("float64", "float32", "float16", "bfloat16"),
+        dtypes=("float64", "float32", "float16", "bfloat16"), low_precision_backends=("torch", "jax"),
         implementation=INTERFACE, colouring=True, example=EXAMPLE)

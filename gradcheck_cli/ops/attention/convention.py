@@ -74,7 +74,7 @@ class Convention:
         if self.mask == "additive":
             fill = -math.inf
         else:
-            fill = float(np.finfo(dtype).min) if lowest is None else lowest
+            fill = _lowest(dtype) if lowest is None else lowest
         if numpy:
             return np.where(m, 0.0, fill).astype(dtype)
         return m.new_zeros(tuple(m.shape), dtype=dtype).masked_fill(~m, fill)  # a torch tensor
@@ -95,6 +95,15 @@ class Convention:
             for value in values:
                 if value != getattr(self, key):
                     yield key, value, replace(self, **{key: value})
+
+
+def _lowest(dtype) -> float:
+    """finfo(dtype).min of a NumPy dtype, bfloat16 (ml_dtypes', which np.finfo does not know) included."""
+    try:
+        return float(np.finfo(dtype).min)
+    except ValueError:
+        import ml_dtypes
+        return float(ml_dtypes.finfo(dtype).min)
 
 
 def interleaved_kv_map(heads_q: int, heads_kv: int) -> tuple[int, ...]:

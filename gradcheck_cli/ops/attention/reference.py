@@ -82,6 +82,13 @@ class Interface:
 REFERENCE_CHECKS = {"o": "forward agrees with the reference", "q": "backward agrees with the reference",
                     "k": "backward agrees with the reference", "v": "backward agrees with the reference"}
 
+#: The dtypes without finite differences: an implementation's results are judged against the float64 reference
+#: by the factor policy alone (``precision.judge``), with a plain computation in the same precision.
+LOW_PRECISION = ("float16", "bfloat16")
+
+#: The checks of an implementation in half precision (torch or JAX; and of the torch closed forms there).
+LOW_PRECISION_CHECKS = dict.fromkeys("oqkv", "low-precision error within factor of plain")
+
 
 def reference(inputs: dict, g: np.ndarray, visible, scale, kv_map) -> tuple[dict, dict, np.ndarray]:
     """The float64 reference on the given inputs: ({o, q, k, v}, term sizes (root sum of squares) of

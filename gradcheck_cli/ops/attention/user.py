@@ -13,6 +13,8 @@ from ..user_engine import compile_time, compiled_rows
 from .inputs import seeded_inputs
 from .invariants import output_invariants
 from .reference import (
+    LOW_PRECISION,
+    LOW_PRECISION_CHECKS,
     REFERENCE_CHECKS,
     Interface,
     called_as,
@@ -29,14 +31,21 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     """The same problem for the user's implementation (README "Checking your own implementation"):
     its forward and backward are called through ``implementation.call`` (fresh copies in, copies out;
     misbehaviour is a failed check), perturbed copies are stacked along the batch axis, and the built-in
-    engine in float64 is the reference its output and gradients must agree with (``precision``)."""
+    engine in float64 is the reference its output and gradients must agree with (``precision``).
+    In float16/bfloat16 (JAX only: the loader refuses a NumPy implementation there) that agreement, judged
+    against a plain JAX computation in the same precision, replaces the finite differences (``_low``)."""
     impl = sc.implementation_object
     if sc.backend == "jax":  # one JAX function, differentiated by jax.vjp, compiled once per shape
         from .. import jax_flavour
-        impl = jax_flavour.wrap(impl, 3, sc.dtype)
-    inputs, g = seeded_inputs(sc)
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+        impl = jax_flavour.wrap(impl, 3, sc.dtype)  # imports JAX, whose ml_dtypes gives NumPy a bfloat16
+    low = sc.dtype in LOW_PRECISION
     dt = np.dtype(sc.dtype)
+    if low:  # the same draws as float64, rounded to the dtype (as the torch engine does)
+        inputs64, g64 = seeded_inputs(sc, dtype=np.float64)
+        inputs, g = {t: x.astype(dt) for t, x in inputs64.items()}, g64.astype(dt)
+    else:
+        inputs, g = seeded_inputs(sc)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
     kv_map = np.asarray(sc.kv_map, dtype=np.intp)
     visible, scale, batch = sc.visible, sc.scale, sc.batch
     blocks = Blocks(sc, kv_map)
@@ -74,6 +83,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     again = {"o": user_forward(q, k, v, interface.visible), **dict(zip("qkv", user_backward(q, k, v, g)))}
     results = {"o": o, "q": dq, "k": dk, "v": dv}
     deterministic = implementation.determinism("forward and backward", results, again, sc.nondet_tol)
+    if low:
+        return _low(sc, impl, inputs, g, interface, results, deterministic, user_forward, user_backward)
     ref, terms, a64 = reference(inputs, g, visible, scale, kv_map)
     agree, computes_in = precision.judge(results, ref, terms, sc.dtype,
                                          lambda p: plain(inputs, g, visible, scale, kv_map, p), REFERENCE_CHECKS,
@@ -112,4 +123,50 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         nondeterministic=varies(o, again["o"], sc.nondet_tol),
         compile_s=compile_time(impl),
         **diagnosis_fields(sc, hint_context(inputs, g, visible, scale, kv_map, results, ref, user_forward)),
+    )
+
+
+def _low(sc, impl, inputs: dict, g, interface: Interface, results: dict, deterministic, user_forward,
+         user_backward) -> Problem:
+    """The problem in float16/bfloat16 (as the torch engine's there): no finite differences; the output and
+    gradients against the float64 reference on the same (rounded) inputs, each element within factor x the
+    error of the plain forward in jax.numpy, differentiated by jax.vjp in the same precision (``jax_plain``),
+    + slack + ulps of its terms; then the determinism check and the output invariants."""
+    from . import jax_plain
+    dt = np.dtype(sc.dtype)
+    visible, scale = sc.visible, sc.scale
+    kv_map = np.asarray(sc.kv_map, dtype=np.intp)
+    rounded = {t: x.astype(np.float64) for t, x in inputs.items()}  # the inputs as the dtype holds them
+    g64 = g.astype(np.float64)
+    r64 = {t: x.astype(np.float64) for t, x in results.items()}
+    ref, terms, a64 = reference(rounded, g64, visible, scale, kv_map)
+    agree, computes_in = precision.judge(
+        r64, ref, terms, sc.dtype, lambda p: jax_plain.plain(rounded, g64, visible, scale, kv_map, p),
+        LOW_PRECISION_CHECKS, sc.factor, sc.slack)
+
+    def forward64(q, k, v, vis=interface.visible, conv=sc.convention):
+        """The implementation's O on float64 arrays (rounded to the dtype first), as float64."""
+        return user_forward(q.astype(dt), k.astype(dt), v.astype(dt), vis, conv).astype(np.float64)
+
+    def backward_kv64(q, k, v, grad_o):
+        return [x.astype(np.float64) for x in user_backward(*(x.astype(dt) for x in (q, k, v, grad_o)))[1:]]
+
+    def checks() -> list:
+        try:
+            out = [deterministic] + agree + output_invariants(
+                forward64, backward_kv64, rounded, visible, kv_map, r64["o"],
+                np.random.default_rng([sc.seed, SeedStream.INVARIANTS]), output_terms(rounded, a64, scale, kv_map),
+                computes_in)
+        except implementation.ImplementationFailure as exc:
+            out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
+        return out + compiled_rows(impl)
+
+    context = hint_context(rounded, g64, visible, scale, kv_map, r64, ref,
+                           lambda q, k, v, vis, conv=sc.convention: forward64(q, k, v, vis, conv))
+    return Problem(
+        inputs={}, loss=None, gradients={t: r64[t] for t in "qkv"}, rounding={}, rounding_total=0.0, copy_bytes=0,
+        invariants=checks, output=r64["o"],
+        arrays={**rounded, "visible": visible, "grad_output": g64, "scale": np.asarray(scale), "kv_map": kv_map,
+                "output": r64["o"], "reference_output": ref["o"], **{f"analytic_{t}": r64[t] for t in "qkv"}},
+        **diagnosis_fields(sc, context),
     )

@@ -22,18 +22,22 @@ from ...registry import Problem
 from ..convention import Convention
 from ..inputs import seeded_inputs
 from ..invariants import output_invariants
-from ..reference import REFERENCE_CHECKS, Interface, called_as, diagnosis_fields, hint_context, reference, varies
+from ..reference import (
+    LOW_PRECISION,
+    LOW_PRECISION_CHECKS,
+    REFERENCE_CHECKS,
+    Interface,
+    called_as,
+    diagnosis_fields,
+    hint_context,
+    reference,
+    varies,
+)
 from ..rounding import Blocks, output_terms
 from .calls import call_user, user_gradients
 from .formulas import DTYPES, backward, by_autograd, forward, probabilities, sdpa
 
 __all__ = ["DTYPES", "LOW_PRECISION", "LOW_PRECISION_CHECKS", "backward", "build", "forward", "probabilities", "sdpa"]
-
-LOW_PRECISION = ("float16", "bfloat16")
-
-
-#: The checks of a user's implementation in half precision (and of the built-in closed forms there).
-LOW_PRECISION_CHECKS = dict.fromkeys("oqkv", "low-precision error within factor of plain")
 
 
 def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None) -> Problem:
