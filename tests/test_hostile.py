@@ -367,13 +367,9 @@ def test_a_module_beside_the_config_named_like_the_installed_one_it_imports_is_t
     its own name and hides the library from itself: bad input saying so, not a puzzling ImportError."""
     (tmp_path / "colorsys.py").write_text("from colorsys import rgb_to_hsv\n\ndef impl(q, k, v, visible, scale, "
                                           "kv_map):\n    return rgb_to_hsv\n")
-    (tmp_path / "c.yaml").write_text("scenarios:\n  - {name: a, n_q: 3, d_head: 2, backend: torch, "
-                                     "implementation: 'colorsys:impl'}\n")
-    proc = subprocess.run([sys.executable, "-m", "gradcheck_cli", "validate", str(tmp_path / "c.yaml")],
+    (tmp_path / "c.yaml").write_text("scenarios:\n  - {name: a, n_q: 3, d_head: 2, implementation: 'colorsys:impl'}\n")
+    proc = subprocess.run([sys.executable, "-m", "gradcheck_cli", "run", str(tmp_path / "c.yaml"), "--no-progress"],
                           capture_output=True, text=True, timeout=120)
-    proc = proc if proc.returncode else subprocess.run(
-        [sys.executable, "-m", "gradcheck_cli", "run", str(tmp_path / "c.yaml"), "--no-progress"],
-        capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, (proc.stdout, proc.stderr)
     assert "colorsys.py in the YAML's folder has the name of the installed module 'colorsys'" in proc.stderr
     assert "rename the file" in proc.stderr

@@ -72,7 +72,7 @@ def test_jax_and_flax_recipes_pass_in_float32_and_jax_nn_is_said_to_compute_in_f
     scenarios = scenario.load(RECIPES / "jax_nn.yaml")
     for sc in scenarios:
         assert checker.run_scenario(sc).verdict == "pass", sc.name
-    assert {c.status for c in checker.negative_controls(scenarios[:1])} == {"detected"}
+    # (the controls of a user's JAX attention and layer run in tests/ops/test_jax_flavour.py)
     doc = {"scenarios": [{"name": "t", "heads_q": 2, "n_q": 4, "d_head": 4, "backend": "jax",
                           "implementation": "jax_nn:dot_product_attention"}]}
     result = checker.run_scenario(scenario.loads(yaml.safe_dump(doc), base_dir=RECIPES)[0])
