@@ -30,6 +30,7 @@ import importlib.util
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import yaml
@@ -54,36 +55,80 @@ def _flavour_scenario(n: int, d: int, backend: str):
 
 
 def _flavours(repeat: int) -> None:
-    """The NumPy and JAX flavours on the same shapes: median warm time, and JAX's compilation apart."""
+    """The NumPy and JAX flavours on the same shapes: median warm time against the floor of the same calls
+    replayed (the user's NumPy forward; the JAX function as compiled), and JAX's compilation apart."""
+    import numpy as np
+
+    from gradcheck_cli import implementation
     from gradcheck_cli.ops import jax_flavour
+    calls: list[int] = []
+    replay = {}
     states = []
     if importlib.util.find_spec("jax") is not None:
         wrap = jax_flavour.wrap
 
-        def recording(*args, **kwargs):  # keeps each build's state (its compile_s) for this table
+        def recording(*args, **kwargs):  # keeps each build's state (compile_s) and records the forward's calls
             out = wrap(*args, **kwargs)
             states.append(out.state)
+            forward = out.forward
+            replay["jax"] = forward
+
+            def counted(*a):
+                calls.append(a[0].shape[0])
+                return forward(*a)
+            out.forward = counted
             return out
         jax_flavour.wrap = recording
-    print(f"\n{'scenario':<16} {'flavour':>7} {'tool s':>8} {'first run s':>11} {'jit compile s':>13}")
+    print(f"\n{'scenario':<16} {'flavour':>7} {'tool s':>8} {'floor s':>8} {'tool/floor':>10} {'first run s':>11} "
+          f"{'jit compile s':>13}")
     for n, d in SHAPES:
         for backend in ("numpy", "jax"):
             if backend == "jax" and importlib.util.find_spec("jax") is None:
                 continue
             sc = _flavour_scenario(n, d, backend)
+            if backend == "numpy":  # the engine's calls of the user's forward, recorded
+                user = implementation.load(sc.implementation, Path(sc.base_dir), flavour="numpy")
+                replay["numpy"] = user.forward
+                key = next(k for k, v in implementation._LOADED.items() if v is user)
+
+                def counted(*a, _forward=user.forward):
+                    calls.append(a[0].shape[0])
+                    return _forward(*a)
+                implementation._LOADED[key] = types.SimpleNamespace(forward=counted, backward=user.backward)
             states.clear()
             start = time.perf_counter()
             result = checker.run_scenario(sc)  # the first run: JAX traces and compiles here
             first = time.perf_counter() - start
             compile_s = sum(s.compile_s for s in states)
             assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
-            times = []
+            times, floors = [], []
             for _ in range(repeat):
+                calls.clear()
                 start = time.perf_counter()
                 checker.run_scenario(sc)
                 times.append(time.perf_counter() - start)
+                floors.append(_replay(replay[backend], list(calls), n, d, np))
             shown = f"{compile_s:13.2f}" if backend == "jax" else f"{'-':>13}"
-            print(f"{sc.name:<16} {backend:>7} {statistics.median(times):8.3f} {first:11.3f} {shown}")
+            tool, floor = statistics.median(times), statistics.median(floors)
+            print(f"{sc.name:<16} {backend:>7} {tool:8.3f} {floor:8.3f} {tool / floor:10.2f} {first:11.3f} {shown}")
+
+
+def _replay(forward, calls: list[int], n: int, d: int, np) -> float:
+    """The floor of a NumPy or JAX forward: one call per recorded call, at its batch size, on fresh inputs."""
+    rng = np.random.default_rng(0)
+    visible = np.tril(np.ones((n, n), dtype=bool))
+    kv_map = np.zeros(1, dtype=np.intp)
+    total = 0.0
+    for batch, count in collections.Counter(calls).items():
+        q, k, v = (rng.standard_normal((batch, 1, n, d)) for _ in range(3))
+        vis = np.broadcast_to(visible, (batch, 1, n, n)).copy()
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            forward(q, k, v, vis, d ** -0.5, kv_map)
+            best = min(best, time.perf_counter() - start)
+        total += best * count
+    return total
 
 
 def _floor(calls: list[int], n: int, d: int, repeat: int) -> float:
