@@ -260,6 +260,13 @@ def ops():
                   f"dtypes: {', '.join(op.dtypes)}{only}", highlight=False)
         out.print("    your code: " + (f"{op.implementation.signature}" if op.implementation
                                        else "not accepted (the built-in formulas only)"), highlight=False)
+        if op.implementation and op.implementation.modules:
+            out.print("    a module:  implementation: {factory: module:attribute, weights: {parameter: expression of "
+                      f"{', '.join(op.tensors)}}}, call: [...]}} with backend torch or jax (call may pass "
+                      f"{', '.join(op.implementation.args) or 'no arguments'} too)", highlight=False)
+        if op.implementation and op.implementation.conventions:
+            out.print(f"    convention: {', '.join(op.implementation.conventions)} (how your code takes its arguments)",
+                      highlight=False)
         if op.example:
             example = ", ".join(f"{k}: {json.dumps(v)}" for k, v in op.example.items())
             out.print(f"    example:   {{op: {name}, {example}}}", highlight=False)

@@ -206,7 +206,7 @@ INTERFACE = Interface(("numpy", "torch", "jax"), (
     "function on JAX arrays, differentiated by jax.vjp; x [B, n, d_model], weights [in, out], heads split as "
     "[B, n, H*d] -> [B, H, n, d], RoPE on Q and K with cos/sin [n, rotary_dim / 2] (pairs as rope_layout says), "
     "visible [B, Hq, n, n] (True = key visible), kv_map[h] the KV head of query head h, eps the RMSNorm eps"),
-    args=("visible", "cos", "sin", "scale", "kv_map", "eps"))
+    args=("visible", "cos", "sin", "scale", "kv_map", "eps"), conventions=("mask", "mask_heads"))
 
 OP = Op(name="block", summary="pre-norm transformer block (RMSNorm, RoPE attention with projections, SwiGLU, "
                               "residuals): gradients of x and every parameter",

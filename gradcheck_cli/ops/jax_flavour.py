@@ -85,7 +85,7 @@ def from_module(built, spec, order: tuple[str, ...], arg_names: tuple[str, ...],
     or a pair (fn, params) with fn(params, *args) -> y. Each mapped leaf of the parameters (a dotted path;
     a linen path may leave out its leading ``params.``) is replaced by its expression of the op's tensors, the
     module called with ``spec.call`` and, when it returns a tuple or list, its first element taken. Returns
-    (f, mapped, frozen)."""
+    (f, mapped, frozen, nonzero): nonzero, the frozen leaves that are not zero."""
     from ..implementation.modules import expression_shape, fitted, suggest
     apply, params = _functional(built, spec.factory)
     leaves = dict(_flatten(params))
@@ -97,6 +97,7 @@ def from_module(built, spec, order: tuple[str, ...], arg_names: tuple[str, ...],
                                         f"{suggest(path, leaves)}; its parameters: {', '.join(leaves) or 'none'}")
         paths[full] = (expr, fitted(expression_shape(expr, shapes), tuple(np.shape(leaves[full])), path, expr))
     frozen = [p for p in leaves if p not in paths]
+    nonzero = [p for p in frozen if np.size(leaves[p]) and float(np.max(np.abs(np.asarray(leaves[p])))) > 0]
     names = order + arg_names
 
     def f(*values):
@@ -110,7 +111,7 @@ def from_module(built, spec, order: tuple[str, ...], arg_names: tuple[str, ...],
         out = apply(p, **dict(zip(spec.keywords, args))) if spec.keywords is not None else apply(p, *args)
         return out[0] if isinstance(out, (tuple, list)) and out else out
 
-    return f, [path for path, _ in spec.weights], frozen
+    return f, [path for path, _ in spec.weights], frozen, nonzero
 
 
 def _functional(built, factory: str):

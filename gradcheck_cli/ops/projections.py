@@ -271,7 +271,7 @@ INTERFACE = Interface(("numpy", "torch", "jax"), (
     "memory of source: cross); torch: a callable f(same arguments) -> y, differentiated by autograd; jax: the "
     "same function on JAX arrays, differentiated by jax.vjp; x [B, n_q, d_model], weights [in, out] (Q = x W_Q), "
     "heads split as [B, n, H*d] -> [B, H, n, d], visible [B, Hq, n_q, n_k] (True = key visible), kv_map[h] the "
-    "KV head of query head h"), args=("visible", "scale", "kv_map"))
+    "KV head of query head h"), args=("visible", "scale", "kv_map"), conventions=("mask", "mask_heads"))
 
 OP = Op(name="attention-projections",
         summary="attention with Q/K/V/O projections and head split/merge: gradients of x (and m), W_Q, W_K, W_V, W_O",

@@ -95,12 +95,12 @@ class Interface:
     backends it may be written for; ``signature`` says what each callable takes and returns (messages and
     ``attn-gradcheck faults``); ``args``, the names of the arguments after the tensors (what the module form's
     ``call`` may pass: ``implementation.modules``); ``modules``, whether it accepts that form (an op with
-    weights); ``conventions``, whether the ``convention:`` keys (layout, mask kind, scale) apply to it."""
+    weights); ``conventions``, the ``convention:`` keys that apply to it (layout, mask, mask_heads, scale)."""
     flavours: tuple[str, ...]
     signature: str
     args: tuple[str, ...] = ()
     modules: bool = True
-    conventions: bool = False
+    conventions: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ size of the terms of its output and gradients, and its invariants. From that, on
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ import numpy as np
 from .. import implementation, precision
 from ..result import Check, Kind
 from . import dense
+from .attention.convention import MASKS, MEANING
 from .registry import Problem, Structure
 
 #: What a fault does to a user's implementation of such an op (``Fault.user``).
@@ -109,15 +111,20 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
     if op.adapt is not None:
         impl = op.adapt(impl, sc.backend)
     order = tuple(op.inputs)
-    module_rows = []
+    module_rows, module_hints, transposed = [], [], lambda: []
     if sc.module is not None:  # a module built by the user's factory, its weights mapped from the op's tensors
-        impl, module_rows = _from_module(sc, impl, order, tuple(op.args), {t: v.shape for t, v in op.inputs.items()})
-    if sc.backend == "torch":  # one callable, differentiated by autograd
-        from . import torch_flavour
-        impl = torch_flavour.wrap(impl, len(order), sc.dtype, sc.device)
-    elif sc.backend == "jax":  # one function, differentiated by jax.vjp, compiled once per shape
-        from . import jax_flavour
-        impl = jax_flavour.wrap(impl, len(order), sc.dtype)
+        impl, module_rows, module_hints, transposed = _from_module(sc, impl, order, tuple(op.args),
+                                                                   {t: v.shape for t, v in op.inputs.items()})
+
+    def flavoured(user):
+        if sc.backend == "torch":  # one callable, differentiated by autograd
+            from . import torch_flavour
+            return torch_flavour.wrap(user, len(order), sc.dtype, sc.device)
+        if sc.backend == "jax":  # one function, differentiated by jax.vjp, compiled once per shape
+            from . import jax_flavour
+            return jax_flavour.wrap(user, len(order), sc.dtype)
+        return user
+    impl = flavoured(impl)
     dt = np.dtype(sc.dtype)
     names = order + tuple(op.args) + ("grad_y",)
     shape = np.shape(op.forward(*op.inputs.values(), *op.args.values()))
@@ -125,6 +132,7 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
     for fault in faults:
         shown = op.shown[fault](shown) if fault in op.shown else shown
     added = tuple(f for f in faults if f not in op.shown)
+    shown = masked(shown, sc.convention, dt)
 
     def call_forward(xs: dict) -> np.ndarray:
         copies = len(xs[op.batched[0]]) // len(op.inputs[op.batched[0]]) if op.batched else 1
@@ -183,7 +191,56 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
             grads = {t: (grads[t] + w - r).astype(dt) for t, w, r in zip(order, wrong, right)}
         return grads
 
-    y = call_forward(op.inputs)
+    def reference_output() -> np.ndarray:
+        return op.forward(*(v.astype(np.float64) for v in op.inputs.values()),
+                          *(a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a
+                            for a in op.args.values()))
+
+    def other_conventions(y_now) -> list[str]:
+        """Why the forward disagrees (``y_now``) or fails (None), where the code tells: another mask
+        convention it agrees with, a frozen parameter that changes it, arguments ``call`` left out."""
+        found = []
+        if "visible" in op.args and sc.convention.mask in MASKS:
+            target = reference_output()
+            wrong = None if y_now is None else float(np.max(np.abs(y_now.astype(np.float64) - target), initial=0.0))
+            for key, value, conv in sc.convention.alternatives():
+                if key != "mask" and key != "mask_heads":
+                    continue
+                args = tuple(masked({**op.args}, conv, dt).values())
+                try:
+                    other = implementation.call(impl.forward, "forward", tuple(op.inputs.values()) + args,
+                                                {"y": (shape, dt)}, names)["y"]
+                except implementation.ImplementationFailure:
+                    continue
+                off = float(np.max(np.abs(other.astype(np.float64) - target), initial=0.0))
+                scale = float(np.max(np.abs(target), initial=0.0))
+                if off <= 1e-3 * (scale if y_now is None else wrong):
+                    found.append(f"called with convention: {{{key}: {value}}} ({MEANING[key, value]}) the forward "
+                                 f"agrees with the reference: set convention: {{{key}: {value}}} in the scenario")
+                    break
+        found += module_hints
+        if y_now is not None and not found:  # a square weight mapped without its transpose (or with one too many)
+            target, wrong = reference_output(), float(np.max(np.abs(y_now.astype(np.float64) - reference_output())))
+            for text, user in transposed():
+                try:
+                    other = implementation.call(flavoured(user).forward, "forward",
+                                                tuple(op.inputs.values()) + tuple(shown.values()), {"y": (shape, dt)},
+                                                names)["y"]
+                except implementation.ImplementationFailure:
+                    continue
+                if float(np.max(np.abs(other.astype(np.float64) - target), initial=0.0)) <= 1e-3 * wrong:
+                    found.append(f"with weights: {{{text}}} the module agrees with the reference: a square weight "
+                                 "mapped without its transpose (nn.Linear keeps [out, in]) or with one too many")
+                    break
+        return found
+
+    try:
+        y = call_forward(op.inputs)
+    except implementation.ImplementationFailure as exc:
+        hints = other_conventions(None)
+        if hints and exc.hint is None:
+            exc.hint = "; ".join(hints)
+        raise
     grads = gradients(None, None)
     again = {"o": call_forward(op.inputs), **gradients(None, None)}
     results = {"o": y, **grads}
@@ -213,9 +270,20 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
                             rounding_forward=lambda **xs: op.forward(*(xs[t] for t in order), *op.args.values()))
     problem.compute_dtype = None if computes_in == sc.dtype else computes_in
     problem.compile_s = compile_time(impl)
-    if op.alternatives:
-        problem.hints = lambda evidence, checks: convention_hints(checks, y, reference["o"], op.alternatives)
+    def hints(evidence, checks) -> list[str]:
+        if not any(c.name == FORWARD_CHECK and c.verdict == "fail" for c in checks):
+            return []
+        return other_conventions(y) + convention_hints(checks, y, reference["o"], op.alternatives)
+    problem.hints = hints
     return problem
+
+
+def masked(args: dict, convention, dtype) -> dict:
+    """``args`` with the visible set (if any) as the implementation's convention takes it (``convention:``
+    mask, mask_heads: ``ops.attention.convention``)."""
+    if "visible" not in args or (convention.mask, convention.mask_heads) == ("keep", "per-head"):
+        return args
+    return {**args, "visible": convention.mask_of(args["visible"], dtype)}
 
 
 #: The callable made of each module, per factory, scenario sizes and flavour: built once per process (the
@@ -224,9 +292,10 @@ _MODULES: dict[tuple, tuple] = {}
 
 
 def _from_module(sc, factory, order: tuple[str, ...], arg_names: tuple[str, ...], shapes: dict) -> tuple:
-    """(f, rows): the one callable f(*inputs, *args) of the module the scenario's factory builds
-    (``implementation.modules``), in its flavour, and a passing ``implementation`` row that lists the
-    parameters checked and those frozen."""
+    """(f, rows, hints): the one callable f(*inputs, *args) of the module the scenario's factory builds
+    (``implementation.modules``), in its flavour; a passing ``implementation`` row that lists the parameters
+    checked and those frozen; and what to say when its forward disagrees with the reference (frozen
+    parameters that are not zero, a mask ``call`` does not pass)."""
     from ..implementation import modules
     available = modules.sizes(sc, sc.n_q > 0)  # n_q is 0 outside the attention family
     key = (id(factory), sc.module, repr(sorted(available.items())), sc.backend)
@@ -241,16 +310,55 @@ def _from_module(sc, factory, order: tuple[str, ...], arg_names: tuple[str, ...]
             built = modules.build(factory, available, sc.implementation)
             made = jax_flavour.from_module(built, sc.module, order, arg_names, shapes)
         _MODULES[key] = (factory,) + made  # the factory kept: its id stays its own
-    f, mapped, frozen = _MODULES[key][1:]
+    f, mapped, frozen, nonzero = _MODULES[key][1:]
+
+    def transposed() -> list:
+        """(what to write, the module's callable) with one square weight's expression transposed (for the hint
+        of a forward that disagrees with the reference)."""
+        from ..implementation.modules import Expr, expression_shape
+        out = []
+        def square(e) -> bool:
+            shape = expression_shape(e, shapes)
+            return len(shape) == 2 and shape[0] == shape[1]
+
+        for i, (path, expr) in enumerate(sc.module.weights):
+            flips = [Expr(expr.name, expr.parts, not expr.transpose)] if square(expr) else []
+            flips += [Expr(None, expr.parts[:j] + (Expr(p.name, p.parts, not p.transpose),) + expr.parts[j + 1:],
+                           expr.transpose) for j, p in enumerate(expr.parts) if square(p)]
+            for flipped in flips:
+                weights = sc.module.weights[:i] + ((path, flipped),) + sc.module.weights[i + 1:]
+                out.append((f"{path}: {flipped}", _variant(sc, factory, available,
+                                                           dataclasses.replace(sc.module, weights=weights),
+                                                           order, arg_names, shapes)))
+        return out
     weights = ", ".join(f"{path} <- {expr}" for path, expr in sc.module.weights) or "none"
     call = ", ".join(f"{k}={n}" for k, n in zip(sc.module.keywords, sc.module.call)) if sc.module.keywords \
         else ", ".join(sc.module.call)
     detail = (f"module from {sc.implementation}, called with ({call}); weights checked: {weights}; "
               + (f"frozen (kept as the factory built them, not checked): {', '.join(frozen)}" if frozen
                  else "no other parameters"))
+    hints = []
+    if nonzero:
+        hints.append(f"the module has parameters no weight maps that are not zero ({', '.join(nonzero)}): they "
+                     "are part of its forward but not of the op's; map them, zero them in the factory, or build the "
+                     "module without them (e.g. bias=False)")
+    if "visible" in arg_names and "visible" not in sc.module.call:
+        hints.append(f"the module is called without the mask (call: {list(sc.module.call)}): if it takes one, pass "
+                     f"it, e.g. call: {list(sc.module.call) + ['visible']}")
     return f, [Check(kind=Kind.IMPLEMENTATION, name="module parameters", tensor="-", shape=None, max_abs_error=0.0,
                      relative_error=0.0, tolerance=0.0, noise_floor=0.0, worst_index=None, passed=True,
-                     detail=detail)]
+                     detail=detail)], hints, transposed
+
+
+def _variant(sc, factory, available: dict, spec, order, arg_names, shapes):
+    """The callable of the scenario's module with weights ``spec`` (a fresh build of the factory)."""
+    from ..implementation import modules
+    built = modules.build(factory, available, sc.implementation)
+    if sc.backend == "torch":
+        from . import torch_flavour
+        return torch_flavour.from_module(built, spec, order, arg_names, shapes, sc.dtype, sc.device)[0]
+    from . import jax_flavour
+    return jax_flavour.from_module(built, spec, order, arg_names, shapes)[0]
 
 
 def convention_hints(checks, y: np.ndarray, reference: np.ndarray, alternatives: Mapping) -> list[str]:

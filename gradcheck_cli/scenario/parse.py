@@ -181,7 +181,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                         hint="every query row needs at least one visible key; widen the window, raise "
                              "key_lengths, or check the causal alignment for n_q != n_k")
 
-    convention = _convention(f, visible, scale, d_head)
+    convention = _convention(f, visible, scale, d_head, op_spec)
     attention = {"batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "n_q": n_q, "n_k": n_k, "d_head": d_head,
                  "d_value": d_value}
     for key, message, hint in (op_spec.validate(params, attention) if op_spec.validate else []):
@@ -199,8 +199,9 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
 
 
 def _conventions(op_spec) -> bool:
-    """Whether ``convention:`` applies to an op (``Interface.conventions``: bare attention's implementations)."""
-    return op_spec.implementation is not None and op_spec.implementation.conventions
+    """Whether ``convention:`` applies to an op (``Interface.conventions``: attention's implementations, and
+    the mask keys for the layers')."""
+    return op_spec.implementation is not None and bool(op_spec.implementation.conventions)
 
 
 def _kv_layout(f: _Fields) -> str:
@@ -212,11 +213,18 @@ def _kv_layout(f: _Fields) -> str:
     return f.raw("kv_map", KV_LAYOUTS[0])
 
 
-def _convention(f: _Fields, visible, scale: float, d_head: int) -> Convention:
-    """The ``convention`` keys: how an implementation takes its arguments (``ops.attention.convention``)."""
+def _convention(f: _Fields, visible, scale: float, d_head: int, op_spec) -> Convention:
+    """The ``convention`` keys: how an implementation takes its arguments (``ops.attention.convention``); an
+    op takes those its interface names (``Interface.conventions``)."""
     given = [key for key in f.values if key.startswith("convention.") and f.has(key)]
     if not given:
         return Convention()
+    takes = op_spec.implementation.conventions if op_spec.implementation else ()
+    for key in given:
+        if key.split(".", 1)[1] not in takes:
+            raise f.error(key, f"does not apply to op {op_spec.name}: its implementation takes "
+                          + (f"convention: {{{', '.join(takes)}}} only" if takes else "no convention keys"),
+                          hint="the layout and the scale are attention's: a layer gets x and its weights")
     if not f.has("implementation"):
         for key in given:
             if f.where(key)[0] != "defaults":

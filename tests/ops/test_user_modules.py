@@ -143,3 +143,91 @@ def test_the_factory_gets_the_swept_sizes():
         assert result.verdict == "pass"
         (w1,) = [c for c in result.checks if c.name == "gradient w1"]
         assert w1.shape == (sc.p("d_model"), 3)
+
+
+MHA_SOURCE = '''
+import torch
+import torch.nn.functional as F
+
+
+class MHA(torch.nn.Module):
+    def __init__(self, d_model, heads, bias=False, drop_mask=False):
+        super().__init__()
+        self.heads, self.drop_mask = heads, drop_mask
+        self.qkv = torch.nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.proj = torch.nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x, mask=None):
+        d = x.shape[-1]
+        q, k, v = self.qkv(x).split(d, -1)
+        split = lambda t: t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+        if mask is not None and self.drop_mask:
+            mask = ~mask  # this module's mask hides True
+        o = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=mask)
+        return self.proj(o.transpose(1, 2).flatten(-2))
+
+
+def mha(d_model, heads_q):
+    return MHA(d_model, heads_q)
+
+
+def mha_bias(d_model, heads_q):
+    return MHA(d_model, heads_q, bias=True)
+
+
+def mha_drop(d_model, heads_q):
+    return MHA(d_model, heads_q, drop_mask=True)
+'''
+
+
+def _mha(tmp_path, factory, call=("x", "visible"), **keys):
+    pytest.importorskip("torch")
+    (tmp_path / "mymods.py").write_text(MHA_SOURCE)
+    impl = {"factory": f"mymods:{factory}",
+            "weights": {"qkv.weight": "concat(w_q.T, w_k.T, w_v.T)", "proj.weight": "w_o.T"}}
+    if call is not None:
+        impl["call"] = list(call)
+    doc = {"name": "mha", "op": "attention-projections", "backend": "torch", "batch": 2, "heads_q": 2, "n_q": 5,
+           "d_head": 4, "d_model": 8, "mask": {"causal": "lower-right", "key_lengths": [5, 3]},
+           "implementation": impl, **keys}
+    return checker.run_scenario(scenario.loads(yaml.safe_dump({"scenarios": [doc]}), base_dir=tmp_path)[0])
+
+
+def test_a_frozen_bias_that_changes_the_forward_is_named_in_the_hint(tmp_path):
+    result = _mha(tmp_path, "mha_bias")
+    assert "forward agrees with the reference" in {c.name for c in result.checks if not c.passed}
+    assert any("qkv.bias" in h and "bias=False" in h for h in result.hints), result.hints
+
+
+def test_a_module_whose_mask_hides_true_is_told_to_set_the_mask_convention_and_passes_with_it(tmp_path):
+    result = _mha(tmp_path, "mha_drop")  # a lower-right causal row sees every key: hidden by this module, NaN
+    assert result.verdict == "fail"
+    assert any("set convention: {mask: drop}" in h for h in result.hints), result.hints
+    assert _mha(tmp_path, "mha_drop", convention={"mask": "drop"}).verdict == "pass"
+    assert not _mha(tmp_path, "mha").hints
+
+
+def test_a_module_called_without_the_mask_is_told_so(tmp_path):
+    result = _mha(tmp_path, "mha", call=None)
+    assert result.verdict == "fail"
+    assert any("called without the mask" in h and "'visible'" in h for h in result.hints), result.hints
+
+
+def test_a_layers_convention_takes_the_mask_keys_only():
+    doc = {**MLP, "op": "attention-projections", "n_q": 3, "d_head": 2, "d_model": 4, "convention": {"layout": "bnhd"},
+           "implementation": "torch_ops:attention_projections"}
+    doc.pop("n"), doc.pop("d_ff")
+    _rejected(doc, "convention.layout", "does not apply to op attention-projections", "mask, mask_heads")
+
+
+def test_a_square_weight_mapped_without_its_transpose_gets_the_mapping_to_write(tmp_path):
+    pytest.importorskip("torch")
+    (tmp_path / "mymods.py").write_text(MHA_SOURCE)
+    for weights, expected in (({"qkv.weight": "concat(w_q.T, w_k.T, w_v.T)", "proj.weight": "w_o"},
+                               "proj.weight: w_o.T"),
+                              ({"qkv.weight": "concat(w_q, w_k.T, w_v.T)", "proj.weight": "w_o.T"},
+                               "qkv.weight: concat(w_q.T, w_k.T, w_v.T)")):
+        doc = {"name": "mha", "op": "attention-projections", "backend": "torch", "heads_q": 2, "n_q": 4, "d_head": 4,
+               "d_model": 8, "implementation": {"factory": "mymods:mha", "weights": weights, "call": ["x", "visible"]}}
+        result = checker.run_scenario(scenario.loads(yaml.safe_dump({"scenarios": [doc]}), base_dir=tmp_path)[0])
+        assert result.verdict == "fail" and any(expected in h for h in result.hints), result.hints
