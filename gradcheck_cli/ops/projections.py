@@ -25,7 +25,7 @@ from ..numeric import SeedStream
 from ..tolerance import INVARIANT_ULPS
 from . import attention, dense, user_engine
 from .attention import memory as attention_memory
-from .attention.convention import interleaved_kv_map
+from .convention import interleaved_kv_map
 from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
 
 FAULTS = {f.name: f for f in (

@@ -26,7 +26,7 @@ import numpy as np
 from .. import implementation, precision
 from ..result import Check, Kind
 from . import dense
-from .attention.convention import MASKS, MEANING
+from .convention import MASKS, MEANING
 from .registry import Problem, Structure
 
 #: What a fault does to a user's implementation of such an op (``Fault.user``).
@@ -280,7 +280,7 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
 
 def masked(args: dict, convention, dtype) -> dict:
     """``args`` with the visible set (if any) as the implementation's convention takes it (``convention:``
-    mask, mask_heads: ``ops.attention.convention``)."""
+    mask, mask_heads: ``ops.convention``)."""
     if "visible" not in args or (convention.mask, convention.mask_heads) == ("keep", "per-head"):
         return args
     return {**args, "visible": convention.mask_of(args["visible"], dtype)}

@@ -22,7 +22,7 @@ ATTENTION_KEYS = ("heads_q", "heads_kv", "kv_map", "n_q", "n_k", "d_head", "d_va
 BACKEND_KEYS = ("implementation", "backend", "device", "engine", "block_q", "block_k")
 #: The engines ``engine:`` chooses between, over every op (``Op.engine_choices``).
 ENGINES = tuple(dict.fromkeys(name for op in OPS.values() for name in op.engine_choices))
-#: The calling convention of an attention implementation (``ops.attention.convention``): op attention,
+#: The calling convention of an attention implementation (``ops.convention``): op attention,
 #: with an implementation only.
 CONVENTION_KEYS = ("layout", "mask", "mask_heads", "scale")
 SCENARIO_KEYS = tuple(dict.fromkeys(COMMON_KEYS[:2] + BACKEND_KEYS + ("convention",) + COMMON_KEYS[2:3]

@@ -10,8 +10,8 @@ from .. import implementation
 from ..errors import ScenarioError
 from ..implementation.modules import ModuleSpec
 from ..ops import OPS
-from ..ops.attention.convention import Convention
 from ..ops.attention.formulas import DEFAULT_BLOCK
+from ..ops.convention import Convention
 from ..tolerance import DEFAULT_FACTOR
 from .fields import LOW_PRECISION
 

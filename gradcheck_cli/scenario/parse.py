@@ -9,7 +9,8 @@ from pathlib import Path
 from .. import implementation, masks
 from ..implementation import modules
 from ..ops import DEFAULT_OP, OPS
-from ..ops.attention.convention import (
+from ..ops.attention.formulas import DEFAULT_BLOCK
+from ..ops.convention import (
     KV_LAYOUTS,
     LAYOUTS,
     MASK_HEADS,
@@ -19,7 +20,6 @@ from ..ops.attention.convention import (
     interleaved_kv_map,
     shared_mask_problem,
 )
-from ..ops.attention.formulas import DEFAULT_BLOCK
 from ..ops.registry import IMPLEMENTATION_CHECK_KEYS
 from ..tolerance import DEFAULT_FACTOR, defaults_for, machine_epsilon
 from .fields import (
@@ -214,7 +214,7 @@ def _kv_layout(f: _Fields) -> str:
 
 
 def _convention(f: _Fields, visible, scale: float, d_head: int, op_spec) -> Convention:
-    """The ``convention`` keys: how an implementation takes its arguments (``ops.attention.convention``); an
+    """The ``convention`` keys: how an implementation takes its arguments (``ops.convention``); an
     op takes those its interface names (``Interface.conventions``)."""
     given = [key for key in f.values if key.startswith("convention.") and f.has(key)]
     if not given:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from .. import implementation, masks
 from ..ops import OPS
-from ..ops.attention.convention import KV_LAYOUTS, LAYOUTS, MASK_HEADS, MASKS, MEANING, SCALES
 from ..ops.attention.formulas import DEFAULT_BLOCK
+from ..ops.convention import KV_LAYOUTS, LAYOUTS, MASK_HEADS, MASKS, MEANING, SCALES
 from .fields import (
     BACKENDS,
     DEVICES,

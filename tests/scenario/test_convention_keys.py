@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gradcheck_cli.ops.attention.convention import Convention
+from gradcheck_cli.ops.convention import Convention
 
 from helpers import ROOT, assert_rejected, make
 
@@ -80,10 +80,10 @@ def test_convention_in_defaults_applies_only_where_there_is_an_implementation():
     assert a.convention == Convention() and b.convention.mask == "drop"
 
 
-def test_convention_is_a_key_of_attention_only():
+def test_convention_is_a_key_of_attention_and_the_layers_only():
     assert_rejected("scenarios:\n  - name: s\n    op: rmsnorm\n    batch: 2\n    n: 3\n    d_model: 4\n"
                     "    convention: {layout: bnhd}\n", 7, "scenarios[0].convention.layout",
-                    "does not apply to op rmsnorm (it is a key of attention)")
+                    "does not apply to op rmsnorm (it is a key of attention, attention-projections, block)")
 
 
 def test_a_shared_mask_needs_every_head_to_see_the_same_keys():

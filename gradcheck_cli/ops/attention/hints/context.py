@@ -62,7 +62,7 @@ def _convention(sc, call: Callable, reference: np.ndarray, output: np.ndarray | 
     with one key changed (``call(convention) -> O`` in the tool's layout), its forward agrees with the
     reference. With ``output`` (its O as called), agreeing is being CLOSER times closer to the reference;
     without (its call failed), being within sqrt(eps) of the dtype of the reference's largest value."""
-    from ..convention import MEANING, applies, setting
+    from ...convention import MEANING, applies, setting
     current = sc.convention
     for key, value, alt in current.alternatives():
         if not applies(alt, sc):
@@ -92,7 +92,7 @@ def _convention(sc, call: Callable, reference: np.ndarray, output: np.ndarray | 
 
 def _written_for(key: str, value: str) -> str:
     """What an implementation written for ``convention: {key: value}`` does."""
-    from ..convention import MEANING
+    from ...convention import MEANING
     if key == "layout":
         return "the forward takes q, k, v and returns o as " + ("[B, n, H, d]" if value == "bnhd" else "[B, H, n, d]")
     if key == "mask":

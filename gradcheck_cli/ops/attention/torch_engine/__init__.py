@@ -18,8 +18,8 @@ from .... import invariants
 from ....implementation import ImplementationFailure, failure_check, in_copies
 from ....numeric import SeedStream
 from ....result import Check
+from ...convention import Convention
 from ...registry import Problem
-from ..convention import Convention
 from ..inputs import seeded_inputs
 from ..invariants import output_invariants
 from ..reference import (
