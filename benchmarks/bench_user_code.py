@@ -76,6 +76,7 @@ def _flavours(repeat: int) -> None:
             def counted(*a):
                 calls.append(a[0].shape[0])
                 return forward(*a)
+            counted.immutable = getattr(forward, "immutable", False)  # as the flavour's own (no defensive copies)
             out.forward = counted
             return out
         jax_flavour.wrap = recording

@@ -139,16 +139,24 @@ def guarded(what: str, fn, *args):
 
 def call(fn, what: str, args: tuple, expected: dict[str, tuple[tuple[int, ...], np.dtype]],
          names: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    """(see :func:`guarded_call`)"""
+    return guarded_call(fn, what, args, expected, names, getattr(fn, "immutable", False))
+
+
+def guarded_call(fn, what: str, args: tuple, expected: dict[str, tuple[tuple[int, ...], np.dtype]],
+                 names: tuple[str, ...] = (), immutable: bool = False) -> dict[str, np.ndarray]:
     """Call ``fn`` on fresh copies of ``args`` and check each returned array against ``expected``
     (name -> (shape, dtype), in the order returned: one name means a single array, several a tuple).
 
     Nothing handed over is shared with the checker: the implementation gets copies, and what it
     returns is copied before it is used (a buffer it reuses on the next call cannot change a result).
     An argument changed in place (``names`` names them) is a failure naming it: the checker would
-    otherwise compare against inputs the implementation no longer saw."""
-    given = tuple(a.copy() if isinstance(a, np.ndarray) else a for a in args)
+    otherwise compare against inputs the implementation no longer saw. ``immutable`` (a flavour whose
+    wrapper hands the code its own immutable arrays and returns fresh ones: JAX's, ``fn.immutable``): no
+    copies either way, nothing to compare."""
+    given = args if immutable else tuple(a.copy() if isinstance(a, np.ndarray) else a for a in args)
     out = guarded(what, fn, *given)
-    for i, (before, after) in enumerate(zip(args, given)):
+    for i, (before, after) in enumerate(zip(args, () if immutable else given)):
         if not isinstance(before, np.ndarray):
             continue
         same_kind = (isinstance(after, np.ndarray) and after.shape == before.shape and after.dtype == before.dtype)
@@ -170,7 +178,7 @@ def call(fn, what: str, args: tuple, expected: dict[str, tuple[tuple[int, ...], 
         if isinstance(value, np.ma.MaskedArray) or not isinstance(value, np.ndarray):
             kind = "a masked array" if isinstance(value, np.ma.MaskedArray) else f"a {type(value).__name__}"
             raise ImplementationFailure(f"{what} must return numpy arrays; {name} is {kind}", name)
-        arr = np.array(value, copy=True, subok=False)
+        arr = np.asarray(value) if immutable and type(value) is np.ndarray else np.array(value, copy=True, subok=False)
         if arr.shape != shape:
             raise ImplementationFailure(f"{what} returned {name} of shape {list(arr.shape)}, "
                                         f"expected {list(shape)}", name)
