@@ -59,7 +59,8 @@ def _describe(exc: BaseException) -> str:
         text = str(exc)
     except BaseException:  # noqa: BLE001 -- an exception whose __str__ raises
         text = "(its message cannot be shown)"
-    return f"{type(exc).__name__}: {text[:500]}"
+    from .implementation import raised_at
+    return f"{type(exc).__name__}: {text[:500]}{raised_at(exc)}"
 
 
 def _leave() -> None:

@@ -154,6 +154,10 @@ def _failure_text(sc: Scenario, kind: str, payload) -> str:
         return (f"the process checking it {payload} before the scenario finished: the implementation (or a "
                 "library it calls) ended the process (os._exit, sys.exit in a thread, a crash); an "
                 "implementation must return")
+    if "gradcheck_cli" in str(payload).rsplit(" (at ", 1)[-1]:  # raised in this tool's own code
+        return (f"checking it raised {payload}, outside any single call of the implementation, in attn-gradcheck's "
+                "own code: most likely a bug of this tool (please report it with the scenario), or an "
+                "implementation that broke the process it runs in (patched modules, closed files)")
     return (f"checking it raised {payload}, outside any single call of the implementation: its module or what "
             "it returned broke the process it runs in (e.g. a recursion limit, closed files, patched modules, a "
             "value whose methods raise)")

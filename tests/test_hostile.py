@@ -750,3 +750,18 @@ def test_merge_fuzzed_reports_never_trace_back(root, tmp_path_factory):
         assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
 
     check()
+
+
+def test_an_error_in_user_code_says_where_it_was_raised(tmp_path):
+    (tmp_path / "raises_here.py").write_text(
+        "class Impl:\n"
+        "    def forward(self, q, k, v, visible, scale, kv_map):\n"
+        "        return q.reshape(7, -1)  # wrong\n"
+        "    def backward(self, q, k, v, visible, scale, kv_map, grad_o):\n"
+        "        return q, k, v\n"
+        "impl = Impl()\n")
+    (tmp_path / "c.yaml").write_text("scenarios:\n"
+                                     "  - {name: a, n_q: 3, d_head: 2, implementation: 'raises_here:impl'}\n")
+    result = _cli("run", tmp_path / "c.yaml", "--no-progress")
+    assert result.exit_code == 1 and "forward raised ValueError" in result.output
+    assert "raises_here.py:3 in forward)" in result.output, result.output

@@ -124,6 +124,29 @@ def _ctrl_c(exc: BaseException) -> bool:
     return isinstance(exc, KeyboardInterrupt) and CTRL_C_REACHES_HERE
 
 
+def raised_at(exc: BaseException) -> str:
+    """' (at FILE:LINE in FUNCTION)': where ``exc`` was raised in the user's own code (the innermost frame
+    outside installed packages and this tool; else the innermost frame), or '' without a traceback."""
+    import os
+    import traceback
+    try:
+        frames = traceback.extract_tb(exc.__traceback__)
+    except Exception:  # noqa: BLE001 -- a traceback that cannot be read says nothing
+        return ""
+    tool = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    own = [f for f in frames if "site-packages" not in f.filename and not f.filename.startswith(tool)
+           and not f.filename.startswith("<")]
+    frame = (own or frames or [None])[-1]
+    if frame is None:
+        return ""
+    try:
+        name = os.path.relpath(frame.filename)
+    except ValueError:
+        name = frame.filename
+    name = frame.filename if name.startswith("..") else name
+    return f" (at {name}:{frame.lineno} in {frame.name})"
+
+
 def guarded(what: str, fn, *args):
     """``fn(*args)``, with anything it raises (SystemExit included, Ctrl-C excepted) turned into an
     ImplementationFailure."""
@@ -134,7 +157,7 @@ def guarded(what: str, fn, *args):
     except BaseException as exc:  # whatever the implementation raises is a failed check
         if _ctrl_c(exc):
             raise
-        raise ImplementationFailure(f"{what} raised {type(exc).__name__}: {exc}") from None
+        raise ImplementationFailure(f"{what} raised {type(exc).__name__}: {exc}{raised_at(exc)}") from None
 
 
 def call(fn, what: str, args: tuple, expected: dict[str, tuple[tuple[int, ...], np.dtype]],
