@@ -22,11 +22,13 @@ CROSS_CHECKS = {"tiled": {"tiled agrees with the naive engine"},
 AGREEMENT = set().union(*CROSS_CHECKS.values())
 
 
-def _example(op, engine="naive"):
-    """The op's example on that engine; skips on backend torch where torch is not installed."""
+def _example(op, engine="naive", fault=None):
+    """The op's example on that engine (checking the JVP for a fault of the JVP); skips on backend torch where
+    torch is not installed."""
     if engine == "torch":
         pytest.importorskip("torch")
-    return make(**{"op": op, **OPS[op].example, **ENGINES.get(op, {}).get(engine, {})})
+    jvp = {"check": {"mode": "jvp"}} if fault is not None and FAULTS[fault].derivative == "jvp" else {}
+    return make(**{"op": op, **OPS[op].example, **ENGINES.get(op, {}).get(engine, {}), **jvp})
 
 
 def _engine_faults(op):
@@ -37,8 +39,14 @@ def borrowed(op, fault):
     """True when ``op`` composes another op that registers ``fault`` (block composes attention, RoPE, ...):
     the record's caught_by then names the part's checks (gradient q), not the composite's (gradient w_q),
     so on the composite the fault is required to be detected, not to fail only the named checks."""
-    return any(other != op and fault in _engine_faults(other) and _engine_faults(other) <= _engine_faults(op)
+    return any(other != op and fault in _engine_faults(other) and _borrowable(other) <= _engine_faults(op)
                for other in OPS)
+
+
+def _borrowable(op):
+    """The engine faults a composite borrows from its part: those of the forward and the VJP (a composite has
+    no JVP of its own)."""
+    return {name for name in _engine_faults(op) if OPS[op].faults[name].derivative == "vjp"}
 
 
 def _cases():
@@ -46,7 +54,8 @@ def _cases():
     for op_name, op in sorted(OPS.items()):
         for engine in sorted(ENGINES.get(op_name, {"naive": {}})):
             for fault, record in sorted(op.faults.items()):
-                if record.engine:
+                # a fault of the JVP applies on the engines that compute one (``Op.tangent_engines``)
+                if record.engine and (record.derivative != "jvp" or engine in op.tangent_engines):
                     cases.append(pytest.param(op_name, engine, fault, id=f"{op_name}-{engine}-{fault}"))
     return cases
 
@@ -74,7 +83,7 @@ def test_each_example_passes_clean(op, engine):
 
 @pytest.mark.parametrize("op, engine, fault", _cases())
 def test_each_engine_fault_is_detected_and_fails_only_the_checks_its_record_names(op, engine, fault):
-    sc = _example(op, engine)
+    sc = _example(op, engine, fault)
     assert fault in checker.applicable_faults(sc)
     failed = _failed(checker.run_scenario(sc, (fault,))) - CROSS_CHECKS.get(engine, set())
     assert failed, f"{fault} missed on the {op} example ({engine})"
@@ -92,6 +101,15 @@ def test_ownership_of_the_faults():
     assert borrowed("attention-projections", "softmax-term") and not borrowed("attention-projections", "head-merge")
 
 
+def test_faults_of_a_derivative_apply_only_where_it_is_checked():
+    """A fault of the JVP is not applicable to a scenario that checks the gradients, nor one of the VJP to a
+    scenario that checks the JVP; forward faults apply to both."""
+    vjp, jvp = _example("attention"), _example("attention", fault="jvp-centring")
+    jvp_faults = {f for f, r in FAULTS.items() if r.derivative == "jvp"}
+    assert jvp_faults and not jvp_faults & set(checker.applicable_faults(vjp))
+    assert set(checker.applicable_faults(jvp)) == jvp_faults | {"mask"}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_every_engine_fault_is_caught_in_every_torch_precision(dtype):
     """backend: torch in low precision: the reference checks (agreement with float64) keep the power."""
@@ -102,7 +120,7 @@ def test_every_engine_fault_is_caught_in_every_torch_precision(dtype):
     cells = checker.negative_controls([sc])
     assert {c.status for c in cells} == {"detected"}, [(c.fault, c.status) for c in cells]
     assert {c.fault for c in cells} == set(checker.applicable_faults(sc)) == set(OPS["attention"].faults) & {
-        f for f, r in FAULTS.items() if r.engine}
+        f for f, r in FAULTS.items() if r.engine and r.derivative == "vjp"}
 
 
 def test_every_fault_name_is_one_record():
@@ -114,7 +132,7 @@ def test_every_fault_name_is_one_record():
 
 def test_block_catches_every_fault_of_its_parts():
     parts = ("attention", "attention-projections", "rope", "rmsnorm", "swiglu")
-    assert set(OPS["block"].faults) == {f for op in parts for f, rec in OPS[op].faults.items() if rec.engine}
+    assert set(OPS["block"].faults) == {f for op in parts for f in _borrowable(op)}
 
 
 # The shipped configs: each passes clean, and its negative-control matrix misses no applicable fault.

@@ -30,6 +30,7 @@ from .controls import (
     not_applicable_reason,
 )
 from .gradients import Progress, coloured, gradient_check, independence_checks
+from .tangents import jvp_checks
 
 __all__ = ["APPLICABLE_FACTOR", "DEFAULT_MEMORY_BUDGET", "SIZED_FACTOR", "Progress", "applicable_faults",
            "fault_applies", "fault_effect", "fault_sizes", "negative_controls", "run_scenario", "work_units"]
@@ -42,7 +43,8 @@ def work_units(sc: Scenario) -> int:
     """Number of perturbed elements / directions a scenario's gradient checks evaluate (for progress)."""
     op = OPS[sc.op]
     sizes = {t: math.prod(shape) for t, shape in op.shapes(sc).items()} if op.shapes else {}
-    per = {"full": lambda n: n, "sample": lambda n: min(sc.samples, n), "directional": lambda n: sc.directions}[sc.mode]
+    per = {"full": lambda n: n, "sample": lambda n: min(sc.samples, n), "directional": lambda n: sc.directions,
+           "jvp": lambda n: 2}[sc.mode]
     return sum(per(n) for n in sizes.values())
 
 
@@ -93,7 +95,9 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
         except ImplementationFailure as exc:
             independence = [failure_check("perturbations stay in their block", exc)]
     coupled = {c.tensor for c in independence if not c.passed}
-    for name, x in problem.inputs.items():
+    if sc.mode == "jvp":  # the forward-mode derivative instead of the gradients
+        checks.extend(jvp_checks(sc, problem, rng, progress))
+    for name, x in (problem.inputs.items() if sc.mode != "jvp" else ()):
         try:
             check, numeric_values, evidence[name] = gradient_check(sc, problem, name, x, active, rng, chunking,
                                                                     progress, numeric_cache, name not in coupled)
@@ -165,11 +169,15 @@ def _diagnose(sc: Scenario, problem, checks: list[Check], evidence: dict) -> tup
     out = []
     for c in checks:
         ev = evidence.get(c.tensor) if c.kind == "gradient" else None
-        if ev is not None and c.verdict == "fail" and sc.mode != "directional":
+        if ev is not None and c.verdict == "fail" and sc.mode not in ("directional", "jvp"):
             c = dataclasses.replace(c, diagnosis=diagnose.breakdown(c.tensor, ev, structure.get(c.tensor)))
         out.append(c)
     found = {name: ev for name, ev in evidence.items() if ev is not None}
     hints = list(problem.hints(found, out)) if problem.hints else []
+    failed_paths = [c.name[4:] for c in out if c.name in ("jvp q", "jvp k", "jvp v") and c.verdict == "fail"]
+    if failed_paths and len(failed_paths) < 3:
+        hints.append(f"the JVP is wrong along the tangent of {' and '.join(failed_paths)} only: look at that path of "
+                     "the forward-mode derivative (e.g. dS = scale (dQ K^T + Q dK^T), mu = sum_j A_ij dS_ij)")
     if sc.mode == "directional" and any(c.kind == "gradient" and c.verdict == "fail" for c in out):
         hints.append("directional mode cannot say which element is wrong: rerun with check: {mode: sample} "
                      "or {mode: full} to see where")

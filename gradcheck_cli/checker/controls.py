@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from ..numeric import SeedStream
 from ..ops import OPS
 from ..result import ScenarioResult
 from ..scenario import Scenario
@@ -19,7 +20,8 @@ APPLICABLE_FACTOR = 10.0
 def applicable_faults(sc: Scenario) -> tuple[str, ...]:
     """The faults of the scenario's op that apply to what it checks: the built-in engine's, or their
     interface variants on a user's implementation (``Fault.user``)."""
-    faults = OPS[sc.op].faults
+    derivatives = sc.derivatives
+    faults = {name: f for name, f in OPS[sc.op].faults.items() if f.forward or f.derivative in derivatives}
     if sc.implementation is None:
         return tuple(name for name, f in faults.items() if f.engine)
     return tuple(name for name, f in faults.items() if f.user is not None)
@@ -52,8 +54,13 @@ def fault_effect(sc: Scenario, fault: str, sizes: dict[str, float] | None = None
     largest = max([float(np.abs(g).max(initial=0.0)) for g in clean.gradients.values()] + [0.0])
     least = largest * max(float(np.sqrt(machine_epsilon(sc.dtype))), sc.tolerance)
     effects = [relative_error(clean.output, broken.output)[1]] if clean.output is not None else []
-    for t in clean.gradients:
-        a, b = clean.gradients[t], broken.gradients[t]
+    changed = dict(clean.gradients), dict(broken.gradients)
+    if "jvp" in sc.derivatives and clean.tangents is not None:  # the change to the output's tangent
+        draw = np.random.default_rng([sc.seed, SeedStream.DIFFERENCES])  # a random tangent of every input
+        tangent = {name: draw.standard_normal(x.shape).astype(x.dtype) for name, x in clean.inputs.items()}
+        changed[0]["jvp"], changed[1]["jvp"] = clean.tangents.jvp(tangent), broken.tangents.jvp(tangent)
+    for t in changed[0]:
+        a, b = changed[0][t], changed[1][t]
         max_abs = relative_error(a, b)[0]
         size = max(float(np.abs(a).max(initial=0.0)), float(np.abs(b).max(initial=0.0)), least)
         effects.append(max_abs / size if size > 0 else (0.0 if max_abs == 0 else float("inf")))

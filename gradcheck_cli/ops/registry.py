@@ -24,6 +24,25 @@ class Fault:
     engine: bool = True
     user: str | None = None
     sized: bool = False
+    derivative: str = "vjp"     # the derivative it breaks: vjp (the gradients) or jvp (the output's tangent)
+
+
+@dataclass(frozen=True)
+class Tangents:
+    """What the JVP checks (``check: {mode: jvp}``) need of an engine that computes a forward-mode derivative.
+
+    forward(q=..., k=..., v=...): the op's output with inputs replaced (they may carry extra leading axes of
+      perturbed copies). jvp(tangents): the analytic output tangent for tangents by input name (a missing input
+      has tangent 0). jvp_terms(tangents): per output element, the size of the terms the analytic tangent is
+      made of (its rounding). output_terms: per output element, the size of the terms of one forward (the
+      rounding of the differences). upstream: the G of L = sum(O * G), paired with ``Problem.gradients`` in
+      the adjoint identity.
+    """
+    forward: Callable[..., np.ndarray]
+    jvp: Callable[[dict], np.ndarray]
+    jvp_terms: Callable[[dict], np.ndarray]
+    output_terms: np.ndarray
+    upstream: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -87,6 +106,7 @@ class Problem:
     analytic_rounding: dict[str, np.ndarray] | None = None  # allowed rounding of each analytic gradient element
     nondeterministic: bool = False  # the implementation's forward changes from call to call
     compile_s: Callable[[], float] | None = None  # seconds a compiled flavour (JAX) has spent compiling so far
+    tangents: Tangents | None = None  # the engine's forward-mode derivative (mode jvp); None: it has none
 
 
 @dataclass(frozen=True)
@@ -205,6 +225,7 @@ class Op:
     colouring: bool = False                     # its output splits into independent blocks (``Problem.parts``)
     example: Mapping[str, Any] = field(default_factory=dict)  # scenario keys on which every engine fault applies
     non_finite: Callable[[Any], NonFinite] | None = None  # what NaN or inf in a scenario means for this op
+    tangent_engines: tuple[str, ...] = ()       # the engines that compute a JVP (``check: {mode: jvp}``)
 
     def problem(self, sc, faults=(), sizes: dict[str, float] | None = None) -> Problem:
         """The problem of scenario ``sc`` with ``faults`` injected (``sizes``: of the sized faults), from the

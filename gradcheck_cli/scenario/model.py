@@ -62,6 +62,12 @@ class Scenario:
     module: ModuleSpec | None = None  # the mapping form of ``implementation`` (factory, weights, call)
     convention: Convention = Convention()  # how an attention implementation is called (``convention:``)
 
+    @property
+    def derivatives(self) -> tuple[str, ...]:
+        """The derivatives the scenario checks: ``jvp`` (forward mode, ``check: {mode: jvp}``) or ``vjp``
+        (the gradients, every other mode). A fault of a derivative not checked does not apply."""
+        return ("jvp",) if self.mode == "jvp" else ("vjp",)
+
     def p(self, key: str):
         """The value of the op-specific key ``key``."""
         return dict(self.params)[key]

@@ -121,6 +121,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     factor, slack, nondet_tol, timeout = _user_code_policy(f)
     dtype, epsilon, tolerance, seed, mode, samples, directions, colouring = _precision_and_check(
         f, dtype, op_spec.colouring)
+    _jvp_applies(f, op_spec, mode, engine if backend == "numpy" and not f.has("implementation") else None)
 
     causal = "none" if f.raw("mask.causal") in (None, "none") else f.choice("mask.causal", masks.CAUSAL, "none")
     window = None
@@ -394,12 +395,28 @@ def _precision_and_check(f: _Fields, dtype: str, colouring_default: bool = True)
     return dtype, epsilon, tolerance, seed, mode, samples, directions, colouring and mode == "full"
 
 
+def _jvp_applies(f: _Fields, spec, mode: str, engine: str | None) -> None:
+    """``check: {mode: jvp}`` needs an engine that computes the JVP (``Op.tangent_engines``); ``engine`` is the
+    built-in engine that would check the scenario, None for a backend or an implementation of the user's."""
+    if mode != "jvp" or (engine is not None and engine in spec.tangent_engines):
+        return
+    which = ", ".join(f"engine: {e}" for e in spec.tangent_engines) or "none"
+    runs = f" (this scenario runs engine: {engine})" if engine is not None else \
+        "; a backend or implementation of yours is not supported yet"
+    raise f.error("check.mode", f"mode jvp checks the forward-mode derivative of a built-in engine that computes "
+                  f"it; op {spec.name} has it on: {which}{runs}",
+                  hint="use another check.mode" + (f", or engine: {spec.tangent_engines[0]}"
+                                                    if spec.tangent_engines else ""))
+
+
 def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memory_limit: int) -> Scenario:
     """A scenario of an op without attention keys: the shared keys, then the op's own (``Op.keys``)."""
     spec = OPS[op]
     batch = f.int("batch", 1)
     dtype = f.choice("dtype", spec.dtypes, "float64")
     dtype, epsilon, tolerance, seed, mode, samples, directions, _ = _precision_and_check(f, dtype, spec.colouring)
+    _jvp_applies(f, spec, mode, spec.engine_choices[0] if spec.engine_choices and not f.has("implementation")
+                 and not f.has("backend") else None)
     params = {key: _read_param(f, key, param) for key, param in spec.keys.items()}
     for key, message, hint in (spec.validate(params, {"batch": batch}) if spec.validate else []):
         raise f.error(key, message, hint=hint)

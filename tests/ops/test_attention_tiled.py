@@ -57,7 +57,8 @@ def _attention_scenarios():
         except pytest.skip.Exception:
             continue
         for sc in scs:
-            if sc.op == "attention" and sc.backend == "numpy" and sc.implementation is None:
+            # (mode jvp: the tiled engine computes no JVP yet)
+            if sc.op == "attention" and sc.backend == "numpy" and sc.implementation is None and sc.mode != "jvp":
                 yield sc
 
 

@@ -12,14 +12,25 @@ package but the shared machinery below ``ops``):
 from __future__ import annotations
 
 from ..registry import Engine, Interface, Op
-from .formulas import ENGINE_FAULTS, FAULTS, Gradients, attention_weights, backward, forward, repeat_kv, sum_groups
+from .formulas import (
+    ENGINE_FAULTS,
+    FAULTS,
+    JVP_FAULTS,
+    Gradients,
+    attention_weights,
+    backward,
+    forward,
+    jvp,
+    repeat_kv,
+    sum_groups,
+)
 from .inputs import seeded_inputs
 from .memory import need as memory_need
 from .overflow import non_finite
 from .rounding import output_term_sizes, output_terms, term_sizes
 
-__all__ = ["ENGINE_FAULTS", "FAULTS", "Gradients", "OP", "attention_weights", "backward", "forward", "repeat_kv",
-           "seeded_inputs", "sum_groups", "output_term_sizes", "output_terms", "term_sizes"]
+__all__ = ["ENGINE_FAULTS", "FAULTS", "JVP_FAULTS", "Gradients", "OP", "attention_weights", "backward", "forward",
+           "jvp", "repeat_kv", "seeded_inputs", "sum_groups", "output_term_sizes", "output_terms", "term_sizes"]
 
 
 def shapes(sc) -> dict:
@@ -35,7 +46,11 @@ def why_not(sc, fault: str) -> str | None:
         return "every key is visible to every query: there is no mask to ignore"
     if fault == "gqa-sum" and sc.heads_kv == sc.heads_q:
         return "no KV head is shared by several query heads"
-    if fault == "scale" and sc.scale == 1.0:
+    if fault in JVP_FAULTS and sc.mode != "jvp":
+        return "the scenario does not check the JVP (check: {mode: jvp})"
+    if fault == "jvp-mask" and sc.visible.all():
+        return "every key is visible to every query: there is no mask for the tangent to ignore"
+    if fault in ("scale", "jvp-scale") and sc.scale == 1.0:
         return "scale is 1: dropping it changes nothing"
     return None
 
@@ -77,4 +92,4 @@ OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradient
         shapes=shapes, why_not=why_not, non_finite=non_finite, memory=memory_need,
         backends=("numpy", "torch", "jax"), built_in_backends=("numpy", "torch"),
         dtypes=("float64", "float32", "float16", "bfloat16"), low_precision_backends=("torch", "jax"),
-        implementation=INTERFACE, colouring=True, example=EXAMPLE)
+        implementation=INTERFACE, colouring=True, example=EXAMPLE, tangent_engines=("naive",))

@@ -9,6 +9,9 @@ Forward (A.10.1-A.10.3):  S = scale * Q K^T on the visible set, A = softmax with
 O = A V. Backward (A.10.5-A.10.9): G_V = A^T G_O, G_A = G_O V^T, G_S = A * (G_A - rowsum(A * G_A)),
 G_Q = scale * G_S K, G_K = scale * G_S^T Q; K and V gradients summed over the query heads that
 share a KV head. The n x n softmax Jacobian is never built.
+
+JVP (forward mode) along tangents (dQ, dK, dV): dS = scale (dQ K^T + Q dK^T) on the visible set,
+mu_i = sum_j A_ij dS_ij, dO = (A * (dS - mu)) V + A dV (hidden entries have A = 0 and contribute nothing).
 """
 from __future__ import annotations
 
@@ -50,10 +53,24 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("leak-hidden-key", "one hidden key (the first in row-major order) is visible, in forward and backward",
           ("forward agrees with the reference",), forward=True, engine=False,
           user="shows the implementation that key as visible, in its forward and its backward"),
+    # Faults of the JVP (forward mode): they apply to scenarios that check it (check: {mode: jvp}) only.
+    Fault("jvp-centring", "JVP: dO = (A * dS) V + A dV, the centring term mu_i = sum_j A_ij dS_ij dropped",
+          ("jvp (random tangent)", "jvp q", "jvp k", "adjoint identity"), derivative="jvp"),
+    Fault("jvp-k-path", "JVP: dS = scale dQ K^T, the path of the K tangent (scale Q dK^T) dropped",
+          ("jvp (random tangent)", "jvp k", "adjoint identity"), derivative="jvp"),
+    Fault("jvp-scale", "JVP: dS loses the scale factor (no effect when scale = 1)",
+          ("jvp (random tangent)", "jvp q", "jvp k", "adjoint identity"), derivative="jvp"),
+    Fault("jvp-mask", "JVP: the tangent ignores the visible set (its A and dS are recomputed without it); "
+                      "the forward keeps it",
+          ("jvp (random tangent)", "jvp q", "jvp k", "jvp v", "adjoint identity"), derivative="jvp"),
 )}
 
-#: The faults of the built-in engines (the others act on a user's implementation only).
-ENGINE_FAULTS: dict[str, Fault] = {name: f for name, f in FAULTS.items() if f.engine}
+#: The faults of the built-in engines' forward and VJP (the others act on a user's implementation only, or on
+#: the JVP): what the ops composed of attention (projections, block), which have no JVP, borrow.
+ENGINE_FAULTS: dict[str, Fault] = {name: f for name, f in FAULTS.items() if f.engine and f.derivative == "vjp"}
+
+#: The faults of the JVP (forward mode), applicable where a scenario checks it.
+JVP_FAULTS = tuple(name for name, f in FAULTS.items() if f.derivative == "jvp")
 
 #: Built-in faults whose effect on a user's implementation is their change to the reference gradients.
 DIFFERENCE_FAULTS = ("softmax-term", "mask-backward", "scale", "gqa-sum")
@@ -148,3 +165,48 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     heads_kv, overwrite = k.shape[-3], "gqa-sum" in faults
     return Gradients(q=g_q, k=sum_groups(g_k, kv_map, heads_kv, overwrite=overwrite),
                      v=sum_groups(g_v, kv_map, heads_kv, overwrite=overwrite), s=g_s, a=a, ga=g_a)
+
+
+def _tangent_parts(q, k, visible, scale, kv_map, dq, dk, faults: Collection[str]):
+    """(A, dS) of the JVP, with the JVP faults applied; dS is 0 off the visible set."""
+    mask_off = "mask" in faults or "jvp-mask" in faults
+    a = attention_weights(q, k, visible, scale, kv_map, (*faults, "mask") if mask_off else faults)
+    s = 1.0 if "jvp-scale" in faults else scale
+    s_dot = np.zeros(a.shape, dtype=a.dtype)
+    if dq is not None:
+        s_dot += dq @ np.swapaxes(repeat_kv(k, kv_map), -1, -2)
+    if dk is not None and "jvp-k-path" not in faults:
+        s_dot += q @ np.swapaxes(repeat_kv(dk, kv_map), -1, -2)
+    s_dot *= np.asarray(s, dtype=a.dtype)
+    if not mask_off:
+        np.copyto(s_dot, 0, where=~visible)
+    return a, s_dot
+
+
+def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Collection[str] = ()) -> np.ndarray:
+    """JVP of :func:`forward` at (q, k, v) along tangents (dq, dk, dv) (None: zero), [..., B, Hq, n_q, d_value]:
+    dO = (A * (dS - mu)) V + A dV with dS = scale (dQ K^T + Q dK^T) on the visible set and
+    mu_i = sum_j A_ij dS_ij. GQA: K/V tangents are repeated like K/V. In the inputs' dtype."""
+    a, s_dot = _tangent_parts(q, k, visible, scale, kv_map, dq, dk, faults)
+    if "jvp-centring" not in faults:
+        s_dot -= (a * s_dot).sum(axis=-1, keepdims=True)
+    o_dot = (a * s_dot) @ repeat_kv(v, kv_map)
+    if dv is not None:
+        o_dot += a @ repeat_kv(dv, kv_map)
+    return o_dot
+
+
+def jvp_terms(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None) -> np.ndarray:
+    """The size of the terms each element of the JVP is made of (its rounding), in float64:
+    (A * (|dS| + |mu|)) |V| + A |dV|, with |dS| bounded by |scale| (|dQ| |K|^T + |Q| |dK|^T)."""
+    def f64(x):
+        return None if x is None else np.abs(np.asarray(x, dtype=np.float64))
+
+    qa, ka, va = f64(q), f64(k), f64(v)
+    a = attention_weights(np.asarray(q, np.float64), np.asarray(k, np.float64), visible, scale, kv_map)
+    _, s_abs = _tangent_parts(qa, ka, visible, abs(scale), kv_map, f64(dq), f64(dk), ())
+    s_abs += (a * s_abs).sum(axis=-1, keepdims=True)
+    out = (a * s_abs) @ repeat_kv(va, kv_map)
+    if dv is not None:
+        out += a @ repeat_kv(f64(dv), kv_map)
+    return out

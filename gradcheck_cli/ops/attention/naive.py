@@ -7,13 +7,13 @@ from collections.abc import Collection
 import numpy as np
 
 from ...numeric import SeedStream
-from ..registry import Problem
+from ..registry import Problem, Tangents
 from . import copies
-from .formulas import attention_weights, backward, forward
+from .formulas import attention_weights, backward, forward, jvp, jvp_terms
 from .inputs import seeded_inputs
 from .invariants import engine_invariants
 from .reference import diagnosis_fields
-from .rounding import Blocks, output_terms
+from .rounding import Blocks, output_term_sizes, output_terms
 
 
 def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None) -> Problem:
@@ -62,6 +62,12 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                 "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
                 "analytic_q": grads.q, "analytic_k": grads.k, "analytic_v": grads.v},
         output=o,
+        tangents=Tangents(
+            forward=lambda **moved: fast(**{**inputs, **moved}),
+            jvp=lambda t: jvp(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), faults),
+            jvp_terms=lambda t: jvp_terms(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v")),
+            output_terms=output_term_sizes(inputs, lambda span: a[..., span, :], scale, kv_map),
+            upstream=g),
         parts=blocks.parts,
         loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
         **diagnosis_fields(sc),

@@ -1,0 +1,126 @@
+"""The JVP checks (``check: {mode: jvp}``): the analytic output tangent of an engine against central differences
+of its forward along the same tangent, all output elements at once (one pair of forwards per direction), with
+the noise floor, Richardson's estimate and verdict of the gradient checks; and the adjoint identity between the
+JVP and the VJP."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import diagnose, numeric, verdict
+from ..result import Check, Kind
+from ..scenario import Scenario
+from ..tolerance import EPS64, INVARIANT_ULPS, machine_epsilon, passes, relative_error
+
+
+def directions(names) -> list[tuple[str, tuple[str, ...]]]:
+    """The directions checked: a random tangent of every input at once, then each input's alone (so that a
+    wrong path of the JVP is located)."""
+    return [("jvp (random tangent)", tuple(names))] + [(f"jvp {n}", (n,)) for n in names]
+
+
+#: Probes of the Richardson estimate: the worst margins and as many at random.
+PROBES = 8
+
+
+def _difference(tangents, inputs: dict, draws: dict, names, h: float):
+    """(numeric tangent in float64, the tangent really taken): (O(x + h t) - O(x - h t)) / 2h, with t the
+    perturbation that rounding left ((x + h t) - (x - h t)) / 2h."""
+    plus, minus, taken = {}, {}, {}
+    for n in names:
+        x = inputs[n]
+        step = (h * draws[n]).astype(x.dtype)
+        plus[n], minus[n] = x + step, x - step
+        taken[n] = (plus[n].astype(np.float64) - minus[n].astype(np.float64)) / (2 * h)
+    both = tangents.forward(**{n: np.stack([plus[n], minus[n]]) for n in names})
+    num = (both[0].astype(np.float64) - both[1].astype(np.float64)) / (2 * h)
+    return num, taken
+
+
+def jvp_checks(sc: Scenario, problem, rng: np.random.Generator, progress=None) -> list[Check]:
+    """One gradient-kind check per direction (tensor ``o``), and the invariant ``adjoint identity``."""
+    tangents, inputs = problem.tangents, problem.inputs
+    eps_m = machine_epsilon(problem.compute_dtype or sc.dtype)
+    size_of = problem.step_sizes or {}
+    h = max(float(numeric.step_size(float(np.max(np.abs(x))), sc.epsilon, size_of.get(n, 1.0)))
+            for n, x in inputs.items())
+    draws = {}
+    for n, x in inputs.items():
+        t = rng.standard_normal(x.shape)
+        draws[n] = t / max(float(np.max(np.abs(t))), 1e-300)  # every element moves by h at most
+    checks = []
+    for label, names in directions(inputs):
+        num, taken = _difference(tangents, inputs, draws, names, h)
+        num_half, _ = _difference(tangents, inputs, draws, names, h / 2)
+        t_dtype = {n: taken[n].astype(inputs[n].dtype) for n in names}
+        ana = tangents.jvp(t_dtype).astype(np.float64)
+        floor = (eps_m * tangents.output_terms / h + EPS64 * np.abs(num)
+                 + eps_m * tangents.jvp_terms(t_dtype))
+        checks.append(_judge(sc, problem, label, ana, num, num_half, floor, rng))
+        if progress:
+            progress(len(names))
+    checks.append(adjoint_identity(sc, problem, {n: draws[n].astype(x.dtype) for n, x in inputs.items()}, eps_m))
+    return checks
+
+
+def _judge(sc, problem, label, ana, num, num_half, floor, rng) -> Check:
+    shape = ana.shape
+    ana, num, num_half, floor = (np.ravel(x) for x in (ana, num, num_half, floor))
+    max_abs, rel, worst = relative_error(ana, num)
+    ok, noise = passes(ana, num, sc.tolerance, floor)
+    size = max(float(np.abs(ana).max(initial=0.0)), float(np.abs(num).max(initial=0.0)))
+    allowed = sc.tolerance * size + floor
+    disc = np.abs(ana - num)
+    order = np.argsort(allowed - disc)
+    probe = np.unique(np.concatenate([order[:PROBES], rng.choice(len(num), size=min(PROBES, len(num)),
+                                                                 replace=False)]))
+    with np.errstate(invalid="ignore"):
+        fd_err = 4.0 / 3.0 * np.abs(num - num_half)
+    moving = (num[probe] != 0) | (num_half[probe] != 0)
+    pooled = verdict.pooled_scale(fd_err[probe][moving], floor[probe][moving])
+    estimate = verdict.estimate(fd_err, floor, pooled)
+    fd_error = float(fd_err[probe].max(initial=0.0))
+    if not np.isfinite(fd_err[probe]).all():
+        outcome = "pass" if ok else "fail"
+    else:
+        outcome = "pass" if ok else verdict.decide(disc[probe], allowed[probe], estimate[probe])
+    top_floor = float(np.max(floor, initial=0.0))
+    blind = outcome == "pass" and top_floor > verdict.POWER_LIMIT * size
+    if blind:
+        outcome = "inconclusive"
+    power = verdict.detectable(ana, num, allowed, estimate) if outcome == "pass" else None
+    index = tuple(int(i) for i in np.unravel_index(int(worst), shape))
+    detail = (f"worst at o[{', '.join(map(str, index))}]: analytic {ana[worst]:.9g}, numeric {num[worst]:.9g}; "
+              f"{len(num)} output elements, one pair of forwards; finite-difference error ~{fd_error:.2g}")
+    if blind:
+        detail += (f"; no power: the largest noise floor ({top_floor:.2g}) is over {verdict.POWER_LIMIT:.0%} of the "
+                   f"largest tangent ({size:.2g}): use float64 or a larger epsilon")
+    elif outcome == "inconclusive":
+        detail += "; the finite differences are too inaccurate here to decide: use float64 or another epsilon"
+    diagnosis = None
+    if outcome == "fail":
+        structure = (problem.structure or {}).get("q")
+        ev = diagnose.Evidence(ana.reshape(shape), num.reshape(shape), allowed.reshape(shape))
+        diagnosis = diagnose.breakdown("o", ev, structure)
+    return Check(kind=Kind.GRADIENT, name=label, tensor="o", shape=tuple(shape), max_abs_error=max_abs,
+                 relative_error=rel, tolerance=sc.tolerance, noise_floor=noise, worst_index=index,
+                 passed=outcome == "pass", detail=detail, verdict=outcome, fd_error=fd_error, detectable=power,
+                 diagnosis=diagnosis)
+
+
+def adjoint_identity(sc, problem, tangent: dict, eps_m: float) -> Check:
+    """<dO, G> = sum over inputs of <dX, G_X>: the JVP along ``tangent`` against the VJP of the upstream G
+    (``Problem.gradients``), to INVARIANT_ULPS x eps x the terms both sides sum."""
+    tg = problem.tangents
+    g = tg.upstream.astype(np.float64)
+    lhs = float(np.sum(tg.jvp(tangent).astype(np.float64) * g))
+    rhs = float(sum(np.sum(tangent[n].astype(np.float64) * problem.gradients[n].astype(np.float64))
+                    for n in tangent))
+    terms = float(np.sum(tg.jvp_terms(tangent) * np.abs(g)))
+    bound = INVARIANT_ULPS * (eps_m + EPS64) * terms
+    gap = abs(lhs - rhs)
+    return Check(kind=Kind.INVARIANT, name="adjoint identity", tensor="o", shape=tuple(g.shape),
+                 max_abs_error=gap, relative_error=gap / max(abs(lhs), abs(rhs), 1e-300), tolerance=bound,
+                 noise_floor=0.0, worst_index=None, passed=bool(gap <= bound),
+                 detail=f"<dO, G> = {lhs:.12g} and <dQ, G_Q> + <dK, G_K> + <dV, G_V> = {rhs:.12g} along a random "
+                        f"tangent (the JVP against the VJP); allowed {INVARIANT_ULPS} ulps of {sc.dtype} of the "
+                        f"terms ({bound:.2g})")
