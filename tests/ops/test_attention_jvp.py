@@ -19,6 +19,9 @@ MASKS = {
     "causal+padding": dict(causal="lower-right", key_lengths=[10, 7]),
 }
 
+# torch.func.jvp of SDPA goes through torch.jit.script, which warns that it is deprecated (torch 2.13)
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+
 
 def _case(mask, dtype=np.float64, heads=(4, 2), seed=0):
     rng = np.random.default_rng(seed)
