@@ -68,6 +68,9 @@ def test_every_op_declares_an_example():
     """``Op.example``: the scenario keys the contract checks each op on."""
     assert all(op.example for op in OPS.values()), [name for name, op in OPS.items() if not op.example]
     assert set(ENGINES) <= set(OPS)
+    # the JVP faults run on every engine that computes a JVP (the tiled one included)
+    assert all(set(op.tangent_engines) <= set(ENGINES.get(name, {"naive": {}})) for name, op in OPS.items())
+    assert {"naive", "tiled"} <= set(OPS["attention"].tangent_engines)
 
 
 def _engines():

@@ -108,9 +108,13 @@ JVP_SCENARIO = dict(batch=2, heads_q=4, heads_kv=2, n_q=5, n_k=9, d_head=8, chec
                     mask={"causal": "lower-right", "key_lengths": [9, 6]})
 
 
+ENGINES = {"naive": {}, "tiled": dict(engine="tiled", block_q=2, block_k=4)}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_mode_jvp_passes_clean_with_its_rows(dtype):
-    result = checker.run_scenario(make(**JVP_SCENARIO, dtype=dtype))
+def test_mode_jvp_passes_clean_with_its_rows(dtype, engine):
+    result = checker.run_scenario(make(**JVP_SCENARIO, **ENGINES[engine], dtype=dtype))
     assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
     names = [c.name for c in result.checks]
     assert names[:5] == ["jvp (random tangent)", "jvp q", "jvp k", "jvp v", "adjoint identity"]
@@ -118,8 +122,9 @@ def test_mode_jvp_passes_clean_with_its_rows(dtype):
     assert all(c.detectable is not None and c.detectable < 0.05 for c in result.checks[:4])
 
 
-def test_every_jvp_fault_is_detected_and_the_wrong_path_located():
-    sc = make(**JVP_SCENARIO)
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_every_jvp_fault_is_detected_and_the_wrong_path_located(engine):
+    sc = make(**JVP_SCENARIO, **ENGINES[engine])
     cells = checker.negative_controls([sc])
     assert {c.fault for c in cells if c.status == "detected"} >= set(JVP_FAULTS)
     k_path = checker.run_scenario(sc, ("jvp-k-path",))
@@ -140,8 +145,7 @@ def test_adjoint_identity_catches_a_jvp_that_disagrees_with_a_correct_vjp():
 
 
 def test_mode_jvp_is_refused_where_no_engine_computes_it():
-    with pytest.raises(ScenarioError, match="mode jvp"):
-        make(**JVP_SCENARIO, engine="tiled")
+    assert make(**JVP_SCENARIO, engine="tiled").engine == "tiled"  # both built-in engines compute it
     with pytest.raises(ScenarioError, match="mode jvp"):
         make(op="rmsnorm", check={"mode": "jvp"})
     sc = make(**JVP_SCENARIO)

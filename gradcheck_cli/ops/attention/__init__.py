@@ -92,4 +92,4 @@ OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradient
         shapes=shapes, why_not=why_not, non_finite=non_finite, memory=memory_need,
         backends=("numpy", "torch", "jax"), built_in_backends=("numpy", "torch"),
         dtypes=("float64", "float32", "float16", "bfloat16"), low_precision_backends=("torch", "jax"),
-        implementation=INTERFACE, colouring=True, example=EXAMPLE, tangent_engines=("naive",))
+        implementation=INTERFACE, colouring=True, example=EXAMPLE, tangent_engines=("naive", "tiled"))

@@ -11,6 +11,11 @@ bool array [B, Hq, n_q, n_k] or a callable ``visible(rows, cols)`` returning the
 not be materialised either; ``masks.blockwise``). The named faults are the same bugs as the naive
 engine's: ``softmax-term`` (D = 0), ``mask`` (no mask anywhere), ``mask-backward`` (P recomputed
 without it), ``scale`` (G_Q, G_K without the scale), ``gqa-sum`` (the last query head of a group wins).
+
+The JVP (forward mode, ``jvp``) walks the same blocks: beside m, l and the accumulator it keeps the running
+sums of exp(S - m) dS, exp(S - m) dS V and exp(S - m) dV, and ends with mu = sum exp(S - m) dS / l and
+dO = (sum exp(S - m) dS V - mu sum exp(S - m) V + sum exp(S - m) dV) / l; its faults (``jvp-*``) are the
+naive engine's too.
 """
 from __future__ import annotations
 
@@ -21,13 +26,13 @@ import numpy as np
 from ... import invariants, precision
 from ...numeric import SeedStream
 from ...tolerance import ENGINE_AGREEMENT_ULPS, INVARIANT_ULPS
-from ..registry import Problem
+from ..registry import Problem, Tangents
 from . import formulas
 from .formulas import DEFAULT_BLOCK, repeat_kv, sum_groups
 from .inputs import seeded_inputs
 from .invariants import output_invariants
 from .reference import diagnosis_fields
-from .rounding import Blocks, output_terms, term_sizes
+from .rounding import TERM_ROWS, Blocks, output_term_sizes, output_terms, term_sizes
 
 
 def _block(visible, rows: slice, cols: slice):
@@ -74,6 +79,82 @@ def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), block
         if with_lse:
             lse[..., rows] = (m + np.log(l))[..., 0]
     return (out, lse) if with_lse else out
+
+
+def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Collection[str] = (),
+        block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK):
+    """JVP of :func:`forward` along tangents (dq, dk, dv) (None: zero), [..., B, Hq, n_q, d_value]: the same
+    function as ``formulas.jvp`` in exact arithmetic, by blocks with an online softmax and no n_q x n_k array.
+    Beside the forward's running max m, l = sum_j exp(S_ij - m) and acc_o = sum_j exp(S_ij - m) V_j, each
+    query block keeps acc_s = sum_j exp(S_ij - m) dS_ij, acc_sv = sum_j exp(S_ij - m) dS_ij V_j and
+    acc_dv = sum_j exp(S_ij - m) dV_j (all rescaled by exp(m_old - m_new) when m grows); at the end
+    mu = acc_s / l and dO = (acc_sv - mu acc_o + acc_dv) / l, with dS = scale (dQ K^T + Q dK^T) on the visible
+    set (hidden entries contribute nothing). The JVP faults are the naive engine's: ``jvp-centring`` (mu
+    dropped), ``jvp-k-path`` (no Q dK^T), ``jvp-scale`` (dS without the scale), ``jvp-mask`` (the tangent's A
+    and dS without the visible set; so is ``mask``)."""
+    masked = "mask" not in faults and "jvp-mask" not in faults
+    k_rep, v_rep = repeat_kv(k, kv_map), repeat_kv(v, kv_map)
+    k_scaled = k_rep * np.asarray(scale, dtype=q.dtype)  # S exactly as the forward forms it
+    dk_rep = None if dk is None or "jvp-k-path" in faults else repeat_kv(dk, kv_map)
+    dv_rep = None if dv is None else repeat_kv(dv, kv_map)
+    present = [x for x in (q, k_rep, v_rep, dq, dk_rep, dv_rep) if x is not None]
+    lead = np.broadcast_shapes(*(x.shape[:-2] for x in present))
+    dtype = np.result_type(*present)
+    s_dot_scale = np.asarray(1.0 if "jvp-scale" in faults else scale, dtype=dtype)
+    n_q, n_k, d_value = q.shape[-2], k.shape[-2], v.shape[-1]
+    out = np.empty(lead + (n_q, d_value), dtype=dtype)
+    for rows in _spans(n_q, block_q):
+        q_blk = q[..., rows, :]
+        dq_blk = None if dq is None else dq[..., rows, :]
+        m = np.full(lead + (rows.stop - rows.start, 1), -np.inf, dtype=dtype)
+        l, acc_s = np.zeros_like(m), np.zeros_like(m)
+        acc_o = np.zeros(lead + (rows.stop - rows.start, d_value), dtype=dtype)
+        acc_sv, acc_dv = np.zeros_like(acc_o), np.zeros_like(acc_o)
+        for cols in _spans(n_k, block_k):
+            vis = _block(visible, rows, cols) if masked else None
+            if vis is not None and not vis.any():
+                continue  # a block no query sees contributes nothing
+            s = q_blk @ np.swapaxes(k_scaled[..., cols, :], -1, -2)
+            top = np.max(s, axis=-1, keepdims=True, where=vis, initial=-np.inf) if vis is not None \
+                else s.max(axis=-1, keepdims=True)
+            m_new = np.maximum(m, top)
+            base = np.where(np.isfinite(m_new), m_new, 0.0)  # rows that have seen no key yet
+            with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+                p = np.exp(s - base)
+            s_dot = np.zeros(p.shape, dtype=dtype)
+            if dq_blk is not None:
+                s_dot = s_dot + dq_blk @ np.swapaxes(k_rep[..., cols, :], -1, -2)
+            if dk_rep is not None:
+                s_dot = s_dot + q_blk @ np.swapaxes(dk_rep[..., cols, :], -1, -2)
+            s_dot *= s_dot_scale
+            if vis is not None:
+                p = np.where(vis, p, 0.0)
+                s_dot = np.where(vis, s_dot, 0.0)
+            rescale = np.exp(m - base)  # 0 while m is -inf: nothing accumulated yet
+            p_dot = p * s_dot
+            v_blk = v_rep[..., cols, :]
+            l = l * rescale + p.sum(axis=-1, keepdims=True)
+            acc_o = acc_o * rescale + p @ v_blk
+            acc_s = acc_s * rescale + p_dot.sum(axis=-1, keepdims=True)
+            acc_sv = acc_sv * rescale + p_dot @ v_blk
+            if dv_rep is not None:
+                acc_dv = acc_dv * rescale + p @ dv_rep[..., cols, :]
+            m = m_new
+        o_dot = acc_sv + acc_dv
+        if "jvp-centring" not in faults:
+            o_dot -= (acc_s / l) * acc_o
+        out[..., rows, :] = o_dot / l
+    return out
+
+
+def jvp_terms_by_rows(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, rows: int = TERM_ROWS):
+    """``formulas.jvp_terms`` (the size of the terms of each element of the JVP) a block of ``rows`` query rows
+    at a time, so that it needs O(rows x n_k) memory: each row's terms depend on its own query row alone."""
+    out = np.empty(q.shape[:-1] + (v.shape[-1],))
+    for span in _spans(q.shape[-2], rows):
+        out[..., span, :] = formulas.jvp_terms(q[..., span, :], k, v, _block(visible, span, slice(None)), scale,
+                                               kv_map, None if dq is None else dq[..., span, :], dk, dv)
+    return out
 
 
 def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = (), block_q: int = DEFAULT_BLOCK,
@@ -212,6 +293,13 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g, "scale": np.asarray(scale),
                 "kv_map": kv_map, "output": o, "lse": lse, "analytic_q": g_q, "analytic_k": g_k, "analytic_v": g_v},
         output=o,
+        tangents=Tangents(
+            forward=lambda **moved: fwd(**{**inputs, **moved}),
+            jvp=lambda t: jvp(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), faults, bq, bk),
+            jvp_terms=lambda t: jvp_terms_by_rows(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"),
+                                                  t.get("v")),
+            output_terms=output_term_sizes(inputs, a_rows, scale, kv_map),
+            upstream=g),
         parts=blocks.parts,
         loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
         **diagnosis_fields(sc),
