@@ -43,6 +43,21 @@ def _spans(n: int, size: int) -> list[slice]:
     return [slice(a, min(a + size, n)) for a in range(0, n, size)]
 
 
+def _online(s, vis, m):
+    """One key block of an online softmax: (P, m_new, rescale) for the block's scores ``s`` (``vis``: its
+    visible entries, None for all) given the running max ``m``: P = exp(S - m_new) on the visible entries (0
+    elsewhere), and rescale = exp(m - m_new), the factor of what was accumulated so far."""
+    top = np.max(s, axis=-1, keepdims=True, where=vis, initial=-np.inf) if vis is not None \
+        else s.max(axis=-1, keepdims=True)
+    m_new = np.maximum(m, top)
+    base = np.where(np.isfinite(m_new), m_new, 0.0)  # rows that have seen no key yet
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        p = np.exp(s - base)
+    if vis is not None:
+        p = np.where(vis, p, 0.0)
+    return p, m_new, np.exp(m - base)  # rescale 0 while m is -inf: nothing accumulated yet
+
+
 def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), block_q: int = DEFAULT_BLOCK,
             block_k: int = DEFAULT_BLOCK, with_lse: bool = False):
     """O [..., B, Hq, n_q, d_value] (and LSE [..., B, Hq, n_q] with ``with_lse``)."""
@@ -62,16 +77,7 @@ def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), block
             vis = _block(visible, rows, cols) if masked else None
             if vis is not None and not vis.any():
                 continue  # a block no query sees: skipped, as FlashAttention does
-            s = q_blk @ np.swapaxes(k_rep[..., cols, :], -1, -2)
-            top = np.max(s, axis=-1, keepdims=True, where=vis, initial=-np.inf) if vis is not None \
-                else s.max(axis=-1, keepdims=True)
-            m_new = np.maximum(m, top)
-            base = np.where(np.isfinite(m_new), m_new, 0.0)  # rows that have seen no key yet
-            with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-                p = np.exp(s - base)
-            if vis is not None:
-                p = np.where(vis, p, 0.0)
-            rescale = np.exp(m - base)  # 0 while m is -inf: nothing accumulated yet
+            p, m_new, rescale = _online(q_blk @ np.swapaxes(k_rep[..., cols, :], -1, -2), vis, m)
             l = l * rescale + p.sum(axis=-1, keepdims=True)
             acc = acc * rescale + p @ v_rep[..., cols, :]
             m = m_new
@@ -114,13 +120,7 @@ def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Coll
             vis = _block(visible, rows, cols) if masked else None
             if vis is not None and not vis.any():
                 continue  # a block no query sees contributes nothing
-            s = q_blk @ np.swapaxes(k_scaled[..., cols, :], -1, -2)
-            top = np.max(s, axis=-1, keepdims=True, where=vis, initial=-np.inf) if vis is not None \
-                else s.max(axis=-1, keepdims=True)
-            m_new = np.maximum(m, top)
-            base = np.where(np.isfinite(m_new), m_new, 0.0)  # rows that have seen no key yet
-            with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-                p = np.exp(s - base)
+            p, m_new, rescale = _online(q_blk @ np.swapaxes(k_scaled[..., cols, :], -1, -2), vis, m)
             s_dot = np.zeros(p.shape, dtype=dtype)
             if dq_blk is not None:
                 s_dot = s_dot + dq_blk @ np.swapaxes(k_rep[..., cols, :], -1, -2)
@@ -128,9 +128,7 @@ def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Coll
                 s_dot = s_dot + q_blk @ np.swapaxes(dk_rep[..., cols, :], -1, -2)
             s_dot *= s_dot_scale
             if vis is not None:
-                p = np.where(vis, p, 0.0)
                 s_dot = np.where(vis, s_dot, 0.0)
-            rescale = np.exp(m - base)  # 0 while m is -inf: nothing accumulated yet
             p_dot = p * s_dot
             v_blk = v_rep[..., cols, :]
             l = l * rescale + p.sum(axis=-1, keepdims=True)
