@@ -88,7 +88,7 @@ def from_module(built, spec, order: tuple[str, ...], arg_names: tuple[str, ...],
     or a pair (fn, params) with fn(params, *args) -> y. Each mapped leaf of the parameters (a dotted path;
     a linen path may leave out its leading ``params.``) is replaced by its expression of the op's tensors, the
     module called with ``spec.call`` and, when it returns a tuple or list, its first element taken. Returns
-    (f, mapped, frozen, nonzero): nonzero, the frozen leaves that are not zero."""
+    (f, frozen, nonzero): the leaves not replaced, and those of them that are not zero."""
     from ..implementation.modules import expression_shape, fitted, suggest
     apply, params = _functional(built, spec.factory)
     leaves = dict(_flatten(params))
@@ -114,7 +114,7 @@ def from_module(built, spec, order: tuple[str, ...], arg_names: tuple[str, ...],
         out = apply(p, **dict(zip(spec.keywords, args))) if spec.keywords is not None else apply(p, *args)
         return out[0] if isinstance(out, (tuple, list)) and out else out
 
-    return f, [path for path, _ in spec.weights], frozen, nonzero
+    return f, frozen, nonzero
 
 
 def _functional(built, factory: str):

@@ -71,8 +71,8 @@ def from_module(module, spec, order: tuple[str, ...], arg_names: tuple[str, ...]
     (``implementation.modules.ModuleSpec``): each mapped parameter replaced by its expression of the op's
     tensors (``torch.func.functional_call``, so autograd reaches them), the module called with ``spec.call``
     and, when it returns a tuple or list, its first element taken. The module is put in ``dtype`` on
-    ``device`` and in eval mode (dropout off). Returns (f, mapped, frozen, nonzero): the parameters replaced,
-    the others (kept as built, not differentiated), and those of them that are not zero."""
+    ``device`` and in eval mode (dropout off). Returns (f, frozen, nonzero): the parameters
+    not replaced (kept as built, not differentiated), and those of them that are not zero."""
     from ..implementation.modules import expression_shape, fitted, suggest
     if not isinstance(module, torch.nn.Module):
         raise ImplementationFailure(f"the factory {spec.factory} must return a torch.nn.Module, got "
@@ -103,4 +103,4 @@ def from_module(module, spec, order: tuple[str, ...], arg_names: tuple[str, ...]
             out = torch.func.functional_call(module, weights, args)
         return out[0] if isinstance(out, (tuple, list)) and out else out
 
-    return f, mapped, frozen, nonzero
+    return f, frozen, nonzero

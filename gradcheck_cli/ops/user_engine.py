@@ -191,17 +191,17 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
             grads = {t: (grads[t] + w - r).astype(dt) for t, w, r in zip(order, wrong, right)}
         return grads
 
-    def reference_output() -> np.ndarray:
-        return op.forward(*(v.astype(np.float64) for v in op.inputs.values()),
-                          *(a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a
-                            for a in op.args.values()))
+    def computed(dtype) -> dict:
+        xs = [v.astype(dtype) for v in op.inputs.values()]
+        return {"o": op.forward(*xs, *op.args.values()),
+                **dict(zip(order, op.backward(*xs, *op.args.values(), op.g.astype(dtype), ())))}
 
-    def other_conventions(y_now) -> list[str]:
-        """Why the forward disagrees (``y_now``) or fails (None), where the code tells: another mask
-        convention it agrees with, a frozen parameter that changes it, arguments ``call`` left out."""
+    def other_conventions(y_now, target: np.ndarray) -> list[str]:
+        """Why the forward disagrees with the float64 reference output ``target`` (giving ``y_now``) or fails
+        (None), where the code tells: another mask convention it agrees with, a frozen parameter that changes
+        it, a mask ``call`` leaves out, a square weight's missing transpose."""
         found = []
         if "visible" in op.args and sc.convention.mask in MASKS:
-            target = reference_output()
             wrong = None if y_now is None else float(np.max(np.abs(y_now.astype(np.float64) - target), initial=0.0))
             for key, value, conv in sc.convention.alternatives():
                 if key != "mask" and key != "mask_heads":
@@ -220,7 +220,7 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
                     break
         found += module_hints
         if y_now is not None and not found:  # a square weight mapped without its transpose (or with one too many)
-            target, wrong = reference_output(), float(np.max(np.abs(y_now.astype(np.float64) - reference_output())))
+            wrong = float(np.max(np.abs(y_now.astype(np.float64) - target)))
             for text, user in transposed():
                 try:
                     other = implementation.call(flavoured(user).forward, "forward",
@@ -237,7 +237,7 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
     try:
         y = call_forward(op.inputs)
     except implementation.ImplementationFailure as exc:
-        hints = other_conventions(None)
+        hints = other_conventions(None, computed(np.float64)["o"])
         if hints and exc.hint is None:
             exc.hint = "; ".join(hints)
         raise
@@ -245,11 +245,6 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
     again = {"o": call_forward(op.inputs), **gradients(None, None)}
     results = {"o": y, **grads}
     deterministic = implementation.determinism("forward and backward", results, again, sc.nondet_tol)
-
-    def computed(dtype) -> dict:
-        xs = [v.astype(dtype) for v in op.inputs.values()]
-        return {"o": op.forward(*xs, *op.args.values()),
-                **dict(zip(order, op.backward(*xs, *op.args.values(), op.g.astype(dtype), ())))}
 
     reference = computed(np.float64)
     terms = op.terms(op.inputs, op.args, op.g)
@@ -273,7 +268,7 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
     def hints(evidence, checks) -> list[str]:
         if not any(c.name == FORWARD_CHECK and c.verdict == "fail" for c in checks):
             return []
-        return other_conventions(y) + convention_hints(checks, y, reference["o"], op.alternatives)
+        return other_conventions(y, reference["o"]) + convention_hints(checks, y, reference["o"], op.alternatives)
     problem.hints = hints
     return problem
 
@@ -310,7 +305,7 @@ def _from_module(sc, factory, order: tuple[str, ...], arg_names: tuple[str, ...]
             built = modules.build(factory, available, sc.implementation)
             made = jax_flavour.from_module(built, sc.module, order, arg_names, shapes)
         _MODULES[key] = (factory,) + made  # the factory kept: its id stays its own
-    f, mapped, frozen, nonzero = _MODULES[key][1:]
+    f, frozen, nonzero = _MODULES[key][1:]
 
     def transposed() -> list:
         """(what to write, the module's callable) with one square weight's expression transposed (for the hint
