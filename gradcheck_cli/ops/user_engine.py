@@ -287,24 +287,17 @@ _MODULES: dict[tuple, tuple] = {}
 
 
 def _from_module(sc, factory, order: tuple[str, ...], arg_names: tuple[str, ...], shapes: dict) -> tuple:
-    """(f, rows, hints): the one callable f(*inputs, *args) of the module the scenario's factory builds
-    (``implementation.modules``), in its flavour; a passing ``implementation`` row that lists the parameters
-    checked and those frozen; and what to say when its forward disagrees with the reference (frozen
-    parameters that are not zero, a mask ``call`` does not pass)."""
+    """(f, rows, hints, transposed): the one callable f(*inputs, *args) of the module the scenario's factory
+    builds (``implementation.modules``), in its flavour; a passing ``implementation`` row that lists the
+    parameters checked and those frozen; what to say when its forward disagrees with the reference (frozen
+    parameters that are not zero, a mask ``call`` does not pass); and ``transposed()``, the module with one
+    square weight's expression transposed, for the hint of a missing ``.T``."""
     from ..implementation import modules
     available = modules.sizes(sc, sc.n_q > 0)  # n_q is 0 outside the attention family
     key = (id(factory), sc.module, repr(sorted(available.items())), sc.backend)
     if key not in _MODULES:
-        if sc.backend == "torch":
-            from . import torch_flavour
-            built = modules.build(factory, available, sc.implementation)
-            made = torch_flavour.from_module(built, sc.module, order, arg_names, shapes, sc.dtype, sc.device)
-        else:
-            from . import jax_flavour
-            jax_flavour.enable(sc.dtype)
-            built = modules.build(factory, available, sc.implementation)
-            made = jax_flavour.from_module(built, sc.module, order, arg_names, shapes)
-        _MODULES[key] = (factory,) + made  # the factory kept: its id stays its own
+        _MODULES[key] = (factory,) + _module(sc, factory, available, sc.module, order, arg_names, shapes)
+        # the factory kept: its id stays its own
     f, frozen, nonzero = _MODULES[key][1:]
 
     def transposed() -> list:
@@ -322,9 +315,9 @@ def _from_module(sc, factory, order: tuple[str, ...], arg_names: tuple[str, ...]
                            expr.transpose) for j, p in enumerate(expr.parts) if square(p)]
             for flipped in flips:
                 weights = sc.module.weights[:i] + ((path, flipped),) + sc.module.weights[i + 1:]
-                out.append((f"{path}: {flipped}", _variant(sc, factory, available,
-                                                           dataclasses.replace(sc.module, weights=weights),
-                                                           order, arg_names, shapes)))
+                out.append((f"{path}: {flipped}", _module(sc, factory, available,
+                                                          dataclasses.replace(sc.module, weights=weights),
+                                                          order, arg_names, shapes)[0]))
         return out
     weights = ", ".join(f"{path} <- {expr}" for path, expr in sc.module.weights) or "none"
     call = ", ".join(f"{k}={n}" for k, n in zip(sc.module.keywords, sc.module.call)) if sc.module.keywords \
@@ -345,15 +338,17 @@ def _from_module(sc, factory, order: tuple[str, ...], arg_names: tuple[str, ...]
                      detail=detail)], hints, transposed
 
 
-def _variant(sc, factory, available: dict, spec, order, arg_names, shapes):
-    """The callable of the scenario's module with weights ``spec`` (a fresh build of the factory)."""
+def _module(sc, factory, available: dict, spec, order, arg_names, shapes) -> tuple:
+    """(f, frozen, nonzero) of a fresh build of the scenario's factory with weights ``spec``, in its flavour."""
     from ..implementation import modules
-    built = modules.build(factory, available, sc.implementation)
     if sc.backend == "torch":
         from . import torch_flavour
-        return torch_flavour.from_module(built, spec, order, arg_names, shapes, sc.dtype, sc.device)[0]
+        built = modules.build(factory, available, sc.implementation)
+        return torch_flavour.from_module(built, spec, order, arg_names, shapes, sc.dtype, sc.device)
     from . import jax_flavour
-    return jax_flavour.from_module(built, spec, order, arg_names, shapes)[0]
+    jax_flavour.enable(sc.dtype)
+    built = modules.build(factory, available, sc.implementation)
+    return jax_flavour.from_module(built, spec, order, arg_names, shapes)
 
 
 def convention_hints(checks, y: np.ndarray, reference: np.ndarray, alternatives: Mapping) -> list[str]:
