@@ -192,11 +192,19 @@ def _verdict(sc, problem, name, x, ana, num, allowed, floor, sites, ok, directio
     else:
         num_half = numeric.elements(lambda c: problem.loss(name, c), x, sites[probe], half, chunking,
                                     size=_size(problem, name))
+    return richardson(num[probe], num_half, probe, disc, allowed, floor, ok)
+
+
+def richardson(num, num_half, probe, disc, allowed, floor, ok):
+    """(verdict, the largest estimated finite-difference error, the estimate for every element) from the
+    differences ``num`` and ``num_half`` (steps h and h/2) at the ``probe`` elements: error(D_h) ~
+    4/3 |D_h - D_h/2| there, pooled over the probes in units of each one's floor (``verdict``) for the rest;
+    ``disc``, ``allowed`` and ``floor`` are per element, ``ok`` whether every element is within allowed."""
     with np.errstate(invalid="ignore"):
-        fd_err = 4.0 / 3.0 * np.abs(num[probe] - num_half)
+        fd_err = 4.0 / 3.0 * np.abs(num - num_half)
     if not np.isfinite(fd_err).all():
-        return ("pass" if ok else "fail"), float("inf"), np.full(len(num), np.inf)
-    moving = (num[probe] != 0) | (num_half != 0)  # an element L does not depend on says nothing of rounding
+        return ("pass" if ok else "fail"), float("inf"), np.full(len(floor), np.inf)
+    moving = (num != 0) | (num_half != 0)  # an element L does not depend on says nothing of rounding
     pooled = verdict.pooled_scale(fd_err[moving], floor[probe][moving])
     estimate = pooled * floor
     estimate[probe] = verdict.estimate(fd_err, floor[probe], pooled)

@@ -10,6 +10,7 @@ from .. import diagnose, numeric, verdict
 from ..result import Check, Kind
 from ..scenario import Scenario
 from ..tolerance import EPS64, INVARIANT_ULPS, machine_epsilon, passes, relative_error
+from .gradients import richardson
 
 
 def directions(names) -> list[tuple[str, tuple[str, ...]]]:
@@ -73,16 +74,7 @@ def _judge(sc, problem, label, ana, num, num_half, floor, rng) -> Check:
     order = np.argsort(allowed - disc)
     probe = np.unique(np.concatenate([order[:PROBES], rng.choice(len(num), size=min(PROBES, len(num)),
                                                                  replace=False)]))
-    with np.errstate(invalid="ignore"):
-        fd_err = 4.0 / 3.0 * np.abs(num - num_half)
-    moving = (num[probe] != 0) | (num_half[probe] != 0)
-    pooled = verdict.pooled_scale(fd_err[probe][moving], floor[probe][moving])
-    estimate = verdict.estimate(fd_err, floor, pooled)
-    fd_error = float(fd_err[probe].max(initial=0.0))
-    if not np.isfinite(fd_err[probe]).all():
-        outcome = "pass" if ok else "fail"
-    else:
-        outcome = "pass" if ok else verdict.decide(disc[probe], allowed[probe], estimate[probe])
+    outcome, fd_error, estimate = richardson(num[probe], num_half[probe], probe, disc, allowed, floor, ok)
     top_floor = float(np.max(floor, initial=0.0))
     blind = outcome == "pass" and top_floor > verdict.POWER_LIMIT * size
     if blind:
