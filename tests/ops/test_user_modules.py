@@ -114,11 +114,20 @@ def test_what_only_the_module_can_tell_fails_the_implementation_row_clearly(chan
     assert all(w in detail for w in words), detail
 
 
-def test_a_factory_that_returns_no_module_is_named():
+def test_a_factory_missing_from_its_module_is_bad_input():
     pytest.importorskip("torch")
     doc = _with(implementation={"factory": "torch_ops:rmsnorm_module_missing"})
-    with pytest.raises(ScenarioError):  # not even an attribute of the module: refused before any run
+    with pytest.raises(ScenarioError, match="rmsnorm_module_missing"):  # refused before any run
         checker.run_scenario(_load(doc))
+
+
+def test_a_factory_that_returns_no_module_is_named(tmp_path):
+    pytest.importorskip("torch")
+    (tmp_path / "not_a_module.py").write_text("def make(d_model):\n    return [d_model]\n")
+    doc = {**_with(implementation={"factory": "not_a_module:make"})}
+    result = checker.run_scenario(scenario.loads(yaml.safe_dump({"scenarios": [doc]}), base_dir=tmp_path)[0])
+    (row,) = [c for c in result.checks if c.name == "implementation runs"]
+    assert "must return a torch.nn.Module, got list" in row.detail
 
 
 def test_negative_controls_are_detected_on_a_module():
