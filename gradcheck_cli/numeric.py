@@ -36,6 +36,7 @@ class SeedStream(enum.IntEnum):
     LOGIT_SCALE = 7     # logit-scale's draws of q and k
     STEP_SWEEP = 9      # the elements ``sweep-eps`` differences
     BATCH_MIXING = 11   # the moved batch elements of the hints' batch-mixing test
+    TANGENT_HINTS = 12  # the tangent the JVP hints compare an output tangent with the closed form's mistakes on
 
 
 def quiet_numpy_arithmetic() -> None:

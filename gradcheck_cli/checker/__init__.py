@@ -96,7 +96,10 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
             independence = [failure_check("perturbations stay in their block", exc)]
     coupled = {c.tensor for c in independence if not c.passed}
     if sc.mode == "jvp":  # the forward-mode derivative instead of the gradients
-        checks.extend(jvp_checks(sc, problem, rng, progress))
+        try:
+            checks.extend(jvp_checks(sc, problem, rng, progress))
+        except ImplementationFailure as exc:
+            checks.append(failure_check("jvp", exc, "o", "while computing or differencing the JVP: "))
     for name, x in (problem.inputs.items() if sc.mode != "jvp" else ()):
         try:
             check, numeric_values, evidence[name] = gradient_check(sc, problem, name, x, active, rng, chunking,
@@ -175,6 +178,9 @@ def _diagnose(sc: Scenario, problem, checks: list[Check], evidence: dict) -> tup
     found = {name: ev for name, ev in evidence.items() if ev is not None}
     hints = list(problem.hints(found, out)) if problem.hints else []
     failed_paths = [c.name[4:] for c in out if c.name in ("jvp q", "jvp k", "jvp v") and c.verdict == "fail"]
+    tangents = problem.tangents if sc.mode == "jvp" else None
+    if tangents is not None and tangents.explain and any(c.name.startswith("jvp") and c.verdict == "fail" for c in out):
+        hints.extend(tangents.explain())
     if failed_paths and len(failed_paths) < 3:
         hints.append(f"the JVP is wrong along the tangent of {' and '.join(failed_paths)} only: look at that path of "
                      "the forward-mode derivative (e.g. dS = scale (dQ K^T + Q dK^T), mu = sum_j A_ij dS_ij)")

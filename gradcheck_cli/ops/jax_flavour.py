@@ -25,7 +25,11 @@ def _compiled_functions(user) -> tuple:
         def vjp(inputs, rest, grad_y):
             _, pull = jax.vjp(lambda *xs: user(*xs, *rest), *inputs)
             return pull(grad_y)
-        _COMPILED[id(user)] = (user, jax.jit(lambda *args: user(*args)), vjp)  # user kept: its id stays its own
+
+        @jax.jit
+        def jvp(inputs, rest, tangents):
+            return jax.jvp(lambda *xs: user(*xs, *rest), inputs, tangents)[1]
+        _COMPILED[id(user)] = (user, jax.jit(lambda *args: user(*args)), vjp, jvp)  # user kept: its id stays its own
     return _COMPILED[id(user)][1:]
 
 
@@ -51,7 +55,7 @@ def wrap(user, count: int, dtype: str) -> SimpleNamespace:
             raise ImplementationFailure(f"the implementation must return a JAX array, got {type(t).__name__}", name)
         return np.array(t)  # a fresh, writable copy: JAX may reuse the buffer behind np.asarray's view
 
-    forward_jit, vjp = _compiled_functions(user)
+    forward_jit, vjp, jvp_jit = _compiled_functions(user)
 
     def timed(key, fn, *args):
         first = key not in state.shapes
@@ -76,10 +80,25 @@ def wrap(user, count: int, dtype: str) -> SimpleNamespace:
         out = tuple(plain(f"d{i}", g) for i, g in enumerate(grads))
         return out[0] if count == 1 else out
 
+    def jvp(*args):
+        """(*inputs, *rest, *tangents) -> the output's tangent, by jax.jvp (``check: {mode: jvp}``)."""
+        inputs, rest, tangents = args[:count], args[count:-count], args[-count:]
+        key = ("jvp",) + tuple(np.shape(a) for a in args)
+        try:
+            out = timed(key, jvp_jit, tuple(map(as_jax, inputs)), tuple(map(as_jax, rest)),
+                        tuple(map(as_jax, tangents)))
+        except TypeError as exc:
+            if "forward-mode" not in str(exc) and "custom_vjp" not in str(exc):
+                raise
+            raise ImplementationFailure(f"jax.jvp cannot differentiate the function forward: {exc} (a jax.custom_vjp "
+                                        "function has no forward mode: give it a jax.custom_jvp rule instead, which "
+                                        "JAX transposes for the VJP)", "o") from None
+        return plain("o_dot", out)
+
     # the code gets JAX arrays (immutable, converted from the checker's) and what it returns is converted
-    # into fresh NumPy arrays: implementation.call needs no copies around these two
-    forward.immutable = backward.immutable = True
-    return SimpleNamespace(forward=forward, backward=backward, state=state)
+    # into fresh NumPy arrays: implementation.call needs no copies around these
+    forward.immutable = backward.immutable = jvp.immutable = True
+    return SimpleNamespace(forward=forward, backward=backward, jvp=jvp, state=state)
 
 
 def from_module(built, spec, order: tuple[str, ...], arg_names: tuple[str, ...], shapes: dict):

@@ -36,13 +36,17 @@ class Tangents:
       has tangent 0). jvp_terms(tangents): per output element, the size of the terms the analytic tangent is
       made of (its rounding). output_terms: per output element, the size of the terms of one forward (the
       rounding of the differences). upstream: the G of L = sum(O * G), paired with ``Problem.gradients`` in
-      the adjoint identity.
+      the adjoint identity. explain(): hints naming the mistake a failed JVP matches (None: the op has none).
+      agreement(tangent, o_dot): a reference check of the JVP ``o_dot`` along ``tangent`` (an implementation's,
+      against the float64 closed form; None: no such check).
     """
     forward: Callable[..., np.ndarray]
     jvp: Callable[[dict], np.ndarray]
     jvp_terms: Callable[[dict], np.ndarray]
     output_terms: np.ndarray
     upstream: np.ndarray
+    explain: Callable[[], list[str]] | None = None
+    agreement: Callable[[dict, np.ndarray], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -226,6 +230,7 @@ class Op:
     example: Mapping[str, Any] = field(default_factory=dict)  # scenario keys on which every engine fault applies
     non_finite: Callable[[Any], NonFinite] | None = None  # what NaN or inf in a scenario means for this op
     tangent_engines: tuple[str, ...] = ()       # the engines that compute a JVP (``check: {mode: jvp}``)
+    tangent_flavours: tuple[str, ...] = ()      # the flavours of ``implementation:`` whose JVP it checks
 
     def problem(self, sc, faults=(), sizes: dict[str, float] | None = None) -> Problem:
         """The problem of scenario ``sc`` with ``faults`` injected (``sizes``: of the sized faults), from the

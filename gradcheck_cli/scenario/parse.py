@@ -121,7 +121,8 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     factor, slack, nondet_tol, timeout = _user_code_policy(f)
     dtype, epsilon, tolerance, seed, mode, samples, directions, colouring = _precision_and_check(
         f, dtype, op_spec.colouring)
-    _jvp_applies(f, op_spec, mode, engine if backend == "numpy" and not f.has("implementation") else None)
+    _jvp_applies(f, op_spec, mode, engine if backend == "numpy" and not f.has("implementation") else None,
+                 backend if f.has("implementation") else None, dtype)
 
     causal = "none" if f.raw("mask.causal") in (None, "none") else f.choice("mask.causal", masks.CAUSAL, "none")
     window = None
@@ -395,16 +396,27 @@ def _precision_and_check(f: _Fields, dtype: str, colouring_default: bool = True)
     return dtype, epsilon, tolerance, seed, mode, samples, directions, colouring and mode == "full"
 
 
-def _jvp_applies(f: _Fields, spec, mode: str, engine: str | None) -> None:
-    """``check: {mode: jvp}`` needs an engine that computes the JVP (``Op.tangent_engines``); ``engine`` is the
-    built-in engine that would check the scenario, None for a backend or an implementation of the user's."""
-    if mode != "jvp" or (engine is not None and engine in spec.tangent_engines):
+def _jvp_applies(f: _Fields, spec, mode: str, engine: str | None, flavour: str | None = None,
+                 dtype: str = "float64") -> None:
+    """``check: {mode: jvp}`` needs an engine that computes the JVP (``Op.tangent_engines``) or an implementation
+    of a flavour whose JVP the op can take (``Op.tangent_flavours``), in float64 or float32; ``engine`` is the
+    built-in engine that would check the scenario, None for a backend or an implementation of the user's
+    (``flavour``: its backend)."""
+    if mode != "jvp":
         return
-    which = ", ".join(f"engine: {e}" for e in spec.tangent_engines) or "none"
+    if flavour is not None and flavour in spec.tangent_flavours:
+        if dtype not in ("float64", "float32"):
+            raise f.error("check.mode", f"mode jvp differences the forward: it needs dtype float64 or float32, "
+                          f"not {dtype}", hint="use dtype: float32 (or float64)")
+        return
+    if engine is not None and engine in spec.tangent_engines:
+        return
+    which = ", ".join([f"engine: {e}" for e in spec.tangent_engines]
+                      + [f"a {fl} implementation" for fl in spec.tangent_flavours]) or "none"
     runs = f" (this scenario runs engine: {engine})" if engine is not None else \
-        "; a backend or implementation of yours is not supported yet"
-    raise f.error("check.mode", f"mode jvp checks the forward-mode derivative of a built-in engine that computes "
-                  f"it; op {spec.name} has it on: {which}{runs}",
+        (f" (this scenario's implementation is {flavour})" if flavour else " (this scenario runs a backend's own "
+         "closed forms)")
+    raise f.error("check.mode", f"mode jvp checks a forward-mode derivative; op {spec.name} has one on: {which}{runs}",
                   hint="use another check.mode" + (f", or engine: {spec.tangent_engines[0]}"
                                                     if spec.tangent_engines else ""))
 
@@ -415,8 +427,9 @@ def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memo
     batch = f.int("batch", 1)
     dtype = f.choice("dtype", spec.dtypes, "float64")
     dtype, epsilon, tolerance, seed, mode, samples, directions, _ = _precision_and_check(f, dtype, spec.colouring)
-    _jvp_applies(f, spec, mode, spec.engine_choices[0] if spec.engine_choices and not f.has("implementation")
-                 and not f.has("backend") else None)
+    user = f.has("implementation")
+    _jvp_applies(f, spec, mode, spec.engine_choices[0] if spec.engine_choices and not user and not f.has("backend")
+                 else None, str(f.raw("backend", "numpy")) if user else None)
     params = {key: _read_param(f, key, param) for key, param in spec.keys.items()}
     for key, message, hint in (spec.validate(params, {"batch": batch}) if spec.validate else []):
         raise f.error(key, message, hint=hint)

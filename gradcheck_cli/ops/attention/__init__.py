@@ -92,4 +92,5 @@ OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradient
         shapes=shapes, why_not=why_not, non_finite=non_finite, memory=memory_need,
         backends=("numpy", "torch", "jax"), built_in_backends=("numpy", "torch"),
         dtypes=("float64", "float32", "float16", "bfloat16"), low_precision_backends=("torch", "jax"),
-        implementation=INTERFACE, colouring=True, example=EXAMPLE, tangent_engines=("naive", "tiled"))
+        implementation=INTERFACE, colouring=True, example=EXAMPLE, tangent_engines=("naive", "tiled"),
+        tangent_flavours=("numpy", "torch", "jax"))

@@ -25,6 +25,8 @@ from ..registry import Fault
 #: What a built-in fault does to a user's implementation: the gradient change the bug makes in the
 #: float64 reference is added to the implementation's gradients.
 _ADDED = "adds to the implementation's gradients the change this bug makes to the float64 reference's"
+#: And a JVP fault's: the change it makes to the float64 closed form's output tangent is added to the implementation's.
+_JVP_ADDED = "adds to the implementation's JVP the change this bug makes to the float64 closed form's"
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("softmax-term", "G_S = A * G_A: drops the row-sum subtraction c_i of the softmax backward",
@@ -55,14 +57,14 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           user="shows the implementation that key as visible, in its forward and its backward"),
     # Faults of the JVP (forward mode): they apply to scenarios that check it (check: {mode: jvp}) only.
     Fault("jvp-centring", "JVP: dO = (A * dS) V + A dV, the centring term mu_i = sum_j A_ij dS_ij dropped",
-          ("jvp (random tangent)", "jvp q", "jvp k", "adjoint identity"), derivative="jvp"),
+          ("jvp (random tangent)", "jvp q", "jvp k", "adjoint identity"), derivative="jvp", user=_JVP_ADDED),
     Fault("jvp-k-path", "JVP: dS = scale dQ K^T, the path of the K tangent (scale Q dK^T) dropped",
-          ("jvp (random tangent)", "jvp k", "adjoint identity"), derivative="jvp"),
+          ("jvp (random tangent)", "jvp k", "adjoint identity"), derivative="jvp", user=_JVP_ADDED),
     Fault("jvp-scale", "JVP: dS loses the scale factor (no effect when scale = 1)",
-          ("jvp (random tangent)", "jvp q", "jvp k", "adjoint identity"), derivative="jvp"),
+          ("jvp (random tangent)", "jvp q", "jvp k", "adjoint identity"), derivative="jvp", user=_JVP_ADDED),
     Fault("jvp-mask", "JVP: the tangent ignores the visible set (its A and dS are recomputed without it); "
                       "the forward keeps it",
-          ("jvp (random tangent)", "jvp q", "jvp k", "jvp v", "adjoint identity"), derivative="jvp"),
+          ("jvp (random tangent)", "jvp q", "jvp k", "jvp v", "adjoint identity"), derivative="jvp", user=_JVP_ADDED),
 )}
 
 #: The faults of the built-in engines' forward and VJP (the others act on a user's implementation only, or on

@@ -10,6 +10,7 @@ from ...numeric import SeedStream
 from ..registry import Problem, Tangents
 from . import copies
 from .formulas import attention_weights, backward, forward, jvp, jvp_terms
+from .hints.tangent import jvp_hints
 from .inputs import seeded_inputs
 from .invariants import engine_invariants
 from .reference import diagnosis_fields
@@ -47,6 +48,10 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     grads = bwd(q, k, v, g)
     rounding, rounding_total = blocks.rounding(inputs, g, a, scale, kv_map)
     rng_inv = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
+    def o_dot(t: dict) -> np.ndarray:
+        """The engine's JVP along tangents t (by input name; missing: zero)."""
+        return jvp(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), faults)
+
     return Problem(
         inputs=inputs,
         loss=lambda name, x: np.sum(copies_forward(name, x) * g, axis=(-4, -3, -2, -1), dtype=np.float64),
@@ -64,10 +69,11 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         output=o,
         tangents=Tangents(
             forward=lambda **moved: fast(**{**inputs, **moved}),
-            jvp=lambda t: jvp(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), faults),
+            jvp=o_dot,
             jvp_terms=lambda t: jvp_terms(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v")),
             output_terms=output_term_sizes(inputs, lambda span: a[..., span, :], scale, kv_map),
-            upstream=g),
+            upstream=g,
+            explain=jvp_hints(o_dot, inputs, visible, scale, kv_map, [sc.seed, SeedStream.TANGENT_HINTS])),
         parts=blocks.parts,
         loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
         **diagnosis_fields(sc),

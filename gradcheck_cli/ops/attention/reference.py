@@ -6,10 +6,12 @@ from collections.abc import Collection
 
 import numpy as np
 
-from .formulas import DIFFERENCE_FAULTS, backward, forward
+from ..registry import Tangents
+from .formulas import DIFFERENCE_FAULTS, JVP_FAULTS, backward, forward, jvp, jvp_terms
 from .hints import Context, diagnosis
 from .hints.context import _convention
-from .rounding import term_sizes
+from .hints.tangent import jvp_hints
+from .rounding import output_term_sizes, term_sizes
 
 
 def diagnosis_fields(sc, context=None) -> dict:
@@ -77,6 +79,18 @@ class Interface:
             out["k"], out["v"] = out["v"], out["k"]
         return out["q"], out["k"], out["v"]
 
+    def jvp(self, q, k, v, dq, dk, dv, o_dot):
+        """The implementation's output tangent ``o_dot`` along (dq, dk, dv) with the JVP faults' change to the
+        closed form's added (as the VJP faults' are to the gradients)."""
+        faults = tuple(f for f in self.faults if f in JVP_FAULTS)
+        if not faults:
+            return o_dot
+        args = [x.astype(np.float64) for x in (q, k, v)]
+        tangent = [x.astype(np.float64) for x in (dq, dk, dv)]
+        right = jvp(*args, self.true_visible, self.scale, self.kv_map, *tangent)
+        wrong = jvp(*args, self.true_visible, self.scale, self.kv_map, *tangent, faults)
+        return (o_dot.astype(np.float64) + wrong - right).astype(o_dot.dtype)
+
 
 #: Names of the reference checks of each result.
 REFERENCE_CHECKS = {"o": "forward agrees with the reference", "q": "backward agrees with the reference",
@@ -114,3 +128,40 @@ def varies(first: np.ndarray, second: np.ndarray, tolerance: float) -> bool:
     """Two calls on the same inputs differ by more than ``tolerance`` x the largest value."""
     gap = float(np.abs(np.asarray(first, dtype=np.float64) - second).max(initial=0.0))
     return gap > tolerance * float(np.abs(first).max(initial=0.0))
+
+
+#: The name of the reference check of an implementation's JVP.
+JVP_REFERENCE = "JVP agrees with the reference"
+
+
+def implementation_tangents(inputs: dict, g, visible, scale, kv_map, a64, moved_forward, user_jvp, interface,
+                            seed, policy) -> Tangents:
+    """What the JVP checks need of an implementation (``registry.Tangents``): ``moved_forward(**moved)`` its
+    forward with inputs replaced by stacked copies [C, ...], ``user_jvp(dq, dk, dv)`` its output tangent (every
+    tangent given: a missing one is zero), the faults' change added (``Interface.jvp``); the rounding of both
+    sides from the float64 reference's terms; and the JVP against the float64 closed form under ``policy``
+    (``precision.Policy``: the precision the implementation computes in), the plain error that of the closed
+    form in that precision (``JVP_REFERENCE``)."""
+    from ... import precision
+    x64 = {t: val.astype(np.float64) for t, val in inputs.items()}
+
+    def agreement(tangent: dict, o_dot: np.ndarray):
+        t64 = [np.asarray(tangent[n], dtype=np.float64) for n in "qkv"]
+        ref = jvp(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, *t64)
+        terms = jvp_terms(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, *t64)
+        plain_error = 0.0
+        if policy.dtype != "float64":
+            low = [x.astype(policy.dtype) for x in (x64["q"], x64["k"], x64["v"], *t64)]
+            plain_error = float(np.abs(jvp(*low[:3], visible, scale, kv_map, *low[3:]) - ref).max(initial=0.0))
+        return precision.agreement(JVP_REFERENCE, "o", o_dot, ref, terms, policy, plain_error)
+
+    def o_dot(t: dict) -> np.ndarray:
+        full = [t[n] if t.get(n) is not None else np.zeros_like(inputs[n]) for n in "qkv"]
+        return interface.jvp(inputs["q"], inputs["k"], inputs["v"], *full, user_jvp(*full))
+
+    return Tangents(
+        forward=moved_forward, jvp=o_dot,
+        jvp_terms=lambda t: jvp_terms(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, t.get("q"), t.get("k"),
+                                      t.get("v")),
+        output_terms=output_term_sizes(x64, lambda span: a64[..., span, :], scale, kv_map), upstream=g,
+        explain=jvp_hints(o_dot, inputs, visible, scale, kv_map, seed), agreement=agreement)

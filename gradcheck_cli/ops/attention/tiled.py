@@ -29,6 +29,7 @@ from ...tolerance import ENGINE_AGREEMENT_ULPS, INVARIANT_ULPS
 from ..registry import Problem, Tangents
 from . import formulas
 from .formulas import DEFAULT_BLOCK, repeat_kv, sum_groups
+from .hints.tangent import jvp_hints
 from .inputs import seeded_inputs
 from .invariants import output_invariants
 from .reference import diagnosis_fields
@@ -280,6 +281,10 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                                                   sc.dtype)
 
     lead = sc.batch * sc.heads_q
+    def o_dot(t: dict) -> np.ndarray:
+        """The engine's JVP along tangents t (by input name; missing: zero)."""
+        return jvp(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), faults, bq, bk)
+
     return Problem(
         inputs=inputs,
         loss=lambda name, x: np.sum(copies_forward(name, x) * g, axis=(-4, -3, -2, -1), dtype=np.float64),
@@ -293,11 +298,12 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         output=o,
         tangents=Tangents(
             forward=lambda **moved: fwd(**{**inputs, **moved}),
-            jvp=lambda t: jvp(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), faults, bq, bk),
+            jvp=o_dot,
             jvp_terms=lambda t: jvp_terms_by_rows(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"),
                                                   t.get("v")),
             output_terms=output_term_sizes(inputs, a_rows, scale, kv_map),
-            upstream=g),
+            upstream=g,
+            explain=jvp_hints(o_dot, inputs, visible, scale, kv_map, [sc.seed, SeedStream.TANGENT_HINTS])),
         parts=blocks.parts,
         loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
         **diagnosis_fields(sc),

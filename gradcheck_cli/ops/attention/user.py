@@ -7,6 +7,7 @@ from collections.abc import Collection
 import numpy as np
 
 from ... import implementation, precision
+from ...errors import ScenarioError
 from ...numeric import SeedStream
 from ..registry import Problem
 from ..user_engine import compile_time, compiled_rows
@@ -20,6 +21,7 @@ from .reference import (
     called_as,
     diagnosis_fields,
     hint_context,
+    implementation_tangents,
     plain,
     reference,
     varies,
@@ -35,6 +37,11 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     In float16/bfloat16 (JAX only: the loader refuses a NumPy implementation there) that agreement, judged
     against a plain JAX computation in the same precision, replaces the finite differences (``_low``)."""
     impl = sc.implementation_object
+    if sc.mode == "jvp" and sc.backend == "numpy" and not callable(getattr(impl, "jvp", None)):
+        raise ScenarioError(f"{sc.implementation} has no callable jvp: mode jvp needs jvp(q, k, v, visible, scale, "
+                            "kv_map, dq, dk, dv) -> do beside forward and backward (README \"JVP of your own "
+                            "code\")", file=sc.file, line=sc.implementation_line or sc.line,
+                            key=f"scenarios[{sc.index}].implementation")
     if sc.backend == "jax":  # one JAX function, differentiated by jax.vjp, compiled once per shape
         from .. import jax_flavour
         impl = jax_flavour.wrap(impl, 3, sc.dtype)  # imports JAX, whose ml_dtypes gives NumPy a bfloat16
@@ -67,16 +74,30 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                                   conv.names() + ("grad_o",))
         return interface.gradients(q, k, v, grad_o, *(conv.tensor(out[f"d{t}"]) for t in "qkv"))
 
-    def copies_forward(name: str, x: np.ndarray) -> np.ndarray:
-        """x [C, B, ...]: C perturbed copies of input ``name``, stacked along the batch axis."""
-        c = x.shape[0]
-        args = {t: (x if t == name else np.broadcast_to(val, (c,) + val.shape)).reshape((c * batch,) + val.shape[1:])
-                for t, val in inputs.items()}
+    def moved_forward(**moved) -> np.ndarray:
+        """O of C copies of the inputs, the ``moved`` ones replaced ([C, B, ...] each), stacked along the batch
+        axis for one call: [C, B, Hq, n_q, d_value]."""
+        c = next(iter(moved.values())).shape[0]
+        args = {t: (moved[t] if t in moved else np.broadcast_to(val, (c,) + val.shape)).reshape(
+            (c * batch,) + val.shape[1:]) for t, val in inputs.items()}
         vis = np.broadcast_to(interface.visible, (c,) + visible.shape).reshape((c * batch,) + visible.shape[1:])
         try:
             return user_forward(args["q"], args["k"], args["v"], vis).reshape((c,) + g.shape)
         except implementation.ImplementationFailure as exc:
-            raise implementation.in_copies(exc, batch, name) from None
+            raise implementation.in_copies(exc, batch, " and ".join(moved)) from None
+
+    def copies_forward(name: str, x: np.ndarray) -> np.ndarray:
+        """x [C, B, ...]: C perturbed copies of input ``name``, stacked along the batch axis."""
+        return moved_forward(**{name: x})
+
+    def user_jvp(dq, dk, dv) -> np.ndarray:
+        """The implementation's output tangent along (dq, dk, dv), in the tool's layout."""
+        conv = sc.convention
+        shape = conv.shape(g.shape)
+        return conv.tensor(implementation.call(
+            impl.jvp, "jvp", conv.arguments(q, k, v, interface.visible, scale, kv_map, dt)
+            + tuple(conv.tensor(t) for t in (dq, dk, dv)), {"o_dot": (shape, dt)},
+            conv.names() + ("dq", "dk", "dv"))["o_dot"])
 
     o = called_as(sc, lambda conv: user_forward(q, k, v, interface.visible, conv), inputs)
     dq, dk, dv = user_backward(q, k, v, g)
@@ -122,6 +143,9 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in "qkv"},
         nondeterministic=varies(o, again["o"], sc.nondet_tol),
         compile_s=compile_time(impl),
+        tangents=None if sc.mode != "jvp" else implementation_tangents(
+            inputs, g, visible, scale, kv_map, a64, moved_forward, user_jvp, interface,
+            [sc.seed, SeedStream.TANGENT_HINTS], precision.Policy.for_dtype(computes_in, sc.factor, sc.slack)),
         **diagnosis_fields(sc, hint_context(inputs, g, visible, scale, kv_map, results, ref, user_forward)),
     )
 

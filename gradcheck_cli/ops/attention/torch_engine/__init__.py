@@ -30,11 +30,12 @@ from ..reference import (
     called_as,
     diagnosis_fields,
     hint_context,
+    implementation_tangents,
     reference,
     varies,
 )
 from ..rounding import Blocks, output_terms
-from .calls import call_user, user_gradients
+from .calls import call_user, user_gradients, user_jvp
 from .formulas import DTYPES, backward, by_autograd, forward, probabilities, sdpa
 
 __all__ = ["DTYPES", "LOW_PRECISION", "LOW_PRECISION_CHECKS", "backward", "build", "forward", "probabilities", "sdpa"]
@@ -136,12 +137,14 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     blocks = Blocks(sc, kv_np)
     rounding, total = blocks.rounding(inputs, g64, a64, scale, kv_np)
 
-    def copies_forward(name, x):
+    def moved_forward(**moved):
+        """O of C copies of the inputs, the ``moved`` ones replaced by [C, B, ...] arrays, as a tensor."""
         args = {"q": q, "k": k, "v": v}
-        args[name] = torch.from_numpy(np.ascontiguousarray(x)).to(device=device, dtype=dt)
+        for name, x in moved.items():
+            args[name] = torch.from_numpy(np.ascontiguousarray(x)).to(device=device, dtype=dt)
         if user is None:
             return fwd(args["q"], args["k"], args["v"])
-        c = x.shape[0]  # a user's forward gets the copies stacked along the batch axis
+        c = next(iter(moved.values())).shape[0]  # a user's forward gets the copies stacked along the batch axis
 
         def stack(t):
             t = t.expand((c,) + tuple(t.shape)) if t.dim() == 4 else t
@@ -152,7 +155,10 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         try:
             return fwd(*(stack(args[t]) for t in "qkv"), stack(vis), sources=sources).reshape((c,) + tuple(g.shape))
         except ImplementationFailure as exc:
-            raise in_copies(exc, sc.batch, name) from None
+            raise in_copies(exc, sc.batch, " and ".join(moved)) from None
+
+    def copies_forward(name, x):
+        return moved_forward(**{name: x})
 
     def loss(name, x):
         return np_((copies_forward(name, x) * g).to(torch.float64).sum(dim=(-4, -3, -2, -1)))
@@ -168,6 +174,18 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                                           0.0, "A_ij must be exactly 0 where key j is not visible to query i"))
         return out + agree + invariants_of_output()
 
+    tangents = None
+    if user is not None and sc.mode == "jvp":
+        def impl_jvp(dq, dk, dv):
+            conv = sc.convention
+            args = conv.arguments(q, k, v, vis, scale, kv_map, dt, lowest)
+            return np_(conv.tensor(user_jvp(user, args[:3], [conv.tensor(to(t)) for t in (dq, dk, dv)], args[3:],
+                                            conv.shape(g.shape), dt)))
+
+        tangents = implementation_tangents(inputs, g64, sc.visible, scale, kv_np, a64,
+                                           lambda **moved: np_(moved_forward(**moved)), impl_jvp, interface,
+                                           [sc.seed, SeedStream.TANGENT_HINTS],
+                                           precision.Policy.for_dtype(computes_in, sc.factor, sc.slack))
     itemsize = torch.finfo(dt).bits // 8
     rule = precision.Policy.for_dtype(computes_in)
     return Problem(
@@ -181,6 +199,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         compute_dtype=None if computes_in == sc.dtype else computes_in,
         analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in "qkv"} if user is not None else None,
         nondeterministic=user is not None and varies(results["o"], again["o"], sc.nondet_tol),
+        tangents=tangents,
         **diagnosis_fields(sc, context),
     )
 

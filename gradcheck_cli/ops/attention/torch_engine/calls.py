@@ -137,3 +137,38 @@ def user_gradients(user, qkv, rest, grad_o, shape, dtype, names=NAMES):
         _finite("backward", name, grad)
         out.append(grad)
     return tuple(out)
+
+
+def user_jvp(user, qkv, tangents, rest, shape, dtype):
+    """The output tangent of the user's forward along ``tangents`` by ``torch.func.jvp`` (so a custom
+    autograd.Function's ``jvp`` is what gets checked; it needs ``setup_context``, as torch.func requires), on
+    clones; a function without forward-mode support is a failure saying what it needs."""
+    primals = tuple(t.detach().clone() for t in qkv)
+    directions = tuple(t.detach().clone() for t in tangents)
+    try:
+        out = guarded("torch.func.jvp of forward", torch.func.jvp, lambda *xs: user(*xs, *rest), primals, directions)
+    except ImplementationFailure as exc:
+        need = next((need for marker, need in NO_FORWARD_MODE if marker in exc.message), None)
+        if need is None:
+            raise
+        raise ImplementationFailure(f"{exc.message}; it has no forward-mode derivative: {need}", "o") from None
+    o, o_dot = out if isinstance(out, tuple) and len(out) == 2 else (None, None)
+    if not isinstance(o_dot, torch.Tensor):
+        raise ImplementationFailure(f"forward must return a torch.Tensor, got {type(o).__name__}", "o")
+    _dense("jvp", "o_dot", o_dot, qkv[0].device)
+    if tuple(o_dot.shape) != tuple(shape) or o_dot.dtype != dtype:
+        raise ImplementationFailure(f"the JVP is of shape {list(o_dot.shape)} and dtype {o_dot.dtype}, expected "
+                                    f"{list(shape)} and {dtype}", "o")
+    _finite("jvp", "o_dot", o_dot)
+    return o_dot.detach()
+
+
+#: What torch says when a function cannot be differentiated forward, and what to do about it.
+NO_FORWARD_MODE = (
+    ("setup_context", "a custom autograd.Function needs forward(*args) and setup_context(ctx, inputs, output) "
+                      "(not forward(ctx, ...)) for torch.func.jvp"),
+    ("implement the jvp", "a custom autograd.Function needs a jvp(ctx, *tangents) staticmethod for forward mode"),
+    ("forward AD", "an operation in it has no forward-mode derivative in torch"),
+    ("data pointer", "it leaves torch (e.g. through .numpy()), where forward-mode AD cannot follow"),
+)
+

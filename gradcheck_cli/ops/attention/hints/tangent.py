@@ -1,0 +1,88 @@
+"""Hints for a failed JVP (``check: {mode: jvp}``): the implementation's output tangent is compared, along one
+random tangent of q, k and v, with the closed form and with the mistakes a kernel author makes in it (the
+centring term dropped or turned around, mu unweighted, a path of dS or the A dV term missing, the scale
+missing or doubled, the mask left out of the tangent). A hint names the mistake whose JVP the
+implementation's matches: far closer (under a twentieth of the distance) than the correct one."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ....implementation import ImplementationFailure
+from ..formulas import attention_weights, repeat_kv
+
+#: Larger score matrices (B x Hq x n_q x n_k elements) get no JVP hints: the comparison holds them densely.
+LARGEST = 2**24
+
+#: Closer to the mistake than to the closed form by at least this factor: the hint fires.
+MATCH_FACTOR = 20.0
+
+FIX = "dO = (A * (dS - mu)) V + A dV with dS = scale (dQ K^T + Q dK^T) on the visible set, mu_i = sum_j A_ij dS_ij"
+
+
+def _variants(q, k, v, visible, scale, kv_map, dq, dk, dv) -> dict[str, np.ndarray]:
+    """The correct JVP (key "") and each mistake's, in float64."""
+    kr, vr, dkr, dvr = (repeat_kv(x, kv_map) for x in (k, v, dk, dv))
+    a = attention_weights(q, k, visible, scale, kv_map)
+    a_all = attention_weights(q, k, np.ones_like(visible), scale, kv_map)
+    s_q = dq @ np.swapaxes(kr, -1, -2)
+    s_k = q @ np.swapaxes(dkr, -1, -2)
+
+    def out(s_dot, mu, weights=a, with_v=True):
+        return (weights * (s_dot - mu)) @ vr + (weights @ dvr if with_v else 0.0)
+
+    def mu(weights, s_dot):
+        return (weights * s_dot).sum(axis=-1, keepdims=True)
+
+    s_dot = np.where(visible, scale * (s_q + s_k), 0.0)
+    count = np.maximum(visible.sum(axis=-1, keepdims=True), 1)
+    unmasked = scale * (s_q + s_k)
+    return {
+        "": out(s_dot, mu(a, s_dot)),
+        "the centring term is missing: mu_i = sum_j A_ij dS_ij is not subtracted from dS": out(s_dot, 0.0),
+        "mu is added instead of subtracted (dS + mu)": out(s_dot, -mu(a, s_dot)),
+        "mu is the plain mean of dS over the visible keys, not weighted by A":
+            out(s_dot, s_dot.sum(axis=-1, keepdims=True) / count),
+        "the K tangent's path of dS (scale Q dK^T) is missing":
+            out(np.where(visible, scale * s_q, 0.0), mu(a, np.where(visible, scale * s_q, 0.0))),
+        "the Q tangent's path of dS (scale dQ K^T) is missing":
+            out(np.where(visible, scale * s_k, 0.0), mu(a, np.where(visible, scale * s_k, 0.0))),
+        "the V tangent's term A dV is missing": out(s_dot, mu(a, s_dot), with_v=False),
+        "dS lacks the scale": out(s_dot / scale, mu(a, s_dot / scale)),
+        "dS has the scale twice": out(s_dot * scale, mu(a, s_dot * scale)),
+        "the tangent ignores the mask (its A and dS run over every key, while the forward masks)":
+            out(unmasked, mu(a_all, unmasked), weights=a_all),
+    }
+
+
+def jvp_hints(jvp: Callable[[dict], np.ndarray], inputs: dict, visible, scale, kv_map,
+              seed) -> Callable[[], list[str]]:
+    """``explain()`` for ``registry.Tangents``: the hint naming the mistake the JVP ``jvp`` (tangents by input
+    name, in the inputs' dtype -> dO) matches, if any."""
+    def explain() -> list[str]:
+        if np.size(visible) > LARGEST:
+            return []
+        rng = np.random.default_rng(seed)
+        tangent = {n: rng.standard_normal(x.shape).astype(x.dtype) for n, x in inputs.items()}
+        try:
+            got = np.asarray(jvp(tangent), dtype=np.float64)
+        except ImplementationFailure:
+            return []
+        f64 = {n: x.astype(np.float64) for n, x in {**inputs, **{f"d{n}": t for n, t in tangent.items()}}.items()}
+        found = _variants(f64["q"], f64["k"], f64["v"], visible, scale, np.asarray(kv_map), f64["dq"], f64["dk"],
+                          f64["dv"])
+        right = found.pop("")
+        off = float(np.abs(got - right).max(initial=0.0))
+        if not np.isfinite(off) or off == 0.0:
+            return []
+        distance = {name: float(np.abs(got - x).max(initial=0.0)) for name, x in found.items()
+                    if np.abs(x - right).max(initial=0.0) > 0}
+        if not distance:
+            return []
+        best = min(distance, key=distance.get)
+        if distance[best] * MATCH_FACTOR > off:
+            return []
+        return [f"the JVP matches the closed form with this mistake: {best} (off by {distance[best]:.2g} from it, "
+                f"{off:.2g} from the correct one); the correct one is {FIX}"]
+    return explain
