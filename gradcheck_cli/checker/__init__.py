@@ -179,9 +179,11 @@ def _diagnose(sc: Scenario, problem, checks: list[Check], evidence: dict) -> tup
     hints = list(problem.hints(found, out)) if problem.hints else []
     failed_paths = [c.name[4:] for c in out if c.name in ("jvp q", "jvp k", "jvp v") and c.verdict == "fail"]
     tangents = problem.tangents if sc.mode == "jvp" else None
+    explained = []
     if tangents is not None and tangents.explain and any(c.name.startswith("jvp") and c.verdict == "fail" for c in out):
-        hints.extend(tangents.explain())
-    if failed_paths and len(failed_paths) < 3:
+        explained = tangents.explain()
+        hints.extend(explained)
+    if failed_paths and len(failed_paths) < 3 and not explained:  # the mistake named says more than the path
         hints.append(f"the JVP is wrong along the tangent of {' and '.join(failed_paths)} only: look at that path of "
                      "the forward-mode derivative (e.g. dS = scale (dQ K^T + Q dK^T), mu = sum_j A_ij dS_ij)")
     if sc.mode == "directional" and any(c.kind == "gradient" and c.verdict == "fail" for c in out):

@@ -130,7 +130,7 @@ def test_every_jvp_fault_is_detected_and_the_wrong_path_located(engine):
     k_path = checker.run_scenario(sc, ("jvp-k-path",))
     failed = {c.name for c in k_path.checks if c.verdict == "fail"}
     assert {"jvp k", "adjoint identity"} <= failed and not {"jvp q", "jvp v"} & failed
-    assert any("tangent of k only" in h for h in k_path.hints)
+    assert k_path.hints and "K tangent's path" in k_path.hints[0]
 
 
 def test_adjoint_identity_catches_a_jvp_that_disagrees_with_a_correct_vjp():
@@ -152,3 +152,14 @@ def test_mode_jvp_is_refused_where_no_engine_computes_it():
         make(op="rmsnorm", check={"mode": "jvp"})
     sc = make(**JVP_SCENARIO)
     assert not set(JVP_FAULTS) & set(checker.applicable_faults(dataclasses.replace(sc, mode="full")))
+
+
+@pytest.mark.parametrize("fault, named", [("jvp-centring", "centring term is missing"),
+                                          ("jvp-k-path", "K tangent's path"), ("jvp-scale", "dS lacks the scale"),
+                                          ("jvp-mask", "ignores the mask")])
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_each_jvp_fault_gets_the_one_hint_that_names_it(engine, fault, named):
+    sc = make(**JVP_SCENARIO, **ENGINES[engine])
+    result = checker.run_scenario(sc, (fault,))
+    assert len(result.hints) == 1 and named in result.hints[0], result.hints
+    assert checker.run_scenario(sc).hints == ()
