@@ -30,6 +30,7 @@ from .controls import (
     not_applicable_reason,
 )
 from .gradients import Progress, coloured, gradient_check, independence_checks
+from .second import hvp_checks
 from .tangents import jvp_checks
 
 __all__ = ["APPLICABLE_FACTOR", "DEFAULT_MEMORY_BUDGET", "SIZED_FACTOR", "Progress", "applicable_faults",
@@ -44,7 +45,7 @@ def work_units(sc: Scenario) -> int:
     op = OPS[sc.op]
     sizes = {t: math.prod(shape) for t, shape in op.shapes(sc).items()} if op.shapes else {}
     per = {"full": lambda n: n, "sample": lambda n: min(sc.samples, n), "directional": lambda n: sc.directions,
-           "jvp": lambda n: 2}[sc.mode]
+           "jvp": lambda n: 2, "hvp": lambda n: 1}[sc.mode]
     return sum(per(n) for n in sizes.values())
 
 
@@ -100,7 +101,13 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
             checks.extend(jvp_checks(sc, problem, rng, progress))
         except ImplementationFailure as exc:
             checks.append(failure_check("jvp", exc, "o", "while computing or differencing the JVP: "))
-    for name, x in (problem.inputs.items() if sc.mode != "jvp" else ()):
+    if sc.mode == "hvp":  # the double backward instead of the gradients
+        try:
+            checks.extend(hvp_checks(sc, problem, rng, progress))
+        except ImplementationFailure as exc:
+            checks.append(failure_check("hvp", exc, None, "while computing the double backward or differencing the "
+                                        "gradients: "))
+    for name, x in (problem.inputs.items() if sc.mode not in ("jvp", "hvp") else ()):
         try:
             check, numeric_values, evidence[name] = gradient_check(sc, problem, name, x, active, rng, chunking,
                                                                     progress, numeric_cache, name not in coupled)
@@ -172,7 +179,7 @@ def _diagnose(sc: Scenario, problem, checks: list[Check], evidence: dict) -> tup
     out = []
     for c in checks:
         ev = evidence.get(c.tensor) if c.kind == "gradient" else None
-        if ev is not None and c.verdict == "fail" and sc.mode not in ("directional", "jvp"):
+        if ev is not None and c.verdict == "fail" and sc.mode not in ("directional", "jvp", "hvp"):
             c = dataclasses.replace(c, diagnosis=diagnose.breakdown(c.tensor, ev, structure.get(c.tensor)))
         out.append(c)
     found = {name: ev for name, ev in evidence.items() if ev is not None}

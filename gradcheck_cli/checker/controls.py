@@ -59,6 +59,11 @@ def fault_effect(sc: Scenario, fault: str, sizes: dict[str, float] | None = None
         draw = np.random.default_rng([sc.seed, SeedStream.DIFFERENCES])  # a random tangent of every input
         tangent = {name: draw.standard_normal(x.shape).astype(x.dtype) for name, x in clean.inputs.items()}
         changed[0]["jvp"], changed[1]["jvp"] = clean.tangents.jvp(tangent), broken.tangents.jvp(tangent)
+    if "hvp" in sc.derivatives and clean.second is not None:  # the change to the Hessian-vector product
+        draw = np.random.default_rng([sc.seed, SeedStream.DIFFERENCES])
+        direction = {name: draw.standard_normal(x.shape).astype(x.dtype) for name, x in clean.inputs.items()}
+        for side, problem in zip(changed, (clean, broken)):
+            side.update({f"hvp {n}": h for n, h in problem.second.hvp(direction).items()})
     for t in changed[0]:
         a, b = changed[0][t], changed[1][t]
         max_abs = relative_error(a, b)[0]

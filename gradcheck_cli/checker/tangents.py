@@ -32,8 +32,10 @@ def _difference(tangents, inputs: dict, draws: dict, names, h: float):
         step = (h * draws[n]).astype(x.dtype)
         plus[n], minus[n] = x + step, x - step
         taken[n] = (plus[n].astype(np.float64) - minus[n].astype(np.float64)) / (2 * h)
-    both = tangents.forward(**{n: np.stack([plus[n], minus[n]]) for n in names})
-    num = (both[0].astype(np.float64) - both[1].astype(np.float64)) / (2 * h)
+    # one call per side (a leading copies axis of 1): at scale, two calls of one copy beat one call of two,
+    # whose blocks no longer fit the caches (tiled engine, n = 512: 0.16 s against 0.25 s)
+    up, down = (tangents.forward(**{n: side[n][None] for n in names})[0] for side in (plus, minus))
+    num = (up.astype(np.float64) - down.astype(np.float64)) / (2 * h)
     return num, taken
 
 
@@ -62,7 +64,7 @@ def jvp_checks(sc: Scenario, problem, rng: np.random.Generator, progress=None) -
         if terms is None:  # the random tangent of every input comes first
             terms, first = tangents.jvp_terms(t_dtype), (t_dtype, ana)
         floor = eps_m * tangents.output_terms / h + EPS64 * np.abs(num) + eps_m * terms
-        checks.append(_judge(sc, problem, label, ana, num, lambda names=names: _difference(
+        checks.append(judge(sc, problem, label, "o", ana, num, lambda names=names: _difference(
             tangents, inputs, draws, names, h / 2)[0], floor, rng))
         if progress:
             progress(len(names))
@@ -72,8 +74,11 @@ def jvp_checks(sc: Scenario, problem, rng: np.random.Generator, progress=None) -
     return checks
 
 
-def _judge(sc, problem, label, ana, num, halved, floor, rng) -> Check:
-    """The verdict of one direction; ``halved()`` takes the differences at h/2 (only when out of tolerance)."""
+def judge(sc, problem, label: str, tensor: str, ana, num, halved, floor, rng, unit: str = "forward") -> Check:
+    """The verdict of one direction's result ``ana`` (the JVP: tensor ``o``; a Hessian-vector product: the
+    tensor it is the derivative of the gradient of) against its differences ``num`` at step h, each a difference
+    of two ``unit`` calls (forward or backward); ``halved()`` takes the differences at h/2 (only when out of
+    tolerance)."""
     shape = ana.shape
     ana, num, floor = (np.ravel(x) for x in (ana, num, floor))
     max_abs, rel, worst = relative_error(ana, num)
@@ -83,33 +88,33 @@ def _judge(sc, problem, label, ana, num, halved, floor, rng) -> Check:
     disc = np.abs(ana - num)
     if ok:  # settled by the first pair: the a-priori floor stands for the differences' error
         outcome, fd_error, estimate = "pass", None, floor
-        how = "one pair of forwards"
+        how = f"one pair of {unit}s"
     else:
         order = np.argsort(allowed - disc)
         probe = np.unique(np.concatenate([order[:PROBES], rng.choice(len(num), size=min(PROBES, len(num)),
                                                                      replace=False)]))
         num_half = np.ravel(halved())
         outcome, fd_error, estimate = richardson(num[probe], num_half[probe], probe, disc, allowed, floor, ok)
-        how = f"two pairs of forwards (h, h/2); finite-difference error ~{fd_error:.2g}"
+        how = f"two pairs of {unit}s (h, h/2); finite-difference error ~{fd_error:.2g}"
     top_floor = float(np.max(floor, initial=0.0))
     blind = outcome == "pass" and top_floor > verdict.POWER_LIMIT * size
     if blind:
         outcome = "inconclusive"
     power = verdict.detectable(ana, num, allowed, estimate) if outcome == "pass" else None
     index = tuple(int(i) for i in np.unravel_index(int(worst), shape))
-    detail = (f"worst at o[{', '.join(map(str, index))}]: analytic {ana[worst]:.9g}, numeric {num[worst]:.9g}; "
-              f"{len(num)} output elements, {how}")
+    detail = (f"worst at {tensor}[{', '.join(map(str, index))}]: analytic {ana[worst]:.9g}, numeric "
+              f"{num[worst]:.9g}; {len(num)} elements, {how}")
     if blind:
         detail += (f"; no power: the largest noise floor ({top_floor:.2g}) is over {verdict.POWER_LIMIT:.0%} of the "
-                   f"largest tangent ({size:.2g}): use float64 or a larger epsilon")
+                   f"largest value ({size:.2g}): use float64 or a larger epsilon")
     elif outcome == "inconclusive":
         detail += "; the finite differences are too inaccurate here to decide: use float64 or another epsilon"
     diagnosis = None
     if outcome == "fail":
-        structure = (problem.structure or {}).get("q")
+        structure = (problem.structure or {}).get("q" if tensor == "o" else tensor)  # O has q's leading axes
         ev = diagnose.Evidence(ana.reshape(shape), num.reshape(shape), allowed.reshape(shape))
-        diagnosis = diagnose.breakdown("o", ev, structure)
-    return Check(kind=Kind.GRADIENT, name=label, tensor="o", shape=tuple(shape), max_abs_error=max_abs,
+        diagnosis = diagnose.breakdown(tensor, ev, structure)
+    return Check(kind=Kind.GRADIENT, name=label, tensor=tensor, shape=tuple(shape), max_abs_error=max_abs,
                  relative_error=rel, tolerance=sc.tolerance, noise_floor=noise, worst_index=index,
                  passed=outcome == "pass", detail=detail, verdict=outcome, fd_error=fd_error, detectable=power,
                  diagnosis=diagnosis)

@@ -29,7 +29,14 @@ def _compiled_functions(user) -> tuple:
         @jax.jit
         def jvp(inputs, rest, tangents):
             return jax.jvp(lambda *xs: user(*xs, *rest), inputs, tangents)[1]
-        _COMPILED[id(user)] = (user, jax.jit(lambda *args: user(*args)), vjp, jvp)  # user kept: its id stays its own
+
+        @jax.jit
+        def hvp(inputs, rest, grad_y, directions):  # reverse over reverse: a custom_vjp's bwd is differentiated too
+            def along(*xs):
+                _, pull = jax.vjp(lambda *ys: user(*ys, *rest), *xs)
+                return sum(jax.numpy.sum(g * d) for g, d in zip(pull(grad_y), directions))
+            return jax.grad(along, argnums=tuple(range(len(inputs))))(*inputs)
+        _COMPILED[id(user)] = (user, jax.jit(lambda *args: user(*args)), vjp, jvp, hvp)  # user kept: its id stays
     return _COMPILED[id(user)][1:]
 
 
@@ -55,7 +62,7 @@ def wrap(user, count: int, dtype: str) -> SimpleNamespace:
             raise ImplementationFailure(f"the implementation must return a JAX array, got {type(t).__name__}", name)
         return np.array(t)  # a fresh, writable copy: JAX may reuse the buffer behind np.asarray's view
 
-    forward_jit, vjp, jvp_jit = _compiled_functions(user)
+    forward_jit, vjp, jvp_jit, hvp_jit = _compiled_functions(user)
 
     def timed(key, fn, *args):
         first = key not in state.shapes
@@ -95,10 +102,20 @@ def wrap(user, count: int, dtype: str) -> SimpleNamespace:
                                         "JAX transposes for the VJP)", "o") from None
         return plain("o_dot", out)
 
+    def hvp(*args):
+        """(*inputs, *rest, grad_y, *directions) -> the Hessian-vector product of sum(y * grad_y) by input, by
+        jax.grad of <jax.vjp's gradients, directions> (``check: {mode: hvp}``)."""
+        inputs, rest = args[:count], args[count:-count - 1]
+        grad_y, directions = args[-count - 1], args[-count:]
+        key = ("hvp",) + tuple(np.shape(a) for a in args)
+        out = timed(key, hvp_jit, tuple(map(as_jax, inputs)), tuple(map(as_jax, rest)), as_jax(grad_y),
+                    tuple(map(as_jax, directions)))
+        return tuple(plain(f"h{i}", h) for i, h in enumerate(out))
+
     # the code gets JAX arrays (immutable, converted from the checker's) and what it returns is converted
     # into fresh NumPy arrays: implementation.call needs no copies around these
-    forward.immutable = backward.immutable = jvp.immutable = True
-    return SimpleNamespace(forward=forward, backward=backward, jvp=jvp, state=state)
+    forward.immutable = backward.immutable = jvp.immutable = hvp.immutable = True
+    return SimpleNamespace(forward=forward, backward=backward, jvp=jvp, hvp=hvp, state=state)
 
 
 def from_module(built, spec, order: tuple[str, ...], arg_names: tuple[str, ...], shapes: dict):

@@ -50,6 +50,22 @@ class Tangents:
 
 
 @dataclass(frozen=True)
+class SecondOrder:
+    """What the double-backward checks (``check: {mode: hvp}``) need of an engine: the Hessian of L = sum(O * G)
+    times a direction, against central differences of its own first-order gradients along that direction.
+
+    gradients(**moved): the engine's gradients (by input name) with the ``moved`` inputs replaced. hvp(u): the
+      analytic Hessian-vector product H u by input name, for a direction u by input name (missing: zero).
+      hvp_terms(u): per element of H u, the size of the terms it is made of (its rounding). gradient_terms: per
+      element of each gradient, the size of its terms (the rounding of the differences).
+    """
+    gradients: Callable[..., dict]
+    hvp: Callable[[dict], dict]
+    hvp_terms: Callable[[dict], dict]
+    gradient_terms: dict
+
+
+@dataclass(frozen=True)
 class Structure:
     """What the axes of one input mean, for the diagnosis of a failed check.
 
@@ -110,6 +126,7 @@ class Problem:
     analytic_rounding: dict[str, np.ndarray] | None = None  # allowed rounding of each analytic gradient element
     nondeterministic: bool = False  # the implementation's forward changes from call to call
     compile_s: Callable[[], float] | None = None  # seconds a compiled flavour (JAX) has spent compiling so far
+    second: SecondOrder | None = None  # the engine's Hessian-vector product (mode hvp); None: it has none
     tangents: Tangents | None = None  # the engine's forward-mode derivative (mode jvp); None: it has none
 
 
@@ -231,6 +248,14 @@ class Op:
     non_finite: Callable[[Any], NonFinite] | None = None  # what NaN or inf in a scenario means for this op
     tangent_engines: tuple[str, ...] = ()       # the engines that compute a JVP (``check: {mode: jvp}``)
     tangent_flavours: tuple[str, ...] = ()      # the flavours of ``implementation:`` whose JVP it checks
+    second_engines: tuple[str, ...] = ()        # the engines that compute a Hessian-vector product (mode hvp)
+    second_flavours: tuple[str, ...] = ()       # the flavours of ``implementation:`` whose double backward it checks
+
+    def directional_derivative(self, mode: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+        """(engines, implementation flavours) that compute the derivative ``mode`` checks, for modes jvp and hvp;
+        None for the other modes (every engine computes gradients)."""
+        return {"jvp": (self.tangent_engines, self.tangent_flavours),
+                "hvp": (self.second_engines, self.second_flavours)}.get(mode)
 
     def problem(self, sc, faults=(), sizes: dict[str, float] | None = None) -> Problem:
         """The problem of scenario ``sc`` with ``faults`` injected (``sizes``: of the sized faults), from the

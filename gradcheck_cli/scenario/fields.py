@@ -11,7 +11,7 @@ from ..ops import OPS
 from ..ops.registry import REQUIRED, Param
 from .yaml_lines import _Doc, _show
 
-MODES = ("full", "sample", "directional", "jvp")
+MODES = ("full", "sample", "directional", "jvp", "hvp")
 #: Elements differenced per tensor in mode sample, and random directions in mode directional, when unset.
 DEFAULT_SAMPLES, DEFAULT_DIRECTIONS = 256, 16
 #: Keys every op takes.

@@ -106,15 +106,16 @@ def read_files(scenarios: list[Scenario]) -> list[str]:
 
 def with_engine(scenarios: list[Scenario], engine: str | None, *, memory_limit: int | None = None) -> list[Scenario]:
     """The scenarios with ``engine`` where it applies (an op that has it, on a scenario whose engine is
-    chosen by ``engine:``, not implied by a backend or a user's implementation, and, for ``check: {mode: jvp}``,
-    an engine that computes the JVP); the others unchanged."""
+    chosen by ``engine:``, not implied by a backend or a user's implementation, and, for ``check: {mode: jvp}``
+    or ``hvp``, an engine that computes that derivative); the others unchanged."""
     if engine is None:
         return list(scenarios)
     out, limit = [], memory_limit
     for sc in scenarios:
         op = OPS[sc.op]
-        jvp_elsewhere = sc.mode == "jvp" and engine not in op.tangent_engines  # that engine computes no JVP
-        if engine in op.engine_choices and op.engine_for(sc) in op.engine_choices and not jvp_elsewhere:
+        computes = op.directional_derivative(sc.mode)  # modes jvp and hvp: the engines that compute theirs
+        elsewhere = computes is not None and engine not in computes[0]
+        if engine in op.engine_choices and op.engine_for(sc) in op.engine_choices and not elsewhere:
             moved = dataclasses.replace(sc, engine=engine)
             if engine != sc.engine:  # e.g. the naive engine needs the n x n arrays the tiled one avoids
                 limit = available_memory() if limit is None else limit

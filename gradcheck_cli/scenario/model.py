@@ -64,9 +64,10 @@ class Scenario:
 
     @property
     def derivatives(self) -> tuple[str, ...]:
-        """The derivatives the scenario checks: ``jvp`` (forward mode, ``check: {mode: jvp}``) or ``vjp``
-        (the gradients, every other mode). A fault of a derivative not checked does not apply."""
-        return ("jvp",) if self.mode == "jvp" else ("vjp",)
+        """The derivatives the scenario checks: ``jvp`` (forward mode, ``check: {mode: jvp}``), ``hvp`` (double
+        backward, ``check: {mode: hvp}``) or ``vjp`` (the gradients, every other mode). A fault of a derivative
+        not checked does not apply."""
+        return (self.mode,) if self.mode in ("jvp", "hvp") else ("vjp",)
 
     def p(self, key: str):
         """The value of the op-specific key ``key``."""

@@ -121,7 +121,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     factor, slack, nondet_tol, timeout = _user_code_policy(f)
     dtype, epsilon, tolerance, seed, mode, samples, directions, colouring = _precision_and_check(
         f, dtype, op_spec.colouring)
-    _jvp_applies(f, op_spec, mode, engine if backend == "numpy" and not f.has("implementation") else None,
+    _mode_applies(f, op_spec, mode, engine if backend == "numpy" and not f.has("implementation") else None,
                  backend if f.has("implementation") else None, dtype)
 
     causal = "none" if f.raw("mask.causal") in (None, "none") else f.choice("mask.causal", masks.CAUSAL, "none")
@@ -396,29 +396,33 @@ def _precision_and_check(f: _Fields, dtype: str, colouring_default: bool = True)
     return dtype, epsilon, tolerance, seed, mode, samples, directions, colouring and mode == "full"
 
 
-def _jvp_applies(f: _Fields, spec, mode: str, engine: str | None, flavour: str | None = None,
-                 dtype: str = "float64") -> None:
-    """``check: {mode: jvp}`` needs an engine that computes the JVP (``Op.tangent_engines``) or an implementation
-    of a flavour whose JVP the op can take (``Op.tangent_flavours``), in float64 or float32; ``engine`` is the
-    built-in engine that would check the scenario, None for a backend or an implementation of the user's
-    (``flavour``: its backend)."""
-    if mode != "jvp":
+#: What each mode of a directional derivative checks, for messages.
+_DERIVATIVE = {"jvp": "a forward-mode derivative (JVP)", "hvp": "a double backward (Hessian-vector product)"}
+
+
+def _mode_applies(f: _Fields, spec, mode: str, engine: str | None, flavour: str | None = None,
+                  dtype: str = "float64") -> None:
+    """``check: {mode: jvp}`` and ``{mode: hvp}`` need an engine that computes that derivative or an implementation
+    of a flavour whose derivative the op can take (``Op.directional_derivative``), in float64 or float32;
+    ``engine`` is the built-in engine that would check the scenario, None for a backend or an implementation of
+    the user's (``flavour``: its backend)."""
+    computes = spec.directional_derivative(mode)
+    if computes is None:
         return
-    if flavour is not None and flavour in spec.tangent_flavours:
+    engines, flavours = computes
+    if flavour is not None and flavour in flavours:
         if dtype not in ("float64", "float32"):
-            raise f.error("check.mode", f"mode jvp differences the forward: it needs dtype float64 or float32, "
+            raise f.error("check.mode", f"mode {mode} differences the forward: it needs dtype float64 or float32, "
                           f"not {dtype}", hint="use dtype: float32 (or float64)")
         return
-    if engine is not None and engine in spec.tangent_engines:
+    if engine is not None and engine in engines:
         return
-    which = ", ".join([f"engine: {e}" for e in spec.tangent_engines]
-                      + [f"a {fl} implementation" for fl in spec.tangent_flavours]) or "none"
+    which = ", ".join([f"engine: {e}" for e in engines] + [f"a {fl} implementation" for fl in flavours]) or "none"
     runs = f" (this scenario runs engine: {engine})" if engine is not None else \
         (f" (this scenario's implementation is {flavour})" if flavour else " (this scenario runs a backend's own "
          "closed forms)")
-    raise f.error("check.mode", f"mode jvp checks a forward-mode derivative; op {spec.name} has one on: {which}{runs}",
-                  hint="use another check.mode" + (f", or engine: {spec.tangent_engines[0]}"
-                                                    if spec.tangent_engines else ""))
+    raise f.error("check.mode", f"mode {mode} checks {_DERIVATIVE[mode]}; op {spec.name} has one on: {which}{runs}",
+                  hint="use another check.mode" + (f", or engine: {engines[0]}" if engines else ""))
 
 
 def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memory_limit: int) -> Scenario:
@@ -428,7 +432,7 @@ def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memo
     dtype = f.choice("dtype", spec.dtypes, "float64")
     dtype, epsilon, tolerance, seed, mode, samples, directions, _ = _precision_and_check(f, dtype, spec.colouring)
     user = f.has("implementation")
-    _jvp_applies(f, spec, mode, spec.engine_choices[0] if spec.engine_choices and not user and not f.has("backend")
+    _mode_applies(f, spec, mode, spec.engine_choices[0] if spec.engine_choices and not user and not f.has("backend")
                  else None, str(f.raw("backend", "numpy")) if user else None)
     params = {key: _read_param(f, key, param) for key, param in spec.keys.items()}
     for key, message, hint in (spec.validate(params, {"batch": batch}) if spec.validate else []):

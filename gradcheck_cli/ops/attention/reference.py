@@ -6,8 +6,8 @@ from collections.abc import Collection
 
 import numpy as np
 
-from ..registry import Tangents
-from .formulas import DIFFERENCE_FAULTS, JVP_FAULTS, backward, forward, jvp, jvp_terms
+from ..registry import SecondOrder, Tangents
+from .formulas import DIFFERENCE_FAULTS, HVP_FAULTS, JVP_FAULTS, backward, forward, hvp, hvp_terms, jvp, jvp_terms
 from .hints import Context, diagnosis
 from .hints.context import _convention
 from .hints.tangent import jvp_hints
@@ -78,6 +78,18 @@ class Interface:
         if "swap-dk-dv" in self.faults and out["k"].shape == out["v"].shape:
             out["k"], out["v"] = out["v"], out["k"]
         return out["q"], out["k"], out["v"]
+
+    def hvp(self, q, k, v, grad_o, dq, dk, dv, h):
+        """The implementation's Hessian-vector product ``h`` (hq, hk, hv) along (dq, dk, dv) with the HVP faults'
+        change to the closed form's added."""
+        faults = tuple(f for f in self.faults if f in HVP_FAULTS)
+        if not faults:
+            return tuple(h)
+        args = [x.astype(np.float64) for x in (q, k, v)]
+        rest = [x.astype(np.float64) for x in (grad_o, dq, dk, dv)]
+        right = hvp(*args, self.true_visible, self.scale, self.kv_map, *rest)
+        wrong = hvp(*args, self.true_visible, self.scale, self.kv_map, *rest, faults)
+        return tuple((x.astype(np.float64) + b - a).astype(x.dtype) for x, a, b in zip(h, right, wrong))
 
     def jvp(self, q, k, v, dq, dk, dv, o_dot):
         """The implementation's output tangent ``o_dot`` along (dq, dk, dv) with the JVP faults' change to the
@@ -165,3 +177,23 @@ def implementation_tangents(inputs: dict, g, visible, scale, kv_map, a64, moved_
                                       t.get("v")),
         output_terms=output_term_sizes(x64, lambda span: a64[..., span, :], scale, kv_map), upstream=g,
         explain=jvp_hints(o_dot, inputs, visible, scale, kv_map, seed), agreement=agreement)
+
+
+def implementation_second(inputs: dict, g, visible, scale, kv_map, gradients, user_hvp, interface) -> SecondOrder:
+    """What the double-backward checks need of an implementation (``registry.SecondOrder``): ``gradients(**moved)``
+    its gradients with inputs replaced, ``user_hvp(dq, dk, dv)`` its Hessian-vector product (hq, hk, hv), the
+    HVP faults' change added (``Interface.hvp``); the rounding of both sides from the float64 closed form's
+    terms."""
+    x64 = {t: val.astype(np.float64) for t, val in inputs.items()}
+    g64 = np.asarray(g, dtype=np.float64)
+    grads = backward(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, g64)
+
+    def h(u: dict) -> dict:
+        full = [u[n] if u.get(n) is not None else np.zeros_like(inputs[n]) for n in "qkv"]
+        return dict(zip("qkv", interface.hvp(inputs["q"], inputs["k"], inputs["v"], g, *full, user_hvp(*full))))
+
+    return SecondOrder(
+        gradients=gradients, hvp=h,
+        hvp_terms=lambda u: dict(zip("qkv", hvp_terms(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, g64,
+                                                       u.get("q"), u.get("k"), u.get("v")))),
+        gradient_terms=term_sizes(x64, g64, lambda span: grads.a[..., span, :], scale, kv_map))

@@ -102,12 +102,14 @@ def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Coll
     masked = "mask" not in faults and "jvp-mask" not in faults
     k_rep, v_rep = repeat_kv(k, kv_map), repeat_kv(v, kv_map)
     k_scaled = k_rep * np.asarray(scale, dtype=q.dtype)  # S exactly as the forward forms it
+    # dS = scale (dQ K^T + Q dK^T), the scale folded into K and Q (unless jvp-scale drops it)
+    k_dot_path = k_rep if "jvp-scale" in faults else k_scaled
+    q_dot_path = q if "jvp-scale" in faults else q * np.asarray(scale, dtype=q.dtype)
     dk_rep = None if dk is None or "jvp-k-path" in faults else repeat_kv(dk, kv_map)
     dv_rep = None if dv is None else repeat_kv(dv, kv_map)
     present = [x for x in (q, k_rep, v_rep, dq, dk_rep, dv_rep) if x is not None]
     lead = np.broadcast_shapes(*(x.shape[:-2] for x in present))
     dtype = np.result_type(*present)
-    s_dot_scale = np.asarray(1.0 if "jvp-scale" in faults else scale, dtype=dtype)
     n_q, n_k, d_value = q.shape[-2], k.shape[-2], v.shape[-1]
     out = np.empty(lead + (n_q, d_value), dtype=dtype)
     for rows in _spans(n_q, block_q):
@@ -122,15 +124,15 @@ def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Coll
             if vis is not None and not vis.any():
                 continue  # a block no query sees contributes nothing
             p, m_new, rescale = _online(q_blk @ np.swapaxes(k_scaled[..., cols, :], -1, -2), vis, m)
-            s_dot = np.zeros(p.shape, dtype=dtype)
+            s_dot = None
             if dq_blk is not None:
-                s_dot = s_dot + dq_blk @ np.swapaxes(k_rep[..., cols, :], -1, -2)
+                s_dot = dq_blk @ np.swapaxes(k_dot_path[..., cols, :], -1, -2)
             if dk_rep is not None:
-                s_dot = s_dot + q_blk @ np.swapaxes(dk_rep[..., cols, :], -1, -2)
-            s_dot *= s_dot_scale
-            if vis is not None:
-                s_dot = np.where(vis, s_dot, 0.0)
-            p_dot = p * s_dot
+                part = q_dot_path[..., rows, :] @ np.swapaxes(dk_rep[..., cols, :], -1, -2)
+                s_dot = part if s_dot is None else np.add(s_dot, part, out=s_dot if s_dot.shape == part.shape
+                                                          else None)
+            # P is exactly 0 off the visible set, so P * dS is too: dS needs no mask of its own
+            p_dot = np.zeros(p.shape, dtype=dtype) if s_dot is None else p * s_dot
             v_blk = v_rep[..., cols, :]
             l = l * rescale + p.sum(axis=-1, keepdims=True)
             acc_o = acc_o * rescale + p @ v_blk

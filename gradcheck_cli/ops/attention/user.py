@@ -21,6 +21,7 @@ from .reference import (
     called_as,
     diagnosis_fields,
     hint_context,
+    implementation_second,
     implementation_tangents,
     plain,
     reference,
@@ -90,6 +91,21 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         """x [C, B, ...]: C perturbed copies of input ``name``, stacked along the batch axis."""
         return moved_forward(**{name: x})
 
+    def moved_gradients(**moved) -> dict:
+        """The implementation's gradients with the ``moved`` inputs replaced (one point; mode hvp)."""
+        at = {**inputs, **moved}
+        return dict(zip("qkv", user_backward(at["q"], at["k"], at["v"], g)))
+
+    def user_hvp(dq, dk, dv) -> tuple:
+        """The implementation's Hessian-vector product along (dq, dk, dv) (JAX: jax.grad over jax.vjp)."""
+        conv = sc.convention
+        out = implementation.call(
+            impl.hvp, "double backward", conv.arguments(q, k, v, interface.visible, scale, kv_map, dt)
+            + (conv.tensor(g),) + tuple(conv.tensor(t) for t in (dq, dk, dv)),
+            {f"h{t}": (conv.shape(x.shape), dt) for t, x in zip("qkv", (q, k, v))},
+            conv.names() + ("grad_o", "dq", "dk", "dv"))
+        return tuple(conv.tensor(out[f"h{t}"]) for t in "qkv")
+
     def user_jvp(dq, dk, dv) -> np.ndarray:
         """The implementation's output tangent along (dq, dk, dv), in the tool's layout."""
         conv = sc.convention
@@ -146,6 +162,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         tangents=None if sc.mode != "jvp" else implementation_tangents(
             inputs, g, visible, scale, kv_map, a64, moved_forward, user_jvp, interface,
             [sc.seed, SeedStream.TANGENT_HINTS], precision.Policy.for_dtype(computes_in, sc.factor, sc.slack)),
+        second=None if sc.mode != "hvp" else implementation_second(inputs, g, visible, scale, kv_map,
+                                                                   moved_gradients, user_hvp, interface),
         **diagnosis_fields(sc, hint_context(inputs, g, visible, scale, kv_map, results, ref, user_forward)),
     )
 

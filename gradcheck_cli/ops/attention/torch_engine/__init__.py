@@ -30,12 +30,13 @@ from ..reference import (
     called_as,
     diagnosis_fields,
     hint_context,
+    implementation_second,
     implementation_tangents,
     reference,
     varies,
 )
 from ..rounding import Blocks, output_terms
-from .calls import call_user, user_gradients, user_jvp
+from .calls import call_user, user_gradients, user_hvp, user_jvp
 from .formulas import DTYPES, backward, by_autograd, forward, probabilities, sdpa
 
 __all__ = ["DTYPES", "LOW_PRECISION", "LOW_PRECISION_CHECKS", "backward", "build", "forward", "probabilities", "sdpa"]
@@ -186,6 +187,21 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                                            lambda **moved: np_(moved_forward(**moved)), impl_jvp, interface,
                                            [sc.seed, SeedStream.TANGENT_HINTS],
                                            precision.Policy.for_dtype(computes_in, sc.factor, sc.slack))
+    second = None
+    if user is not None and sc.mode == "hvp":
+        def impl_gradients(**moved):
+            args = {"q": q, "k": k, "v": v}
+            args.update({n: to(x) for n, x in moved.items()})
+            return {t: np_(x) for t, x in zip("qkv", bwd(args["q"], args["k"], args["v"], g))}
+
+        def impl_hvp(dq, dk, dv):
+            conv = sc.convention
+            args = conv.arguments(q, k, v, vis, scale, kv_map, dt, lowest)
+            out = user_hvp(user, args[:3], [conv.tensor(to(t)) for t in (dq, dk, dv)], args[3:], conv.tensor(g),
+                           conv.shape(g.shape), dt)
+            return tuple(np_(conv.tensor(x)) for x in out)
+
+        second = implementation_second(inputs, g64, sc.visible, scale, kv_np, impl_gradients, impl_hvp, interface)
     itemsize = torch.finfo(dt).bits // 8
     rule = precision.Policy.for_dtype(computes_in)
     return Problem(
@@ -199,7 +215,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         compute_dtype=None if computes_in == sc.dtype else computes_in,
         analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in "qkv"} if user is not None else None,
         nondeterministic=user is not None and varies(results["o"], again["o"], sc.nondet_tol),
-        tangents=tangents,
+        tangents=tangents, second=second,
         **diagnosis_fields(sc, context),
     )
 

@@ -172,3 +172,37 @@ NO_FORWARD_MODE = (
     ("data pointer", "it leaves torch (e.g. through .numpy()), where forward-mode AD cannot follow"),
 )
 
+
+
+def user_hvp(user, qkv, directions, rest, grad_o, shape, dtype):
+    """The Hessian-vector product of L = sum(O * grad_o) along ``directions`` for the user's forward, by double
+    backward (the gradients taken with ``create_graph=True``, then the gradient of <gradients, directions>), so a
+    custom autograd.Function's backward is differentiated as it is written; a backward that cannot be
+    differentiated again is a failure saying why."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in qkv]
+    dirs = [d.detach().clone() for d in directions]
+    with torch.enable_grad():
+        o = call_user(user, (*leaves, *rest), shape, dtype)
+        if not o.requires_grad:
+            raise ImplementationFailure("forward's output does not require grad: autograd cannot reach q, k, v", "o")
+        grads = guarded("backward (with create_graph=True)", lambda: torch.autograd.grad(
+            o, leaves, grad_o.clone(), create_graph=True, allow_unused=True))
+        terms = [(gr * d).sum() for gr, d in zip(grads, dirs) if gr is not None and gr.requires_grad]
+        if not terms:
+            raise ImplementationFailure(
+                "the gradients do not depend on q, k, v through autograd, so they cannot be differentiated again: "
+                "a custom autograd.Function's backward must itself be differentiable torch code (not "
+                "@once_differentiable, not NumPy) for double backward", "o")
+        try:
+            second = guarded("double backward", lambda: torch.autograd.grad(sum(terms), leaves, allow_unused=True))
+        except ImplementationFailure as exc:
+            if "once_differentiable" not in exc.message and "does not require grad" not in exc.message:
+                raise
+            raise ImplementationFailure(f"{exc.message}; the backward cannot be differentiated again: write it in "
+                                        "differentiable torch operations for double backward", "o") from None
+    out = []
+    for name, leaf, h in zip(("hq", "hk", "hv"), leaves, second):
+        h = torch.zeros_like(leaf) if h is None else h.detach()
+        _finite("double backward", name, h)
+        out.append(h)
+    return tuple(out)
