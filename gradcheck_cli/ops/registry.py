@@ -24,7 +24,7 @@ class Fault:
     engine: bool = True
     user: str | None = None
     sized: bool = False
-    derivative: str = "vjp"     # the derivative it breaks: vjp (the gradients) or jvp (the output's tangent)
+    derivative: str = "vjp"     # what it breaks: vjp (the gradients), jvp (the output's tangent), hvp (Hessian x vec)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,11 @@ share a KV head. The n x n softmax Jacobian is never built.
 
 JVP (forward mode) along tangents (dQ, dK, dV): dS = scale (dQ K^T + Q dK^T) on the visible set,
 mu_i = sum_j A_ij dS_ij, dO = (A * (dS - mu)) V + A dV (hidden entries have A = 0 and contribute nothing).
+
+HVP (the Hessian of L = sum(O * G) times a direction (dQ, dK, dV), G fixed): forward mode through the backward.
+A_dot = A * (dS - mu), G_A_dot = G dV^T, D = rowsum(A * G_A), D_dot = rowsum(A_dot * G_A + A * G_A_dot) (that is,
+rowsum(G * dO)), G_S_dot = A_dot * (G_A - D) + A * (G_A_dot - D_dot); H_Q = scale (G_S_dot K + G_S dK),
+H_K = scale (G_S_dot^T Q + G_S^T dQ), H_V = A_dot^T G, with H_K and H_V summed over the query heads of a KV head.
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ from ..registry import Fault
 _ADDED = "adds to the implementation's gradients the change this bug makes to the float64 reference's"
 #: And a JVP fault's: the change it makes to the float64 closed form's output tangent is added to the implementation's.
 _JVP_ADDED = "adds to the implementation's JVP the change this bug makes to the float64 closed form's"
+#: And an HVP fault's: the change it makes to the float64 closed form's Hessian-vector product.
+_HVP_ADDED = "adds to the implementation's HVP the change this bug makes to the float64 closed form's"
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("softmax-term", "G_S = A * G_A: drops the row-sum subtraction c_i of the softmax backward",
@@ -65,6 +72,16 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("jvp-mask", "JVP: the tangent ignores the visible set (its A and dS are recomputed without it); "
                       "the forward keeps it",
           ("jvp (random tangent)", "jvp q", "jvp k", "jvp v", "adjoint identity"), derivative="jvp", user=_JVP_ADDED),
+    # Faults of the HVP (double backward): they apply to scenarios that check it only. "hvp q" names the HVP along
+    # a direction of q only (as "jvp q" does the JVP's); a fault is named where it changes that HVP.
+    Fault("hvp-d-term", "HVP: G_S_dot = A_dot * (G_A - D) + A * G_A_dot, the tangent of the row sum "
+                        "D_dot = rowsum(G * dO) dropped",
+          ("hvp (random direction)", "hvp q", "hvp k", "hvp v"), derivative="hvp", user=_HVP_ADDED),
+    Fault("hvp-softmax-tangent", "HVP: G_S_dot = A * (G_A_dot - D_dot), the softmax's tangent term "
+                                 "A_dot * (G_A - D) dropped (H_V keeps A_dot)",
+          ("hvp (random direction)", "hvp q", "hvp k"), derivative="hvp", user=_HVP_ADDED),
+    Fault("hvp-dk-path", "HVP: H_Q = scale G_S_dot K, the path of the K direction (scale G_S dK) dropped",
+          ("hvp (random direction)", "hvp k"), derivative="hvp", user=_HVP_ADDED),
 )}
 
 #: The faults of the built-in engines' forward and VJP (the others act on a user's implementation only, or on
@@ -73,6 +90,9 @@ ENGINE_FAULTS: dict[str, Fault] = {name: f for name, f in FAULTS.items() if f.en
 
 #: The faults of the JVP (forward mode), applicable where a scenario checks it.
 JVP_FAULTS = tuple(name for name, f in FAULTS.items() if f.derivative == "jvp")
+
+#: The faults of the HVP (the Hessian of L = sum(O * G) times a direction), applicable where a scenario checks it.
+HVP_FAULTS = tuple(name for name, f in FAULTS.items() if f.derivative == "hvp")
 
 #: Built-in faults whose effect on a user's implementation is their change to the reference gradients.
 DIFFERENCE_FAULTS = ("softmax-term", "mask-backward", "scale", "gqa-sum")
@@ -212,3 +232,73 @@ def jvp_terms(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None) -> np.
     if dv is not None:
         out += a @ repeat_kv(f64(dv), kv_map)
     return out
+
+
+def hvp(q, k, v, visible, scale, kv_map, grad_o, dq=None, dk=None, dv=None,
+        faults: Collection[str] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The derivative of :func:`backward`'s (G_Q, G_K, G_V) along the direction (dq, dk, dv) (None: zero) with
+    grad_o fixed: the Hessian of L = sum(O * grad_o) times the direction, (H_Q, H_K, H_V) shaped like (q, k, v).
+    Forward mode through the backward (module docstring); GQA: K/V and their directions are repeated like K/V,
+    and H_K, H_V summed over the query heads of a KV head. In the inputs' dtype. ``faults``: the HVP faults, and
+    ``mask`` (the visible set ignored throughout, as in the forward)."""
+    a, s_dot = _tangent_parts(q, k, visible, scale, kv_map, dq, dk, ("mask",) if "mask" in faults else ())
+    dtype, heads_kv = a.dtype, k.shape[-3]
+    sc = np.asarray(scale, dtype=dtype)
+    g = np.asarray(grad_o, dtype=dtype)
+    k_rep, v_rep = repeat_kv(k, kv_map), repeat_kv(v, kv_map)
+    a_dot = a * (s_dot - (a * s_dot).sum(axis=-1, keepdims=True))
+    g_a = g @ np.swapaxes(v_rep, -1, -2)
+    centred = g_a - (a * g_a).sum(axis=-1, keepdims=True)  # G_A - D
+    g_s = a * centred
+    d_dot = (a_dot * g_a).sum(axis=-1, keepdims=True)
+    g_a_dot = None
+    if dv is not None:
+        g_a_dot = g @ np.swapaxes(repeat_kv(dv, kv_map), -1, -2)
+        d_dot += (a * g_a_dot).sum(axis=-1, keepdims=True)
+    if "hvp-d-term" in faults:
+        d_dot = np.zeros_like(d_dot)
+    g_s_dot = a * (-d_dot if g_a_dot is None else g_a_dot - d_dot)  # A * (G_A_dot - D_dot)
+    if "hvp-softmax-tangent" not in faults:
+        g_s_dot += a_dot * centred
+    h_q = g_s_dot @ k_rep
+    if dk is not None and "hvp-dk-path" not in faults:
+        h_q += g_s @ repeat_kv(dk, kv_map)
+    h_q *= sc
+    h_k = np.swapaxes(g_s_dot, -1, -2) @ q
+    if dq is not None:
+        h_k += np.swapaxes(g_s, -1, -2) @ dq
+    h_k *= sc
+    h_v = np.swapaxes(a_dot, -1, -2) @ g
+    return h_q, sum_groups(h_k, kv_map, heads_kv), sum_groups(h_v, kv_map, heads_kv)
+
+
+def hvp_terms(q, k, v, visible, scale, kv_map, grad_o, dq=None, dk=None,
+              dv=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The size of the terms each element of :func:`hvp`'s (H_Q, H_K, H_V) is made of (its rounding), in float64:
+    its formulas with absolute values and every subtraction an addition (|A_dot| <= A * (|dS| + rowsum(A |dS|)),
+    |G_A| <= |G| |V|^T, ...). A bound on |hvp| elementwise."""
+    def f64(x):
+        return None if x is None else np.abs(np.asarray(x, dtype=np.float64))
+
+    qa, ka, va, g = f64(q), f64(k), f64(v), f64(grad_o)
+    dqa, dka, dva = f64(dq), f64(dk), f64(dv)
+    heads_kv, sc = k.shape[-3], abs(scale)
+    a = attention_weights(np.asarray(q, np.float64), np.asarray(k, np.float64), visible, scale, kv_map)
+    _, s_abs = _tangent_parts(qa, ka, visible, sc, kv_map, dqa, dka, ())
+    a_dot = a * (s_abs + (a * s_abs).sum(axis=-1, keepdims=True))
+    g_a = g @ np.swapaxes(repeat_kv(va, kv_map), -1, -2)
+    centred = g_a + (a * g_a).sum(axis=-1, keepdims=True)
+    g_s = a * centred
+    inner = (a_dot * g_a).sum(axis=-1, keepdims=True)  # |D_dot|, then |G_A_dot| + |D_dot|
+    if dva is not None:
+        g_a_dot = g @ np.swapaxes(repeat_kv(dva, kv_map), -1, -2)
+        inner = inner + (a * g_a_dot).sum(axis=-1, keepdims=True) + g_a_dot
+    g_s_dot = a_dot * centred + a * inner
+    h_q = g_s_dot @ repeat_kv(ka, kv_map)
+    if dka is not None:
+        h_q += g_s @ repeat_kv(dka, kv_map)
+    h_k = np.swapaxes(g_s_dot, -1, -2) @ qa
+    if dqa is not None:
+        h_k += np.swapaxes(g_s, -1, -2) @ dqa
+    h_v = np.swapaxes(a_dot, -1, -2) @ g
+    return h_q * sc, sum_groups(h_k * sc, kv_map, heads_kv), sum_groups(h_v, kv_map, heads_kv)
