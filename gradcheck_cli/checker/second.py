@@ -37,7 +37,8 @@ def _unit(rng, inputs: dict) -> dict:
 
 
 def hvp_checks(sc: Scenario, problem, rng: np.random.Generator, progress=None) -> list[Check]:
-    """``hvp <input>`` for each input (the part of H u that is the derivative of that input's gradient; all from
+    """``hvp <input>`` (tensor ``h<input>``) for each input (the part of H u that is the derivative of that input's
+    gradient; all from
     the same random direction u of every input, one pair of backwards), and the invariant ``Hessian is
     symmetric``. The differences at h/2 are taken only when a part is out of tolerance (then once, for all)."""
     second, inputs = problem.second, problem.inputs
@@ -60,8 +61,8 @@ def hvp_checks(sc: Scenario, problem, rng: np.random.Generator, progress=None) -
     checks = []
     for n in inputs:
         floor = eps_m * second.gradient_terms[n] / h + EPS64 * np.abs(num[n]) + eps_m * terms[n]
-        checks.append(judge(sc, problem, f"hvp {n}", n, ana[n], num[n], lambda n=n: halved(n), floor, rng,
-                            unit="backward"))
+        checks.append(judge(sc, problem, f"hvp {n}", f"h{n}", ana[n], num[n], lambda n=n: halved(n), floor, rng,
+                            unit="backward", axes_of=n))
     if progress:
         progress(len(inputs))
     checks.append(symmetry(sc, second, u, ana, terms, _unit(rng, inputs), inputs, eps_m))

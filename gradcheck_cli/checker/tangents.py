@@ -74,11 +74,12 @@ def jvp_checks(sc: Scenario, problem, rng: np.random.Generator, progress=None) -
     return checks
 
 
-def judge(sc, problem, label: str, tensor: str, ana, num, halved, floor, rng, unit: str = "forward") -> Check:
-    """The verdict of one direction's result ``ana`` (the JVP: tensor ``o``; a Hessian-vector product: the
-    tensor it is the derivative of the gradient of) against its differences ``num`` at step h, each a difference
-    of two ``unit`` calls (forward or backward); ``halved()`` takes the differences at h/2 (only when out of
-    tolerance)."""
+def judge(sc, problem, label: str, tensor: str, ana, num, halved, floor, rng, unit: str = "forward",
+          axes_of: str = "q") -> Check:
+    """The verdict of one direction's result ``ana`` (the JVP: tensor ``o``; a part of a Hessian-vector product:
+    ``hq``, ``hk``, ``hv``) against its differences ``num`` at step h, each a difference of two ``unit`` calls
+    (forward or backward); ``halved()`` takes the differences at h/2 (only when out of tolerance). ``axes_of``:
+    the input whose axes (``Problem.structure``) the result shares, for a diagnosis."""
     shape = ana.shape
     ana, num, floor = (np.ravel(x) for x in (ana, num, floor))
     max_abs, rel, worst = relative_error(ana, num)
@@ -111,7 +112,7 @@ def judge(sc, problem, label: str, tensor: str, ana, num, halved, floor, rng, un
         detail += "; the finite differences are too inaccurate here to decide: use float64 or another epsilon"
     diagnosis = None
     if outcome == "fail":
-        structure = (problem.structure or {}).get("q" if tensor == "o" else tensor)  # O has q's leading axes
+        structure = (problem.structure or {}).get(axes_of)
         ev = diagnose.Evidence(ana.reshape(shape), num.reshape(shape), allowed.reshape(shape))
         diagnosis = diagnose.breakdown(tensor, ev, structure)
     return Check(kind=Kind.GRADIENT, name=label, tensor=tensor, shape=tuple(shape), max_abs_error=max_abs,

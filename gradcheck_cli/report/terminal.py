@@ -70,7 +70,7 @@ def render_scenario(console: Console, r: ScenarioResult, description: str, repro
     power = r.detectable
     if power:
         console.print("  power: would have caught uniform relative errors above "
-                      + ", ".join(f"{_fmt(x)} in {'O' if t == 'o' else 'd' + t}" for t, x in power.items()),
+                      + ", ".join(f"{_fmt(x)} in {_power_name(t)}" for t, x in power.items()),
                       highlight=False, soft_wrap=True)
     word = {"pass": "passed", "fail": "FAILED", "inconclusive": "INCONCLUSIVE"}[r.verdict]
     compiling = f" (of which {r.compile_s:.2f} s compiling with jax.jit)" if r.compile_s else ""
@@ -188,3 +188,10 @@ def render_sweep(console: Console, sweep, description: str) -> None:
     console.print("  large steps: truncation (~h^2); small steps: rounding (~eps/h); * = smallest error; "
                   "<- run = the step the run uses", soft_wrap=True)
     console.print()
+
+
+def _power_name(tensor: str) -> str:
+    """How the power line names a checked tensor: O, a gradient dq, or a part H_Q of a Hessian-vector product."""
+    if tensor == "o":
+        return "O"
+    return f"H_{tensor[1].upper()}" if len(tensor) == 2 and tensor[0] == "h" else "d" + tensor

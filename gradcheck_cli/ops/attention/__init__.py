@@ -15,11 +15,13 @@ from ..registry import Engine, Interface, Op
 from .formulas import (
     ENGINE_FAULTS,
     FAULTS,
+    HVP_FAULTS,
     JVP_FAULTS,
     Gradients,
     attention_weights,
     backward,
     forward,
+    hvp,
     jvp,
     repeat_kv,
     sum_groups,
@@ -29,8 +31,9 @@ from .memory import need as memory_need
 from .overflow import non_finite
 from .rounding import output_term_sizes, output_terms, term_sizes
 
-__all__ = ["ENGINE_FAULTS", "FAULTS", "JVP_FAULTS", "Gradients", "OP", "attention_weights", "backward", "forward",
-           "jvp", "repeat_kv", "seeded_inputs", "sum_groups", "output_term_sizes", "output_terms", "term_sizes"]
+__all__ = ["ENGINE_FAULTS", "FAULTS", "HVP_FAULTS", "JVP_FAULTS", "Gradients", "OP", "attention_weights", "backward",
+           "forward", "hvp", "jvp", "repeat_kv", "seeded_inputs", "sum_groups", "output_term_sizes", "output_terms",
+           "term_sizes"]
 
 
 def shapes(sc) -> dict:
@@ -48,6 +51,8 @@ def why_not(sc, fault: str) -> str | None:
         return "no KV head is shared by several query heads"
     if fault in JVP_FAULTS and sc.mode != "jvp":
         return "the scenario does not check the JVP (check: {mode: jvp})"
+    if fault in HVP_FAULTS and sc.mode != "hvp":
+        return "the scenario does not check the double backward (check: {mode: hvp})"
     if fault == "jvp-mask" and sc.visible.all():
         return "every key is visible to every query: there is no mask for the tangent to ignore"
     if fault in ("scale", "jvp-scale") and sc.scale == 1.0:
@@ -93,4 +98,4 @@ OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradient
         backends=("numpy", "torch", "jax"), built_in_backends=("numpy", "torch"),
         dtypes=("float64", "float32", "float16", "bfloat16"), low_precision_backends=("torch", "jax"),
         implementation=INTERFACE, colouring=True, example=EXAMPLE, tangent_engines=("naive", "tiled"),
-        tangent_flavours=("numpy", "torch", "jax"))
+        tangent_flavours=("numpy", "torch", "jax"), second_engines=("naive",), second_flavours=("torch", "jax"))

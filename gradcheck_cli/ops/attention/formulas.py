@@ -72,16 +72,16 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("jvp-mask", "JVP: the tangent ignores the visible set (its A and dS are recomputed without it); "
                       "the forward keeps it",
           ("jvp (random tangent)", "jvp q", "jvp k", "jvp v", "adjoint identity"), derivative="jvp", user=_JVP_ADDED),
-    # Faults of the HVP (double backward): they apply to scenarios that check it only. "hvp q" names the HVP along
-    # a direction of q only (as "jvp q" does the JVP's); a fault is named where it changes that HVP.
+    # Faults of the HVP (double backward): they apply to scenarios that check it (check: {mode: hvp}) only. "hvp q"
+    # is the part H_Q of the Hessian-vector product along a random direction of every input.
     Fault("hvp-d-term", "HVP: G_S_dot = A_dot * (G_A - D) + A * G_A_dot, the tangent of the row sum "
                         "D_dot = rowsum(G * dO) dropped",
-          ("hvp (random direction)", "hvp q", "hvp k", "hvp v"), derivative="hvp", user=_HVP_ADDED),
+          ("hvp q", "hvp k", "Hessian is symmetric"), derivative="hvp", user=_HVP_ADDED),
     Fault("hvp-softmax-tangent", "HVP: G_S_dot = A * (G_A_dot - D_dot), the softmax's tangent term "
                                  "A_dot * (G_A - D) dropped (H_V keeps A_dot)",
-          ("hvp (random direction)", "hvp q", "hvp k"), derivative="hvp", user=_HVP_ADDED),
+          ("hvp q", "hvp k", "Hessian is symmetric"), derivative="hvp", user=_HVP_ADDED),
     Fault("hvp-dk-path", "HVP: H_Q = scale G_S_dot K, the path of the K direction (scale G_S dK) dropped",
-          ("hvp (random direction)", "hvp k"), derivative="hvp", user=_HVP_ADDED),
+          ("hvp q", "Hessian is symmetric"), derivative="hvp", user=_HVP_ADDED),
 )}
 
 #: The faults of the built-in engines' forward and VJP (the others act on a user's implementation only, or on

@@ -7,14 +7,14 @@ from collections.abc import Collection
 import numpy as np
 
 from ...numeric import SeedStream
-from ..registry import Problem, Tangents
+from ..registry import Problem, SecondOrder, Tangents
 from . import copies
-from .formulas import attention_weights, backward, forward, jvp, jvp_terms
+from .formulas import attention_weights, backward, forward, hvp, hvp_terms, jvp, jvp_terms
 from .hints.tangent import jvp_hints
 from .inputs import seeded_inputs
 from .invariants import engine_invariants
 from .reference import diagnosis_fields
-from .rounding import Blocks, output_term_sizes, output_terms
+from .rounding import Blocks, output_term_sizes, output_terms, term_sizes
 
 
 def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None) -> Problem:
@@ -48,6 +48,21 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     grads = bwd(q, k, v, g)
     rounding, rounding_total = blocks.rounding(inputs, g, a, scale, kv_map)
     rng_inv = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
+    second = None
+    if sc.mode == "hvp":  # the double backward: H u against differences of these very gradients
+        def moved_gradients(**moved) -> dict:
+            at = {**inputs, **moved}
+            grads = bwd(at["q"], at["k"], at["v"], g)
+            return {"q": grads.q, "k": grads.k, "v": grads.v}
+
+        second = SecondOrder(
+            gradients=moved_gradients,
+            hvp=lambda u: dict(zip("qkv", hvp(q, k, v, visible, scale, kv_map, g, u.get("q"), u.get("k"), u.get("v"),
+                                              faults))),
+            hvp_terms=lambda u: dict(zip("qkv", hvp_terms(q, k, v, visible, scale, kv_map, g, u.get("q"), u.get("k"),
+                                                          u.get("v")))),
+            gradient_terms=term_sizes(inputs, g, lambda span: a[..., span, :], scale, kv_map))
+
     def o_dot(t: dict) -> np.ndarray:
         """The engine's JVP along tangents t (by input name; missing: zero)."""
         return jvp(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), faults)
@@ -74,6 +89,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             output_terms=output_term_sizes(inputs, lambda span: a[..., span, :], scale, kv_map),
             upstream=g,
             explain=jvp_hints(o_dot, inputs, visible, scale, kv_map, [sc.seed, SeedStream.TANGENT_HINTS])),
+        second=second,
         parts=blocks.parts,
         loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
         **diagnosis_fields(sc),
