@@ -8,7 +8,12 @@
 
 JVP: dS = scale (dQ K^T + Q dK^T) on the visible set, mu_i = sum_j A_ij dS_ij,
      dO = (A * (dS - mu)) V + A dV.
-``broken_attention`` leaves mu out: the bug the check names.
+``broken_attention`` leaves mu out: the bug the JVP check names (examples/torch_jvp.yaml).
+
+Double backward (``check: {mode: hvp}``, examples/torch_hvp.yaml): autograd differentiates ``backward`` as it is
+written. ``attention``'s backward recomputes A from the saved q and k, so its derivative is right;
+``saved_weights_attention`` reads the A that ``setup_context`` saved, which autograd never saw being computed: its
+gradients and JVP are right, its double backward silently wrong (A counts as a constant there).
 """
 import torch
 
@@ -18,7 +23,7 @@ def _weights(q, k_rep, visible, scale):
     return torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
 
 
-def _function(centre: bool):
+def _function(centre: bool, recompute: bool = True):
     class Attention(torch.autograd.Function):
         @staticmethod
         def forward(q, k, v, visible, scale, kv_map):
@@ -36,6 +41,8 @@ def _function(centre: bool):
         def backward(ctx, grad_o):
             q, k, v, a = ctx.saved_tensors
             m, scale = ctx.kv_map, ctx.scale
+            if recompute:  # from q and k, in autograd's view: double backward differentiates A too
+                a = _weights(q, k[:, m], ctx.visible, scale)
             ga = grad_o @ v[:, m].transpose(-1, -2)
             gs = a * (ga - (a * ga).sum(-1, keepdim=True))
             dq = scale * gs @ k[:, m]
@@ -58,3 +65,4 @@ def _function(centre: bool):
 
 attention = _function(centre=True)
 broken_attention = _function(centre=False)  # mu dropped: dO = (A * dS) V + A dV
+saved_weights_attention = _function(centre=True, recompute=False)  # double backward treats A as a constant

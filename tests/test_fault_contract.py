@@ -23,12 +23,13 @@ AGREEMENT = set().union(*CROSS_CHECKS.values())
 
 
 def _example(op, engine="naive", fault=None):
-    """The op's example on that engine (checking the JVP for a fault of the JVP); skips on backend torch where
-    torch is not installed."""
+    """The op's example on that engine (checking the JVP for a fault of the JVP, the double backward for one of the
+    HVP); skips on backend torch where torch is not installed."""
     if engine == "torch":
         pytest.importorskip("torch")
-    jvp = {"check": {"mode": "jvp"}} if fault is not None and FAULTS[fault].derivative == "jvp" else {}
-    return make(**{"op": op, **OPS[op].example, **ENGINES.get(op, {}).get(engine, {}), **jvp})
+    derivative = FAULTS[fault].derivative if fault is not None else "vjp"
+    mode = {"check": {"mode": derivative}} if derivative in ("jvp", "hvp") else {}
+    return make(**{"op": op, **OPS[op].example, **ENGINES.get(op, {}).get(engine, {}), **mode})
 
 
 def _engine_faults(op):
@@ -54,8 +55,9 @@ def _cases():
     for op_name, op in sorted(OPS.items()):
         for engine in sorted(ENGINES.get(op_name, {"naive": {}})):
             for fault, record in sorted(op.faults.items()):
-                # a fault of the JVP applies on the engines that compute one (``Op.tangent_engines``)
-                if record.engine and (record.derivative != "jvp" or engine in op.tangent_engines):
+                # a fault of the JVP or HVP applies on the engines that compute one (``Op.directional_derivative``)
+                computes = op.directional_derivative(record.derivative)
+                if record.engine and (computes is None or engine in computes[0]):
                     cases.append(pytest.param(op_name, engine, fault, id=f"{op_name}-{engine}-{fault}"))
     return cases
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import diagnose, numeric
+from ..errors import GradcheckError
 from ..implementation import ImplementationFailure, failure_check
 from ..ops import OPS
 from ..ops.registry import NonFinite
@@ -78,6 +79,10 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     except ImplementationFailure as exc:
         return result((failure_check("implementation runs", exc),),
                       hints=(exc.hint,) if exc.hint else ((_range_hint(sc),) if "non-finite" in exc.message else ()))
+    missing = {"jvp": problem.tangents, "hvp": problem.second}.get(sc.mode, True) is None
+    if missing:  # the loader refuses such scenarios; one built by hand (dataclasses.replace) lands here
+        raise GradcheckError(f"scenario '{sc.name}': engine {sc.engine} of op {sc.op} computes no derivative for "
+                             f"check mode {sc.mode}")
     broken = _non_finite(sc, problem)
     if broken:  # differences of NaN/inf say nothing: report where they first appear, and stop there
         return result(broken, arrays=dict(problem.arrays), hints=(_range_hint(sc),))
@@ -190,6 +195,9 @@ def _diagnose(sc: Scenario, problem, checks: list[Check], evidence: dict) -> tup
     if tangents is not None and tangents.explain and any(c.name.startswith("jvp") and c.verdict == "fail" for c in out):
         explained = tangents.explain()
         hints.extend(explained)
+    second = problem.second if sc.mode == "hvp" else None
+    if second is not None and second.explain and any(c.name.startswith("hvp") and c.verdict == "fail" for c in out):
+        hints.extend(second.explain(out))
     if failed_paths and len(failed_paths) < 3 and not explained:  # the mistake named says more than the path
         hints.append(f"the JVP is wrong along the tangent of {' and '.join(failed_paths)} only: look at that path of "
                      "the forward-mode derivative (e.g. dS = scale (dQ K^T + Q dK^T), mu = sum_j A_ij dS_ij)")

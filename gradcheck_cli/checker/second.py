@@ -66,6 +66,8 @@ def hvp_checks(sc: Scenario, problem, rng: np.random.Generator, progress=None) -
     if progress:
         progress(len(inputs))
     checks.append(symmetry(sc, second, u, ana, terms, _unit(rng, inputs), inputs, eps_m))
+    if second.agreement is not None:
+        checks.extend(second.agreement(u, ana))
     return checks
 
 

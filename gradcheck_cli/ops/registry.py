@@ -57,12 +57,16 @@ class SecondOrder:
     gradients(**moved): the engine's gradients (by input name) with the ``moved`` inputs replaced. hvp(u): the
       analytic Hessian-vector product H u by input name, for a direction u by input name (missing: zero).
       hvp_terms(u): per element of H u, the size of the terms it is made of (its rounding). gradient_terms: per
-      element of each gradient, the size of its terms (the rounding of the differences).
+      element of each gradient, the size of its terms (the rounding of the differences). agreement(u, hu): reference
+      checks of H u (an implementation's, against the float64 closed form). explain(checks): hints for a failed
+      double backward, given every check of the run.
     """
     gradients: Callable[..., dict]
     hvp: Callable[[dict], dict]
     hvp_terms: Callable[[dict], dict]
     gradient_terms: dict
+    agreement: Callable[[dict, dict], list] | None = None
+    explain: Callable[[list], list[str]] | None = None
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 torch ``autograd.Function`` with ``jvp`` through torch.func.jvp, and jax.jvp; what is caught (the centring bug
 of examples/torch_jvp.py with its tensor, rows and hint; every JVP fault as a negative control; a 0.1% bug in
 float32), and what is refused or reported without a traceback."""
-import numpy as np
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -177,12 +176,12 @@ custom.defvjp(_f, _b)
 
 def test_a_jvp_wrong_along_one_path_by_no_known_mistake_gets_the_path_hint(tmp_path):
     (tmp_path / "halfk.py").write_text(
-        "import sys\nsys.path.insert(0, %r)\nfrom my_attention import Attention\n"
+        (ROOT / "examples/my_attention.py").read_text() + "\n\n"
         "class HalfK(Attention):\n"
         "    @staticmethod\n    def jvp(q, k, v, visible, scale, kv_map, dq, dk, dv):\n"
-        "        return Attention.jvp(q, k, v, visible, scale, kv_map, dq, 1.5 * dk, dv)\n"
-        "attention = HalfK()\n" % str(ROOT / "examples"))
-    sc = scenario.loads(yaml.safe_dump({"scenarios": [{"name": "x", "implementation": "halfk:attention", **SHAPE}]}),
+        "        return Attention.jvp(q, k, v, visible, scale, kv_map, dq, 1.5 * dk, dv)\n\n\n"
+        "half_k = HalfK()\n")
+    sc = scenario.loads(yaml.safe_dump({"scenarios": [{"name": "x", "implementation": "halfk:half_k", **SHAPE}]}),
                         base_dir=tmp_path)[0]
     result = checker.run_scenario(sc)
     assert {"jvp k", "jvp (random tangent)"} <= _failed(result) and not {"jvp q", "jvp v"} & _failed(result)

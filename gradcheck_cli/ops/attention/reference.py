@@ -179,14 +179,47 @@ def implementation_tangents(inputs: dict, g, visible, scale, kv_map, a64, moved_
         explain=jvp_hints(o_dot, inputs, visible, scale, kv_map, seed), agreement=agreement)
 
 
-def implementation_second(inputs: dict, g, visible, scale, kv_map, gradients, user_hvp, interface) -> SecondOrder:
+#: The name of the reference checks of an implementation's double backward.
+HVP_REFERENCE = "double backward agrees with the reference"
+
+#: Why a double backward fails while the gradients it differentiates are right (torch and JAX alike).
+CONSTANTS_HINT = (
+    "the gradients are right but their derivative is not: the double backward differentiates your backward as it "
+    "is written, and tensors it reads that were computed outside autograd's view (the attention weights or "
+    "statistics saved from an autograd.Function's forward or setup_context, anything under no_grad, detach() or "
+    "jax.lax.stop_gradient) count as constants there; recompute them in backward from the saved inputs (or "
+    "return them as outputs), or mark the backward once_differentiable so that double backward refuses instead "
+    "of answering wrong")
+
+
+def implementation_second(inputs: dict, g, visible, scale, kv_map, gradients, user_hvp, interface,
+                          policy) -> SecondOrder:
     """What the double-backward checks need of an implementation (``registry.SecondOrder``): ``gradients(**moved)``
     its gradients with inputs replaced, ``user_hvp(dq, dk, dv)`` its Hessian-vector product (hq, hk, hv), the
     HVP faults' change added (``Interface.hvp``); the rounding of both sides from the float64 closed form's
-    terms."""
+    terms; H u against the float64 closed form under ``policy`` (``HVP_REFERENCE``, the plain error that of the
+    closed form in the precision the implementation computes in); the hint ``CONSTANTS_HINT``."""
+    from ... import precision
     x64 = {t: val.astype(np.float64) for t, val in inputs.items()}
     g64 = np.asarray(g, dtype=np.float64)
     grads = backward(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, g64)
+
+    def agreement(u: dict, hu: dict) -> list:
+        u64 = [np.asarray(u[n], dtype=np.float64) for n in "qkv"]
+        ref = hvp(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, g64, *u64)
+        terms = hvp_terms(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, g64, *u64)
+        plain = [np.zeros_like(r) for r in ref]
+        if policy.dtype != "float64":
+            low = [x.astype(policy.dtype) for x in (x64["q"], x64["k"], x64["v"], g64, *u64)]
+            plain = hvp(*low[:3], visible, scale, kv_map, *low[3:])
+        return [precision.agreement(HVP_REFERENCE, f"h{n}", hu[n], r, t, policy,
+                                    float(np.abs(np.asarray(p, dtype=np.float64) - r).max(initial=0.0))
+                                    if policy.dtype != "float64" else 0.0)
+                for n, r, t, p in zip("qkv", ref, terms, plain)]
+
+    def explain(checks: list) -> list[str]:
+        gradients_right = all(c.passed for c in checks if c.name == "backward agrees with the reference")
+        return [CONSTANTS_HINT] if gradients_right else []
 
     def h(u: dict) -> dict:
         full = [u[n] if u.get(n) is not None else np.zeros_like(inputs[n]) for n in "qkv"]
@@ -196,4 +229,5 @@ def implementation_second(inputs: dict, g, visible, scale, kv_map, gradients, us
         gradients=gradients, hvp=h,
         hvp_terms=lambda u: dict(zip("qkv", hvp_terms(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, g64,
                                                        u.get("q"), u.get("k"), u.get("v")))),
-        gradient_terms=term_sizes(x64, g64, lambda span: grads.a[..., span, :], scale, kv_map))
+        gradient_terms=term_sizes(x64, g64, lambda span: grads.a[..., span, :], scale, kv_map),
+        agreement=agreement, explain=explain)

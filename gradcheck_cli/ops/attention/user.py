@@ -163,7 +163,9 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             inputs, g, visible, scale, kv_map, a64, moved_forward, user_jvp, interface,
             [sc.seed, SeedStream.TANGENT_HINTS], precision.Policy.for_dtype(computes_in, sc.factor, sc.slack)),
         second=None if sc.mode != "hvp" else implementation_second(inputs, g, visible, scale, kv_map,
-                                                                   moved_gradients, user_hvp, interface),
+                                                                   moved_gradients, user_hvp, interface,
+                                                                   precision.Policy.for_dtype(computes_in, sc.factor,
+                                                                                              sc.slack)),
         **diagnosis_fields(sc, hint_context(inputs, g, visible, scale, kv_map, results, ref, user_forward)),
     )
 

@@ -201,7 +201,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                            conv.shape(g.shape), dt)
             return tuple(np_(conv.tensor(x)) for x in out)
 
-        second = implementation_second(inputs, g64, sc.visible, scale, kv_np, impl_gradients, impl_hvp, interface)
+        second = implementation_second(inputs, g64, sc.visible, scale, kv_np, impl_gradients, impl_hvp, interface,
+                                       precision.Policy.for_dtype(computes_in, sc.factor, sc.slack))
     itemsize = torch.finfo(dt).bits // 8
     rule = precision.Policy.for_dtype(computes_in)
     return Problem(
