@@ -264,6 +264,12 @@ def ops():
             out.print("    a module:  implementation: {factory: module:attribute, weights: {parameter: expression of "
                       f"{', '.join(op.tensors)}}}, call: [...]}} with backend torch or jax (call may pass "
                       f"{', '.join(op.implementation.args) or 'no arguments'} too)", highlight=False)
+        for mode, what in (("jvp", "the JVP"), ("hvp", "the double backward")):
+            engines, flavours = op.directional_derivative(mode)
+            if engines or flavours:
+                where = ([f"engine {', '.join(engines)}"] if engines else []) + \
+                    ([f"your {', '.join(flavours)} code"] if flavours else [])
+                out.print(f"    mode {mode}:  {what}, on {'; '.join(where)}", highlight=False)
         if op.implementation and op.implementation.conventions:
             out.print(f"    convention: {', '.join(op.implementation.conventions)} (how your code takes its arguments)",
                       highlight=False)

@@ -83,7 +83,8 @@ def engine_for(sc) -> str:
 INTERFACE = Interface(
     flavours=("numpy", "torch", "jax"),
     signature="numpy: an object with forward(q, k, v, visible, scale, kv_map) -> o and backward(q, k, v, visible, "
-              "scale, kv_map, grad_o) -> (dq, dk, dv); torch: a callable (q, k, v, visible, scale, kv_map) -> o, "
+              "scale, kv_map, grad_o) -> (dq, dk, dv) (for mode jvp also jvp(q, k, v, visible, scale, kv_map, dq, dk, "
+              "dv) -> do); torch: a callable (q, k, v, visible, scale, kv_map) -> o, "
               "differentiated by autograd; jax: the same function on JAX arrays, differentiated by jax.vjp",
     args=("visible", "scale", "kv_map"), modules=False,
     conventions=("layout", "mask", "mask_heads", "scale"))
