@@ -4,6 +4,7 @@ and correct user implementations (NumPy, torch, and ones that compute internally
 benchmarks/correct_impls.py), runs each through the Python API and counts verdicts.
 
     python benchmarks/correct_grid.py [--count 1000] [--seed 0] [--jobs 2] [--json out.json] [--only PREFIX]
+    python benchmarks/correct_grid.py --derivatives [...]   # modes jvp and hvp instead (their own categories)
 
 Exit 1 when any scenario FAILs. Without torch the torch categories are skipped. The counts of a full run
 are in the README ("How verdicts, power and precision work").
@@ -129,6 +130,30 @@ def categories(with_torch: bool) -> list[tuple[str, float]]:
     return [(c, w / total) for c, w in cats]
 
 
+def derivative_categories(with_torch: bool) -> list[tuple[str, float]]:
+    """``--derivatives``: modes jvp and hvp, on every engine and flavour that computes them."""
+    cats = [("jvp/naive", 0.2), ("jvp/tiled", 0.2), ("jvp/impl/numpy-einsum", 0.1), ("hvp/naive", 0.2)]
+    if with_torch:
+        cats += [("jvp/impl/torch-plain", 0.1), ("jvp/impl/torch-jvp-function", 0.1), ("hvp/impl/torch-plain", 0.1),
+                 ("hvp/impl/torch-jvp-function", 0.1)]
+    total = sum(w for _, w in cats)
+    return [(c, w / total) for c, w in cats]
+
+
+def draw_derivative(rng, category: str) -> dict:
+    mode, rest = category.split("/", 1)
+    sc = _attention(rng, str(rng.choice(["float64", "float32"])), small=True)
+    sc["check"] = {"mode": mode}
+    if rest == "tiled":
+        sc.update(engine="tiled", block_q=int(rng.choice([1, 4, 8, 64])), block_k=int(rng.choice([1, 3, 8, 64])))
+    if rest.startswith("impl/"):
+        sc["implementation"] = {"numpy-einsum": "correct_impls:einsum", "torch-plain": "correct_impls:torch_plain",
+                                "torch-jvp-function": "correct_impls:torch_jvp_function"}[rest[5:]]
+        if "torch" in rest:
+            sc["backend"] = "torch"
+    return sc
+
+
 IMPLS = {"impl/numpy-einsum": "correct_impls:einsum", "impl/numpy-flash": "correct_impls:flash",
          "impl/numpy-float32-inside": "correct_impls:float32_inside", "impl/torch-plain": "correct_impls:torch_plain",
          "impl/torch-custom": "correct_impls:torch_custom", "impl/torch-sdpa": "correct_impls:torch_sdpa",
@@ -179,10 +204,12 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, help="write every case and its verdict here")
     ap.add_argument("--only", default=None, help="only categories starting with this (e.g. impl/, attention/tiled)")
     ap.add_argument("--show", type=int, default=20, help="list this many non-passing cases")
+    ap.add_argument("--derivatives", action="store_true", help="modes jvp and hvp (JVP and double backward)")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
     rng = np.random.default_rng(args.seed)
-    cats = categories(_has_torch())
+    cats = (derivative_categories if args.derivatives else categories)(_has_torch())
+    pick = draw_derivative if args.derivatives else draw
     if args.only:
         cats = [(c, w) for c, w in cats if c.startswith(args.only)]
         total = sum(w for _, w in cats)
@@ -191,7 +218,7 @@ def main() -> int:
     cases = []
     for i in range(args.count):
         cat = str(rng.choice(names, p=weights))
-        cases.append((i, cat, draw(rng, cat)))
+        cases.append((i, cat, pick(rng, cat)))
     start = time.perf_counter()
     if args.jobs > 1:
         with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
@@ -201,7 +228,7 @@ def main() -> int:
     counts = collections.defaultdict(collections.Counter)
     for r in results:
         counts[r["category"]][r["verdict"]] += 1
-        if r["category"].startswith(("attention", "impl")):
+        if r["category"].startswith(("attention", "impl", "jvp", "hvp")):
             counts[f"  dtype {r['doc']['dtype']}"][r["verdict"]] += 1
         else:
             counts[f"  op {r['doc']['op']}"][r["verdict"]] += 1

@@ -12,6 +12,8 @@ Torch flavour (one callable each, gradients by autograd):
   torch_custom    a custom autograd.Function with a hand-written backward
   torch_sdpa      torch.nn.functional.scaled_dot_product_attention with the boolean mask
   torch_softmax32 softmax in float32 and cast back (transformers' eager attention does this)
+  torch_jvp_function  examples/torch_jvp.py's autograd.Function with backward and jvp (modes jvp and hvp)
+Einsum also has ``jvp`` (mode jvp of the NumPy flavour).
 """
 from __future__ import annotations
 
@@ -42,6 +44,15 @@ class Einsum:
         np.add.at(dk, (slice(None), kv_map), dk_rep)
         np.add.at(dv, (slice(None), kv_map), dv_rep)
         return dq, dk, dv
+
+    @staticmethod
+    def jvp(q, k, v, visible, scale, kv_map, dq, dk, dv):
+        k_rep, v_rep = k[:, kv_map], v[:, kv_map]
+        p = _probabilities(q, k_rep, visible, scale)
+        ds = scale * (np.einsum("bhid,bhjd->bhij", dq, k_rep) + np.einsum("bhid,bhjd->bhij", q, dk[:, kv_map]))
+        ds = np.where(visible, ds, 0.0)
+        ds = ds - np.sum(p * ds, axis=-1, keepdims=True)
+        return np.einsum("bhij,bhjd->bhid", p * ds, v_rep) + np.einsum("bhij,bhjd->bhid", p, dv[:, kv_map])
 
 
 class Flash:
@@ -112,15 +123,25 @@ def torch_plain(q, k, v, visible, scale, kv_map):
     return s.softmax(dim=-1) @ v_rep
 
 
-def torch_custom(q, k, v, visible, scale, kv_map):
+def _example(file: str, name: str):
+    """Attribute ``name`` of examples/``file``, imported once under a name of its own."""
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "examples" / "torch_attention.py"
-    spec = importlib.util.spec_from_file_location("_example_torch_attention", path)
+    path = Path(__file__).resolve().parents[1] / "examples" / file
+    spec = importlib.util.spec_from_file_location(f"_example_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    globals()["torch_custom"] = module.attention
-    return module.attention(q, k, v, visible, scale, kv_map)
+    return getattr(module, name)
+
+
+def torch_custom(q, k, v, visible, scale, kv_map):
+    globals()["torch_custom"] = _example("torch_attention.py", "attention")
+    return torch_custom(q, k, v, visible, scale, kv_map)
+
+
+def torch_jvp_function(q, k, v, visible, scale, kv_map):
+    globals()["torch_jvp_function"] = _example("torch_jvp.py", "attention")
+    return torch_jvp_function(q, k, v, visible, scale, kv_map)
 
 
 def torch_sdpa(q, k, v, visible, scale, kv_map):
