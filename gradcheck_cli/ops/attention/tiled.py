@@ -268,6 +268,16 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         policy = precision.Policy(sc.dtype, 0.0, 0.0, ENGINE_AGREEMENT_ULPS)
         agree = [precision.agreement("tiled agrees with the naive engine", t, mine, ref[t], sizes[t], policy,
                                      what="tiled") for t, mine in (("o", o), ("q", g_q), ("k", g_k), ("v", g_v))]
+        if sc.mode == "jvp":  # the JVP too, along a random tangent, the naive one by blocks of query rows
+            draw = np.random.default_rng([sc.seed, SeedStream.FAST_FORWARD])
+            t = {n: draw.standard_normal(x.shape).astype(dt) for n, x in inputs.items()}
+            naive = np.empty(o.shape)
+            for span in _spans(sc.n_q, TERM_ROWS):
+                naive[..., span, :] = formulas.jvp(q[..., span, :], k, v, visible[..., span, :], scale, kv_map,
+                                                   t["q"][..., span, :], t["k"], t["v"], faults)
+            agree.append(precision.agreement("tiled JVP agrees with the naive engine", "o", o_dot(t), naive,
+                                             jvp_terms_by_rows(q, k, v, visible, scale, kv_map, t["q"], t["k"],
+                                                               t["v"]), policy, what="tiled"))
         eps = float(np.finfo(dt).eps)
         terms = output_terms(inputs, a_rows, scale, kv_map)
         # D = rowsum(G_O * O) comes from the forward's O, which carries the rounding of its own terms
