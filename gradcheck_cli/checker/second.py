@@ -12,7 +12,7 @@ from .. import numeric
 from ..result import Check, Kind
 from ..scenario import Scenario
 from ..tolerance import EPS64, INVARIANT_ULPS, machine_epsilon
-from .tangents import judge
+from .tangents import judge, largest
 
 
 def _difference(second, inputs: dict, draws: dict, h: float):
@@ -59,10 +59,11 @@ def hvp_checks(sc: Scenario, problem, rng: np.random.Generator, progress=None) -
         return halves[name]
 
     checks = []
+    scale = largest(*((ana[n], num[n]) for n in inputs))
     for n in inputs:
         floor = eps_m * second.gradient_terms[n] / h + EPS64 * np.abs(num[n]) + eps_m * terms[n]
         checks.append(judge(sc, problem, f"hvp {n}", f"h{n}", ana[n], num[n], lambda n=n: halved(n), floor, rng,
-                            unit="backward", axes_of=n))
+                            unit="backward", axes_of=n, scale=scale))
     if progress:
         progress(len(inputs))
     checks.append(symmetry(sc, second, u, ana, terms, _unit(rng, inputs), inputs, eps_m))

@@ -56,7 +56,7 @@ def jvp_checks(sc: Scenario, problem, rng: np.random.Generator, progress=None) -
     for n, x in inputs.items():
         t = rng.standard_normal(x.shape)
         draws[n] = t / max(float(np.max(np.abs(t))), 1e-300)  # every element moves by h at most
-    checks, terms, first = [], None, None
+    found, terms, first = [], None, None
     for label, names in directions(inputs):
         num, taken = _difference(tangents, inputs, draws, names, h)
         t_dtype = {n: taken[n].astype(inputs[n].dtype) for n in names}
@@ -64,22 +64,33 @@ def jvp_checks(sc: Scenario, problem, rng: np.random.Generator, progress=None) -
         if terms is None:  # the random tangent of every input comes first
             terms, first = tangents.jvp_terms(t_dtype), (t_dtype, ana)
         floor = eps_m * tangents.output_terms / h + EPS64 * np.abs(num) + eps_m * terms
-        checks.append(judge(sc, problem, label, "o", ana, num, lambda names=names: _difference(
-            tangents, inputs, draws, names, h / 2)[0], floor, rng))
+        found.append((label, names, ana, num, floor))
         if progress:
             progress(len(names))
+    scale = largest(*((ana, num) for _, _, ana, num, _ in found))
+    checks = [judge(sc, problem, label, "o", ana, num, lambda names=names: _difference(
+        tangents, inputs, draws, names, h / 2)[0], floor, rng, scale=scale) for label, names, ana, num, floor in found]
     checks.append(adjoint_identity(sc, problem, *first, terms, eps_m))
     if tangents.agreement is not None:
         checks.append(tangents.agreement(*first))
     return checks
 
 
+def largest(*pairs) -> float:
+    """The largest |value| over (analytic, numeric) pairs: the scale against which a result that is zero to
+    rounding is negligible."""
+    return max((float(np.abs(x).max(initial=0.0)) for pair in pairs for x in pair), default=0.0)
+
+
 def judge(sc, problem, label: str, tensor: str, ana, num, halved, floor, rng, unit: str = "forward",
-          axes_of: str = "q") -> Check:
+          axes_of: str = "q", scale: float = 0.0) -> Check:
     """The verdict of one direction's result ``ana`` (the JVP: tensor ``o``; a part of a Hessian-vector product:
     ``hq``, ``hk``, ``hv``) against its differences ``num`` at step h, each a difference of two ``unit`` calls
     (forward or backward); ``halved()`` takes the differences at h/2 (only when out of tolerance). ``axes_of``:
-    the input whose axes (``Problem.structure``) the result shares, for a diagnosis."""
+    the input whose axes (``Problem.structure``) the result shares, for a diagnosis. ``scale``: the largest value
+    of the scenario's other results of the same kind (``largest``): a result zero to rounding (both sides within
+    a floor that is small against it, or both exactly zero) passes instead of being without power, as a
+    negligible gradient does."""
     shape = ana.shape
     ana, num, floor = (np.ravel(x) for x in (ana, num, floor))
     max_abs, rel, worst = relative_error(ana, num)
@@ -98,13 +109,17 @@ def judge(sc, problem, label: str, tensor: str, ana, num, halved, floor, rng, un
         outcome, fd_error, estimate = richardson(num[probe], num_half[probe], probe, disc, allowed, floor, ok)
         how = f"two pairs of {unit}s (h, h/2); finite-difference error ~{fd_error:.2g}"
     top_floor = float(np.max(floor, initial=0.0))
-    blind = outcome == "pass" and top_floor > verdict.POWER_LIMIT * size
+    negligible = size == 0.0 or size <= top_floor <= verdict.POWER_LIMIT * scale
+    blind = outcome == "pass" and not negligible and top_floor > verdict.POWER_LIMIT * size
     if blind:
         outcome = "inconclusive"
     power = verdict.detectable(ana, num, allowed, estimate) if outcome == "pass" else None
     index = tuple(int(i) for i in np.unravel_index(int(worst), shape))
     detail = (f"worst at {tensor}[{', '.join(map(str, index))}]: analytic {ana[worst]:.9g}, numeric "
               f"{num[worst]:.9g}; {len(num)} elements, {how}")
+    if outcome == "pass" and negligible and top_floor > verdict.POWER_LIMIT * size:
+        detail += (f"; zero to rounding: every value is within the noise floor ({top_floor:.2g}), which is small "
+                   f"against this scenario's largest ({scale:.2g})" if size else "; zero on both sides")
     if blind:
         detail += (f"; no power: the largest noise floor ({top_floor:.2g}) is over {verdict.POWER_LIMIT:.0%} of the "
                    f"largest value ({size:.2g}): use float64 or a larger epsilon")
