@@ -163,3 +163,15 @@ def test_each_jvp_fault_gets_the_one_hint_that_names_it(engine, fault, named):
     result = checker.run_scenario(sc, (fault,))
     assert len(result.hints) == 1 and named in result.hints[0], result.hints
     assert checker.run_scenario(sc).hints == ()
+
+
+@pytest.mark.parametrize("mode", ["jvp", "hvp"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_derivative_zero_to_rounding_passes_instead_of_lacking_power(mode, dtype):
+    # every row sees one key: A = 1 and O = that key's V row, which moves with neither q nor k
+    sc = make(batch=1, heads_q=2, n_q=4, n_k=4, d_head=4, dtype=dtype, check={"mode": mode},
+              mask={"causal": "lower-right", "window": [0, 0]})
+    result = checker.run_scenario(sc)
+    assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
+    row = next(c for c in result.checks if c.name == f"{mode} q")
+    assert "zero" in row.detail
