@@ -141,6 +141,13 @@ def fault_notes(sc: Scenario, result: ScenarioResult, faults) -> list[str]:
                          "here (see 'attn-gradcheck faults')\n")
             continue
         if fault not in checker.applicable_faults(sc):
+            record = OPS[sc.op].faults[fault]
+            if not record.forward and record.derivative not in sc.derivatives:
+                wanted = {"vjp": "mode full, sample or directional (the gradients)", "jvp": "check: {mode: jvp}",
+                          "hvp": "check: {mode: hvp}"}[record.derivative]
+                notes.append(f"  note: fault {fault} breaks the {record.derivative.upper()}, which this scenario "
+                             f"(mode {sc.mode}) does not check: not injected here; it needs {wanted}\n")
+                continue
             kind = "your implementation" if sc.implementation else "the built-in engine"
             notes.append(f"  note: fault {fault} does not apply to {kind} (see 'attn-gradcheck faults')\n")
         elif fault not in result.faults or (not OPS[sc.op].faults[fault].sized

@@ -105,7 +105,7 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
         try:
             checks.extend(jvp_checks(sc, problem, rng, progress))
         except ImplementationFailure as exc:
-            checks.append(failure_check("jvp", exc, "o", "while computing or differencing the JVP: "))
+            checks.append(failure_check("jvp", exc, "o_dot", "while computing or differencing the JVP: "))
     if sc.mode == "hvp":  # the double backward instead of the gradients
         try:
             checks.extend(hvp_checks(sc, problem, rng, progress))
@@ -128,7 +128,8 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     except ImplementationFailure as exc:
         checks.append(failure_check("invariants", exc))
     checks, hints = _diagnose(sc, problem, checks, evidence)
-    if not hints and any(c.kind == "implementation" and "non-finite" in c.detail for c in checks):
+    if not hints and any(c.kind == "implementation" and "non-finite" in c.detail and "perturbed cop" in c.detail
+                         for c in checks):  # NaN only on the stacked copies (in_copies says so)
         hints = [_copies_hint(sc)]
     compiling = problem.compile_s() if problem.compile_s else 0.0
     return result(checks, arrays=arrays, hints=tuple(hints), compile_s=compiling)
@@ -196,7 +197,8 @@ def _diagnose(sc: Scenario, problem, checks: list[Check], evidence: dict) -> tup
         explained = tangents.explain()
         hints.extend(explained)
     second = problem.second if sc.mode == "hvp" else None
-    if second is not None and second.explain and any(c.name.startswith("hvp") and c.verdict == "fail" for c in out):
+    if second is not None and second.explain and any(c.name in ("hvp q", "hvp k", "hvp v") and c.verdict == "fail"
+                                                     for c in out):
         hints.extend(second.explain(out))
     if failed_paths and len(failed_paths) < 3 and not explained:  # the mistake named says more than the path
         hints.append(f"the JVP is wrong along the tangent of {' and '.join(failed_paths)} only: look at that path of "

@@ -40,7 +40,8 @@ def _difference(tangents, inputs: dict, draws: dict, names, h: float):
 
 
 def jvp_checks(sc: Scenario, problem, rng: np.random.Generator, progress=None) -> list[Check]:
-    """One gradient-kind check per direction (tensor ``o``), and the invariant ``adjoint identity``.
+    """One gradient-kind check per direction (tensor ``o_dot``, the output's tangent), and the invariant
+    ``adjoint identity``.
 
     Each direction costs one pair of forwards and one JVP: a direction that passes its tolerance with the
     pair at step h is settled there (its power rests on the a-priori floor); only one out of tolerance takes a
@@ -68,7 +69,7 @@ def jvp_checks(sc: Scenario, problem, rng: np.random.Generator, progress=None) -
         if progress:
             progress(len(names))
     scale = largest(*((ana, num) for _, _, ana, num, _ in found))
-    checks = [judge(sc, problem, label, "o", ana, num, lambda names=names: _difference(
+    checks = [judge(sc, problem, label, "o_dot", ana, num, lambda names=names: _difference(
         tangents, inputs, draws, names, h / 2)[0], floor, rng, scale=scale) for label, names, ana, num, floor in found]
     checks.append(adjoint_identity(sc, problem, *first, terms, eps_m))
     if tangents.agreement is not None:
@@ -84,7 +85,7 @@ def largest(*pairs) -> float:
 
 def judge(sc, problem, label: str, tensor: str, ana, num, halved, floor, rng, unit: str = "forward",
           axes_of: str = "q", scale: float = 0.0) -> Check:
-    """The verdict of one direction's result ``ana`` (the JVP: tensor ``o``; a part of a Hessian-vector product:
+    """The verdict of one direction's result ``ana`` (the JVP: tensor ``o_dot``; a part of a Hessian-vector product:
     ``hq``, ``hk``, ``hv``) against its differences ``num`` at step h, each a difference of two ``unit`` calls
     (forward or backward); ``halved()`` takes the differences at h/2 (only when out of tolerance). ``axes_of``:
     the input whose axes (``Problem.structure``) the result shares, for a diagnosis. ``scale``: the largest value
@@ -146,7 +147,7 @@ def adjoint_identity(sc, problem, tangent: dict, o_dot: np.ndarray, terms: np.nd
     terms = float(np.sum(terms * np.abs(g)))
     bound = INVARIANT_ULPS * (eps_m + EPS64) * terms
     gap = abs(lhs - rhs)
-    return Check(kind=Kind.INVARIANT, name="adjoint identity", tensor="o", shape=tuple(g.shape),
+    return Check(kind=Kind.INVARIANT, name="adjoint identity", tensor="o_dot", shape=tuple(g.shape),
                  max_abs_error=gap, relative_error=gap / max(abs(lhs), abs(rhs), 1e-300), tolerance=bound,
                  noise_floor=0.0, worst_index=None, passed=bool(gap <= bound),
                  detail=f"<dO, G> = {lhs:.12g} and <dQ, G_Q> + <dK, G_K> + <dV, G_V> = {rhs:.12g} along a random "

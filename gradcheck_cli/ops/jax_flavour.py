@@ -99,7 +99,7 @@ def wrap(user, count: int, dtype: str) -> SimpleNamespace:
                 raise
             raise ImplementationFailure(f"jax.jvp cannot differentiate the function forward: {exc} (a jax.custom_vjp "
                                         "function has no forward mode: give it a jax.custom_jvp rule instead, which "
-                                        "JAX transposes for the VJP)", "o") from None
+                                        "JAX transposes for the VJP)", "o_dot") from None
         return plain("o_dot", out)
 
     def hvp(*args):

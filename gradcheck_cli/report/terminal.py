@@ -192,6 +192,6 @@ def render_sweep(console: Console, sweep, description: str) -> None:
 
 def _power_name(tensor: str) -> str:
     """How the power line names a checked tensor: O, a gradient dq, or a part H_Q of a Hessian-vector product."""
-    if tensor == "o":
-        return "O"
+    if tensor in ("o", "o_dot"):
+        return "O" if tensor == "o" else "the JVP"
     return f"H_{tensor[1].upper()}" if len(tensor) == 2 and tensor[0] == "h" else "d" + tensor

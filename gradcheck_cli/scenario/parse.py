@@ -383,6 +383,11 @@ def _precision_and_check(f: _Fields, dtype: str, colouring_default: bool = True)
     if directions > MAX_DIRECTIONS:
         raise f.error("check.directions", f"at most {MAX_DIRECTIONS:,} directions, got {directions:,}",
                       hint="use mode: full to check every element")
+    for key, applies in (("check.samples", "sample"), ("check.directions", "directional")):
+        if mode in ("jvp", "hvp") and f.has(key):  # their directions are fixed: a random one, then per input
+            raise f.error(key, f"{key.split('.')[1]} applies to mode {applies}; mode {mode} checks a random "
+                          "direction of every input" + (" and then each input's alone" if mode == "jvp" else ""),
+                          hint=f"remove {key.split('.')[1]}")
     colouring = f.raw("check.colouring", mode == "full" and colouring_default)
     if not isinstance(colouring, bool):
         raise f.error("check.colouring", f"expected true or false, got {_show(colouring)}")
@@ -412,17 +417,26 @@ def _mode_applies(f: _Fields, spec, mode: str, engine: str | None, flavour: str 
     engines, flavours = computes
     if flavour is not None and flavour in flavours:
         if dtype not in ("float64", "float32"):
-            raise f.error("check.mode", f"mode {mode} differences the forward: it needs dtype float64 or float32, "
-                          f"not {dtype}", hint="use dtype: float32 (or float64)")
+            differenced = "forward" if mode == "jvp" else "gradients"
+            raise f.error("check.mode", f"mode {mode} differences the {differenced}: it needs dtype float64 or "
+                          f"float32, not {dtype}", hint="use dtype: float32 (or float64)")
         return
     if engine is not None and engine in engines:
         return
-    which = ", ".join([f"engine: {e}" for e in engines] + [f"a {fl} implementation" for fl in flavours]) or "none"
-    runs = f" (this scenario runs engine: {engine})" if engine is not None else \
-        (f" (this scenario's implementation is {flavour})" if flavour else " (this scenario runs a backend's own "
-         "closed forms)")
-    raise f.error("check.mode", f"mode {mode} checks {_DERIVATIVE[mode]}; op {spec.name} has one on: {which}{runs}",
-                  hint="use another check.mode" + (f", or engine: {engines[0]}" if engines else ""))
+    places = [f"engine: {e}" for e in engines] + [f"a {fl} implementation" for fl in flavours]
+    which = f"has one on: {', '.join(places)}" if places else "has none"
+    if flavour is not None:
+        runs = f" (this scenario's implementation is {flavour})"
+        hint = (f"write it for backend: {' or '.join(flavours)}, or use another check.mode" if flavours else
+                "use another check.mode")
+    elif engine is not None:
+        runs, hint = f" (this scenario runs engine: {engine})", "use another check.mode" + (
+            f", or engine: {engines[0]}" if engines else "")
+    else:
+        runs = " (this scenario runs a backend's own closed forms)"
+        hint = ("remove backend (the built-in engines compute it: " + ", ".join(engines) + "), or use another "
+                "check.mode") if engines else "use another check.mode"
+    raise f.error("check.mode", f"mode {mode} checks {_DERIVATIVE[mode]}; op {spec.name} {which}{runs}", hint=hint)
 
 
 def _parse_plain(doc: _Doc, f: _Fields, name: str, op: str, base_dir: Path, memory_limit: int) -> Scenario:

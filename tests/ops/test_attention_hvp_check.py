@@ -107,6 +107,7 @@ def test_a_once_differentiable_backward_gets_a_clear_message(tmp_path):
     result = checker.run_scenario(sc)
     row = next(c for c in result.checks if c.name == "hvp")
     assert row.verdict == "fail" and "differentiated again" in row.detail, row.detail
+    assert not result.hints  # the row says why; the hint about constants is for a wrong H u, not a refused one
 
 
 JAX = '''

@@ -45,7 +45,7 @@ def test_the_centring_bug_of_the_example_fails_with_tensor_rows_and_hint():
     assert {"jvp (random tangent)", "jvp q", "jvp k", "adjoint identity", "JVP agrees with the reference"} <= failed
     assert "jvp v" not in failed
     jvp_q = next(c for c in broken.checks if c.name == "jvp q")
-    assert jvp_q.tensor == "o" and jvp_q.diagnosis is not None
+    assert jvp_q.tensor == "o_dot" and jvp_q.diagnosis is not None
     assert "query row" in str(jvp_q.diagnosis)  # located by head and row (the heat map's axes)
     assert len(broken.hints) == 1 and "centring term is missing" in broken.hints[0]
 
@@ -186,3 +186,56 @@ def test_a_jvp_wrong_along_one_path_by_no_known_mistake_gets_the_path_hint(tmp_p
     result = checker.run_scenario(sc)
     assert {"jvp k", "jvp (random tangent)"} <= _failed(result) and not {"jvp q", "jvp v"} & _failed(result)
     assert len(result.hints) == 1 and "tangent of k only" in result.hints[0]
+
+
+VARIANTS = """
+
+class Interleaved(Attention):  # the tangents of K and V repeated the other way round (kv_map is contiguous)
+    @staticmethod
+    def jvp(q, k, v, visible, scale, kv_map, dq, dk, dv):
+        other = np.arange(q.shape[1]) % k.shape[1]
+        p = _probabilities(q, k[:, kv_map], visible, scale)
+        ds = scale * (dq @ np.swapaxes(k[:, kv_map], -1, -2) + q @ np.swapaxes(dk[:, other], -1, -2))
+        ds = np.where(visible, ds, 0.0)
+        ds -= np.sum(p * ds, axis=-1, keepdims=True)
+        return (p * ds) @ v[:, kv_map] + p @ dv[:, other]
+
+
+class Unmasked(Attention):  # mu from the softmax and dS over every key
+    @staticmethod
+    def jvp(q, k, v, visible, scale, kv_map, dq, dk, dv):
+        p = _probabilities(q, k[:, kv_map], visible, scale)
+        every = _probabilities(q, k[:, kv_map], np.ones_like(visible), scale)
+        ds = scale * (dq @ np.swapaxes(k[:, kv_map], -1, -2) + q @ np.swapaxes(dk[:, kv_map], -1, -2))
+        mu = np.sum(every * ds, axis=-1, keepdims=True)
+        ds = np.where(visible, ds, 0.0)
+        return (p * (ds - mu)) @ v[:, kv_map] + p @ dv[:, kv_map]
+
+
+class NaN(Attention):
+    @staticmethod
+    def jvp(q, k, v, visible, scale, kv_map, dq, dk, dv):
+        return np.full(q.shape[:-1] + (v.shape[-1],), np.nan)
+
+
+interleaved, unmasked, nan = Interleaved(), Unmasked(), NaN()
+"""
+
+
+@pytest.mark.parametrize("name, named", [("interleaved", "different KV-head layout"),
+                                         ("unmasked", "mu is taken over every key")])
+def test_the_hint_names_a_gqa_layout_or_mask_mistake_of_the_tangent(tmp_path, name, named):
+    (tmp_path / "variants.py").write_text((ROOT / "examples/my_attention.py").read_text() + VARIANTS)
+    sc = scenario.loads(yaml.safe_dump({"scenarios": [{"name": "x", "implementation": f"variants:{name}",
+                                                       **SHAPE}]}), base_dir=tmp_path)[0]
+    result = checker.run_scenario(sc)
+    assert result.verdict == "fail" and len(result.hints) == 1 and named in result.hints[0], result.hints
+
+
+def test_a_jvp_returning_nan_is_one_failed_row_without_the_copies_hint(tmp_path):
+    (tmp_path / "variants.py").write_text((ROOT / "examples/my_attention.py").read_text() + VARIANTS)
+    sc = scenario.loads(yaml.safe_dump({"scenarios": [{"name": "x", "implementation": "variants:nan", **SHAPE}]}),
+                        base_dir=tmp_path)[0]
+    result = checker.run_scenario(sc)
+    row = next(c for c in result.checks if c.name == "jvp")
+    assert row.verdict == "fail" and "non-finite" in row.detail and not result.hints

@@ -165,7 +165,7 @@ def implementation_tangents(inputs: dict, g, visible, scale, kv_map, a64, moved_
         if policy.dtype != "float64":
             low = [x.astype(policy.dtype) for x in (x64["q"], x64["k"], x64["v"], *t64)]
             plain_error = float(np.abs(jvp(*low[:3], visible, scale, kv_map, *low[3:]) - ref).max(initial=0.0))
-        return precision.agreement(JVP_REFERENCE, "o", o_dot, ref, terms, policy, plain_error)
+        return precision.agreement(JVP_REFERENCE, "o_dot", o_dot, ref, terms, policy, plain_error)
 
     def o_dot(t: dict) -> np.ndarray:
         full = [t[n] if t.get(n) is not None else np.zeros_like(inputs[n]) for n in "qkv"]
@@ -185,11 +185,12 @@ HVP_REFERENCE = "double backward agrees with the reference"
 #: Why a double backward fails while the gradients it differentiates are right (torch and JAX alike).
 CONSTANTS_HINT = (
     "the gradients are right but their derivative is not: the double backward differentiates your backward as it "
-    "is written, and tensors it reads that were computed outside autograd's view (the attention weights or "
-    "statistics saved from an autograd.Function's forward or setup_context, anything under no_grad, detach() or "
-    "jax.lax.stop_gradient) count as constants there; recompute them in backward from the saved inputs (or "
-    "return them as outputs), or mark the backward once_differentiable so that double backward refuses instead "
-    "of answering wrong")
+    "is written. Most often it reads tensors computed outside autograd's view (attention weights or statistics "
+    "saved from an autograd.Function's forward or setup_context, anything under no_grad, detach() or "
+    "jax.lax.stop_gradient), which count as constants there: recompute them in backward from the saved inputs, or "
+    "return them as outputs. Otherwise a hand-written second-order rule (a backward of your backward, a custom "
+    "rule JAX differentiates) is wrong. A backward that cannot be differentiated correctly can be marked "
+    "once_differentiable, so that double backward refuses instead of answering wrong")
 
 
 def implementation_second(inputs: dict, g, visible, scale, kv_map, gradients, user_hvp, interface,

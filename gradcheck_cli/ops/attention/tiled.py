@@ -275,7 +275,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             for span in _spans(sc.n_q, TERM_ROWS):
                 naive[..., span, :] = formulas.jvp(q[..., span, :], k, v, visible[..., span, :], scale, kv_map,
                                                    t["q"][..., span, :], t["k"], t["v"], faults)
-            agree.append(precision.agreement("tiled JVP agrees with the naive engine", "o", o_dot(t), naive,
+            agree.append(precision.agreement("tiled JVP agrees with the naive engine", "o_dot", o_dot(t), naive,
                                              jvp_terms_by_rows(q, k, v, visible, scale, kv_map, t["q"], t["k"],
                                                                t["v"]), policy, what="tiled"))
         eps = float(np.finfo(dt).eps)

@@ -38,12 +38,24 @@ def _variants(q, k, v, visible, scale, kv_map, dq, dk, dv) -> dict[str, np.ndarr
     s_dot = np.where(visible, scale * (s_q + s_k), 0.0)
     count = np.maximum(visible.sum(axis=-1, keepdims=True), 1)
     unmasked = scale * (s_q + s_k)
-    return {
+    found = {}
+    heads_q, heads_kv = q.shape[-3], k.shape[-3]
+    if heads_q > heads_kv and heads_q % heads_kv == 0:  # GQA: the tangents repeated in the other KV-head layout
+        contiguous = np.arange(heads_q) // (heads_q // heads_kv)
+        other = np.arange(heads_q) % heads_kv if np.array_equal(kv_map, contiguous) else contiguous
+        if not np.array_equal(other, kv_map):
+            s_other = np.where(visible, scale * (s_q + q @ np.swapaxes(repeat_kv(dk, other), -1, -2)), 0.0)
+            found["the K and V tangents reach the query heads in a different KV-head layout from the forward's K "
+                  "and V (contiguous groups vs interleaved)"] = (
+                (a * (s_other - mu(a, s_other))) @ vr + a @ repeat_kv(dv, other))
+    return found | {
         "": out(s_dot, mu(a, s_dot)),
         "the centring term is missing: mu_i = sum_j A_ij dS_ij is not subtracted from dS": out(s_dot, 0.0),
         "mu is added instead of subtracted (dS + mu)": out(s_dot, -mu(a, s_dot)),
         "mu is the plain mean of dS over the visible keys, not weighted by A":
             out(s_dot, s_dot.sum(axis=-1, keepdims=True) / count),
+        "mu is taken over every key (the softmax and dS without the mask), while the rest of the tangent is masked":
+            out(s_dot, mu(a_all, unmasked)),
         "the K tangent's path of dS (scale Q dK^T) is missing":
             out(np.where(visible, scale * s_q, 0.0), mu(a, np.where(visible, scale * s_q, 0.0))),
         "the Q tangent's path of dS (scale dQ K^T) is missing":

@@ -151,14 +151,14 @@ def user_jvp(user, qkv, tangents, rest, shape, dtype):
         need = next((need for marker, need in NO_FORWARD_MODE if marker in exc.message), None)
         if need is None:
             raise
-        raise ImplementationFailure(f"{exc.message}; it has no forward-mode derivative: {need}", "o") from None
+        raise ImplementationFailure(f"{exc.message}; it has no forward-mode derivative: {need}", "o_dot") from None
     o, o_dot = out if isinstance(out, tuple) and len(out) == 2 else (None, None)
     if not isinstance(o_dot, torch.Tensor):
-        raise ImplementationFailure(f"forward must return a torch.Tensor, got {type(o).__name__}", "o")
+        raise ImplementationFailure(f"forward must return a torch.Tensor, got {type(o).__name__}", "o_dot")
     _dense("jvp", "o_dot", o_dot, qkv[0].device)
     if tuple(o_dot.shape) != tuple(shape) or o_dot.dtype != dtype:
         raise ImplementationFailure(f"the JVP is of shape {list(o_dot.shape)} and dtype {o_dot.dtype}, expected "
-                                    f"{list(shape)} and {dtype}", "o")
+                                    f"{list(shape)} and {dtype}", "o_dot")
     _finite("jvp", "o_dot", o_dot)
     return o_dot.detach()
 
