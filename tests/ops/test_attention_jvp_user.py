@@ -218,7 +218,14 @@ class NaN(Attention):
         return np.full(q.shape[:-1] + (v.shape[-1],), np.nan)
 
 
-interleaved, unmasked, nan = Interleaved(), Unmasked(), NaN()
+class Float32(Attention):  # the tangent computed in float32 inside a float64 scenario
+    @staticmethod
+    def jvp(*args):
+        low = [a.astype(np.float32) if isinstance(a, np.ndarray) and a.dtype == np.float64 else a for a in args]
+        return Attention.jvp(*low).astype(np.float64)
+
+
+interleaved, unmasked, nan, float32 = Interleaved(), Unmasked(), NaN(), Float32()
 """
 
 
@@ -239,3 +246,12 @@ def test_a_jvp_returning_nan_is_one_failed_row_without_the_copies_hint(tmp_path)
     result = checker.run_scenario(sc)
     row = next(c for c in result.checks if c.name == "jvp")
     assert row.verdict == "fail" and "non-finite" in row.detail and not result.hints
+
+
+def test_a_float32_tangent_in_a_float64_scenario_fails_the_reference_check_which_says_so(tmp_path):
+    (tmp_path / "variants.py").write_text((ROOT / "examples/my_attention.py").read_text() + VARIANTS)
+    sc = scenario.loads(yaml.safe_dump({"scenarios": [{"name": "x", "implementation": "variants:float32",
+                                                       **SHAPE}]}), base_dir=tmp_path)[0]
+    result = checker.run_scenario(sc)
+    row = next(c for c in result.checks if c.name == "JVP agrees with the reference")
+    assert row.verdict == "fail" and "computes in about float32" in row.detail

@@ -218,14 +218,23 @@ def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Coll
     return o_dot
 
 
+def _weights_with_logits(q, k, qa, ka, visible, scale, kv_map) -> np.ndarray:
+    """A (1 + L), L_ij = |scale| sum_c |q_ic| |k_jc|: the attention weights with the share of their logits'
+    rounding (a logit S_ij carries an error of about eps L_ij, which A_ij carries relative to itself), as
+    ``rounding.term_sizes`` takes them; what the terms of the JVP and HVP weigh with."""
+    a = attention_weights(np.asarray(q, np.float64), np.asarray(k, np.float64), visible, scale, kv_map)
+    return a * (1.0 + abs(scale) * (qa @ np.swapaxes(repeat_kv(ka, kv_map), -1, -2)))
+
+
 def jvp_terms(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None) -> np.ndarray:
     """The size of the terms each element of the JVP is made of (its rounding), in float64:
-    (A * (|dS| + |mu|)) |V| + A |dV|, with |dS| bounded by |scale| (|dQ| |K|^T + |Q| |dK|^T)."""
+    (Ã * (|dS| + |mu|)) |V| + Ã |dV|, with |dS| bounded by |scale| (|dQ| |K|^T + |Q| |dK|^T) and Ã = A (1 + L)
+    the weights with their logits' rounding (``_weights_with_logits``)."""
     def f64(x):
         return None if x is None else np.abs(np.asarray(x, dtype=np.float64))
 
     qa, ka, va = f64(q), f64(k), f64(v)
-    a = attention_weights(np.asarray(q, np.float64), np.asarray(k, np.float64), visible, scale, kv_map)
+    a = _weights_with_logits(q, k, qa, ka, visible, scale, kv_map)
     _, s_abs = _tangent_parts(qa, ka, visible, abs(scale), kv_map, f64(dq), f64(dk), ())
     s_abs += (a * s_abs).sum(axis=-1, keepdims=True)
     out = (a * s_abs) @ repeat_kv(va, kv_map)
@@ -276,14 +285,15 @@ def hvp_terms(q, k, v, visible, scale, kv_map, grad_o, dq=None, dk=None,
               dv=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The size of the terms each element of :func:`hvp`'s (H_Q, H_K, H_V) is made of (its rounding), in float64:
     its formulas with absolute values and every subtraction an addition (|A_dot| <= A * (|dS| + rowsum(A |dS|)),
-    |G_A| <= |G| |V|^T, ...). A bound on |hvp| elementwise."""
+    |G_A| <= |G| |V|^T, ...), A taken with its logits' rounding (``_weights_with_logits``). A bound on |hvp|
+    elementwise."""
     def f64(x):
         return None if x is None else np.abs(np.asarray(x, dtype=np.float64))
 
     qa, ka, va, g = f64(q), f64(k), f64(v), f64(grad_o)
     dqa, dka, dva = f64(dq), f64(dk), f64(dv)
     heads_kv, sc = k.shape[-3], abs(scale)
-    a = attention_weights(np.asarray(q, np.float64), np.asarray(k, np.float64), visible, scale, kv_map)
+    a = _weights_with_logits(q, k, qa, ka, visible, scale, kv_map)
     _, s_abs = _tangent_parts(qa, ka, visible, sc, kv_map, dqa, dka, ())
     a_dot = a * (s_abs + (a * s_abs).sum(axis=-1, keepdims=True))
     g_a = g @ np.swapaxes(repeat_kv(va, kv_map), -1, -2)

@@ -2,6 +2,7 @@
 interface variants of the faults, the reference and plain computations, and the hints' context."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 
 import numpy as np
@@ -161,11 +162,19 @@ def implementation_tangents(inputs: dict, g, visible, scale, kv_map, a64, moved_
         t64 = [np.asarray(tangent[n], dtype=np.float64) for n in "qkv"]
         ref = jvp(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, *t64)
         terms = jvp_terms(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, *t64)
-        plain_error = 0.0
-        if policy.dtype != "float64":
-            low = [x.astype(policy.dtype) for x in (x64["q"], x64["k"], x64["v"], *t64)]
-            plain_error = float(np.abs(jvp(*low[:3], visible, scale, kv_map, *low[3:]) - ref).max(initial=0.0))
-        return precision.agreement(JVP_REFERENCE, "o_dot", o_dot, ref, terms, policy, plain_error)
+        def plain_error(dtype: str) -> float:  # of the closed form computed in dtype
+            if dtype == "float64":
+                return 0.0
+            low = [x.astype(dtype) for x in (x64["q"], x64["k"], x64["v"], *t64)]
+            return float(np.abs(jvp(*low[:3], visible, scale, kv_map, *low[3:]) - ref).max(initial=0.0))
+
+        check = precision.agreement(JVP_REFERENCE, "o_dot", o_dot, ref, terms, policy, plain_error(policy.dtype))
+        lower = None if check.passed or policy.dtype != "float64" else precision.lower_precision(
+            policy.dtype, np.abs(np.asarray(o_dot, dtype=np.float64) - ref), terms, plain_error("float32"))
+        if lower:  # e.g. a tangent computed in float32 inside a float64 scenario, whose forward is float64
+            check = dataclasses.replace(check, detail=f"{check.detail}; within {lower}'s rule: the JVP computes in "
+                                                      f"about {lower}, the forward and gradients in {policy.dtype}")
+        return check
 
     def o_dot(t: dict) -> np.ndarray:
         full = [t[n] if t.get(n) is not None else np.zeros_like(inputs[n]) for n in "qkv"]
