@@ -144,3 +144,15 @@ def test_jax_double_backward_passes_and_a_stop_gradient_in_bwd_is_caught(tmp_pat
     assert good.verdict == "pass", [(c.name, c.detail) for c in good.checks if not c.passed]
     assert {"hvp q", "hvp k"} <= _failed(custom) and "backward agrees with the reference" not in _failed(custom)
     assert any("count as constants" in h for h in custom.hints)
+
+
+def test_a_sweep_over_the_mode_checks_every_derivative_of_one_scenario():
+    text = yaml.safe_dump({"scenarios": [{"name": "all", **{k: v for k, v in SHAPE.items() if k != "check"},
+                                          "sweep": {"check.mode": ["full", "jvp", "hvp"]}}]})
+    scs = scenario.loads(text)
+    assert [sc.mode for sc in scs] == ["full", "jvp", "hvp"]
+    assert [sc.derivatives for sc in scs] == [("vjp",), ("jvp",), ("hvp",)]
+    results = [checker.run_scenario(sc) for sc in scs]
+    assert all(r.verdict == "pass" for r in results)
+    assert results[1].checks[0].name == "jvp (random tangent)" and results[2].checks[0].name == "hvp q"
+    assert "jvp-centring" in checker.applicable_faults(scs[1]) and "jvp-centring" not in checker.applicable_faults(scs[2])
