@@ -198,7 +198,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             conv = sc.convention
             args = conv.arguments(q, k, v, vis, scale, kv_map, dt, lowest)
             out = user_hvp(user, args[:3], [conv.tensor(to(t)) for t in (dq, dk, dv)], args[3:], conv.tensor(g),
-                           conv.shape(g.shape), dt)
+                           conv.shape(g.shape), dt, conv.names())
             return tuple(np_(conv.tensor(x)) for x in out)
 
         second = implementation_second(inputs, g64, sc.visible, scale, kv_np, impl_gradients, impl_hvp, interface,

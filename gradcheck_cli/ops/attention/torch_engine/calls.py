@@ -174,7 +174,7 @@ NO_FORWARD_MODE = (
 
 
 
-def user_hvp(user, qkv, directions, rest, grad_o, shape, dtype):
+def user_hvp(user, qkv, directions, rest, grad_o, shape, dtype, names=NAMES):
     """The Hessian-vector product of L = sum(O * grad_o) along ``directions`` for the user's forward, by double
     backward (the gradients taken with ``create_graph=True``, then the gradient of <gradients, directions>), so a
     custom autograd.Function's backward is differentiated as it is written; a backward that cannot be
@@ -182,7 +182,7 @@ def user_hvp(user, qkv, directions, rest, grad_o, shape, dtype):
     leaves = [t.detach().clone().requires_grad_(True) for t in qkv]
     dirs = [d.detach().clone() for d in directions]
     with torch.enable_grad():
-        o = call_user(user, (*leaves, *rest), shape, dtype)
+        o = call_user(user, (*leaves, *rest), shape, dtype, names)
         if not o.requires_grad:
             raise ImplementationFailure("forward's output does not require grad: autograd cannot reach q, k, v", "o")
         grads = guarded("backward (with create_graph=True)", lambda: torch.autograd.grad(
