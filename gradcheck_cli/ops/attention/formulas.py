@@ -218,28 +218,40 @@ def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Coll
     return o_dot
 
 
-def _weights_with_logits(q, k, qa, ka, visible, scale, kv_map) -> np.ndarray:
-    """A (1 + L), L_ij = |scale| sum_c |q_ic| |k_jc|: the attention weights with the share of their logits'
-    rounding (a logit S_ij carries an error of about eps L_ij, which A_ij carries relative to itself), as
-    ``rounding.term_sizes`` takes them; what the terms of the JVP and HVP weigh with."""
+def _weights_with_logits(q, k, qa, ka, visible, scale, kv_map) -> tuple[np.ndarray, np.ndarray]:
+    """(A, Ã) with Ã = A (1 + L), L_ij = |scale| sum_c |q_ic| |k_jc|: the attention weights, and the same with the
+    share of their logits' rounding (a logit S_ij carries an error of about eps L_ij, which A_ij carries relative
+    to itself). As in ``rounding.term_sizes``, Ã is the outer factor of each product and the row sums inside take
+    A: the factor enters once (first order in eps), not once per use of A."""
     a = attention_weights(np.asarray(q, np.float64), np.asarray(k, np.float64), visible, scale, kv_map)
-    return a * (1.0 + abs(scale) * (qa @ np.swapaxes(repeat_kv(ka, kv_map), -1, -2)))
+    return a, a * (1.0 + abs(scale) * (qa @ np.swapaxes(repeat_kv(ka, kv_map), -1, -2)))
+
+
+def _abs64(x):
+    return None if x is None else np.abs(np.asarray(x, dtype=np.float64))
+
+
+def _abs_tangent_scores(qa, ka, visible, scale, kv_map, dqa, dka) -> np.ndarray:
+    """|scale| (|dQ| |K|^T + |Q| |dK|^T) on the visible set (0 elsewhere): a bound on |dS|, in float64."""
+    out = np.zeros(qa.shape[:-1] + (ka.shape[-2],))
+    if dqa is not None:
+        out += dqa @ np.swapaxes(repeat_kv(ka, kv_map), -1, -2)
+    if dka is not None:
+        out += qa @ np.swapaxes(repeat_kv(dka, kv_map), -1, -2)
+    return np.where(visible, abs(scale) * out, 0.0)
 
 
 def jvp_terms(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None) -> np.ndarray:
     """The size of the terms each element of the JVP is made of (its rounding), in float64:
-    (Ã * (|dS| + |mu|)) |V| + Ã |dV|, with |dS| bounded by |scale| (|dQ| |K|^T + |Q| |dK|^T) and Ã = A (1 + L)
-    the weights with their logits' rounding (``_weights_with_logits``)."""
-    def f64(x):
-        return None if x is None else np.abs(np.asarray(x, dtype=np.float64))
-
-    qa, ka, va = f64(q), f64(k), f64(v)
-    a = _weights_with_logits(q, k, qa, ka, visible, scale, kv_map)
-    _, s_abs = _tangent_parts(qa, ka, visible, abs(scale), kv_map, f64(dq), f64(dk), ())
-    s_abs += (a * s_abs).sum(axis=-1, keepdims=True)
-    out = (a * s_abs) @ repeat_kv(va, kv_map)
+    (Ã * (|dS| + |mu|)) |V| + Ã |dV|, with |dS| bounded by |scale| (|dQ| |K|^T + |Q| |dK|^T), |mu| by
+    rowsum(A |dS|), and Ã = A (1 + L) the weights with their logits' rounding (``_weights_with_logits``)."""
+    qa, ka, va = _abs64(q), _abs64(k), _abs64(v)
+    a, a_t = _weights_with_logits(q, k, qa, ka, visible, scale, kv_map)
+    s_abs = _abs_tangent_scores(qa, ka, visible, scale, kv_map, _abs64(dq), _abs64(dk))
+    s_abs = s_abs + (a * s_abs).sum(axis=-1, keepdims=True)
+    out = (a_t * s_abs) @ repeat_kv(va, kv_map)
     if dv is not None:
-        out += a @ repeat_kv(f64(dv), kv_map)
+        out += a_t @ repeat_kv(_abs64(dv), kv_map)
     return out
 
 
@@ -285,30 +297,28 @@ def hvp_terms(q, k, v, visible, scale, kv_map, grad_o, dq=None, dk=None,
               dv=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The size of the terms each element of :func:`hvp`'s (H_Q, H_K, H_V) is made of (its rounding), in float64:
     its formulas with absolute values and every subtraction an addition (|A_dot| <= A * (|dS| + rowsum(A |dS|)),
-    |G_A| <= |G| |V|^T, ...), A taken with its logits' rounding (``_weights_with_logits``). A bound on |hvp|
-    elementwise."""
-    def f64(x):
-        return None if x is None else np.abs(np.asarray(x, dtype=np.float64))
-
-    qa, ka, va, g = f64(q), f64(k), f64(v), f64(grad_o)
-    dqa, dka, dva = f64(dq), f64(dk), f64(dv)
+    |G_A| <= |G| |V|^T, ...), the outer A of each product taken with its logits' rounding (Ã,
+    ``_weights_with_logits``). A bound on |hvp| elementwise."""
+    qa, ka, va, g = _abs64(q), _abs64(k), _abs64(v), _abs64(grad_o)
+    dqa, dka, dva = _abs64(dq), _abs64(dk), _abs64(dv)
     heads_kv, sc = k.shape[-3], abs(scale)
-    a = _weights_with_logits(q, k, qa, ka, visible, scale, kv_map)
-    _, s_abs = _tangent_parts(qa, ka, visible, sc, kv_map, dqa, dka, ())
-    a_dot = a * (s_abs + (a * s_abs).sum(axis=-1, keepdims=True))
+    a, a_t = _weights_with_logits(q, k, qa, ka, visible, scale, kv_map)
+    s_abs = _abs_tangent_scores(qa, ka, visible, scale, kv_map, dqa, dka)
+    s_abs = s_abs + (a * s_abs).sum(axis=-1, keepdims=True)
+    a_dot, a_dot_t = a * s_abs, a_t * s_abs
     g_a = g @ np.swapaxes(repeat_kv(va, kv_map), -1, -2)
     centred = g_a + (a * g_a).sum(axis=-1, keepdims=True)
-    g_s = a * centred
+    g_s = a_t * centred
     inner = (a_dot * g_a).sum(axis=-1, keepdims=True)  # |D_dot|, then |G_A_dot| + |D_dot|
     if dva is not None:
         g_a_dot = g @ np.swapaxes(repeat_kv(dva, kv_map), -1, -2)
         inner = inner + (a * g_a_dot).sum(axis=-1, keepdims=True) + g_a_dot
-    g_s_dot = a_dot * centred + a * inner
+    g_s_dot = a_dot_t * centred + a_t * inner
     h_q = g_s_dot @ repeat_kv(ka, kv_map)
     if dka is not None:
         h_q += g_s @ repeat_kv(dka, kv_map)
     h_k = np.swapaxes(g_s_dot, -1, -2) @ qa
     if dqa is not None:
         h_k += np.swapaxes(g_s, -1, -2) @ dqa
-    h_v = np.swapaxes(a_dot, -1, -2) @ g
+    h_v = np.swapaxes(a_dot_t, -1, -2) @ g
     return h_q * sc, sum_groups(h_k * sc, kv_map, heads_kv), sum_groups(h_v, kv_map, heads_kv)
