@@ -17,7 +17,8 @@ from .tangents import central, judge, largest, steps, unit_directions
 def hvp_checks(sc: Scenario, problem, rng: np.random.Generator, progress=None) -> list[Check]:
     """``hvp <input>`` (tensor ``h<input>``) for each input (the part of H u that is the derivative of that input's
     gradient; all from the same random direction u of every input, one pair of backwards), and the invariant
-    ``Hessian is symmetric``. The differences at h/2 are taken only when a part is out of tolerance (then once, for all)."""
+    ``Hessian is symmetric``. The differences at h/2 are taken only when a part is out of tolerance (then once,
+    for all)."""
     second, inputs = problem.second, problem.inputs
     eps_m = machine_epsilon(problem.compute_dtype or sc.dtype)
     h = steps(sc, problem)

@@ -80,29 +80,32 @@ class Interface:
             out["k"], out["v"] = out["v"], out["k"]
         return out["q"], out["k"], out["v"]
 
+    def _added(self, closed_form, kinds, arrays: tuple, values: tuple) -> tuple:
+        """``values`` with the change the active faults of ``kinds`` make to ``closed_form(*arrays, faults)`` (a
+        tuple of arrays, computed in float64 at the true visible set) added; unchanged without such faults."""
+        faults = tuple(f for f in self.faults if f in kinds)
+        if not faults:
+            return tuple(values)
+        x = [np.asarray(a, dtype=np.float64) for a in arrays]
+        args = (*x[:3], self.true_visible, self.scale, self.kv_map, *x[3:])
+        right, wrong = closed_form(*args), closed_form(*args, faults=faults)
+        return tuple((val.astype(np.float64) + b - a).astype(val.dtype) for val, a, b in zip(values, right, wrong))
+
     def hvp(self, q, k, v, grad_o, dq, dk, dv, h):
         """The implementation's Hessian-vector product ``h`` (hq, hk, hv) along (dq, dk, dv) with the HVP faults'
         change to the closed form's added."""
-        faults = tuple(f for f in self.faults if f in HVP_FAULTS)
-        if not faults:
-            return tuple(h)
-        args = [x.astype(np.float64) for x in (q, k, v)]
-        rest = [x.astype(np.float64) for x in (grad_o, dq, dk, dv)]
-        right = hvp(*args, self.true_visible, self.scale, self.kv_map, *rest)
-        wrong = hvp(*args, self.true_visible, self.scale, self.kv_map, *rest, faults)
-        return tuple((x.astype(np.float64) + b - a).astype(x.dtype) for x, a, b in zip(h, right, wrong))
+        return self._added(hvp, HVP_FAULTS, (q, k, v, grad_o, dq, dk, dv), h)
 
     def jvp(self, q, k, v, dq, dk, dv, o_dot):
         """The implementation's output tangent ``o_dot`` along (dq, dk, dv) with the JVP faults' change to the
         closed form's added (as the VJP faults' are to the gradients)."""
-        faults = tuple(f for f in self.faults if f in JVP_FAULTS)
-        if not faults:
-            return o_dot
-        args = [x.astype(np.float64) for x in (q, k, v)]
-        tangent = [x.astype(np.float64) for x in (dq, dk, dv)]
-        right = jvp(*args, self.true_visible, self.scale, self.kv_map, *tangent)
-        wrong = jvp(*args, self.true_visible, self.scale, self.kv_map, *tangent, faults)
-        return (o_dot.astype(np.float64) + wrong - right).astype(o_dot.dtype)
+        return self._added(lambda *a, faults=(): (jvp(*a, faults=faults),), JVP_FAULTS, (q, k, v, dq, dk, dv),
+                           (o_dot,))[0]
+
+
+def every_tangent(inputs: dict, t: dict) -> list:
+    """The tangents (or directions) of q, k, v, a missing one zero: what an implementation's jvp/hvp is given."""
+    return [t[n] if t.get(n) is not None else np.zeros_like(inputs[n]) for n in "qkv"]
 
 
 #: Names of the reference checks of each result.
@@ -177,7 +180,7 @@ def implementation_tangents(inputs: dict, g, visible, scale, kv_map, a64, moved_
         return check
 
     def o_dot(t: dict) -> np.ndarray:
-        full = [t[n] if t.get(n) is not None else np.zeros_like(inputs[n]) for n in "qkv"]
+        full = every_tangent(inputs, t)
         return interface.jvp(inputs["q"], inputs["k"], inputs["v"], *full, user_jvp(*full))
 
     return Tangents(
@@ -232,7 +235,7 @@ def implementation_second(inputs: dict, g, visible, scale, kv_map, gradients, us
         return [CONSTANTS_HINT] if gradients_right else []
 
     def h(u: dict) -> dict:
-        full = [u[n] if u.get(n) is not None else np.zeros_like(inputs[n]) for n in "qkv"]
+        full = every_tangent(inputs, u)
         return dict(zip("qkv", interface.hvp(inputs["q"], inputs["k"], inputs["v"], g, *full, user_hvp(*full))))
 
     return SecondOrder(

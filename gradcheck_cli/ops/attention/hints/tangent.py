@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ....implementation import ImplementationFailure
-from ..formulas import attention_weights, repeat_kv
+from ..formulas import attention_weights, jvp, repeat_kv
 
 #: Larger score matrices (B x Hq x n_q x n_k elements) get no JVP hints: the comparison holds them densely.
 LARGEST = 2**24
@@ -49,7 +49,7 @@ def _variants(q, k, v, visible, scale, kv_map, dq, dk, dv) -> dict[str, np.ndarr
                   "and V (contiguous groups vs interleaved)"] = (
                 (a * (s_other - mu(a, s_other))) @ vr + a @ repeat_kv(dv, other))
     return found | {
-        "": out(s_dot, mu(a, s_dot)),
+        "": jvp(q, k, v, visible, scale, kv_map, dq, dk, dv),
         "the centring term is missing: mu_i = sum_j A_ij dS_ij is not subtracted from dS": out(s_dot, 0.0),
         "mu is added instead of subtracted (dS + mu)": out(s_dot, -mu(a, s_dot)),
         "mu is the plain mean of dS over the visible keys, not weighted by A":
