@@ -106,6 +106,12 @@ def test_term_sizes_bound_the_hvp(mask, parts):
     for h, bound in zip(hvp(q, k, v, visible, scale, kv_map, grad_o, **tangent), sizes):
         assert bound.dtype == np.float64 and bound.shape == h.shape
         assert np.all(np.abs(h) <= bound * (1 + 1e-12))
+    # and not far above it: a bound a thousand times the value leaves the checks no power. Cancellation alone
+    # puts the terms' median at about 70 x |H| here (A without its logits' share), the logits' share taken once at
+    # about 190 x; taken at every use of A, as it once was, it compounded to about 770 x
+    h_all = np.concatenate([np.abs(x).ravel() for x in hvp(q, k, v, visible, scale, kv_map, grad_o, **tangent)])
+    b_all = np.concatenate([b.ravel() for b in sizes])
+    assert np.median(b_all[h_all > 0] / h_all[h_all > 0]) < 400
     # bounds on float32 inputs are float64 and as large (the formulas evaluated on the float32 values)
     q32 = [x.astype(np.float32) for x in (q, k, v, grad_o)]
     sizes32 = hvp_terms(*q32[:3], visible, scale, kv_map, q32[3], **{n: t.astype(np.float32) for n, t in

@@ -161,3 +161,40 @@ def test_a_sweep_over_the_mode_checks_every_derivative_of_one_scenario():
     assert results[1].checks[0].name == "jvp (random tangent)" and results[2].checks[0].name == "hvp q"
     faults = [set(checker.applicable_faults(sc)) for sc in scs]
     assert "jvp-centring" in faults[1] and not {"jvp-centring", "softmax-term"} & faults[2]
+
+
+def test_the_symmetry_and_adjoint_invariants_catch_the_faults_in_float32_too():
+    """Their bounds leave them power in float32: each fault of the double backward breaks the Hessian's symmetry,
+    each JVP fault that changes the JVP along the random tangent the adjoint identity."""
+    hvp32 = next(sc for sc in scenario.load(ROOT / "configs/hvp.yaml") if sc.dtype == "float32")
+    for fault in HVP_FAULTS:
+        assert "Hessian is symmetric" in _failed(checker.run_scenario(hvp32, (fault,))), fault
+    from gradcheck_cli.ops.attention import JVP_FAULTS
+    jvp32 = next(sc for sc in scenario.load(ROOT / "configs/jvp.yaml") if sc.dtype == "float32")
+    for fault in JVP_FAULTS:
+        assert "adjoint identity" in _failed(checker.run_scenario(jvp32, (fault,))), fault
+
+
+@pytest.mark.parametrize("dtype, scale", [("float32", 2.0), ("float32", 3.0), ("float64", 3.0)])
+def test_a_correct_double_backward_at_a_peaked_softmax_passes(dtype, scale):
+    for seed in (0, 1):
+        sc = make(batch=2, heads_q=2, n_q=8, n_k=8, d_head=16, scale=scale, dtype=dtype, seed=seed,
+                  check={"mode": "hvp"})
+        result = checker.run_scenario(sc)
+        assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
+
+
+def test_a_saturated_float64_double_backward_does_not_fail(tmp_path):
+    """Scale 54: the second derivatives are about 1e-34 and their rounding comes from logits in the hundreds;
+    the reference check once failed this correct code on 101 ulps of terms that left the logits out."""
+    pytest.importorskip("torch")
+    (tmp_path / "plain.py").write_text(
+        "import torch\n"
+        "def attention(q, k, v, visible, scale, kv_map):\n"
+        "    s = scale * q @ k[:, kv_map].transpose(-1, -2)\n"
+        "    return torch.softmax(s.masked_fill(~visible, float('-inf')), -1) @ v[:, kv_map]\n")
+    sc = scenario.loads(yaml.safe_dump({"scenarios": [{
+        "name": "x", "batch": 1, "heads_q": 1, "heads_kv": 1, "n_q": 3, "n_k": 22, "d_head": 8, "seed": 174131848,
+        "scale": 53.6102, "mask": {"causal": "lower-right"}, "check": {"mode": "hvp"}, "backend": "torch",
+        "implementation": "plain:attention"}]}), base_dir=tmp_path)[0]
+    assert checker.run_scenario(sc).verdict != "fail"
