@@ -75,6 +75,23 @@ def test_tiled_jvp_equals_the_closed_form_for_any_shape_mask_and_block(p):
     np.testing.assert_allclose(copies[0], ref, rtol=1e-13, atol=1e-13)
 
 
+@settings(max_examples=examples(1.0))
+@given(problems())
+def test_tiled_jvp_terms_equal_the_closed_form_ones_by_blocks(p):
+    """The noise floor's terms of the JVP, by the JVP's blocks (online softmax, hidden blocks skipped), are
+    formulas.jvp_terms's: every tangent alone and together, any blocks, a blockwise mask too."""
+    from gradcheck_cli.ops.attention import formulas
+    q, k, v, _, visible, kv_map, bq, bk, (causal, window, lengths) = p
+    dq, dk, dv = _tangents(np.random.default_rng(q.size + 1), q, k, v)
+    for t in (dict(dq=dq, dk=dk, dv=dv), dict(dq=dq), dict(dk=dk), dict(dv=dv)):
+        ref = formulas.jvp_terms(q, k, v, visible, 0.7, kv_map, **t)
+        np.testing.assert_allclose(tiled.jvp_terms(q, k, v, visible, 0.7, kv_map, **t, block_q=bq, block_k=bk), ref,
+                                   rtol=1e-12, atol=1e-14)
+    block = masks.blockwise(q.shape[-2], k.shape[-2], causal=causal, window=window, key_lengths=lengths)
+    np.testing.assert_allclose(tiled.jvp_terms(q, k, v, block, 0.7, kv_map, dq, dk, dv, block_q=bq, block_k=bk),
+                               formulas.jvp_terms(q, k, v, visible, 0.7, kv_map, dq, dk, dv), rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("fault", [None, *attention.JVP_FAULTS, "mask"])
 @pytest.mark.parametrize("blocks", [(1, 1), (2, 3), (4, 7), (64, 64)])
 def test_tiled_jvp_with_an_explicit_mask_and_the_faults_of_the_naive_engine(fault, blocks):
@@ -169,6 +186,7 @@ def test_tiled_jvp_needs_no_score_sized_arrays():
     kv_map = np.zeros(1, dtype=np.intp)
     tracemalloc.start()
     tiled.jvp(q, k, v, mask, 0.25, kv_map, dq, dk, dv, block_q=128, block_k=128)
+    tiled.jvp_terms(q, k, v, mask, 0.25, kv_map, dq, dk, dv, block_q=128, block_k=128)  # its noise floor's too
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < n * n * 8 / 10, peak  # a tenth of one float64 score matrix

@@ -148,13 +148,52 @@ def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Coll
     return out
 
 
-def jvp_terms_by_rows(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, rows: int = TERM_ROWS):
-    """``formulas.jvp_terms`` (the size of the terms of each element of the JVP) a block of ``rows`` query rows
-    at a time, so that it needs O(rows x n_k) memory: each row's terms depend on its own query row alone."""
-    out = np.empty(q.shape[:-1] + (v.shape[-1],))
-    for span in _spans(q.shape[-2], rows):
-        out[..., span, :] = formulas.jvp_terms(q[..., span, :], k, v, _block(visible, span, slice(None)), scale,
-                                               kv_map, None if dq is None else dq[..., span, :], dk, dv)
+def jvp_terms(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, block_q: int = DEFAULT_BLOCK,
+              block_k: int = DEFAULT_BLOCK) -> np.ndarray:
+    """``formulas.jvp_terms`` (the size of the terms of each element of the JVP, in float64) by the JVP's blocks,
+    with an online softmax and no n_q x n_k array (blocks no query sees skipped): with P = exp(S - m),
+    P~ = P (1 + L) (L = |scale| |q| |k|^T, the logits' rounding) and |dS| = |scale| (|dQ| |K|^T + |Q| |dK|^T) on the
+    visible set, it keeps sum P~ |dS| |V|, sum P~ |V|, sum P |dS| and sum P~ |dV| beside l = sum P (all rescaled
+    when m grows): (A~ (|dS| + rowsum(A |dS|))) |V| + A~ |dV| is their combination, the row sum A |dS| being
+    common to a row's terms."""
+    f64 = [None if x is None else np.asarray(x, dtype=np.float64) for x in (q, k, v, dq, dk, dv)]
+    q, k, v, dq, dk, dv = f64
+    k_rep = repeat_kv(k, kv_map)
+    k_scaled = k_rep * scale
+    qa, ka, va = np.abs(q) * abs(scale), np.abs(k_rep), np.abs(repeat_kv(v, kv_map))
+    dqa = None if dq is None else np.abs(dq) * abs(scale)
+    dka = None if dk is None else np.abs(repeat_kv(dk, kv_map))
+    dva = None if dv is None else np.abs(repeat_kv(dv, kv_map))
+    present = [x for x in (q, k_rep, dq, dka, dva) if x is not None]
+    lead = np.broadcast_shapes(*(x.shape[:-2] for x in present))
+    n_q, n_k, d_value = q.shape[-2], k.shape[-2], v.shape[-1]
+    out = np.empty(lead + (n_q, d_value))
+    for rows in _spans(n_q, block_q):
+        m = np.full(lead + (rows.stop - rows.start, 1), -np.inf)
+        l, row_s = np.zeros_like(m), np.zeros_like(m)
+        acc_sv = np.zeros(lead + (rows.stop - rows.start, d_value))
+        acc_v, acc_dv = np.zeros_like(acc_sv), np.zeros_like(acc_sv)
+        for cols in _spans(n_k, block_k):
+            vis = _block(visible, rows, cols)
+            if not vis.any():
+                continue
+            p, m_new, rescale = _online(q[..., rows, :] @ np.swapaxes(k_scaled[..., cols, :], -1, -2), vis, m)
+            p_t = p * (1.0 + qa[..., rows, :] @ np.swapaxes(ka[..., cols, :], -1, -2))
+            s_abs = np.zeros(p.shape)
+            if dqa is not None:
+                s_abs += dqa[..., rows, :] @ np.swapaxes(ka[..., cols, :], -1, -2)
+            if dka is not None:
+                s_abs += qa[..., rows, :] @ np.swapaxes(dka[..., cols, :], -1, -2)
+            v_blk = va[..., cols, :]
+            l = l * rescale + p.sum(axis=-1, keepdims=True)
+            row_s = row_s * rescale + (p * s_abs).sum(axis=-1, keepdims=True)  # P is 0 off the visible set
+            acc_sv = acc_sv * rescale + (p_t * s_abs) @ v_blk
+            acc_v = acc_v * rescale + p_t @ v_blk
+            if dva is not None:
+                acc_dv = acc_dv * rescale + p_t @ dva[..., cols, :]
+            m = m_new
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out[..., rows, :] = np.where(l > 0, (acc_sv + (row_s / l) * acc_v + acc_dv) / l, 0.0)
     return out
 
 
@@ -276,8 +315,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                 naive[..., span, :] = formulas.jvp(q[..., span, :], k, v, visible[..., span, :], scale, kv_map,
                                                    t["q"][..., span, :], t["k"], t["v"], faults)
             agree.append(precision.agreement("tiled JVP agrees with the naive engine", "o_dot", o_dot(t), naive,
-                                             jvp_terms_by_rows(q, k, v, visible, scale, kv_map, t["q"], t["k"],
-                                                               t["v"]), policy, what="tiled"))
+                                             jvp_terms(q, k, v, visible, scale, kv_map, t["q"], t["k"], t["v"], bq,
+                                                       bk), policy, what="tiled"))
         eps = float(np.finfo(dt).eps)
         terms = output_terms(inputs, a_rows, scale, kv_map)
         # D = rowsum(G_O * O) comes from the forward's O, which carries the rounding of its own terms
@@ -311,8 +350,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         tangents=Tangents(
             forward=lambda **moved: fwd(**{**inputs, **moved}),
             jvp=o_dot,
-            jvp_terms=lambda t: jvp_terms_by_rows(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"),
-                                                  t.get("v")),
+            jvp_terms=lambda t: jvp_terms(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), bq,
+                                          bk),
             output_terms=output_term_sizes(inputs, a_rows, scale, kv_map),
             upstream=g,
             explain=jvp_hints(o_dot, inputs, visible, scale, kv_map, [sc.seed, SeedStream.TANGENT_HINTS])),
