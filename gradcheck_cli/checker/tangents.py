@@ -135,14 +135,15 @@ def judge(sc, problem, label: str, tensor: str, ana, num, halved, floor, rng, un
     index = tuple(int(i) for i in np.unravel_index(int(worst), shape))
     detail = (f"worst at {tensor}[{', '.join(map(str, index))}]: analytic {ana[worst]:.9g}, numeric "
               f"{num[worst]:.9g}; {len(num)} elements, {how}")
+    remedy = "use" if (problem.compute_dtype or sc.dtype) == "float64" else "use float64 or"
     if outcome == "pass" and negligible and top_floor > verdict.POWER_LIMIT * size:
         detail += (f"; zero to rounding: every value is within the noise floor ({top_floor:.2g}), which is small "
                    f"against this scenario's largest ({scale:.2g})" if size else "; zero on both sides")
     if blind:
         detail += (f"; no power: the largest noise floor ({top_floor:.2g}) is over {verdict.POWER_LIMIT:.0%} of the "
-                   f"largest value ({size:.2g}): use float64 or a larger epsilon")
+                   f"largest value ({size:.2g}): {remedy} a larger epsilon")
     elif outcome == "inconclusive":
-        detail += "; the finite differences are too inaccurate here to decide: use float64 or another epsilon"
+        detail += f"; the finite differences are too inaccurate here to decide: {remedy} another epsilon"
     diagnosis = None
     if outcome == "fail":
         structure = (problem.structure or {}).get(axes_of)
