@@ -1,7 +1,13 @@
 """pytest plugin (registered through the ``pytest11`` entry point): every ``*.gradcheck.yaml`` file is
 collected, one test item per scenario; a failing item shows the failed checks with their worst
 elements and the command that reproduces just that scenario. A scenario that names an implementation
-runs in a worker process, as the command runs it."""
+runs in a worker process, as the command runs it.
+
+An inconclusive scenario (exit code 3 on the command line) fails its item by default, so that a suite gates
+as the command does; ``--gradcheck-inconclusive=skip|xfail`` (or the ini option ``gradcheck_inconclusive``)
+reports it as skipped or xfailed instead, with the reason. Each item carries its op, mode, dtype, engine and
+backend as keywords (``-k "jvp and float32"``); items are independent, so ``pytest -n N`` (pytest-xdist)
+spreads them over workers."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +18,27 @@ from .report import diagnosis_lines, failure_message, reproduce_command
 from .scenario import load
 
 SUFFIX = ".gradcheck.yaml"
+
+#: How an inconclusive scenario's item ends (``--gradcheck-inconclusive``); the first is the default.
+INCONCLUSIVE = ("fail", "skip", "xfail")
+
+
+def pytest_addoption(parser):
+    help_text = ("how a scenario whose verdict is inconclusive (exit code 3 on the command line) ends: fail (the "
+                 "default, as a CI gate on the command would), skip or xfail, with the reason")
+    parser.addoption("--gradcheck-inconclusive", choices=INCONCLUSIVE, default=None, help=help_text)
+    parser.addini("gradcheck_inconclusive", help_text, default=INCONCLUSIVE[0])
+
+
+def _inconclusive_policy(config) -> str:
+    value = config.getoption("--gradcheck-inconclusive") or config.getini("gradcheck_inconclusive")
+    if value not in INCONCLUSIVE:
+        raise pytest.UsageError(f"gradcheck_inconclusive = {value!r}: expected one of {', '.join(INCONCLUSIVE)}")
+    return value
+
+
+def pytest_configure(config):
+    _inconclusive_policy(config)  # a bad ini value is a usage error (exit 4) before anything runs
 
 
 def pytest_collect_file(parent, file_path):
@@ -38,6 +65,9 @@ class ScenarioItem(pytest.Item):
     def __init__(self, *, scenario, **kwargs):
         super().__init__(**kwargs)
         self.scenario = scenario
+        # -k "attention and jvp", -k float32, -k tiled: what -k matches besides the names
+        self.extra_keyword_matches.update({scenario.op, scenario.mode, scenario.dtype, scenario.engine,
+                                           scenario.backend})
 
     def runtest(self):
         if self.scenario.implementation is not None:  # user code runs where it cannot end pytest itself
@@ -45,15 +75,24 @@ class ScenarioItem(pytest.Item):
             result = check_isolated(str(self.path), self.scenario).result
         else:
             result = run_scenario(self.scenario)
-        if not result.passed:
-            lines = []
-            for c in result.checks:
-                if not c.passed:
-                    lines.append(f"{'FAIL' if c.verdict == 'fail' else c.verdict.upper()} {failure_message(c)}")
-                    lines += diagnosis_lines(c, indent="  ")
-            lines += [f"hint: {h}" for h in result.hints]
-            lines.append("reproduce: " + reproduce_command(str(self.path), self.scenario.name))
-            raise ScenarioFailed("\n".join(lines))
+        if result.passed:
+            return
+        lines = []
+        for c in result.checks:
+            if not c.passed:
+                lines.append(f"{'FAIL' if c.verdict == 'fail' else c.verdict.upper()} {failure_message(c)}")
+                lines += diagnosis_lines(c, indent="  ")
+        lines += [f"hint: {h}" for h in result.hints]
+        lines.append("reproduce: " + reproduce_command(str(self.path), self.scenario.name))
+        policy = _inconclusive_policy(self.config)
+        if result.verdict == "inconclusive" and policy != "fail":
+            undecided = [c for c in result.checks if c.verdict == "inconclusive"]
+            names = ", ".join(dict.fromkeys(c.name for c in undecided))
+            reason = f"inconclusive: {names} ({undecided[0].detail[:160]})"
+            if policy == "skip":
+                pytest.skip(reason)
+            pytest.xfail(reason)
+        raise ScenarioFailed("\n".join(lines))
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, ScenarioFailed):

@@ -9,6 +9,8 @@ from hypothesis import settings
 
 from helpers import ROOT
 
+pytest_plugins = ["pytester"]  # tests/test_pytest_plugin.py runs pytest in-process on scenario files
+
 # dev (the default): quick enough to run on every change. ci: three times the examples, derandomized so that
 # a CI failure reproduces with the same examples on any machine (the dev profile keeps exploring new ones).
 # Fuzz tests scale their example counts with the profile's max_examples (helpers.examples).
