@@ -65,3 +65,23 @@ class ScenarioError(GradcheckError):
         key = f"{self.key}: " if self.key else ""
         hint = f" ({self.hint})" if self.hint else ""
         return f"{where}{key}{self.message}{hint}"
+
+
+class ScenarioErrors(ScenarioError):
+    """Every problem found in one file (the first of each scenario, and the file's own), in the order found: the
+    first one's place and message are this error's (``file``, ``line``, ``key``, ...), ``errors`` holds them all,
+    and it prints one per line, at most SHOWN, then how many more."""
+
+    #: Most problems printed; the rest are counted.
+    SHOWN = 20
+
+    def __init__(self, errors: list[ScenarioError]):
+        self.errors = list(errors)
+        first = self.errors[0]
+        super().__init__(first.message, file=first.file, line=first.line, key=first.key, hint=first.hint)
+
+    def __str__(self) -> str:
+        lines = [str(e) for e in self.errors[:self.SHOWN]]
+        if len(self.errors) > self.SHOWN:
+            lines.append(f"... and {len(self.errors) - self.SHOWN} more problem(s) in {self.file}")
+        return "\n".join(lines)

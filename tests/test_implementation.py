@@ -165,7 +165,7 @@ def test_misbehaving_implementations_fail_with_a_message(root, tmp_path, monkeyp
     ("not a spec", "expected 'module:attribute'", True),
     ("no_such_module_xyz:impl", "cannot find module 'no_such_module_xyz'", True),
     ("my_attention:nothing_here", "has no attribute 'nothing_here'", False),
-    ("my_attention:_probabilities", "needs callable forward and backward", False),
+    ("my_attention:_probabilities", "without callable forward and backward: the NumPy interface is an object", False),
 ])
 def test_bad_implementation_specs_are_input_errors(root, tmp_path, monkeypatch, spec, words, at_load):
     """Spelling and a missing module are found when the file loads (without running any user code);

@@ -71,7 +71,7 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
     try:
         plan = api.prepare(options)
     except GradcheckError as exc:
-        raise _fail(str(exc)) from None
+        raise _fail(exc) from None
 
     out, scenarios = _console(), plan.scenarios
     if shard and not scenarios:
@@ -93,7 +93,7 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
                     "no report written") from None
     except GradcheckError as exc:  # a worker could not load the file (changed while running)
         bar.close()
-        raise _fail(str(exc)) from None
+        raise _fail(exc) from None
     bar.close()
 
     results, interrupted = outcome.results, outcome.interrupted
@@ -158,7 +158,7 @@ def merge(reports, json_path, junit_path):
         report.prepare_outputs({"--json": json_path, "--junit": junit_path}, {}, inputs=list(reports))
         data = report.merge_reports(loaded)
     except GradcheckError as exc:
-        raise _fail(str(exc)) from None
+        raise _fail(exc) from None
     report.render_merged(_console(), data)
     try:
         report.write_reports(json_path, data, junit_path, report.junit_xml(data) if junit_path else None)
@@ -198,7 +198,7 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
             if Path(plot_path).suffix.lower() not in (".png", ".pdf", ".svg"):
                 raise GradcheckError(f"--plot {plot_path}: name a .png, .pdf or .svg file")
     except GradcheckError as exc:
-        raise _fail(str(exc)) from None
+        raise _fail(exc) from None
     from ..runner import sweep_isolated
     out, sweeps, failed = _console(), [], False
     for sc in scenarios:
@@ -206,7 +206,7 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
             result = (sweep_isolated(config, sc, steps, samples) if sc.implementation
                       else stepsweep.sweep(sc, steps, samples))
         except GradcheckError as exc:
-            raise _fail(str(exc)) from None
+            raise _fail(exc) from None
         if isinstance(result, str):
             _error(f"{sc.file}: scenario '{sc.name}': not swept: {result}")
             failed = True
@@ -298,7 +298,7 @@ def validate(configs):
         try:
             scenarios = load(config)
         except GradcheckError as exc:
-            _error(str(exc))
+            _error(exc)
             bad = True
             continue
         for sc in scenarios:

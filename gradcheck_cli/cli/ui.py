@@ -12,6 +12,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from ..errors import ScenarioErrors
 from ..exitcodes import ExitCode
 
 
@@ -34,15 +35,23 @@ def _console(stderr: bool = False) -> Console:
                     width=None if tty else 200)
 
 
-def _error(message: str) -> None:
-    """One line on stderr: control characters of a path or value are shown escaped."""
-    text = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in message)
-    click.echo(f"error: {text}", err=True)
+def _error(problem: str | BaseException) -> None:
+    """One line per problem on stderr (``ScenarioErrors`` holds several: one line each, capped and counted);
+    control characters of a path or value are shown escaped, so a problem never spans lines."""
+    if isinstance(problem, ScenarioErrors):
+        lines = [str(e) for e in problem.errors[:problem.SHOWN]]
+        if len(problem.errors) > problem.SHOWN:
+            lines.append(f"... and {len(problem.errors) - problem.SHOWN} more problem(s) in {problem.file}")
+    else:
+        lines = [str(problem)]
+    for line in lines:
+        text = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in line)
+        click.echo(f"error: {text}", err=True)
 
 
-def _fail(message: str) -> click.exceptions.Exit:
-    """Print the one-line error and return the exit (2) to raise."""
-    _error(message)
+def _fail(problem: str | BaseException) -> click.exceptions.Exit:
+    """Print the error (``_error``) and return the exit (2) to raise."""
+    _error(problem)
     return click.exceptions.Exit(ExitCode.BAD_INPUT)
 
 

@@ -83,7 +83,11 @@ def load(spec: str, base_dir: Path, flavour: str = "numpy") -> Any:
         missing = [name for name in ("forward", "backward")
                    if not _safe(callable, _attribute(obj, name, module_name, f"{attr_path}.{name}", missing_ok=True))]
         if missing:
-            raise LoadError(f"{spec} needs callable {' and '.join(missing)} (see the README: the NumPy interface)")
+            kind = type(obj).__name__
+            raise LoadError(f"{spec} is a {kind} without callable {' and '.join(missing)}: the NumPy interface is an "
+                            "object with forward(...) and backward(...) methods (an instance of a class that has "
+                            "both, or a module defining both functions), whose arguments 'attn-gradcheck ops' lists "
+                            "(see the README: the NumPy interface)")
     _LOADED[key] = obj
     return obj
 
@@ -99,11 +103,22 @@ def _attribute(obj, name: str, module_name: str, attr_path: str, missing_ok: boo
     except AttributeError:
         if missing_ok:
             return _MISSING
-        raise LoadError(f"module {module_name!r} has no attribute {attr_path!r}") from None
+        raise LoadError(f"module {module_name!r} has no attribute {attr_path!r}{_did_you_mean(obj, name)}") from None
     except BaseException as exc:
         if _ctrl_c(exc):
             raise
         raise LoadError(f"reading {attr_path!r} of module {module_name!r} raised {type(exc).__name__}: {exc}") from None
+
+
+def _did_you_mean(obj, name: str) -> str:
+    """' (did you mean 'x'?)' from the public attributes of ``obj`` close to ``name``; '' when none is."""
+    import difflib
+    try:
+        names = [n for n in dir(obj) if not n.startswith("_")]
+    except Exception:  # noqa: BLE001 -- an object whose dir() raises: no suggestion
+        return ""
+    close = difflib.get_close_matches(name, names, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _safe(test, obj) -> bool:

@@ -49,9 +49,13 @@ def render_scenario(console: Console, r: ScenarioResult, description: str, repro
     for c in r.checks:
         grad = c.kind == "gradient"
         relative = c.kind in ("gradient", "reference", "implementation")
+        # a call of the implementation that failed has no numbers (inf): its row says so, the message follows below
+        numbers = (["did not run", "", ""] if c.kind == "implementation" and not c.passed
+                   and not math.isfinite(c.max_abs_error) else
+                   [_fmt(c.max_abs_error), _fmt(c.relative_error) if relative else "", _fmt(c.tolerance)])
         rows.append([c.name, f"{c.tensor} {'x'.join(map(str, c.shape))}" if c.shape else (c.tensor or ""),
-                     _fmt(c.max_abs_error), _fmt(c.relative_error) if relative else "", _fmt(c.tolerance),
-                     _fmt(c.noise_floor) if grad else "", _fmt(c.detectable) if c.detectable is not None else "",
+                     *numbers, _fmt(c.noise_floor) if grad else "",
+                     _fmt(c.detectable) if c.detectable is not None else "",
                      {"pass": "pass", "fail": "FAIL"}.get(c.verdict, c.verdict)])
         styles.append([None] * 7 + [{"pass": "green", "fail": "bold red"}.get(c.verdict, "bold yellow")])
     _table(console, title, ["check", "tensor", "max abs err", "rel err", "tolerance", "noise floor", "detects",

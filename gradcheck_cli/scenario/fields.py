@@ -6,7 +6,7 @@ import math
 import re
 from typing import Any
 
-from ..errors import ScenarioError
+from ..errors import ScenarioError, ScenarioErrors
 from ..ops import OPS
 from ..ops.registry import REQUIRED, Param
 from .yaml_lines import _Doc, _show
@@ -127,8 +127,10 @@ class _Fields:
 
 
 def _merge(doc: _Doc, defaults: dict, scenario: dict, index: int) -> dict[str, tuple[Any, tuple]]:
-    """Flatten defaults then the scenario into {'key' or 'mask.causal': (value, path)}."""
+    """Flatten defaults then the scenario into {'key' or 'mask.causal': (value, path)}. Every unknown key (top
+    level or nested) is reported at once (``ScenarioErrors``)."""
     out: dict[str, tuple[Any, tuple]] = {}
+    unknown: list = []
     for source, base in ((defaults, ("defaults",)), (scenario, ("scenarios", index))):
         for key, value in source.items():
             if key == "sweep":
@@ -139,23 +141,32 @@ def _merge(doc: _Doc, defaults: dict, scenario: dict, index: int) -> dict[str, t
                 owner = next((n for n, subkeys in NESTED.items() if key in subkeys), None)
                 hint = (f"'{key}' belongs under '{owner}:' ({owner}: {{{key}: ...}})" if owner
                         else _suggest(key, allowed))
-                raise doc.error(path, f"unknown key '{key}'", hint=hint)
-            if key in NESTED:
+                unknown.append(doc.error(path, f"unknown key '{key}'", hint=hint))
+            elif key in NESTED:
                 if value is not None:
-                    out.update(_nested(doc, key, value, path))
+                    out.update(_nested(doc, key, value, path, unknown))
             else:
                 out[key] = (value, path)
+    if len(unknown) == 1:
+        raise unknown[0]
+    if unknown:
+        raise ScenarioErrors(unknown)
     return out
 
 
-def _nested(doc: _Doc, key: str, value: Any, path: tuple) -> dict[str, tuple[Any, tuple]]:
-    """A ``mask`` or ``check`` mapping flattened to {'mask.causal': (value, path)}, its keys checked."""
+def _nested(doc: _Doc, key: str, value: Any, path: tuple, unknown: list | None = None) -> dict[str, tuple[Any, tuple]]:
+    """A ``mask`` or ``check`` mapping flattened to {'mask.causal': (value, path)}, its keys checked (an unknown
+    one is appended to ``unknown`` where given, else raised)."""
     if not isinstance(value, dict):
         raise doc.error(path, f"expected a mapping with keys {', '.join(NESTED[key])}, got {_show(value)}")
     out = {}
     for sub, subvalue in value.items():
         if sub not in NESTED[key]:
-            raise doc.error(path + (sub,), f"unknown key '{sub}'", hint=_suggest(sub, NESTED[key]))
+            problem = doc.error(path + (sub,), f"unknown key '{sub}'", hint=_suggest(sub, NESTED[key]))
+            if unknown is None:
+                raise problem
+            unknown.append(problem)
+            continue
         out[f"{key}.{sub}"] = (subvalue, path + (sub,))
     return out
 

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from .. import files, implementation
-from ..errors import GradcheckError, ScenarioError
+from ..errors import GradcheckError, ScenarioError, ScenarioErrors
 from ..ops import OPS
 from .fields import TOP_KEYS, _Fields, _merge, _suggest
 from .model import Scenario
@@ -59,37 +59,56 @@ def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".
     seen: dict[str, int] = {}
     out = []
     held = 0  # bytes of the masks the scenarios loaded so far hold (a sweep of cases that each fit may not)
+    problems: list[ScenarioError] = []  # the first problem of each scenario: all of them are reported at once
     for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            raise doc.error(("scenarios", i), f"expected a mapping, got {_show(item)}")
-        flat = _merge(doc, defaults, item, i)
-        cases: dict = {}
-        for suffix, case in _sweep_cases(doc, flat, _sweep_axes(doc, defaults, item, i), i):
-            try:
-                sc = _parse_scenario(doc, _Fields(doc, case, ("scenarios", i)), Path(base_dir), limit)
-            except ScenarioError as exc:
-                if suffix:
-                    exc.message += f" (in the sweep case {item.get('name')}{suffix})"
-                raise
-            sc = dataclasses.replace(sc, name=sc.name + suffix, index=len(out))
-            held += sc.visible.nbytes if sc.visible is not None else 0
-            if held > limit // 2:
-                raise doc.error(("scenarios", i), f"the scenarios up to {sc.name} hold masks of {_size(held)} "
-                                f"together, more than half of the {_size(limit)} available",
-                                hint="sweep fewer cases or smaller shapes, or split the file")
-            if suffix:  # two spellings of one value (1e-6 and 1.0e-6) make the same scenario twice
-                digest = hashlib.sha256(sc.visible.tobytes()).hexdigest() if sc.visible is not None else ""
-                same = (dataclasses.replace(sc, name="", index=0), digest)
-                if same in cases:
-                    raise doc.error(("scenarios", i, "sweep"), f"the sweep cases {cases[same]} and {sc.name} are the "
-                                    "same scenario", hint="list each value once")
-                cases[same] = sc.name
-            if sc.name in seen:
-                raise doc.error(("scenarios", i, "name"), f"duplicate scenario name '{sc.name}' "
-                                f"(first at scenarios[{seen[sc.name]}])", hint="names must be unique")
-            seen[sc.name] = i
-            out.append(sc)
+        try:
+            held = _load_item(doc, defaults, item, i, base_dir, limit, seen, out, held)
+        except ScenarioError as exc:
+            for problem in exc.errors if isinstance(exc, ScenarioErrors) else [exc]:
+                if str(problem) not in {str(p) for p in problems}:  # a bad key of defaults: once, not per scenario
+                    problems.append(problem)
+            if "more than half of the" in exc.message:  # the masks held so far: every later scenario would say so
+                break
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ScenarioErrors(problems)
     return out
+
+
+def _load_item(doc, defaults: dict, item, i: int, base_dir, limit: int, seen: dict, out: list, held: int) -> int:
+    """The scenarios of ``scenarios[i]`` (its sweep's cases) appended to ``out``; returns the bytes of masks held
+    so far. Raises ScenarioError at its first problem."""
+    if not isinstance(item, dict):
+        raise doc.error(("scenarios", i), f"expected a mapping, got {_show(item)}")
+    flat = _merge(doc, defaults, item, i)
+    cases: dict = {}
+    for suffix, case in _sweep_cases(doc, flat, _sweep_axes(doc, defaults, item, i), i):
+        try:
+            sc = _parse_scenario(doc, _Fields(doc, case, ("scenarios", i)), Path(base_dir), limit)
+        except ScenarioError as exc:
+            if suffix:
+                exc.message += f" (in the sweep case {item.get('name')}{suffix})"
+            raise
+        sc = dataclasses.replace(sc, name=sc.name + suffix, index=len(out))
+        held += sc.visible.nbytes if sc.visible is not None else 0
+        if held > limit // 2:
+            raise doc.error(("scenarios", i), f"the scenarios up to {sc.name} hold masks of {_size(held)} "
+                            f"together, more than half of the {_size(limit)} available",
+                            hint="sweep fewer cases or smaller shapes, or split the file")
+        if suffix:  # two spellings of one value (1e-6 and 1.0e-6) make the same scenario twice
+            digest = hashlib.sha256(sc.visible.tobytes()).hexdigest() if sc.visible is not None else ""
+            same = (dataclasses.replace(sc, name="", index=0), digest)
+            if same in cases:
+                raise doc.error(("scenarios", i, "sweep"), f"the sweep cases {cases[same]} and {sc.name} are the "
+                                "same scenario", hint="list each value once")
+            cases[same] = sc.name
+        if sc.name in seen:
+            raise doc.error(("scenarios", i, "name"), f"duplicate scenario name '{sc.name}' "
+                            f"(first at scenarios[{seen[sc.name]}])", hint="names must be unique")
+        seen[sc.name] = i
+        out.append(sc)
+    return held
 
 
 def read_files(scenarios: list[Scenario]) -> list[str]:
