@@ -49,6 +49,30 @@ def first_empty_row(visible: np.ndarray) -> tuple[int, int, int] | None:
     return int(b), int(h), int(i)
 
 
+def row_constraints(n_q: int, n_k: int, b: int, h: int, i: int, *, causal: str = "none",
+                    window: tuple[int | None, int | None] | None = None, key_lengths: Sequence[int] | None = None,
+                    explicit: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The keys each constraint given lets query row ``i`` (of batch ``b``, head ``h``) see, on its own: name ->
+    bool [n_k] (the row's visible set is their AND). For the empty-row error, to name what hides the row."""
+    j = np.arange(n_k)
+    diag = int(diagonal(n_q, n_k, causal)[i])
+    out = {}
+    if causal != "none":
+        out[f"causal: {causal}"] = j <= diag
+    if window is not None:
+        left, right = window
+        out[f"window: [{left}, {right}]"] = (j >= diag - left if left is not None else True) & (
+            j <= diag + right if right is not None else True) & np.ones(n_k, dtype=bool)
+    if key_lengths is not None:
+        out[f"key_lengths[{b}] = {key_lengths[b]}"] = j < key_lengths[b]
+    if explicit is not None:
+        arr = np.asarray(explicit, dtype=bool)
+        arr = arr.reshape((1,) * (4 - arr.ndim) + arr.shape)  # it broadcasts to [batch, heads, n_q, n_k]
+        row = arr[tuple(x if arr.shape[a] > 1 else 0 for a, x in enumerate((b, h, i)))]
+        out["visible (the explicit array)"] = np.broadcast_to(row, (n_k,)).copy()
+    return out
+
+
 def kv_rows_seen(visible: np.ndarray, kv_map: np.ndarray, heads_kv: int) -> np.ndarray:
     """bool [batch, heads_kv, n_k]: key row j of KV head g is visible to some query of some head r
     with kv_map[r] == g."""

@@ -173,15 +173,13 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     empty = masks.first_empty_row(visible)
     if empty is not None:
         b, h, i = empty
-        constraints = [c for c, on in (("causal", causal != "none"), ("window", window is not None),
-                                       ("key_lengths", key_lengths is not None),
-                                       ("visible", explicit is not None)) if on]
         given = [k for k in ("mask.visible", "mask.key_lengths", "mask.window", "mask.causal") if f.has(k)]
         swept = [k for k in given if "sweep" in f.where(k)]
-        raise doc.error(f.where((swept or given)[0]) if given else f.path,
-                        f"query row {i} of batch {b}, head {h} sees no key (mask: {', '.join(constraints)})",
-                        hint="every query row needs at least one visible key; widen the window, raise "
-                             "key_lengths, or check the causal alignment for n_q != n_k")
+        message, hint, culprit = _empty_row(masks.row_constraints(n_q, n_k, b, h, i, causal=causal, window=window,
+                                                                  key_lengths=key_lengths, explicit=explicit), b, h,
+                                            i, n_q, n_k)
+        blamed = culprit if culprit in given else (swept or given or [None])[0]
+        raise doc.error(f.where(blamed) if blamed else f.path, message, hint=hint)
 
     convention = _convention(f, visible, scale, d_head, op_spec)
     attention = {"batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "n_q": n_q, "n_k": n_k, "d_head": d_head,
@@ -403,6 +401,41 @@ def _precision_and_check(f: _Fields, dtype: str, colouring_default: bool = True)
 
 #: What each mode of a directional derivative checks, for messages.
 _DERIVATIVE = {"jvp": "a forward-mode derivative (JVP)", "hvp": "a double backward (Hessian-vector product)"}
+
+
+def _empty_row(allowed: dict, b: int, h: int, i: int, n_q: int, n_k: int) -> tuple[str, str, str | None]:
+    """(message, hint, the mask key to blame or None) of the error for query row ``i`` seeing no key: the
+    constraint that hides every key on its own, or the keys each allows when only their combination leaves none,
+    with the remedy that fits."""
+    alone = [name for name, keys in allowed.items() if not keys.any()]
+
+    def keys(mask) -> str:
+        idx = [int(j) for j, on in enumerate(mask) if on]
+        if len(idx) == 1:
+            return f"key {idx[0]}"
+        return f"keys {idx[0]}-{idx[-1]}" if idx[-1] - idx[0] + 1 == len(idx) else f"keys {', '.join(map(str, idx))}"
+
+    where = f"query row {i} of batch {b}, head {h} sees no key"
+    if alone:
+        name = alone[0]
+        if name.startswith("causal"):
+            why = (f"{name} alone hides every key of it: with n_q = {n_q} > n_k = {n_k} the lower-right diagonal "
+                   f"of row {i} is key {i + n_k - n_q}" if "lower-right" in name else f"{name} alone hides every key")
+            hint = ("with n_q > n_k, lower-right rows before the first key see nothing: use causal: upper-left, or "
+                    "n_k >= n_q") if "lower-right" in name else "check the causal alignment"
+        elif name.startswith("window"):
+            why, hint = f"{name} alone hides every key of it", "widen the window"
+        elif name.startswith("key_lengths"):
+            why, hint = f"{name} alone hides every key", "every batch element needs a key: raise it to 1 or more"
+        else:
+            why, hint = (f"{name} has no True in this row", "give the explicit visible array at least one True in "
+                         "every query row (True = key visible)")
+        key = "mask." + next(k for k in ("causal", "window", "key_lengths", "visible") if name.startswith(k))
+        return f"{where}: {why}", hint, key
+    parts = "; ".join(f"{name} allows {keys(mask)}" for name, mask in allowed.items())
+    return (f"{where}: each constraint leaves it some key, but not the same one ({parts})",
+            "the row's visible set is the AND of the constraints: make them overlap (widen the window, raise "
+            "key_lengths, or change the causal alignment)", None)
 
 
 def _mode_applies(f: _Fields, spec, mode: str, engine: str | None, flavour: str | None = None,

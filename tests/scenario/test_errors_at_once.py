@@ -82,3 +82,31 @@ def test_an_implementation_that_did_not_run_reads_as_one_clear_row(tmp_path):
     row = next(line for line in out.output.splitlines() if line.startswith("implementation runs"))
     assert "did not run" in row and "inf" not in row and row.rstrip().endswith("FAIL"), out.output
     assert "forward raised ValueError: no" in out.output
+
+
+@pytest.mark.parametrize("mask, extra, key, says, remedy", [
+    ({"causal": "lower-right"}, {"n_k": 2}, "mask.causal", "lower-right alone hides every key",
+     "use causal: upper-left"),
+    ({"key_lengths": [0]}, {}, "mask.key_lengths", "key_lengths[0] = 0 alone hides every key", "raise it to 1"),
+    ({"causal": "upper-left", "window": [0, 0], "key_lengths": [2]}, {}, None,
+     "not the same one (causal: upper-left allows keys 0-2; window: [0, 0] allows key 2; key_lengths[0] = 2 allows "
+     "keys 0-1)", "make them overlap"),
+])
+def test_an_empty_row_names_the_constraints_that_hide_it(mask, extra, key, says, remedy):
+    with pytest.raises(ScenarioError) as info:
+        scenario.loads(yaml.safe_dump({"scenarios": [{"name": "a", "n_q": 4, "d_head": 2, "mask": mask, **extra}]}))
+    assert says in info.value.message and remedy in info.value.hint, str(info.value)
+    if key:
+        assert info.value.key == f"scenarios[0].{key}"
+
+
+def test_an_explicit_visible_array_with_an_empty_row_gets_its_own_remedy(tmp_path):
+    import numpy as np
+    visible = np.ones((1, 1, 3, 3), dtype=bool)
+    visible[0, 0, 1] = False
+    np.save(tmp_path / "v.npy", visible)
+    with pytest.raises(ScenarioError) as info:
+        scenario.loads("scenarios:\n  - {name: a, n_q: 3, d_head: 2, mask: {visible: v.npy, causal: upper-left}}\n",
+                       base_dir=tmp_path)
+    assert "query row 1" in info.value.message and "visible (the explicit array) has no True" in info.value.message
+    assert "at least one True in every query row" in info.value.hint and info.value.key.endswith("mask.visible")
