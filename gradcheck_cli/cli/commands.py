@@ -77,8 +77,12 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
     if shard and not scenarios:
         out.print(f"shard {shard[0]}/{shard[1]} of {config}: no scenario falls in this shard")
     bar = _ProgressBar(progress, plan.units, "checking")
+    finished = [0]
+    bar.running(scenarios[0].name if scenarios else None)
 
     def show(sc, result):
+        finished[0] += 1
+        bar.running(scenarios[finished[0]].name if finished[0] < len(scenarios) else None)
         with bar.hidden():
             report.render_scenario(out, result, sc.describe(),
                                    report.reproduce_command(config, sc.name, faults, engine))

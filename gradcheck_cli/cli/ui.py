@@ -10,7 +10,7 @@ import time
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import ScenarioErrors
 from ..exitcodes import ExitCode
@@ -59,24 +59,64 @@ def _fail(problem: str | BaseException) -> click.exceptions.Exit:
 PROGRESS_DELAY_S = 1.0
 
 
+class Eta:
+    """The progress of a run and its estimated time left, from the measured rate of finite-difference work: units
+    done over the time since the first unit, the rate of the whole run so far (every scenario weighted by its work
+    units), never a recent window, so that one slow or fast scenario moves it by its own share only. ``clock`` is
+    injectable (tests run it on a fake one)."""
+
+    def __init__(self, total: int, clock=time.monotonic):
+        self.total, self.done, self.clock = max(int(total), 0), 0, clock
+        self.start = clock()
+
+    def advance(self, n: int) -> None:
+        self.done = min(self.total, self.done + max(int(n), 0))
+
+    @property
+    def fraction(self) -> float:
+        return self.done / self.total if self.total else 1.0
+
+    def remaining_s(self) -> float | None:
+        """Seconds left at the rate so far; None before any work has finished (nothing measured yet)."""
+        elapsed = self.clock() - self.start
+        if self.done == 0 or elapsed <= 0:
+            return None
+        return elapsed / self.done * (self.total - self.done)
+
+    def describe(self) -> str:
+        left = self.remaining_s()
+        if left is None:
+            return "eta -:--:--"
+        left = int(round(left))
+        return f"eta {left // 3600}:{left % 3600 // 60:02d}:{left % 60:02d}"
+
+
 class _ProgressBar:
-    """An ETA bar on stderr, shown once a run has lasted PROGRESS_DELAY_S and only on a terminal.
-    ``advance`` is the checker's progress callback; ``hidden()`` clears the bar while results print."""
+    """A bar on stderr, shown once a run has lasted PROGRESS_DELAY_S and only on a terminal: the scenario
+    running (``running``) and the time left at the run's measured rate of work (``Eta``). ``advance`` is the
+    checker's progress callback; ``hidden()`` clears the bar while results print."""
 
     def __init__(self, enabled: bool, total: int, label: str):
         self.enabled = enabled and sys.stderr.isatty()
+        self.eta = Eta(total)
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                            TimeElapsedColumn(), TextColumn("{task.fields[eta]}"), TextColumn("{task.fields[now]}"),
                             console=_console(stderr=True), transient=True,
                             redirect_stdout=False, redirect_stderr=False)
-        self.task = self.bar.add_task(label, total=total)
+        self.task = self.bar.add_task(label, total=total, eta=self.eta.describe(), now="")
         self.start = time.monotonic()
         self.lock = threading.RLock()  # --jobs advances from the pool's result thread
         self.paused = False
 
+    def running(self, name: str | None) -> None:
+        """The scenario now running (the first not yet finished, in file order)."""
+        with self.lock:
+            self.bar.update(self.task, now=name or "")
+
     def advance(self, n: int) -> None:
         with self.lock:
-            self.bar.advance(self.task, n)
+            self.eta.advance(n)
+            self.bar.update(self.task, completed=self.eta.done, eta=self.eta.describe())
             if (self.enabled and not self.paused and not self.bar.live.is_started
                     and time.monotonic() - self.start > PROGRESS_DELAY_S):
                 self.bar.start()
