@@ -18,9 +18,59 @@ def _fmt(x: float) -> str:
     return f"{x:.2e}"
 
 
+#: Under this many columns a terminal gets the scenario table in two lines per check (``_narrow_table``).
+NARROW = 100
+
+
+def _narrow_table(console: Console, title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
+                  styles: Sequence[Sequence[str | None]] | None) -> None:
+    """The scenario table on a narrow terminal: each check's name and status on one line, its numbers under it
+    in aligned columns (the header names them once), so that nothing wraps at 80 columns."""
+    for line in _wrapped(title, console.width, ""):
+        console.print(line, markup=False, highlight=False)
+    numbers = [list(r[1:-1]) for r in rows]
+    widths = [max([len(h)] + [len(n[i]) for n in numbers]) for i, h in enumerate(headers[1:-1])]
+
+    def values(cells):
+        return "    " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                  for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    name_width = max(8, console.width - 10)
+    console.print(Text(f"{headers[0].ljust(name_width)} {headers[-1]}", style="bold"))
+    console.print(Text(values(headers[1:-1]), style="bold"))
+    for i, row in enumerate(rows):
+        status_style = (styles[i][-1] if styles else None) or ""
+        console.print(Text.assemble((row[0][:name_width].ljust(name_width), ""), " ", (row[-1], status_style)))
+        console.print(values(numbers[i]), markup=False, highlight=False)
+
+
+def _wrapped(text: str, width: int, indent: str) -> list[str]:
+    """``text`` wrapped by the tool at word boundaries to ``width`` columns, continuation lines indented by
+    ``indent``: a number or a path is never split (a word longer than the line stays whole)."""
+    import textwrap
+    lead = len(text) - len(text.lstrip(" "))
+    return textwrap.wrap(text, width=max(width, 20), subsequent_indent=" " * lead + indent, break_long_words=False,
+                         break_on_hyphens=False, drop_whitespace=True) or [text]
+
+
+def _say(console: Console, text: str | Text, indent: str = "    ") -> None:
+    """One diagnostic line: on a terminal wrapped at word boundaries to its width (styles kept for the first
+    word run only when it fits); elsewhere one line, never wrapped (logs, pipes)."""
+    plain = text.plain if isinstance(text, Text) else text
+    if not console.is_terminal or len(plain) <= console.width:
+        console.print(text, soft_wrap=True, markup=False, highlight=False)
+        return
+    for line in _wrapped(plain, console.width, indent):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
 def _table(console: Console, title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
            right: Sequence[bool], styles: Sequence[Sequence[str | None]] | None = None) -> None:
-    """A rich table on a terminal; plain aligned columns otherwise (no wrapping, no trailing spaces)."""
+    """A rich table on a terminal (two lines per row under NARROW columns); plain aligned columns otherwise (no
+    wrapping, no trailing spaces)."""
+    if console.is_terminal and console.width < NARROW and len(headers) > 3:
+        _narrow_table(console, title, headers, rows, styles)
+        return
     if console.is_terminal:
         table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
                       pad_edge=False, padding=(0, 1), collapse_padding=True)
@@ -62,25 +112,27 @@ def render_scenario(console: Console, r: ScenarioResult, description: str, repro
                             "status"], rows, [False, False, True, True, True, True, True, False], styles)
     for c in r.checks:
         if c.kind == "experiment" and c.passed:  # an experiment's numbers are its result: always shown
-            console.print(f"  {c.name}: {c.detail}", soft_wrap=True)
+            _say(console, f"  {c.name}: {c.detail}")
     for c in r.checks:
         if not c.passed:
             word, style = ("FAIL", "red") if c.verdict == "fail" else ("INCONCLUSIVE", "yellow")
-            console.print(Text.assemble("  ", (word, style), f" {failure_message(c)}"), soft_wrap=True)
+            _say(console, Text.assemble("  ", (word, style), f" {failure_message(c)}"))
             for line in diagnosis_lines(c):
-                console.print(_heat_text(line) if console.is_terminal else Text(line), soft_wrap=True)
+                if console.is_terminal and line.rstrip().endswith("|"):  # a heat-map row: a grid, never wrapped
+                    console.print(_heat_text(line), soft_wrap=True)
+                else:
+                    _say(console, _heat_text(line) if console.is_terminal else Text(line), "  ")
     for hint in r.hints:
-        console.print(Text.assemble("  ", ("hint:", "bold cyan"), f" {hint}"), soft_wrap=True)
+        _say(console, Text.assemble("  ", ("hint:", "bold cyan"), f" {hint}"), "      ")
     power = r.detectable
     if power:
-        console.print("  power: would have caught uniform relative errors above "
-                      + ", ".join(f"{_fmt(x)} in {_power_name(t)}" for t, x in power.items()),
-                      highlight=False, soft_wrap=True)
+        _say(console, "  power: would have caught uniform relative errors above "
+             + ", ".join(f"{_fmt(x)} in {_power_name(t)}" for t, x in power.items()))
     word = {"pass": "passed", "fail": "FAILED", "inconclusive": "INCONCLUSIVE"}[r.verdict]
     compiling = f" (of which {r.compile_s:.2f} s compiling with jax.jit)" if r.compile_s else ""
     console.print(f"  {r.name}: {word} in {r.elapsed_s:.2f} s{compiling}", highlight=False)
     if reproduce and not r.passed:
-        console.print(f"  reproduce: {reproduce}", highlight=False, markup=False, soft_wrap=True)
+        _say(console, f"  reproduce: {reproduce}")
     console.print()
 
 
