@@ -40,6 +40,7 @@ class RunOptions:
     shard: tuple[int, int] | None = None
     json_path: str | None = None
     junit_path: str | None = None
+    html_path: str | None = None
     arrays_dir: str | None = None
     memory_budget_mib: int = checker.DEFAULT_MEMORY_BUDGET // 2**20
 
@@ -89,7 +90,8 @@ def prepare(options: RunOptions) -> RunPlan:
         shard_info = {"index": o.shard[0], "count": o.shard[1], "of": len(scenarios), "select": list(o.selects),
                       "deselect": list(o.deselects)}
         scenarios = runner.shard(scenarios, *o.shard)
-    report.prepare_outputs({"--json": o.json_path, "--junit": o.junit_path}, {"--save-arrays": o.arrays_dir},
+    report.prepare_outputs({"--json": o.json_path, "--junit": o.junit_path, "--html": o.html_path},
+                           {"--save-arrays": o.arrays_dir},
                            {"--save-arrays": [f"{sc.name}.npz" for sc in scenarios]},
                            inputs=[o.config, *read_files(scenarios)])
     return RunPlan(o, scenarios, shard_info)
@@ -161,7 +163,8 @@ def write_reports(outcome: RunOutcome) -> None:
     which are new) when one cannot be written, ``errors.ReportsInterrupted`` on Ctrl-C meanwhile."""
     o, data = outcome.plan.options, outcome.report
     report.write_reports(o.json_path, data, o.junit_path,
-                         report.junit_xml(data) if o.junit_path else None, o.arrays_dir, outcome.results)
+                         report.junit_xml(data) if o.junit_path else None, o.arrays_dir, outcome.results,
+                         html_path=o.html_path)
 
 
 def run(options: RunOptions, progress: Callable[[int], None] | None = None) -> RunOutcome:

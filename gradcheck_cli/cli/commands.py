@@ -47,6 +47,8 @@ def main() -> None:
 @click.option("--json", "json_path", type=click.Path(path_type=str),
               help="Write the JSON report here (folders are created; written atomically).")
 @click.option("--junit", "junit_path", type=click.Path(path_type=str), help="Write a JUnit XML report here.")
+@click.option("--html", "html_path", type=click.Path(path_type=str),
+              help="Write a self-contained HTML report here (tables, heat maps of where errors are, the controls).")
 @click.option("--save-arrays", "arrays_dir", type=click.Path(path_type=str),
               help="Write <scenario>.npz with inputs, output and gradients into this folder (created if missing).")
 @click.option("--memory-budget", type=click.IntRange(min=1), default=checker.DEFAULT_MEMORY_BUDGET // 2**20,
@@ -54,7 +56,7 @@ def main() -> None:
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Progress bar with ETA on stderr (only when stderr is a terminal).")
 def run(config, faults, break_softmax_term, selects, deselects, negative_controls, engine, jobs, shard, json_path,
-        junit_path, arrays_dir, memory_budget, progress):
+        junit_path, html_path, arrays_dir, memory_budget, progress):
     """Check every scenario of CONFIG (a YAML file; format in the README, 'Scenario files').
 
     Prints a table per scenario as it finishes. Exit 0: every check passed; 1: a check failed, or
@@ -67,7 +69,7 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
     faults = tuple(dict.fromkeys(faults + (("softmax-term",) if break_softmax_term else ())))
     options = api.RunOptions(config, faults, selects=selects, deselects=deselects, negative_controls=negative_controls,
                              engine=engine, jobs=jobs, shard=shard, json_path=json_path, junit_path=junit_path,
-                             arrays_dir=arrays_dir, memory_budget_mib=memory_budget)
+                             html_path=html_path, arrays_dir=arrays_dir, memory_budget_mib=memory_budget)
     try:
         plan = api.prepare(options)
     except GradcheckError as exc:
@@ -118,7 +120,7 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
         terminated = isinstance(exc, Terminated) or getattr(exc, "terminated", False)
         raise click.exceptions.Exit(ExitCode.TERMINATED if terminated else ExitCode.INTERRUPTED) from None
     if interrupted:
-        written = [p for p in (json_path, junit_path) if p] + ([f"{arrays_dir}/"] if arrays_dir else [])
+        written = [p for p in (json_path, junit_path, html_path) if p] + ([f"{arrays_dir}/"] if arrays_dir else [])
         click.echo(f"{'terminated' if outcome.exit_code == ExitCode.TERMINATED else 'interrupted'} after "
                    f"{len(results)} of {len(scenarios)} scenario(s)"
                    + (f"; partial report(s) written: {', '.join(written)}" if written else ""), err=True)
@@ -131,7 +133,9 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
               help="Write the merged JSON report here (written atomically).")
 @click.option("--junit", "junit_path", type=click.Path(path_type=str),
               help="Write a JUnit XML report of the merge here.")
-def merge(reports, json_path, junit_path):
+@click.option("--html", "html_path", type=click.Path(path_type=str),
+              help="Write a self-contained HTML report of the merge here.")
+def merge(reports, json_path, junit_path, html_path):
     """Combine the JSON REPORTS of several runs into one report and one verdict.
 
     Scenarios keep their file order; counts, verdict and negative controls are recomputed. Refused
@@ -159,13 +163,15 @@ def merge(reports, json_path, junit_path):
         except (ValueError, RecursionError) as exc:  # NaN, nesting or integers beyond what a report holds
             raise _fail(f"{path}: not an attn-gradcheck JSON report ({str(exc)[:120] or type(exc).__name__})") from None
     try:
-        report.prepare_outputs({"--json": json_path, "--junit": junit_path}, {}, inputs=list(reports))
+        report.prepare_outputs({"--json": json_path, "--junit": junit_path, "--html": html_path}, {},
+                               inputs=list(reports))
         data = report.merge_reports(loaded)
     except GradcheckError as exc:
         raise _fail(exc) from None
     report.render_merged(_console(), data)
     try:
-        report.write_reports(json_path, data, junit_path, report.junit_xml(data) if junit_path else None)
+        report.write_reports(json_path, data, junit_path, report.junit_xml(data) if junit_path else None,
+                             html_path=html_path)
     except OSError as exc:
         raise _fail(f"cannot write the report: {_unwritten(exc)}") from None
     raise click.exceptions.Exit(ExitCode.of_verdict(data["verdict"]))

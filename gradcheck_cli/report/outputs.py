@@ -287,13 +287,13 @@ def _alive(pid: int) -> bool:
 
 
 def write_reports(json_path=None, json_data: dict | None = None, junit_path=None, junit_data: bytes | None = None,
-                  arrays_dir=None, results: Sequence[ScenarioResult] = ()) -> None:
+                  arrays_dir=None, results: Sequence[ScenarioResult] = (), html_path=None) -> None:
     """All requested reports, atomically; raises OSError when one cannot be written (then none is).
     Each report file is rendered from ``json_data`` by its reporter (REPORTER_BY_NAME), unless its bytes
     are given (``junit_data``)."""
-    given = {"json": None, "junit": junit_data}
+    given = {"json": None, "junit": junit_data, "html": None}
     with StagedWrites() as stage:
-        for name, path in (("json", json_path), ("junit", junit_path)):
+        for name, path in (("json", json_path), ("junit", junit_path), ("html", html_path)):
             if path:
                 data = given[name] if given[name] is not None else REPORTER_BY_NAME[name](json_data)
                 stage.add(path, lambda fh, data=data: fh.write(data))

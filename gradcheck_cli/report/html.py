@@ -1,0 +1,135 @@
+"""A report to look at (``--html PATH``): one self-contained HTML file rendered from a JSON report (``json_report``
+or ``merge_reports``), with no script and nothing fetched from the network. Per scenario: its verdict, the table
+of checks, each failed check's message and diagnosis with the heat map of where the errors are (head x row, as
+an inline SVG), the hints and the command that reproduces it; then the negative-control matrix, coloured."""
+from __future__ import annotations
+
+from html import escape
+
+#: Colours of the heat map's levels: -1 not checked, 0 within tolerance, d >= 1: error 10^(d-1)..10^d x allowed.
+_LEVEL_COLOURS = {-1: "#e8e8e8", 0: "#7bc47f", 1: "#f6e05e", 2: "#f6ad55", 3: "#ed8936", 4: "#e53e3e"}
+_VERDICT = {"pass": "pass", "fail": "FAIL", "inconclusive": "inconclusive", "interrupted": "interrupted"}
+
+_STYLE = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 2em; color: #1a202c; max-width: 1200px; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #cbd5e0; }
+table { border-collapse: collapse; margin: .5em 0; } td, th { padding: .15em .6em; text-align: right; }
+th { border-bottom: 1px solid #a0aec0; } td.name, th.name { text-align: left; }
+.pass { color: #276749; } .fail { color: #c53030; font-weight: bold; } .inconclusive { color: #b7791f; }
+td.detected { background: #c6f6d5; } td.missed { background: #fed7d7; font-weight: bold; }
+td.na { background: #edf2f7; color: #718096; }
+pre { background: #f7fafc; padding: .5em; white-space: pre-wrap; word-break: break-word; }
+.hint { background: #ebf8ff; padding: .4em .6em; border-left: 3px solid #3182ce; margin: .3em 0; }
+figure { margin: .5em 0; } figcaption { color: #4a5568; font-size: .9em; }
+"""
+
+
+def _num(x) -> str:
+    if x is None:
+        return ""
+    if isinstance(x, str):
+        return escape(x)
+    return f"{x:.2e}" if x == x and abs(x) != float("inf") else ("inf" if x == x else "nan")
+
+
+def _heat_svg(heat: dict, tensor: str) -> str:
+    """The heat map of a diagnosis (``heat``: rows, columns, levels) as an inline SVG, one square per cell."""
+    levels = heat.get("levels") or []
+    if not levels:
+        return ""
+    cell = max(6, min(24, 480 // max(1, max(len(r) for r in levels))))
+    width, height = cell * max(len(r) for r in levels), cell * len(levels)
+    rects = []
+    for i, row in enumerate(levels):
+        for j, level in enumerate(row):
+            colour = _LEVEL_COLOURS.get(level, "#9b2c2c" if level and level > 4 else "#e8e8e8")
+            what = ("not checked" if level == -1 else "within tolerance" if level == 0 else
+                    f"error 1e{level - 1} to 1e{level} x allowed")
+            rects.append(f'<rect x="{j * cell}" y="{i * cell}" width="{cell - 1}" height="{cell - 1}" '
+                         f'fill="{colour}"><title>{escape(heat.get("rows", ""))} {i}, '
+                         f'{escape(heat.get("columns", ""))} {j}: {what}</title></rect>')
+    return (f'<figure><svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'role="img" aria-label="heat map of {escape(tensor)}">{"".join(rects)}</svg>'
+            f'<figcaption>where {escape(tensor)} is wrong: {escape(heat.get("rows", ""))} (down) x '
+            f'{escape(heat.get("columns", ""))} (across); green within tolerance, yellow to red 10x to 10^4x '
+            'or more over, grey not checked</figcaption></figure>')
+
+
+def _scenario(s: dict) -> str:
+    verdict = s.get("verdict", "")
+    out = [f'<h2 id="{escape(s["name"], quote=True)}">{escape(s["name"])} '
+           f'<span class="{escape(verdict)}">{escape(_VERDICT.get(verdict, verdict))}</span></h2>',
+           f'<p>op {escape(str(s.get("op", "")))}, engine {escape(str(s.get("engine", "")))}, '
+           f'{escape(str(s.get("dtype", "")))}, mode {escape(str(s.get("mode", "")))}'
+           + (f', faults {escape(", ".join(s.get("faults") or []))}' if s.get("faults") else "")
+           + f', {s.get("elapsed_s", 0):.2f} s</p>',
+           '<table class="checks"><tr><th class="name">check</th><th class="name">tensor</th><th>max abs err</th>'
+           '<th>rel err</th><th>tolerance</th><th>noise floor</th><th>detects</th><th>status</th></tr>']
+    for c in s.get("checks", []):
+        shape = "x".join(map(str, c.get("shape") or []))
+        v = c.get("verdict", "")
+        out.append(f'<tr><td class="name">{escape(c["name"])}</td>'
+                   f'<td class="name">{escape(str(c.get("tensor") or ""))} {shape}</td>'
+                   f'<td>{_num(c.get("max_abs_error"))}</td><td>{_num(c.get("relative_error"))}</td>'
+                   f'<td>{_num(c.get("tolerance"))}</td><td>{_num(c.get("noise_floor"))}</td>'
+                   f'<td>{_num(c.get("detectable"))}</td>'
+                   f'<td class="{escape(v)}">{escape(_VERDICT.get(v, v))}</td></tr>')
+    out.append("</table>")
+    for c in s.get("checks", []):
+        if c.get("verdict") in ("fail", "inconclusive"):
+            out.append(f'<h3 class="{escape(c["verdict"])}">{escape(c["name"])} ({escape(str(c.get("tensor")))})'
+                       f'</h3><pre>{escape(c.get("detail", ""))}</pre>')
+            diagnosis = c.get("diagnosis") or {}
+            if diagnosis.get("heat"):
+                out.append(_heat_svg(diagnosis["heat"], str(c.get("tensor"))))
+            for cls in diagnosis.get("classes", []):
+                out.append(f'<p>{escape(cls["label"])}: {cls["out_of_tolerance"]} of {cls["checked"]} out of '
+                           f'tolerance (max |error| {_num(cls.get("max_abs_error"))})</p>')
+    out += [f'<div class="hint">hint: {escape(h)}</div>' for h in s.get("hints", [])]
+    if s.get("reproduce") and not s.get("passed"):
+        out.append(f'<p>reproduce: <code>{escape(s["reproduce"])}</code></p>')
+    return "\n".join(out)
+
+
+def _controls(nc: dict) -> str:
+    cells = nc.get("cells") or []
+    faults = list(dict.fromkeys(c["fault"] for c in cells))
+    scenarios = list(dict.fromkeys(c["scenario"] for c in cells))
+    by = {(c["scenario"], c["fault"]): c for c in cells}
+    out = ['<h2 id="negative-controls">negative controls (scenario x fault)</h2><table class="controls"><tr>'
+           '<th class="name">scenario</th>' + "".join(f"<th>{escape(f)}</th>" for f in faults) + "</tr>"]
+    for sc in scenarios:
+        row = [f'<td class="name">{escape(sc)}</td>']
+        for f in faults:
+            c = by.get((sc, f))
+            if c is None:
+                row.append("<td></td>")
+                continue
+            cls = {"detected": "detected", "missed": "missed"}.get(c["status"], "na")
+            why = c.get("reason") or ", ".join(c.get("caught_by") or [])
+            row.append(f'<td class="{cls}" title="{escape(why, quote=True)}">{escape(c["status"])}</td>')
+        out.append("<tr>" + "".join(row) + "</tr>")
+    out.append("</table>")
+    return "\n".join(out)
+
+
+def html_report(report: dict) -> bytes:
+    """The HTML report of a JSON report: self-contained (inline CSS and SVG, no script, no link out)."""
+    title = f"attn-gradcheck: {report.get('config', '')}"
+    summary = report.get("summary", {})
+    verdict = report.get("verdict", "")
+    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+             f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body>",
+             f"<h1>{escape(title)}</h1>",
+             f'<p>verdict <span class="{escape(verdict)}">{escape(_VERDICT.get(verdict, verdict))}</span>: '
+             + escape(", ".join(f"{k} {v}" for k, v in summary.items() if isinstance(v, (int, float))))
+             + f'; run_id <code>{escape(str(report.get("run_id", "")))}</code></p>',
+             "<ul>" + "".join(f'<li><a href="#{escape(s["name"], quote=True)}">{escape(s["name"])}</a> '
+                              f'<span class="{escape(s.get("verdict", ""))}">'
+                              f'{escape(_VERDICT.get(s.get("verdict", ""), ""))}</span></li>'
+                              for s in report.get("scenarios", [])) + "</ul>"]
+    parts += [_scenario(s) for s in report.get("scenarios", [])]
+    if report.get("negative_controls"):
+        parts.append(_controls(report["negative_controls"]))
+    parts.append("</body></html>")
+    return ("\n".join(parts) + "\n").encode("utf-8")
