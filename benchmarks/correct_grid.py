@@ -7,7 +7,7 @@ benchmarks/correct_impls.py), runs each through the Python API and counts verdic
     python benchmarks/correct_grid.py --derivatives [...]   # modes jvp and hvp instead (their own categories)
 
 Exit 1 when any scenario FAILs. Without torch the torch categories are skipped. The counts of a full run
-are in the README ("How verdicts, power and precision work").
+are in docs/verdicts.md ("How verdicts, power and precision work").
 """
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ def _level(ratio: float) -> int:
 
 
 def breakdown(tensor: str, ev: Evidence, structure: Structure | None) -> dict:
-    """The JSON-ready diagnosis of one failed gradient check (README "Diagnosis")."""
+    """The JSON-ready diagnosis of one failed gradient check (docs/verdicts.md "Diagnosing a failure")."""
     shape = ev.analytic.shape
     axes = structure.axes if structure else tuple(f"axis {i}" for i in range(len(shape)))
     err, bad, checked = ev.error, ev.bad, ev.checked

@@ -1,7 +1,7 @@
 """How far an implementation may differ from the float64 reference, and what precision it really
 computes in.
 
-One rule for every dtype (README "How verdicts, power and precision work"): element i of a result may
+One rule for every dtype (docs/verdicts.md "How verdicts, power and precision work"): element i of a result may
 differ from the reference by
 
     factor x E_plain + slack + ulps x eps x T_i

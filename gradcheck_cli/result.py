@@ -45,7 +45,7 @@ class Check:
     ``[direction]``), ``fd_error`` the estimated error of the finite differences themselves, and
     ``verdict`` one of pass / fail / inconclusive (the differences too noisy to decide).
     ``detectable`` (gradient and reference checks): the smallest uniform relative error of the tensor
-    the check would have caught (README "How verdicts, power and precision work").
+    the check would have caught (docs/verdicts.md "How verdicts, power and precision work").
     """
     kind: Kind
     name: str
@@ -116,7 +116,7 @@ class ScenarioResult:
     @property
     def detectable(self) -> dict[str, float]:
         """Per tensor, the smallest uniform relative error some passing check of it would have caught
-        (the run's power; README "How verdicts, power and precision work")."""
+        (the run's power; docs/verdicts.md "How verdicts, power and precision work")."""
         out: dict[str, float] = {}
         for c in self.checks:
             if c.detectable is not None and c.tensor and c.verdict == "pass":

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-#: Defaults per compute dtype. float64: the issue's figures. float32: measured (README "Tolerances,
-#: float32 and the noise floor"): with a 3e-3 step correct gradients agree to <= 4e-4 relative on
+#: Defaults per compute dtype. float64: the issue's figures. float32: measured (docs/verdicts.md
+#: "Tolerances, float32 and the noise floor"): with a 3e-3 step correct gradients agree to <= 4e-4 relative on
 #: the shipped shapes and on peaked rows (scale 5), while every registered fault is off by >= 0.58;
 #: a 1e-2 step is 10x worse on peaked rows (truncation), a 1e-3 step 3x worse on the others (rounding).
 DEFAULTS: dict[str, dict[str, float]] = {

@@ -1,7 +1,7 @@
 """Realistic BUGGY attention implementations (NumPy flavour), one bug each, for the tests of the verdict and
 the hints (tests/test_hints.py).
 
-Interface (README "Checking your own implementation"):
+Interface (docs/your-code.md "Checking your own implementation"):
     forward(q, k, v, visible, scale, kv_map) -> o
     backward(q, k, v, visible, scale, kv_map, grad_o) -> (dq, dk, dv)
     q [B, Hq, n_q, d_head], k [B, Hkv, n_k, d_head], v [B, Hkv, n_k, d_value]

@@ -1,5 +1,5 @@
 """Correct attention implementations written natively in another calling convention (the ``convention:``
-keys and ``kv_map: interleaved``, README "Checking your own implementation"), for the tests of those keys
+keys and ``kv_map: interleaved``, docs/your-code.md "Checking your own implementation"), for the tests of those keys
 and of the hints that name them (tests/ops/test_attention_convention.py, tests/ops/test_attention_hints.py).
 
 Each takes its arguments the way its convention says and never reads kv_map (the KV-head layout is

@@ -33,7 +33,7 @@ def attention_loops(q, k, v, visible, scale, kv_map, grad_o):
 
 
 def visible_loops(batch, heads_q, n_q, n_k, causal="none", window=None, key_lengths=None):
-    """The visible set from the rules in the README, one element at a time."""
+    """The visible set from the rules in docs/scenarios.md "Masks", one element at a time."""
     out = np.zeros((batch, heads_q, n_q, n_k), dtype=bool)
     for b in range(batch):
         for h in range(heads_q):

@@ -3,7 +3,8 @@
 agreement with the float64 reference has teeth in every precision: a uniform 0.1% error in a gradient
 is caught in float32 and 1% in float16 (n >= 16), while correct code passes. In bfloat16 a plain
 computation's own dQ/dK are 2.5-3.5% off the reference, and FlashAttention's rule allows twice that:
-5% is caught in dV, 8% in every gradient (README "How verdicts, power and precision work")."""
+5% is caught in dV, 8% in every gradient (docs/verdicts.md
+"How verdicts, power and precision work")."""
 import numpy as np
 import pytest
 

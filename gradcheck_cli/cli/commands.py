@@ -57,7 +57,7 @@ def main() -> None:
               help="Progress bar with ETA on stderr (only when stderr is a terminal).")
 def run(config, faults, break_softmax_term, selects, deselects, negative_controls, engine, jobs, shard, json_path,
         junit_path, html_path, arrays_dir, memory_budget, progress):
-    """Check every scenario of CONFIG (a YAML file; format in the README, 'Scenario files').
+    """Check every scenario of CONFIG (a YAML file; format in docs/scenarios.md, 'Scenario files').
 
     Prints a table per scenario as it finishes. Exit 0: every check passed; 1: a check failed, or
     with --negative-controls an applicable fault went undetected; 2: bad input or usage (nothing runs);

@@ -2,8 +2,8 @@
 whatever it does (raise, return the wrong shape or dtype, return NaN) becomes a failed check with a
 message, never a traceback.
 
-NumPy interface (README "Checking your own implementation"; the torch interface is one callable
-``f(q, k, v, visible, scale, kv_map) -> o`` on torch tensors, differentiated by autograd):
+NumPy interface (docs/your-code.md "Checking your own implementation"; the torch interface is one
+callable ``f(q, k, v, visible, scale, kv_map) -> o`` on torch tensors, differentiated by autograd):
   forward(q, k, v, visible, scale, kv_map) -> o
   backward(q, k, v, visible, scale, kv_map, grad_o) -> (dq, dk, dv)
 with q [B, Hq, n_q, d_head], k [B, Hkv, n_k, d_head], v [B, Hkv, n_k, d_value], visible bool
@@ -78,7 +78,8 @@ def load(spec: str, base_dir: Path, flavour: str = "numpy") -> Any:
     if flavour in ("torch", "jax"):
         if not _safe(callable, obj):
             raise LoadError(f"{spec} must be callable: a {flavour} function of the op's tensors, e.g. f(q, k, v, "
-                            f"visible, scale, kv_map) -> o for attention (see the README: the {flavour} interface)")
+                            f"visible, scale, kv_map) -> o for attention (see docs/your-code.md: the {flavour} "
+                            "interface)")
     else:
         missing = [name for name in ("forward", "backward")
                    if not _safe(callable, _attribute(obj, name, module_name, f"{attr_path}.{name}", missing_ok=True))]
@@ -87,7 +88,7 @@ def load(spec: str, base_dir: Path, flavour: str = "numpy") -> Any:
             raise LoadError(f"{spec} is a {kind} without callable {' and '.join(missing)}: the NumPy interface is an "
                             "object with forward(...) and backward(...) methods (an instance of a class that has "
                             "both, or a module defining both functions), whose arguments 'attn-gradcheck ops' lists "
-                            "(see the README: the NumPy interface)")
+                            "(see docs/your-code.md: the NumPy interface)")
     _LOADED[key] = obj
     return obj
 

@@ -1,6 +1,6 @@
 """The calling convention of a user's attention implementation, and of a layer's mask (projections, block)
-(the ``convention:`` scenario keys, README "Checking your own implementation"): the layout of q, k, v and o,
-how the mask is passed, and whether the scale is. The engines for user code (attention's ``user`` and
+(the ``convention:`` scenario keys, docs/your-code.md "Checking your own implementation"): the layout of q, k, v
+and o, how the mask is passed, and whether the scale is. The engines for user code (attention's ``user`` and
 ``torch_engine``, and ``user_engine`` for a layer's mask) keep the tool's layout and visible
 set throughout and convert only around each call, so everything after the call (checks, reports)
 is in the tool's layout: q [B, Hq, n_q, d], a boolean visible set [B, Hq, n_q, n_k], True = visible.

@@ -39,7 +39,8 @@ def _g(x, spec: str = ".6g") -> str:
 
 
 def diagnosis_lines(c, indent: str = "    ") -> list[str]:
-    """Plain text of a failed gradient check's diagnosis (README "Diagnosis"); [] when it has none."""
+    """Plain text of a failed gradient check's diagnosis (docs/verdicts.md "Diagnosing a failure");
+    [] when it has none."""
     d = c.diagnosis
     if not d:
         return []

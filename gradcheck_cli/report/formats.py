@@ -14,14 +14,14 @@ from ..result import ControlCell, ScenarioResult, controls_verdict
 from . import schema as report_schema
 from .common import diagnosis_lines, failure_message, reproduce_command, summary, verdict
 
-#: Version of the JSON report layout (README "JSON report"). Bumped on any incompatible change.
+#: Version of the JSON report layout (docs/reports.md "JSON report"). Bumped on any incompatible change.
 JSON_SCHEMA_VERSION = report_schema.SCHEMA_VERSION
 
 
 def json_report(config: str, faults: Sequence[str], results: Sequence[ScenarioResult],
                 controls: Sequence[ControlCell] | None = None, *, shard: dict | None = None,
                 interrupted: bool = False, engine: str | None = None) -> dict:
-    """The ``--json`` report (documented in the README; keys are stable within a schema version)."""
+    """The ``--json`` report (documented in docs/reports.md "JSON report"; keys are stable within a schema version)."""
     s = summary(results)
     passed = s["failed"] == 0 and s["inconclusive"] == 0
     out = {

@@ -79,7 +79,7 @@ def engine_for(sc) -> str:
     return sc.engine
 
 
-#: What a user's implementation provides (README "Checking your own implementation").
+#: What a user's implementation provides (docs/your-code.md "Checking your own implementation").
 INTERFACE = Interface(
     flavours=("numpy", "torch", "jax"),
     signature="numpy: an object with forward(q, k, v, visible, scale, kv_map) -> o and backward(q, k, v, visible, "

@@ -1,5 +1,5 @@
-"""A user's NumPy implementation, or JAX function (wrapped by ``ops.jax_flavour``), as an engine (README
-"Checking your own implementation")."""
+"""A user's NumPy implementation, or JAX function (wrapped by ``ops.jax_flavour``), as an engine
+(docs/your-code.md "Checking your own implementation")."""
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -31,7 +31,7 @@ from .rounding import Blocks, output_terms
 
 
 def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None) -> Problem:
-    """The same problem for the user's implementation (README "Checking your own implementation"):
+    """The same problem for the user's implementation (docs/your-code.md "Checking your own implementation"):
     its forward and backward are called through ``implementation.call`` (fresh copies in, copies out;
     misbehaviour is a failed check), perturbed copies are stacked along the batch axis, and the built-in
     engine in float64 is the reference its output and gradients must agree with (``precision``).
@@ -40,8 +40,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     impl = sc.implementation_object
     if sc.mode == "jvp" and sc.backend == "numpy" and not callable(getattr(impl, "jvp", None)):
         raise ScenarioError(f"{sc.implementation} has no callable jvp: mode jvp needs jvp(q, k, v, visible, scale, "
-                            "kv_map, dq, dk, dv) -> do beside forward and backward (README \"JVP of your own "
-                            "code\")", file=sc.file, line=sc.implementation_line or sc.line,
+                            "kv_map, dq, dk, dv) -> do beside forward and backward (docs/jvp-and-hvp.md "
+                            "\"JVP of your own code\")", file=sc.file, line=sc.implementation_line or sc.line,
                             key=f"scenarios[{sc.index}].implementation")
     if sc.backend == "jax":  # one JAX function, differentiated by jax.vjp, compiled once per shape
         from .. import jax_flavour

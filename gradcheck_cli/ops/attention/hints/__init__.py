@@ -1,6 +1,6 @@
 """Diagnosis of attention's failed checks: what the axes of q, k, v mean, which rows the mask touches,
-and the hints that name a likely cause. Each hint fires only on its own evidence (README "Diagnosing a
-failure"; tests/test_hints.py holds a table of distinct bugs, each hint tested to fire on its cause and
+and the hints that name a likely cause. Each hint fires only on its own evidence (docs/verdicts.md
+"Diagnosing a failure"; tests/test_hints.py holds a table of distinct bugs, each hint tested to fire on its cause and
 on no other):
 
 - the implementation computes in a lower precision than its dtype (the reference checks say so);

@@ -86,7 +86,7 @@ def _convention(sc, call: Callable, reference: np.ndarray, output: np.ndarray | 
         mine = getattr(current, key)
         return (f"{what}: called with {setting(key, value)} it agrees with the reference, while the scenario's "
                 f"convention is {key}: {mine} ({MEANING[(key, mine)]}); set {setting(key, value)} in the scenario "
-                "(README \"Checking your own implementation\")")
+                "(docs/your-code.md \"Checking your own implementation\")")
     return None
 
 
