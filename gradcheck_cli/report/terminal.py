@@ -47,10 +47,14 @@ def _narrow_table(console: Console, title: str, headers: Sequence[str], rows: Se
 def _wrapped(text: str, width: int, indent: str) -> list[str]:
     """``text`` wrapped by the tool at word boundaries to ``width`` columns, continuation lines indented by
     ``indent``: a number or a path is never split (a word longer than the line stays whole)."""
+    import re
     import textwrap
     lead = len(text) - len(text.lstrip(" "))
-    return textwrap.wrap(text, width=max(width, 20), subsequent_indent=" " * lead + indent, break_long_words=False,
-                         break_on_hyphens=False, drop_whitespace=True) or [text]
+    # an index such as k[0, 1, 1, 4] is one word: its spaces are held (NUL, which textwrap does not split on)
+    held = re.sub(r"\[[^\[\]]{0,60}\]", lambda m: m.group(0).replace(" ", "\0"), text)
+    lines = textwrap.wrap(held, width=max(width, 20), subsequent_indent=" " * lead + indent, break_long_words=False,
+                          break_on_hyphens=False, drop_whitespace=True) or [held]
+    return [line.replace("\0", " ") for line in lines]
 
 
 def _say(console: Console, text: str | Text, indent: str = "    ") -> None:

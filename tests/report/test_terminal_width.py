@@ -37,6 +37,9 @@ def test_every_line_fits_and_nothing_is_lost_or_split(failing, width):
     assert all(len(line) <= width for line in lines), [line for line in lines if len(line) > width]
     whole = _render(result, sc.describe(), 1000, terminal=False)  # one line per item, as in a log
     assert sorted(NUMBER.findall(text)) == sorted(NUMBER.findall(whole))  # every number, whole
+    # and every element index, e.g. v[1, 1, 3, 2]: never split over two lines
+    assert all(line.count("[") == line.count("]") for line in lines if "|" not in line and "heat map" not in line)
+    assert sorted(re.findall(r"\w\[[\d, ]+\]", text)) == sorted(re.findall(r"\w\[[\d, ]+\]", whole))
     words = {w for w in whole.split() if len(w) > 3 and not set(w) <= set("-━─")}
     assert words <= set(text.split()) | {w for w in words if "|" in w}  # every word (heat-map rows aside)
 
