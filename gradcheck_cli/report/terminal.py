@@ -69,10 +69,11 @@ def _say(console: Console, text: str | Text, indent: str = "    ") -> None:
 
 
 def _table(console: Console, title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
-           right: Sequence[bool], styles: Sequence[Sequence[str | None]] | None = None) -> None:
-    """A rich table on a terminal (two lines per row under NARROW columns); plain aligned columns otherwise (no
-    wrapping, no trailing spaces)."""
-    if console.is_terminal and console.width < NARROW and len(headers) > 3:
+           right: Sequence[bool], styles: Sequence[Sequence[str | None]] | None = None,
+           two_lines: bool = False) -> None:
+    """A rich table on a terminal (with ``two_lines``, two lines per row under NARROW columns: the scenario
+    table); plain aligned columns otherwise (no wrapping, no trailing spaces)."""
+    if two_lines and console.is_terminal and console.width < NARROW:
         _narrow_table(console, title, headers, rows, styles)
         return
     if console.is_terminal:
@@ -113,7 +114,8 @@ def render_scenario(console: Console, r: ScenarioResult, description: str, repro
                      {"pass": "pass", "fail": "FAIL"}.get(c.verdict, c.verdict)])
         styles.append([None] * 7 + [{"pass": "green", "fail": "bold red"}.get(c.verdict, "bold yellow")])
     _table(console, title, ["check", "tensor", "max abs err", "rel err", "tolerance", "noise floor", "detects",
-                            "status"], rows, [False, False, True, True, True, True, True, False], styles)
+                            "status"], rows, [False, False, True, True, True, True, True, False], styles,
+           two_lines=True)
     for c in r.checks:
         if c.kind == "experiment" and c.passed:  # an experiment's numbers are its result: always shown
             _say(console, f"  {c.name}: {c.detail}")
@@ -184,18 +186,28 @@ def render_controls(console: Console, cells: Sequence[ControlCell]) -> None:
     cell = {k: text[c.status] for k, c in look.items()}
     rows = [[name] + [cell.get((fault, name), blank)[0] for fault in faults] for name in scenarios]
     styles = [[None] + [cell.get((fault, name), blank)[1] for fault in faults] for name in scenarios]
-    _table(console, "negative controls (scenario x fault)", ["scenario"] + faults, rows,
-           [False] * (1 + len(faults)), styles)
+    headers = ["scenario"] + faults
+    wide = sum(max([len(h)] + [len(r[i]) for r in rows]) + 2 for i, h in enumerate(headers))
+    if console.is_terminal and wide > console.width:  # too many faults for the width: a line per scenario
+        console.print("negative controls (scenario: faults by outcome)", highlight=False)
+        for name in scenarios:
+            groups = {}
+            for fault in faults:
+                if (fault, name) in look:
+                    groups.setdefault(text[look[(fault, name)].status][0], []).append(fault)
+            _say(console, f"  {name}: " + "; ".join(f"{word} {', '.join(fs)}" for word, fs in groups.items()),
+                 "      ")
+    else:
+        _table(console, "negative controls (scenario x fault)", headers, rows, [False] * (1 + len(faults)), styles)
     reasons = list(dict.fromkeys(c.reason for c in cells if c.status == "not applicable" and c.reason))
     if any(c.status == "not applicable" for c in cells):
-        console.print("  n/a: the fault cannot apply to that scenario: " + ("; ".join(reasons) if reasons else
-                      "it changes neither the output nor any gradient by more than 10x the tolerance")
-                      + " (e.g. scale when scale = 1, gqa-sum without shared KV heads, swap-dk-dv when d_head != "
-                      "d_value)", highlight=False, soft_wrap=not console.is_terminal)
+        _say(console, "  n/a: the fault cannot apply to that scenario: " + ("; ".join(reasons) if reasons else
+             "it changes neither the output nor any gradient by more than 10x the tolerance")
+             + " (e.g. scale when scale = 1, gqa-sum without shared KV heads, swap-dk-dv when d_head != d_value)")
     missed = [c for c in cells if c.status == "missed"]
     for c in missed:
-        console.print(f"  MISSED {c.fault} on {c.scenario}: it changes the result by {_g(c.effect, '.2e')} (relative) "
-                      "but no check failed; the scenario lacks power for it", highlight=False)
+        _say(console, f"  MISSED {c.fault} on {c.scenario}: it changes the result by {_g(c.effect, '.2e')} "
+             "(relative) but no check failed; the scenario lacks power for it")
     outcome, powerless = controls_verdict(cells)
     for name in powerless:
         console.print(f"  INCONCLUSIVE {name}: no fault applies to it, so its negative controls prove nothing",

@@ -94,3 +94,22 @@ def test_a_snapshot_at_80_columns():
     console = Console(width=80, record=True, force_terminal=True, color_system=None)
     render_scenario(console, result, "B=1 Hq=1 Hkv=1 n_q=2 n_k=2 d=2/2 float64 full")
     assert console.export_text() == SNAPSHOT_80 + "\n"
+
+
+@pytest.mark.parametrize("width", [80, 160])
+def test_the_negative_control_matrix_fits_too(width):
+    """Ten faults of a user's implementation: a table at 160 columns, a line per scenario (its faults by
+    outcome) at 80, every fault named either way."""
+    from gradcheck_cli.report import render_controls
+
+    from helpers import with_examples
+    sc = with_examples(implementation="my_attention:attention", batch=2, heads_q=4, heads_kv=2, n_q=6, n_k=9,
+                       d_head=8, mask={"causal": "lower-right", "key_lengths": [9, 7]})
+    cells = checker.negative_controls([sc])
+    assert len({c.fault for c in cells}) >= 8
+    console = Console(width=width, record=True, force_terminal=True, color_system=None)
+    render_controls(console, cells)
+    text = console.export_text()
+    assert all(len(line) <= width for line in text.splitlines()), text
+    assert all(c.fault in text for c in cells)
+    assert ("scenario: faults by outcome" in text) == (width == 80), text
