@@ -189,7 +189,9 @@ def merge(reports, json_path, junit_path, html_path):
               help="Also draw the curves, log-log, into this .png/.pdf/.svg (needs matplotlib: "
                    "pip install 'attn-gradcheck[plot]').")
 @click.option("--json", "json_path", type=click.Path(path_type=str), help="Write the sweep as JSON here.")
-def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_path):
+@click.option("--html", "html_path", type=click.Path(path_type=str),
+              help="Write the sweep as a self-contained HTML page here (a V curve and a table per scenario).")
+def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_path, html_path):
     """Sweep the finite-difference step for every scenario of CONFIG: the relative error of the sampled
     elements at each step, as a table per scenario. The curve is V-shaped: truncation error (~h^2) on
     the large-step side, rounding (~eps/h) on the small one. The step the run uses is marked '<- run',
@@ -202,7 +204,7 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
         scenarios = [sc for sc in select(load(config), selects, deselects) if OPS[sc.op].tensors]
         if not scenarios:
             raise GradcheckError(f"{config}: no selected scenario has gradients to sweep")
-        report.prepare_outputs({"--json": json_path, "--plot": plot_path}, {}, inputs=[config])
+        report.prepare_outputs({"--json": json_path, "--plot": plot_path, "--html": html_path}, {}, inputs=[config])
         if plot_path:
             _require_matplotlib()
             if Path(plot_path).suffix.lower() not in (".png", ".pdf", ".svg"):
@@ -225,10 +227,14 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
         report.render_sweep(out, result, sc.describe())
     try:
         with report.StagedWrites() as stage:
+            document = {"tool": "attn-gradcheck", "config": config, "samples": samples,
+                        "sweeps": [s.to_json() for s in sweeps]}
             if json_path:
-                data = (json.dumps({"tool": "attn-gradcheck", "config": config, "samples": samples,
-                                    "sweeps": [s.to_json() for s in sweeps]}, indent=2) + "\n").encode()
+                data = (json.dumps(document, indent=2) + "\n").encode()
                 stage.add(json_path, lambda fh: fh.write(data))
+            if html_path:
+                page = report.sweeps_html(document)
+                stage.add(html_path, lambda fh: fh.write(page))
             if plot_path:
                 stage.add(plot_path, lambda fh: report.plot_sweeps(sweeps, fh, Path(plot_path).suffix[1:].lower()))
     except OSError as exc:

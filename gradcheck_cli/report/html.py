@@ -133,3 +133,70 @@ def html_report(report: dict) -> bytes:
         parts.append(_controls(report["negative_controls"]))
     parts.append("</body></html>")
     return ("\n".join(parts) + "\n").encode("utf-8")
+
+
+_LINE_COLOURS = ("#2b6cb0", "#c05621", "#2f855a", "#6b46c1", "#b83280", "#2c7a7b", "#744210", "#4a5568")
+
+
+def _sweep_svg(sweep: dict) -> str:
+    """The V curve of one sweep as an inline SVG: log10 relative error against log10 step, a line per tensor, the
+    step the run uses dashed."""
+    import math
+    steps = sweep["steps"]
+    lines = {t: [(math.log10(h), math.log10(e)) for h, e in zip(steps, errs) if e and e > 0 and e == e]
+             for t, errs in sweep["errors"].items()}
+    points = [p for pts in lines.values() for p in pts]
+    if not points:
+        return ""
+    x0, x1 = min(p[0] for p in points), max(p[0] for p in points)
+    y0, y1 = min(p[1] for p in points), max(p[1] for p in points)
+    w, h, pad = 420, 220, 36
+
+    def at(x, y):
+        return (pad + (x1 - x) / ((x1 - x0) or 1) * (w - 2 * pad),  # large steps left, small right, as printed
+                pad / 2 + (y1 - y) / ((y1 - y0) or 1) * (h - 1.5 * pad))
+
+    parts = [f'<rect x="0" y="0" width="{w}" height="{h}" fill="#fff" stroke="#cbd5e0"/>']
+    chosen = sweep.get("chosen")
+    if chosen:
+        cx, _ = at(math.log10(chosen), y0)
+        parts.append(f'<line x1="{cx:.1f}" y1="0" x2="{cx:.1f}" y2="{h - pad}" stroke="#a0aec0" '
+                     f'stroke-dasharray="4 3"><title>the step the run uses: {chosen:g}</title></line>')
+    for n, (tensor, pts) in enumerate(lines.items()):
+        colour = _LINE_COLOURS[n % len(_LINE_COLOURS)]
+        path = " ".join(f"{a:.1f},{b:.1f}" for a, b in (at(x, y) for x, y in pts))
+        parts.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2">'
+                     f'<title>{escape(tensor)}</title></polyline>')
+        parts.append(f'<text x="{w - pad + 4}" y="{14 + 14 * n}" fill="{colour}" font-size="12">'
+                     f'{escape(tensor)}</text>')
+    parts.append(f'<text x="{pad}" y="{h - 8}" font-size="11">step 1e{x1:.0f} (left) to 1e{x0:.0f} (right); '
+                 f'relative error 1e{y0:.0f} to 1e{y1:.0f}, log scales</text>')
+    return (f'<figure><svg xmlns="http://www.w3.org/2000/svg" width="{w + 40}" height="{h}" role="img" '
+            f'aria-label="error against step for {escape(sweep["name"])}">{"".join(parts)}</svg>'
+            '<figcaption>relative error of the sampled elements against the finite-difference step: truncation '
+            '(~h^2) on the left, rounding (~eps/h) on the right; dashed: the step the run uses</figcaption></figure>')
+
+
+def sweeps_html(data: dict) -> bytes:
+    """The HTML of a ``sweep-eps`` run (its JSON: ``sweeps``): per scenario the V curve (inline SVG) and the table
+    of errors by step, the step the run uses and the best one marked."""
+    title = f"attn-gradcheck sweep-eps: {data.get('config', '')}"
+    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+             f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body>", f"<h1>{escape(title)}</h1>"]
+    for s in data.get("sweeps", []):
+        tensors = list(s["errors"])
+        parts.append(f'<h2 id="{escape(s["name"], quote=True)}">{escape(s["name"])} ({escape(s.get("dtype", ""))})'
+                     f'</h2>')
+        parts.append(_sweep_svg(s))
+        rows = ['<table><tr><th>step</th>' + "".join(f"<th>{escape(t)}</th>" for t in tensors) + "<th></th></tr>"]
+        for i, step in enumerate(s["steps"]):
+            cells = []
+            for t in tensors:
+                best = s.get("best", {}).get(t) == step
+                cells.append(f'<td class="{"pass" if best else ""}">{_num(s["errors"][t][i])}{" *" if best else ""}'
+                             "</td>")
+            mark = "&larr; run" if step == s.get("chosen") else ""
+            rows.append(f"<tr><td>{step:g}</td>{''.join(cells)}<td>{mark}</td></tr>")
+        parts.append("".join(rows) + "</table>")
+    parts.append("</body></html>")
+    return ("\n".join(parts) + "\n").encode("utf-8")

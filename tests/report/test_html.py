@@ -75,3 +75,16 @@ def test_merge_writes_the_html_of_the_merged_report(root, tmp_path):
     merged = json.loads(CliRunner().invoke(main, ["merge", *parts, "--json", str(tmp_path / "m.json")]).output
                         and (tmp_path / "m.json").read_text())
     assert sum(1 for t, _ in page.tags if t == "h2") == len(merged["scenarios"])
+
+
+def test_sweep_eps_writes_its_v_curves_as_html(root, tmp_path):
+    html, js = tmp_path / "s.html", tmp_path / "s.json"
+    out = CliRunner().invoke(main, ["sweep-eps", str(root / "configs/quickstart.yaml"), "--select", "causal-self",
+                                    "--steps", "1e-2:1e-10", "--html", str(html), "--json", str(js)])
+    assert out.exit_code == 0, out.output
+    page, data = _parse(html.read_bytes()), json.loads(js.read_text())
+    sweep = data["sweeps"][0]
+    tags = [t for t, _ in page.tags]
+    assert "script" not in tags and tags.count("polyline") == len(sweep["errors"])  # a curve per tensor
+    assert tags.count("tr") == 1 + len(sweep["steps"])  # the header and a row per step
+    assert any("run" in t for t in page.text) and ("h2", {"id": sweep["name"]}) in page.tags
