@@ -80,8 +80,12 @@ class ScenarioErrors(ScenarioError):
         first = self.errors[0]
         super().__init__(first.message, file=first.file, line=first.line, key=first.key, hint=first.hint)
 
-    def __str__(self) -> str:
-        lines = [str(e) for e in self.errors[:self.SHOWN]]
+    def lines(self) -> list[str]:
+        """One line per problem, at most SHOWN, then how many more."""
+        out = [str(e) for e in self.errors[:self.SHOWN]]
         if len(self.errors) > self.SHOWN:
-            lines.append(f"... and {len(self.errors) - self.SHOWN} more problem(s) in {self.file}")
-        return "\n".join(lines)
+            out.append(f"... and {len(self.errors) - self.SHOWN} more problem(s) in {self.file}")
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())

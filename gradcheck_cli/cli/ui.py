@@ -38,13 +38,7 @@ def _console(stderr: bool = False) -> Console:
 def _error(problem: str | BaseException) -> None:
     """One line per problem on stderr (``ScenarioErrors`` holds several: one line each, capped and counted);
     control characters of a path or value are shown escaped, so a problem never spans lines."""
-    if isinstance(problem, ScenarioErrors):
-        lines = [str(e) for e in problem.errors[:problem.SHOWN]]
-        if len(problem.errors) > problem.SHOWN:
-            lines.append(f"... and {len(problem.errors) - problem.SHOWN} more problem(s) in {problem.file}")
-    else:
-        lines = [str(problem)]
-    for line in lines:
+    for line in problem.lines() if isinstance(problem, ScenarioErrors) else [str(problem)]:
         text = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in line)
         click.echo(f"error: {text}", err=True)
 
