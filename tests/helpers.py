@@ -67,3 +67,26 @@ def examples(factor: float) -> int:
     scaling with the profile instead of fixed."""
     from hypothesis import settings
     return max(1, round(factor * settings.default.max_examples))
+
+
+#: The masks the closed-form JVP and HVP tests run on (tests/ops/test_attention_jvp.py, test_attention_hvp.py).
+DERIVATIVE_MASKS = {
+    "none": {},
+    "causal-lower-right": dict(causal="lower-right"),
+    "padding": dict(key_lengths=[10, 6]),
+    "window": dict(window=(2, 1)),
+    "causal+padding": dict(causal="lower-right", key_lengths=[10, 7]),
+}
+
+
+def derivative_case(mask, dtype=np.float64, heads=(4, 2), seed=0):
+    """(q, k, v, visible, scale, kv_map, rng) of a small attention problem (B=2, n_q=5, n_k=10, d=8, d_value=6) with
+    ``mask`` (a DERIVATIVE_MASKS entry); ``rng`` draws what a test needs next (tangents, an upstream gradient)."""
+    from gradcheck_cli import masks
+    rng = np.random.default_rng(seed)
+    b, (hq, hkv), nq, nk, d, dv = 2, heads, 5, 10, 8, 6
+    q, k, v = (rng.standard_normal(s).astype(dtype) for s in
+               ((b, hq, nq, d), (b, hkv, nk, d), (b, hkv, nk, dv)))
+    visible = masks.build_visible(b, hq, nq, nk, causal=mask.get("causal", "none"), window=mask.get("window"),
+                                  key_lengths=mask.get("key_lengths"), explicit=None)
+    return q, k, v, visible, 0.37, np.arange(hq) // (hq // hkv), rng

@@ -4,31 +4,20 @@ and its faults."""
 import numpy as np
 import pytest
 
-from gradcheck_cli import masks
 from gradcheck_cli.ops.attention.formulas import FAULTS, HVP_FAULTS, backward, hvp, hvp_terms
 
-MASKS = {
-    "none": {},
-    "causal-lower-right": dict(causal="lower-right"),
-    "padding": dict(key_lengths=[10, 6]),
-    "window": dict(window=(2, 1)),
-    "causal+padding": dict(causal="lower-right", key_lengths=[10, 7]),
-}
+from helpers import DERIVATIVE_MASKS, derivative_case
+
+MASKS = DERIVATIVE_MASKS
 HEADS = [(4, 2), (3, 3), (4, 1)]
 
 
 def _case(mask, dtype=np.float64, heads=(4, 2), seed=0):
     """(q, k, v, visible, scale, kv_map, grad_o, direction (dq, dk, dv))."""
-    rng = np.random.default_rng(seed)
-    b, (hq, hkv), nq, nk, d, dv = 2, heads, 5, 10, 8, 6
-    q, k, v = (rng.standard_normal(s).astype(dtype) for s in
-               ((b, hq, nq, d), (b, hkv, nk, d), (b, hkv, nk, dv)))
-    visible = masks.build_visible(b, hq, nq, nk, causal=mask.get("causal", "none"), window=mask.get("window"),
-                                  key_lengths=mask.get("key_lengths"), explicit=None)
-    kv_map = np.arange(hq) // (hq // hkv)
-    grad_o = rng.standard_normal((b, hq, nq, dv)).astype(dtype)
+    q, k, v, visible, scale, kv_map, rng = derivative_case(mask, dtype, heads, seed)
+    grad_o = rng.standard_normal(q.shape[:-1] + (v.shape[-1],)).astype(dtype)
     direction = [rng.standard_normal(x.shape).astype(dtype) for x in (q, k, v)]
-    return q, k, v, visible, 0.37, kv_map, grad_o, direction
+    return q, k, v, visible, scale, kv_map, grad_o, direction
 
 
 def _close(mine, theirs, rtol):

@@ -5,34 +5,22 @@ import dataclasses
 import numpy as np
 import pytest
 
-from gradcheck_cli import checker, masks
+from gradcheck_cli import checker
 from gradcheck_cli.errors import ScenarioError
 from gradcheck_cli.ops.attention import JVP_FAULTS, forward, jvp
 
-from helpers import make
+from helpers import DERIVATIVE_MASKS, derivative_case, make
 
-MASKS = {
-    "none": {},
-    "causal-lower-right": dict(causal="lower-right"),
-    "padding": dict(key_lengths=[10, 6]),
-    "window": dict(window=(2, 1)),
-    "causal+padding": dict(causal="lower-right", key_lengths=[10, 7]),
-}
+MASKS = DERIVATIVE_MASKS
 
 # torch.func.jvp of SDPA goes through torch.jit.script, which warns that it is deprecated (torch 2.13)
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 
 
 def _case(mask, dtype=np.float64, heads=(4, 2), seed=0):
-    rng = np.random.default_rng(seed)
-    b, (hq, hkv), nq, nk, d, dv = 2, heads, 5, 10, 8, 6
-    q, k, v = (rng.standard_normal(s).astype(dtype) for s in
-               ((b, hq, nq, d), (b, hkv, nk, d), (b, hkv, nk, dv)))
-    visible = masks.build_visible(b, hq, nq, nk, causal=mask.get("causal", "none"), window=mask.get("window"),
-                                  key_lengths=mask.get("key_lengths"), explicit=None)
-    kv_map = np.arange(hq) // (hq // hkv)
+    q, k, v, visible, scale, kv_map, rng = derivative_case(mask, dtype, heads, seed)
     tangents = [rng.standard_normal(x.shape).astype(dtype) for x in (q, k, v)]
-    return q, k, v, visible, 0.37, kv_map, tangents
+    return q, k, v, visible, scale, kv_map, tangents
 
 
 def _loop_jvp(q, k, v, visible, scale, kv_map, dq, dk, dv):
