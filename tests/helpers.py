@@ -90,3 +90,16 @@ def derivative_case(mask, dtype=np.float64, heads=(4, 2), seed=0):
     visible = masks.build_visible(b, hq, nq, nk, causal=mask.get("causal", "none"), window=mask.get("window"),
                                   key_lengths=mask.get("key_lengths"), explicit=None)
     return q, k, v, visible, 0.37, np.arange(hq) // (hq // hkv), rng
+
+
+#: The source of a plain JAX attention ``attention`` and a ``custom`` one whose rule the test adds: a
+#: ``jax.custom_vjp`` wrapper of it (``custom.defvjp(_f, _b)`` follows), for the JAX flavour's JVP/HVP tests.
+JAX_ATTENTION = """
+import jax, jax.numpy as jnp
+def attention(q, k, v, visible, scale, kv_map):
+    s = scale * q @ jnp.swapaxes(k[:, kv_map], -1, -2)
+    return jax.nn.softmax(jnp.where(visible, s, -jnp.inf), -1) @ v[:, kv_map]
+@jax.custom_vjp
+def custom(q, k, v, visible, scale, kv_map):
+    return attention(q, k, v, visible, scale, kv_map)
+"""

@@ -13,7 +13,7 @@ from gradcheck_cli.cli import main
 from gradcheck_cli.errors import GradcheckError, ScenarioError
 from gradcheck_cli.ops.attention import HVP_FAULTS
 
-from helpers import ROOT, make, with_examples
+from helpers import JAX_ATTENTION, ROOT, make, with_examples
 
 SHAPE = dict(batch=2, heads_q=4, heads_kv=2, n_q=5, n_k=8, d_head=8,
              mask={"causal": "lower-right", "key_lengths": [8, 6]}, check={"mode": "hvp"})
@@ -114,15 +114,7 @@ def test_a_once_differentiable_backward_gets_a_clear_message(tmp_path):
     assert not result.hints  # the row says why; the hint about constants is for a wrong H u, not a refused one
 
 
-JAX = '''
-import jax, jax.numpy as jnp
-def attention(q, k, v, visible, scale, kv_map):
-    s = scale * q @ jnp.swapaxes(k[:, kv_map], -1, -2)
-    return jax.nn.softmax(jnp.where(visible, s, -jnp.inf), -1) @ v[:, kv_map]
-@jax.custom_vjp
-def custom(q, k, v, visible, scale, kv_map):
-    return attention(q, k, v, visible, scale, kv_map)
-def _f(q, k, v, visible, scale, kv_map):
+JAX = JAX_ATTENTION + '''def _f(q, k, v, visible, scale, kv_map):
     return attention(q, k, v, visible, scale, kv_map), (q, k, v, visible, scale, kv_map)
 def _b(res, g):
     q, k, v, visible, scale, kv_map = res

@@ -11,7 +11,7 @@ from gradcheck_cli.cli import main
 from gradcheck_cli.errors import ScenarioError
 from gradcheck_cli.ops.attention import JVP_FAULTS
 
-from helpers import ROOT, make, with_examples
+from helpers import JAX_ATTENTION, ROOT, make, with_examples
 
 SHAPE = dict(batch=2, heads_q=4, heads_kv=2, n_q=5, n_k=8, d_head=8,
              mask={"causal": "lower-right", "key_lengths": [8, 6]}, check={"mode": "jvp"})
@@ -154,15 +154,7 @@ def test_a_tenth_of_a_percent_jvp_bug_in_float32_is_caught_by_the_reference_chec
 
 def test_jax_jvp_passes_and_a_custom_vjp_function_is_reported(tmp_path):
     pytest.importorskip("jax")
-    (tmp_path / "jx.py").write_text('''
-import jax, jax.numpy as jnp
-def attention(q, k, v, visible, scale, kv_map):
-    s = scale * q @ jnp.swapaxes(k[:, kv_map], -1, -2)
-    return jax.nn.softmax(jnp.where(visible, s, -jnp.inf), -1) @ v[:, kv_map]
-@jax.custom_vjp
-def custom(q, k, v, visible, scale, kv_map):
-    return attention(q, k, v, visible, scale, kv_map)
-def _f(q, k, v, visible, scale, kv_map):
+    (tmp_path / "jx.py").write_text(JAX_ATTENTION + '''def _f(q, k, v, visible, scale, kv_map):
     out, pull = jax.vjp(lambda q, k, v: attention(q, k, v, visible, scale, kv_map), q, k, v)
     return out, pull
 def _b(pull, g):
