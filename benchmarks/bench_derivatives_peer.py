@@ -9,10 +9,10 @@ in ``fast_mode=True`` (one random direction, as attn-gradcheck's).
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import yaml
+from bench_full_mode import best_of
 
 from gradcheck_cli import checker, scenario
 
@@ -20,15 +20,6 @@ from gradcheck_cli import checker, scenario
 def attention(q, k, v, visible, scale, kv_map):
     s = scale * q @ k[:, kv_map].transpose(-1, -2)
     return torch.softmax(s.masked_fill(~visible, float("-inf")), -1) @ v[:, kv_map]
-
-
-def best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> None:
@@ -54,19 +45,19 @@ def main() -> None:
     for mode in ("jvp", "hvp"):
         sc = scenario.loads(yaml.safe_dump({"scenarios": [{"name": mode, **shape, "check": {"mode": mode}}]}),
                             base_dir=__import__("pathlib").Path(__file__).parent)[0]
-        ours = best(lambda sc=sc: checker.run_scenario(sc), args.repeat)
+        ours = best_of(args.repeat, lambda sc=sc: checker.run_scenario(sc))
         if mode == "jvp":
-            fast = best(lambda: torch.autograd.gradcheck(fn, (q, k, v), check_forward_ad=True, check_backward_ad=False,
-                                                         fast_mode=True), args.repeat)
+            fast = best_of(args.repeat, lambda: torch.autograd.gradcheck(fn, (q, k, v), check_forward_ad=True,
+                                                                         check_backward_ad=False, fast_mode=True))
         else:
-            fast = best(lambda: torch.autograd.gradgradcheck(fn, (q, k, v), fast_mode=True), args.repeat)
+            fast = best_of(args.repeat, lambda: torch.autograd.gradgradcheck(fn, (q, k, v), fast_mode=True))
         line = f"mode {mode}: attn-gradcheck {ours:.2f} s; torch fast_mode {fast:.2f} s ({fast / ours:.1f}x ours)"
         if args.exact:
             if mode == "jvp":
-                exact = best(lambda: torch.autograd.gradcheck(fn, (q, k, v), check_forward_ad=True,
-                                                              check_backward_ad=False), 1)
+                exact = best_of(1, lambda: torch.autograd.gradcheck(fn, (q, k, v), check_forward_ad=True,
+                                                                    check_backward_ad=False))
             else:
-                exact = best(lambda: torch.autograd.gradgradcheck(fn, (q, k, v)), 1)
+                exact = best_of(1, lambda: torch.autograd.gradgradcheck(fn, (q, k, v)))
             line += f"; torch exact {exact:.1f} s ({exact / ours:.0f}x ours)"
         print(line, flush=True)
 
