@@ -132,7 +132,7 @@ def categories(with_torch: bool) -> list[tuple[str, float]]:
 
 def derivative_categories(with_torch: bool) -> list[tuple[str, float]]:
     """``--derivatives``: modes jvp and hvp, on every engine and flavour that computes them."""
-    cats = [("jvp/naive", 0.2), ("jvp/tiled", 0.2), ("jvp/impl/numpy-einsum", 0.1), ("hvp/naive", 0.2)]
+    cats = [("jvp/naive", 0.2), ("jvp/tiled", 0.2), ("jvp/impl/numpy-example", 0.1), ("hvp/naive", 0.2)]
     if with_torch:
         cats += [("jvp/impl/torch-plain", 0.1), ("jvp/impl/torch-jvp-function", 0.1), ("hvp/impl/torch-plain", 0.1),
                  ("hvp/impl/torch-jvp-function", 0.1)]
@@ -147,7 +147,7 @@ def draw_derivative(rng, category: str) -> dict:
     if rest == "tiled":
         sc.update(engine="tiled", block_q=int(rng.choice([1, 4, 8, 64])), block_k=int(rng.choice([1, 3, 8, 64])))
     if rest.startswith("impl/"):
-        sc["implementation"] = {"numpy-einsum": "correct_impls:einsum", "torch-plain": "correct_impls:torch_plain",
+        sc["implementation"] = {"numpy-example": "correct_impls:numpy_jvp", "torch-plain": "correct_impls:torch_plain",
                                 "torch-jvp-function": "correct_impls:torch_jvp_function"}[rest[5:]]
         if "torch" in rest:
             sc["backend"] = "torch"

@@ -13,7 +13,7 @@ Torch flavour (one callable each, gradients by autograd):
   torch_sdpa      torch.nn.functional.scaled_dot_product_attention with the boolean mask
   torch_softmax32 softmax in float32 and cast back (transformers' eager attention does this)
   torch_jvp_function  examples/torch_jvp.py's autograd.Function with backward and jvp (modes jvp and hvp)
-Einsum also has ``jvp`` (mode jvp of the NumPy flavour).
+  numpy_jvp       examples/my_attention.py's object, whose ``jvp`` the NumPy flavour's mode jvp checks
 """
 from __future__ import annotations
 
@@ -45,14 +45,6 @@ class Einsum:
         np.add.at(dv, (slice(None), kv_map), dv_rep)
         return dq, dk, dv
 
-    @staticmethod
-    def jvp(q, k, v, visible, scale, kv_map, dq, dk, dv):
-        k_rep, v_rep = k[:, kv_map], v[:, kv_map]
-        p = _probabilities(q, k_rep, visible, scale)
-        ds = scale * (np.einsum("bhid,bhjd->bhij", dq, k_rep) + np.einsum("bhid,bhjd->bhij", q, dk[:, kv_map]))
-        ds = np.where(visible, ds, 0.0)
-        ds = ds - np.sum(p * ds, axis=-1, keepdims=True)
-        return np.einsum("bhij,bhjd->bhid", p * ds, v_rep) + np.einsum("bhij,bhjd->bhid", p, dv[:, kv_map])
 
 
 class Flash:
@@ -137,6 +129,9 @@ def _example(file: str, name: str):
 def torch_custom(q, k, v, visible, scale, kv_map):
     globals()["torch_custom"] = _example("torch_attention.py", "attention")
     return torch_custom(q, k, v, visible, scale, kv_map)
+
+
+numpy_jvp = _example("my_attention.py", "attention")  # NumPy only: imported with this module
 
 
 def torch_jvp_function(q, k, v, visible, scale, kv_map):
