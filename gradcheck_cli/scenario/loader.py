@@ -60,12 +60,14 @@ def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".
     out = []
     held = 0  # bytes of the masks the scenarios loaded so far hold (a sweep of cases that each fit may not)
     problems: list[ScenarioError] = []  # the first problem of each scenario: all of them are reported at once
+    reported: set[str] = set()
     for i, item in enumerate(items):
         try:
             held = _load_item(doc, defaults, item, i, base_dir, limit, seen, out, held)
         except ScenarioError as exc:
             for problem in exc.errors if isinstance(exc, ScenarioErrors) else [exc]:
-                if str(problem) not in {str(p) for p in problems}:  # a bad key of defaults: once, not per scenario
+                if str(problem) not in reported:  # a bad key of defaults: once, not once per scenario
+                    reported.add(str(problem))
                     problems.append(problem)
             if "more than half of the" in exc.message:  # the masks held so far: every later scenario would say so
                 break
