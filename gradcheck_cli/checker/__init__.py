@@ -190,19 +190,13 @@ def _diagnose(sc: Scenario, problem, checks: list[Check], evidence: dict) -> tup
         out.append(c)
     found = {name: ev for name, ev in evidence.items() if ev is not None}
     hints = list(problem.hints(found, out)) if problem.hints else []
-    failed_paths = [c.name[4:] for c in out if c.name in ("jvp q", "jvp k", "jvp v") and c.verdict == "fail"]
     tangents = problem.tangents if sc.mode == "jvp" else None
-    explained = []
     if tangents is not None and tangents.explain and any(c.name.startswith("jvp") and c.verdict == "fail" for c in out):
-        explained = tangents.explain()
-        hints.extend(explained)
+        hints.extend(tangents.explain(out))
     second = problem.second if sc.mode == "hvp" else None
     if second is not None and second.explain and any(c.name in ("hvp q", "hvp k", "hvp v") and c.verdict == "fail"
                                                      for c in out):
         hints.extend(second.explain(out))
-    if failed_paths and len(failed_paths) < 3 and not explained:  # the mistake named says more than the path
-        hints.append(f"the JVP is wrong along the tangent of {' and '.join(failed_paths)} only: look at that path of "
-                     "the forward-mode derivative (e.g. dS = scale (dQ K^T + Q dK^T), mu = sum_j A_ij dS_ij)")
     if sc.mode == "directional" and any(c.kind == "gradient" and c.verdict == "fail" for c in out):
         hints.append("directional mode cannot say which element is wrong: rerun with check: {mode: sample} "
                      "or {mode: full} to see where")

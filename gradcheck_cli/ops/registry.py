@@ -36,7 +36,8 @@ class Tangents:
       has tangent 0). jvp_terms(tangents): per output element, the size of the terms the analytic tangent is
       made of (its rounding). output_terms: per output element, the size of the terms of one forward (the
       rounding of the differences). upstream: the G of L = sum(O * G), paired with ``Problem.gradients`` in
-      the adjoint identity. explain(): hints naming the mistake a failed JVP matches (None: the op has none).
+      the adjoint identity. explain(checks): hints for a failed JVP, given every check of the run (None: the op
+      has none).
       agreement(tangent, o_dot): a reference check of the JVP ``o_dot`` along ``tangent`` (an implementation's,
       against the float64 closed form; None: no such check).
     """
@@ -45,7 +46,7 @@ class Tangents:
     jvp_terms: Callable[[dict], np.ndarray]
     output_terms: np.ndarray
     upstream: np.ndarray
-    explain: Callable[[], list[str]] | None = None
+    explain: Callable[[list], list[str]] | None = None
     agreement: Callable[[dict, np.ndarray], Any] | None = None
 
 

@@ -69,32 +69,41 @@ def _variants(q, k, v, visible, scale, kv_map, dq, dk, dv) -> dict[str, np.ndarr
 
 
 def jvp_hints(jvp: Callable[[dict], np.ndarray], inputs: dict, visible, scale, kv_map,
-              seed) -> Callable[[], list[str]]:
-    """``explain()`` for ``registry.Tangents``: the hint naming the mistake the JVP ``jvp`` (tangents by input
-    name, in the inputs' dtype -> dO) matches, if any."""
-    def explain() -> list[str]:
+              seed) -> Callable[[list], list[str]]:
+    """``explain(checks)`` for ``registry.Tangents``: the hint naming the mistake the JVP ``jvp`` (tangents by input
+    name, in the inputs' dtype -> dO) matches; failing that, when only some of the per-input directions failed,
+    the hint naming those paths."""
+    def mistake() -> str | None:
         if np.size(visible) > LARGEST:
-            return []
+            return None
         rng = np.random.default_rng(seed)
         tangent = {n: rng.standard_normal(x.shape).astype(x.dtype) for n, x in inputs.items()}
         try:
             got = np.asarray(jvp(tangent), dtype=np.float64)
         except ImplementationFailure:
-            return []
+            return None
         f64 = {n: x.astype(np.float64) for n, x in {**inputs, **{f"d{n}": t for n, t in tangent.items()}}.items()}
         found = _variants(f64["q"], f64["k"], f64["v"], visible, scale, np.asarray(kv_map), f64["dq"], f64["dk"],
                           f64["dv"])
         right = found.pop("")
         off = float(np.abs(got - right).max(initial=0.0))
         if not np.isfinite(off) or off == 0.0:
-            return []
+            return None
         distance = {name: float(np.abs(got - x).max(initial=0.0)) for name, x in found.items()
                     if np.abs(x - right).max(initial=0.0) > 0}
-        if not distance:
-            return []
-        best = min(distance, key=distance.get)
-        if distance[best] * MATCH_FACTOR > off:
-            return []
-        return [f"the JVP matches the closed form with this mistake: {best} (off by {distance[best]:.2g} from it, "
-                f"{off:.2g} from the correct one); the correct one is {FIX}"]
+        best = min(distance, key=distance.get) if distance else None
+        if best is None or distance[best] * MATCH_FACTOR > off:
+            return None
+        return (f"the JVP matches the closed form with this mistake: {best} (off by {distance[best]:.2g} from it, "
+                f"{off:.2g} from the correct one); the correct one is {FIX}")
+
+    def explain(checks: list) -> list[str]:
+        named = mistake()
+        if named:
+            return [named]
+        paths = [c.name[4:] for c in checks if c.name in ("jvp q", "jvp k", "jvp v") and c.verdict == "fail"]
+        if paths and len(paths) < 3:
+            return [f"the JVP is wrong along the tangent of {' and '.join(paths)} only: look at that path of the "
+                    "forward-mode derivative (e.g. dS = scale (dQ K^T + Q dK^T), mu = sum_j A_ij dS_ij)"]
+        return []
     return explain
