@@ -131,7 +131,12 @@ def torch_custom(q, k, v, visible, scale, kv_map):
     return torch_custom(q, k, v, visible, scale, kv_map)
 
 
-numpy_jvp = _example("my_attention.py", "attention")  # NumPy only: imported with this module
+def __getattr__(name: str):
+    """``numpy_jvp``: examples/my_attention.py's object, imported when first asked for (this module is also copied
+    elsewhere without the examples)."""
+    if name == "numpy_jvp":
+        return _example("my_attention.py", "attention")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def torch_jvp_function(q, k, v, visible, scale, kv_map):
