@@ -99,7 +99,10 @@ def test_coloured_differences_match_the_known_gradient():
     part_of = np.repeat(np.arange(4)[:, None], 5, axis=1)  # each row is a block
     got = numeric.coloured(blockwise_cubic(c, part_of, 4), x, part_of, 1e-6, numeric.Chunking(2, 2))
     np.testing.assert_allclose(got, (3 * c * x**2).ravel(), rtol=1e-8, atol=1e-9)
-    assert numeric.leakage(blockwise_cubic(c, part_of, 4), x, part_of, rng)[0] == 0.0
+    # independent blocks: what an unmoved block's part changes by is rounding only (a batched matmul may sum in
+    # another order than the same product alone, by a few ulps of the parts)
+    change, scale, _ = numeric.leakage(blockwise_cubic(c, part_of, 4), x, part_of, rng)
+    assert change <= 64 * np.finfo(float).eps * scale
 
 
 def test_leakage_sees_a_dependence_between_blocks():
