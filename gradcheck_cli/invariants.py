@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .result import Check, Kind
+from .result import Check, Kind, Verdict
+
+
+def not_applicable(name: str, tensor: str, why: str) -> Check:
+    """An invariant this code cannot have checked (``why``: e.g. a setting it needs is fixed inside a module):
+    neither a pass nor a fail, counted apart (verdict ``not applicable``)."""
+    return Check(kind=Kind.INVARIANT, name=name, tensor=tensor, shape=None, max_abs_error=0.0, relative_error=0.0,
+                 tolerance=0.0, noise_floor=0.0, worst_index=None, passed=True, verdict=Verdict.NOT_APPLICABLE,
+                 detail=f"not applicable here: {why}")
 
 
 def bounded(name: str, tensor: str, values: np.ndarray, bound: float, detail: str,

@@ -4,28 +4,47 @@ computes in.
 One rule for every dtype (docs/verdicts.md "How verdicts, power and precision work"): element i of a result may
 differ from the reference by
 
-    factor x E_plain + slack + ulps x eps x T_i
+    factor x E_plain + slack + ulps x eps x T_i     (in half precision the last at most PLAIN_SHARE x E_plain)
 
-where E_plain is the largest error of a plain computation in the same precision on the same inputs
-(FlashAttention's test policy), T_i the size of the terms element i is made of (so that rounding is
-judged against what it comes from, never against a result that cancels to nearly nothing), and eps the
-dtype's machine epsilon. The second term keeps small tensors, whose plain error is the maximum of a
-handful of elements, from false alarms; the first keeps the rule honest on large ones. In float64 the
-plain computation is the reference itself (E_plain = 0).
+where E_plain is the largest error of the plain computations in the same precision on the same inputs
+(FlashAttention's test policy, over a few plain ways of computing attention so that no one of them is
+lucky; at least half an ulp of the tensor's largest element), T_i the size of the terms element i is made
+of (so that rounding is judged against what it comes from, never against a result that cancels to nearly
+nothing), and eps the dtype's machine epsilon. The terms' share keeps small tensors, whose plain error is
+the maximum of a handful of elements, from false alarms; in half precision, where nothing else checks the
+gradients, it is capped so that the whole allowance stays within (factor + PLAIN_SHARE) x E_plain + slack;
+the first term keeps the rule honest on large tensors. In float64 the plain computation is the reference
+itself: no E_plain (ulps x eps x T_i alone).
 
 An implementation that computes internally in a lower precision than its dtype (float32 inside a
 float64 scenario) is recognised by its forward: its error fits the float32 rule but not the float64
-one, and is the size of float32 rounding (LOWER_MIN_ULPS or more), not far below it. It gets a verdict of
-its own, inconclusive, instead of failing on rounding.
+one, is the size of float32 rounding (LOWER_MIN_ULPS or more), not far below it, and is irregular, as
+rounding is: moved a little along a random direction, the inputs give a fresh draw of it (``nearby``).
+It gets a verdict of its own, inconclusive, instead of failing on rounding. A difference as small but
+smooth in the inputs (a changed formula such as x / (rms + eps), or constants made in float32) is no
+precision: it is judged by the rule of the dtype, and fails.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import verdict
-from .tolerance import AGREEMENT_ULPS, DEFAULT_FACTOR, DEFAULT_SLACK, LOWER_MIN_ULPS, LOWER_PRECISION, machine_epsilon
+from .tolerance import (
+    AGREEMENT_ULPS,
+    DEFAULT_FACTOR,
+    DEFAULT_SLACK,
+    LOWER_MIN_ULPS,
+    LOWER_PRECISION,
+    NEARBY_STEP,
+    PLAIN_FLOOR_ULPS,
+    PLAIN_SHARE,
+    SMOOTH_LIMIT,
+    machine_epsilon,
+)
 
 
 @dataclass(frozen=True)
@@ -35,23 +54,41 @@ class Policy:
     factor: float
     slack: float
     ulps: float
+    share: float | None = None  # the terms' share at most this x E_plain (None: not capped)
 
     @classmethod
     def for_dtype(cls, dtype: str, factor: float = DEFAULT_FACTOR, slack: float | None = None) -> Policy:
-        return cls(dtype, factor, DEFAULT_SLACK[dtype] if slack is None else slack, AGREEMENT_ULPS[dtype])
+        return cls(dtype, factor, DEFAULT_SLACK[dtype] if slack is None else slack, AGREEMENT_ULPS[dtype],
+                   PLAIN_SHARE.get(dtype))
 
     @property
     def eps(self) -> float:
         return machine_epsilon(self.dtype)
 
-    def allowed(self, plain_error: float, terms: np.ndarray) -> np.ndarray:
-        """Per element: factor x E_plain + slack + ulps x eps x T_i."""
-        return self.factor * plain_error + self.slack + self.ulps * self.eps * np.asarray(terms, dtype=np.float64)
+    def allowed(self, plain_error: float | None, terms: np.ndarray) -> np.ndarray:
+        """Per element: factor x E_plain + slack + ulps x eps x T_i, the last at most ``share`` x E_plain where
+        the policy caps it (half precision); ``plain_error`` None: no plain computation sets the rule."""
+        terms_share = self.ulps * self.eps * np.asarray(terms, dtype=np.float64)
+        if plain_error is None:
+            return self.slack + terms_share
+        if self.share is not None:
+            terms_share = np.minimum(terms_share, self.share * plain_error)
+        return self.factor * plain_error + self.slack + terms_share
+
+    def plain_floor(self, reference: np.ndarray) -> float:
+        """The least E_plain counts as: PLAIN_FLOOR_ULPS ulps of the dtype of the largest reference element."""
+        return PLAIN_FLOOR_ULPS * self.eps * float(np.abs(reference).max(initial=0.0))
 
     def describe(self, plain_error: float | None) -> str:
-        plain = f"{self.factor:g} x plain {self.dtype} error ({plain_error:.2g}) + " if plain_error else ""
         slack = f"{self.slack:g} + " if self.slack else ""
-        return f"allowed {plain}{slack}{self.ulps:g} ulps of {self.dtype} of each element's terms"
+        if not plain_error:
+            return f"allowed {slack}{self.ulps:g} ulps of {self.dtype} of each element's terms"
+        if self.share is None:
+            return (f"allowed {self.factor:g} x plain {self.dtype} error ({plain_error:.2g}) + {slack}{self.ulps:g} "
+                    f"ulps of {self.dtype} of each element's terms")
+        return (f"allowed {self.factor:g} x plain {self.dtype} error ({plain_error:.2g}) + {slack}{self.ulps:g} ulps "
+                f"of {self.dtype} of each element's terms, those at most {self.share:g} x the plain error (in all at "
+                f"most {self.factor + self.share:g} x plain + {self.slack:g})")
 
 
 def detectable(got: np.ndarray, reference: np.ndarray, allowed: np.ndarray) -> float:
@@ -77,7 +114,7 @@ def effective_ulps(diff: np.ndarray, terms: np.ndarray, dtype: str) -> float:
     return float(ratio.max(initial=0.0))
 
 
-def lower_precision(dtype: str, diff: np.ndarray, terms: np.ndarray, plain_error: float = 0.0) -> str | None:
+def lower_precision(dtype: str, diff: np.ndarray, terms: np.ndarray, plain_error: float | None = None) -> str | None:
     """The lower precision an implementation's result looks computed in, when its difference from the
     reference (``diff``) is too large for ``dtype`` but fits that precision's rule; else None."""
     for lower in LOWER_PRECISION.get(dtype, ()):
@@ -88,12 +125,15 @@ def lower_precision(dtype: str, diff: np.ndarray, terms: np.ndarray, plain_error
 
 
 def agreement(name: str, tensor: str, mine: np.ndarray, reference: np.ndarray, terms: np.ndarray, policy: Policy,
-              plain_error: float = 0.0, what: str = "implementation"):
+              plain_error: float | None = None, what: str = "implementation"):
     """A ``reference`` check: ``mine`` against the float64 ``reference`` under ``policy`` (per element
-    ``policy.allowed(plain_error, terms)``). ``tolerance`` holds the allowed difference at the element
-    closest to failing; ``detectable`` the smallest uniform relative error the check would catch."""
+    ``policy.allowed(plain_error, terms)``; ``plain_error`` None: no plain computation sets the rule, as in
+    float64). ``tolerance`` holds the allowed difference at the element closest to failing; ``detectable``
+    the smallest uniform relative error the check would catch."""
     from .result import Check, Kind
     mine64 = np.asarray(mine, dtype=np.float64)
+    if plain_error is not None and policy.dtype != "float64":
+        plain_error = max(plain_error, policy.plain_floor(reference))
     diff = np.abs(mine64 - reference)
     allowed = np.broadcast_to(policy.allowed(plain_error, terms), diff.shape)
     scale = max(float(np.abs(reference).max(initial=0.0)), float(np.abs(mine64).max(initial=0.0)))
@@ -125,24 +165,66 @@ def agreement(name: str, tensor: str, mine: np.ndarray, reference: np.ndarray, t
                  noise_floor=0.0, worst_index=index, passed=passed, detail=detail, detectable=detect)
 
 
+def nearby(inputs: dict[str, np.ndarray], forward: Callable[[dict], np.ndarray | None],
+           reference: Callable[[dict], np.ndarray], seed) -> Callable[[float], np.ndarray | None]:
+    """``difference(t)``: the output of ``forward`` minus that of the float64 ``reference`` with every floating
+    input moved by t x NEARBY_STEP of its root mean square along one random direction (drawn once, from
+    ``seed``); both take the moved inputs (a dict) and return the output. ``forward`` returns None where the
+    code fails; so does ``difference``."""
+    rng = np.random.default_rng(seed)
+    floating = {t: x for t, x in inputs.items() if np.asarray(x).dtype.kind == "f"}
+    step = {t: NEARBY_STEP * float(np.sqrt(np.mean(np.square(x, dtype=np.float64)))) * rng.standard_normal(x.shape)
+            for t, x in floating.items()}
+
+    def difference(t: float) -> np.ndarray | None:
+        moved = {**inputs, **{n: (x + t * step[n]).astype(x.dtype) for n, x in floating.items()}}
+        out = forward(moved)
+        if out is None:
+            return None
+        return np.asarray(out, dtype=np.float64) - np.asarray(reference(moved), dtype=np.float64)
+    return difference
+
+
+def irregularity(difference: np.ndarray, nearby_difference: Callable[[float], np.ndarray | None]) -> float | None:
+    """How irregular an implementation's ``difference`` from the reference is along a random direction: the
+    root mean square of its second difference over the inputs moved by -1, 0, +1 steps (``nearby``), over
+    sqrt(6) times that of the difference. About 1 for rounding (three independent draws), near 0 for a
+    smooth, systematic difference. None where the moved inputs could not be evaluated."""
+    d0 = np.asarray(difference, dtype=np.float64)
+    size = float(np.sqrt(np.mean(d0 * d0))) if d0.size else 0.0
+    if size == 0.0 or not np.isfinite(size):
+        return None
+    plus, minus = nearby_difference(1.0), nearby_difference(-1.0)
+    if plus is None or minus is None or plus.shape != d0.shape or minus.shape != d0.shape:
+        return None
+    second = plus + minus - 2 * d0
+    return float(np.sqrt(np.mean(second * second)) / (np.sqrt(6.0) * size))
+
+
 def judge(results: dict[str, np.ndarray], reference: dict[str, np.ndarray], terms: dict[str, np.ndarray],
           dtype: str, plain, names: dict[str, str], factor: float = DEFAULT_FACTOR, slack: float | None = None,
-          what: str = "implementation") -> tuple[list, str]:
+          what: str = "implementation",
+          nearby_difference: Callable[[float], np.ndarray | None] | None = None) -> tuple[list, str]:
     """``reference`` checks of each result (``o`` first, then ``q``, ...) under the rule of ``dtype``;
-    ``plain(dtype)`` gives a plain computation's results in that precision (called only for dtypes other
-    than float64). The forward decides the precision the implementation computes in: when ``o`` is out
+    ``plain(dtype)`` gives a plain computation's results in that precision, or a list of several plain
+    computations' (E_plain is the largest error of any; called only for dtypes other than float64). The
+    forward decides the precision the implementation computes in: when ``o`` is out
     of the rule of ``dtype`` but fits that of a lower precision (LOWER_PRECISION), it "computes in about
     float32", and every result is judged by that rule: within it is inconclusive (run it with that
-    dtype), beyond it a FAIL. Returns (checks, the precision it computes in)."""
-    import dataclasses
-    plains: dict[str, dict] = {}
+    dtype), beyond it a FAIL. Unless that difference is smooth in the inputs (``nearby_difference``: the
+    forward's difference from the reference at nearby inputs, ``nearby``; ``irregularity`` below
+    SMOOTH_LIMIT): then it is no rounding but another function, judged by the rule of ``dtype``. Returns
+    (checks, the precision it computes in)."""
+    plains: dict[str, list[dict]] = {}
 
-    def plain_error(precision: str, t: str) -> float:
+    def plain_error(precision: str, t: str) -> float | None:
         if precision == "float64":
-            return 0.0
+            return None
         if precision not in plains:
-            plains[precision] = plain(precision)
-        return float(np.abs(np.asarray(plains[precision][t], dtype=np.float64) - reference[t]).max(initial=0.0))
+            computed = plain(precision)
+            plains[precision] = [computed] if isinstance(computed, dict) else list(computed)
+        return max(float(np.abs(np.asarray(p[t], dtype=np.float64) - reference[t]).max(initial=0.0))
+                   for p in plains[precision])
 
     def check(t: str, precision: str):
         policy = Policy.for_dtype(precision, factor, slack if precision == dtype else None)
@@ -151,9 +233,14 @@ def judge(results: dict[str, np.ndarray], reference: dict[str, np.ndarray], term
     computes_in = dtype
     first = check("o", dtype) if "o" in results else None
     if first is not None and not first.passed and np.isfinite(first.max_abs_error):
-        diff = np.abs(np.asarray(results["o"], dtype=np.float64) - reference["o"])
+        signed = np.asarray(results["o"], dtype=np.float64) - reference["o"]
+        diff = np.abs(signed)
         for lower in LOWER_PRECISION.get(dtype, ()):
             if check("o", lower).passed and effective_ulps(diff, terms["o"], lower) >= LOWER_MIN_ULPS:
+                smooth = None if nearby_difference is None else irregularity(signed, nearby_difference)
+                if smooth is not None and smooth < SMOOTH_LIMIT:
+                    first = dataclasses.replace(first, detail=_systematic(first, reference["o"], smooth, lower))
+                    break
                 computes_in = lower
                 break
     checks = []
@@ -174,3 +261,14 @@ def judge(results: dict[str, np.ndarray], reference: dict[str, np.ndarray], term
                                                       f"computes in: " + lower.detail)
         checks.append(c)
     return checks, computes_in
+
+
+def _systematic(check, reference: np.ndarray, smooth: float, lower: str) -> str:
+    """The detail of a forward whose difference from the reference is small enough for ``lower``'s rounding
+    but smooth in the inputs (``irregularity`` ``smooth``)."""
+    size = float(np.abs(reference).max(initial=0.0))
+    relative = f" ({check.max_abs_error / size:.2g} of the reference's largest element)" if size > 0 else ""
+    return (f"a systematic difference of up to {check.max_abs_error:.3g}{relative}, not {lower} rounding: it is "
+            f"smooth in the inputs (moved a little along a random direction, its second difference is {smooth:.2g} "
+            f"of it; rounding's is about 1), so the code computes another function: a changed formula, or "
+            f"constants (an eps, a scale, frequencies) made in {lower}; " + check.detail)

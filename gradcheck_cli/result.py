@@ -19,10 +19,12 @@ class Verdict(_Word):
     PASS = "pass"
     FAIL = "fail"
     INCONCLUSIVE = "inconclusive"  # the evidence cannot decide (e.g. differences too noisy)
+    NOT_APPLICABLE = "not applicable"  # a check this code cannot have (a setting fixed inside it); counts as neither
 
     @classmethod
     def combine(cls, verdicts: Iterable[str]) -> Verdict:
-        """fail if any is; else inconclusive if any is; else pass (also for none)."""
+        """fail if any is; else inconclusive if any is; else pass (also for none, and for checks that are not
+        applicable: they neither pass nor fail, and are counted apart)."""
         seen = set(verdicts)
         return cls.FAIL if cls.FAIL in seen else cls.INCONCLUSIVE if cls.INCONCLUSIVE in seen else cls.PASS
 

@@ -41,6 +41,20 @@ ENGINE_AGREEMENT_ULPS = 256
 DEFAULT_FACTOR = 2.0
 #: The absolute slack of that rule (FlashAttention's test-suite figure in half precision).
 DEFAULT_SLACK: dict[str, float] = {"float64": 0.0, "float32": 0.0, "float16": 1e-5, "bfloat16": 1e-5}
+#: In half precision, where the agreement with the reference is the only check of the gradients, the terms'
+#: share of an element's allowance (ulps x eps x T_i) is at most this multiple of the plain computations'
+#: error, so that the whole allowance stays within (factor + PLAIN_SHARE) x E_plain + slack: the terms keep a
+#: small tensor, whose E_plain is the largest of a handful of errors, from being judged by luck, but never
+#: outweigh the factor where they are large (bfloat16 at larger logits, where 0.25 ulps of them were 14 x
+#: E_plain and a kernel at 4 x plain passed). Measured (benchmarks/agreement_calibration.py, 150 random
+#: cases): correct torch, SDPA and float32-softmax implementations reach 2.5 x E_plain at most. float32 keeps
+#: the terms uncapped: its finite differences check the gradients, and correct float32 code on small or
+#: cancelling tensors needs them (up to 25 x a plain computation's error).
+PLAIN_SHARE: dict[str, float] = {"float16": 1.0, "bfloat16": 1.0}
+#: ... and E_plain is taken as at least this many ulps of the dtype of the tensor's largest reference element
+#: (half an ulp: a plain computation that happens to be exact, such as O = V on rows that see one key,
+#: cannot make the rule stricter than the dtype's own resolution).
+PLAIN_FLOOR_ULPS = 0.5
 #: The lower precisions an implementation of each dtype is recognised as computing in internally.
 LOWER_PRECISION: dict[str, tuple[str, ...]] = {"float64": ("float32",)}
 #: ... when its forward's error is at least this many ulps of that precision of its terms: code that
@@ -48,6 +62,15 @@ LOWER_PRECISION: dict[str, tuple[str, ...]] = {"float64": ("float32",)}
 #: float32-internal implementations of benchmarks/correct_grid.py); an error far smaller than float32's
 #: rounding yet above float64's is no precision of any kind, but a FAIL.
 LOWER_MIN_ULPS = 1.0 / 64
+
+#: Rounding or a changed function? A forward whose difference from the reference fits a lower precision's
+#: rule is moved along a random direction by NEARBY_STEP of each input's size (thousands of float32 ulps,
+#: so float32 rounding is drawn afresh, while a smooth difference barely changes), and its second
+#: difference along it is compared with the difference itself: rounding gives about 1 (independent errors
+#: at the three points), a changed function h^2 its curvature (~1e-6). Below SMOOTH_LIMIT the difference is
+#: systematic, a FAIL of its own size, not the lower precision's rounding.
+NEARBY_STEP = 1e-3
+SMOOTH_LIMIT = 0.1
 
 DTYPES = ("float64", "float32")  # what the NumPy engine computes in; the others need backend: torch
 

@@ -24,7 +24,8 @@ def test_seed_exercise_mask_passes_gradients_but_fails_invariants():
     result = checker.run_scenario(sc, ("mask",))
     failed = _failed(result)
     assert all(c.passed for c in result.checks if c.kind == "gradient")  # finite differences agree
-    assert ("invariant", "unseen K/V rows get zero gradient", "k") in failed
+    assert ("invariant", "unseen K/V rows get zero gradient", "k") in failed  # the loss is on row 0 only
+    assert ("invariant", "K/V rows query row 0 cannot see get zero gradient", "k") in failed
     assert ("invariant", "attention is 0 off the visible set", "a") in failed
 
 

@@ -102,6 +102,8 @@ def test_one_lucky_probe_cannot_make_a_fail():
 
 
 def test_half_precision_policy_has_a_floor_from_the_terms_not_the_plain_maximum():
+    """The terms' share grows with each element's terms, up to PLAIN_SHARE x the plain error (never beyond)."""
     policy = Policy.for_dtype("float16")
-    allowed = policy.allowed(0.0, np.array([1.0, 4.0]))
-    assert allowed[1] > allowed[0] > policy.slack
+    allowed = policy.allowed(1.0, np.array([1.0, 4.0, 1e9]))
+    assert allowed[2] > allowed[1] > allowed[0] > 2.0 + policy.slack
+    assert allowed[2] == 2.0 + policy.slack + policy.share

@@ -138,29 +138,35 @@ def sizes(sc, attention: bool) -> dict[str, Any]:
     return out
 
 
+def _parameters(factory):
+    try:
+        return inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return None
+
+
+def taken(factory, available: dict[str, Any]) -> set[str]:
+    """The names of ``available`` that ``factory`` is called with (all of them when it takes ``**kwargs``)."""
+    params = _parameters(factory)
+    if params is None:
+        return set()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return set(available)
+    return {name for name, p in params.items() if name in available and p.kind is not inspect.Parameter.VAR_POSITIONAL}
+
+
 def build(factory, available: dict[str, Any], spec: str):
     """Call ``factory`` with the keyword arguments it names, taken from ``available`` (all of them when it
-    takes ``**kwargs``). Raises ImplementationFailure for a parameter the scenario does not have or for
-    anything the factory raises."""
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        params = None
-    if params is None:
-        kwargs = {}
-    elif any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        kwargs = dict(available)
-    else:
-        kwargs = {}
-        for name, p in params.items():
-            if p.kind in (inspect.Parameter.VAR_POSITIONAL,):
-                continue
-            if name in available:
-                kwargs[name] = available[name]
-            elif p.default is inspect.Parameter.empty:
-                raise ImplementationFailure(
-                    f"the factory {spec} asks for {name!r}{suggest(name, available)}, which the scenario does not "
-                    f"have; a factory may ask for: {', '.join(available)}")
+    takes ``**kwargs``: ``taken``). Raises ImplementationFailure for a parameter the scenario does not have or
+    for anything the factory raises."""
+    params = _parameters(factory) or {}
+    for name, p in params.items():
+        if (p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) and name not in available
+                and p.default is inspect.Parameter.empty):
+            raise ImplementationFailure(
+                f"the factory {spec} asks for {name!r}{suggest(name, available)}, which the scenario does not "
+                f"have; a factory may ask for: {', '.join(available)}")
+    kwargs = {name: available[name] for name in taken(factory, available)}
     from . import guarded
     return guarded(f"the factory {spec}", lambda: factory(**kwargs))
 

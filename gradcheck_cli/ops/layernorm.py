@@ -22,13 +22,15 @@ from ..tolerance import INVARIANT_ULPS, machine_epsilon
 from . import dense, user_engine
 from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
 
+#: The scale identity (``_invariants``): y(c x) = y(x) up to eps, so <G_x, x> is eps's share alone.
+SCALE_IDENTITY = "<G_x, x> = d eps mean(g xhat) / s^2"
+
 FAULTS = {f.name: f for f in (
     Fault("layernorm-mean-term", "G_x drops -mean(g), the feedback of the centring x - mu",
-          ("gradient x", "G_x rows sum to 0", "<G_x, x> = 0 per row when eps = 0",
-           "backward agrees with the reference"),
+          ("gradient x", "G_x rows sum to 0", SCALE_IDENTITY, "backward agrees with the reference"),
           user=user_engine.ADDED),
     Fault("layernorm-scale-term", "G_x drops -xhat mean(g xhat), the feedback of the scale s",
-          ("gradient x", "<G_x, x> = 0 per row when eps = 0", "backward agrees with the reference"),
+          ("gradient x", SCALE_IDENTITY, "backward agrees with the reference"),
           user=user_engine.ADDED),
 )}
 
@@ -84,23 +86,30 @@ def _terms(x, gamma, eps, grad_y) -> dict[str, np.ndarray]:
             "beta": np.abs(grad_y).reshape(-1, d).sum(axis=0)}
 
 
-def _invariants(backward_at, data, g, dtype: str):
-    """Semantic checks of G_x: its rows sum to 0 (y does not move when every feature of a row moves
-    alike), and with eps = 0 it is orthogonal to x (y does not move when a row is scaled).
-    ``backward_at(eps)`` is the G_x under test at that eps."""
-    x64, g64 = data["x"].astype(np.float64), g.astype(np.float64)
-    terms = _terms(x64, data["gamma"], 0.0, g64)["x"]
-    ulps = INVARIANT_ULPS * machine_epsilon(dtype) * x64.shape[-1]
-    g_x, g_x0 = np.asarray(backward_at(None), dtype=np.float64), np.asarray(backward_at(0.0), dtype=np.float64)
-    return [
-        invariants.bounded_each("G_x rows sum to 0", "g_x", g_x.sum(axis=-1), ulps * terms.sum(axis=-1),
-                                "|sum_c G_x[c]| per row, allowed 64 ulps of d_model x the size of its terms "
-                                "(LayerNorm is shift invariant)"),
-        invariants.bounded_each("<G_x, x> = 0 per row when eps = 0", "g_x", (g_x0 * x64).sum(axis=-1),
-                                ulps * (terms * np.abs(x64)).sum(axis=-1),
-                                "|sum_c G_x[c] x[c]| per row with eps = 0, allowed 64 ulps of d_model x the size of "
-                                "its terms (LayerNorm is scale invariant when eps = 0)"),
-    ]
+def _invariants(g_x, data, g, eps: float, dtype: str, fixed: dict | None = None):
+    """Semantic checks of G_x (the one under test, at the scenario's eps, computed in ``dtype``): its rows sum
+    to 0 (y does not move when every feature of a row moves alike), and the scale identity: d/dc y(c x) at
+    c = 1 gives, per row, <G_x, x> = d eps mean(g xhat) / s^2 (g = G_y gamma, s = sqrt(var + eps), 0 when
+    eps = 0). Both hold in the setting the code has: no setting of it is changed. ``fixed``: the user's
+    settings fixed inside their module, by name, with why (the identity needs eps: not applicable)."""
+    x64, gamma64, g64 = (t.astype(np.float64) for t in (data["x"], data["gamma"], g))
+    d = x64.shape[-1]
+    terms = _terms(x64, gamma64, eps, g64)["x"]
+    ulps = INVARIANT_ULPS * machine_epsilon(dtype) * d
+    g_x = np.asarray(g_x, dtype=np.float64)
+    checks = [invariants.bounded_each("G_x rows sum to 0", "g_x", g_x.sum(axis=-1), ulps * terms.sum(axis=-1),
+                                      "|sum_c G_x[c]| per row, allowed 64 ulps of d_model x the size of its terms "
+                                      "(LayerNorm is shift invariant)")]
+    if "eps" in (fixed or {}):
+        return checks + [invariants.not_applicable(SCALE_IDENTITY, "g_x", fixed["eps"])]
+    centred = x64 - np.mean(x64, axis=-1, keepdims=True)
+    s2 = np.mean(centred * centred, axis=-1) + eps
+    expected = d * eps * np.mean(g64 * gamma64 * centred, axis=-1) / s2 ** 1.5
+    return checks + [invariants.bounded_each(
+        SCALE_IDENTITY, "g_x", (g_x * x64).sum(axis=-1) - expected, ulps * (terms * np.abs(x64)).sum(axis=-1),
+        f"|sum_c G_x[c] x[c] - d eps mean(g xhat) / s^2| per row (g = G_y gamma, s = sqrt(var + eps), xhat = (x - mu) "
+        f"/ s; LayerNorm is scale invariant but for eps), at eps = {eps:g}, allowed 64 ulps of d_model x the size of "
+        "its terms")]
 
 
 _STRUCTURE = {"x": Structure(("batch", "row", "feature")), "gamma": Structure(("feature",)),
@@ -118,13 +127,10 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     eps = sc.p("eps")
     g_x, g_gamma, g_beta = backward(data["x"], data["gamma"], data["beta"], eps, g, faults)
 
-    def backward_at(at):
-        return backward(data["x"], data["gamma"], data["beta"], eps if at is None else at, g, faults)[0]
-
     analytic = {"x": INVARIANT_ULPS * machine_epsilon(sc.dtype) * _terms(data["x"], data["gamma"], eps, g)["x"]}
     return dense.problem(sc, data, lambda x, gamma, beta: forward(x, gamma, beta, eps),
                          {"x": g_x, "gamma": g_gamma, "beta": g_beta}, g, lift={"gamma": 2, "beta": 2},
-                         invariants=lambda: _invariants(backward_at, data, g, sc.dtype), analytic_rounding=analytic,
+                         invariants=lambda: _invariants(g_x, data, g, eps, sc.dtype), analytic_rounding=analytic,
                          rounding=_rounding, structure=_STRUCTURE)
 
 
@@ -134,8 +140,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
     return user_engine.build(sc, user_engine.UserOp(
         inputs=data, args={"eps": sc.p("eps")}, g=g, forward=forward, backward=backward,
         terms=lambda inputs, args, g: _terms(inputs["x"], inputs["gamma"], args["eps"], g),
-        invariants=lambda gradients, dtype, y: _invariants(
-            lambda at: gradients(**({} if at is None else {"eps": at}))["x"], data, g, dtype),
+        invariants=lambda calls, dtype, y: _invariants(calls()["x"], data, g, sc.p("eps"), dtype, calls.fixed),
         batched=("x",), rounding=_rounding, structure=_STRUCTURE), faults)
 
 

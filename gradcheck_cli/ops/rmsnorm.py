@@ -16,10 +16,13 @@ from ..tolerance import INVARIANT_ULPS, machine_epsilon
 from . import dense, user_engine
 from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
 
+#: The scale identity (``_scale_identity``): y(c x) = y(x) up to eps, so <G_x, x> is eps's share alone.
+SCALE_IDENTITY = "<G_x, x> = d eps mean(g xhat) / s^2"
+
 FAULTS = {f.name: f for f in (
     Fault("rmsnorm-feedback", "G_x = G_y * gamma / r: drops the feedback term -x mean(g x) / r^3 of the "
                               "normalisation scale (the forward still looks right)",
-          ("gradient x", "<G_x, x> = 0 per row when eps = 0", "backward agrees with the reference"),
+          ("gradient x", SCALE_IDENTITY, "backward agrees with the reference"),
           user=user_engine.ADDED),
 )}
 
@@ -53,23 +56,33 @@ def _inputs(sc) -> tuple[dict, np.ndarray]:
     return data, g
 
 
-def _scale_invariance(gx0, data, g, dtype: str) -> list:
-    """With eps = 0, y(c x) = y(x), so <G_x, x> = 0 on every row; ``gx0`` is the G_x under test at eps = 0,
-    computed in ``dtype``."""
+def _scale_identity(g_x, data, g, eps: float, dtype: str) -> list:
+    """RMSNorm is scale invariant but for eps: d/dc y(c x) at c = 1 gives, on every row,
+    <G_x, x> = d eps mean(g xhat) / s^2 with g = G_y gamma, s = r = sqrt(mean(x^2) + eps), xhat = x / s (0 when
+    eps = 0). ``g_x`` is the G_x under test at the scenario's eps, computed in ``dtype``: the identity holds in
+    the setting the code has, so no setting of it is changed."""
     x64, gamma64, g64 = (t.astype(np.float64) for t in (data["x"], data["gamma"], g))
-    products = np.asarray(gx0, dtype=np.float64) * x64
-    eps_m = machine_epsilon(dtype)
+    d = x64.shape[-1]
+    r = np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    gg = g64 * gamma64
+    expected = d * eps * np.mean(gg * x64 / r, axis=-1) / r[..., 0] ** 2
+    products = (np.asarray(g_x, dtype=np.float64) * x64).sum(axis=-1)
     # the size of the terms, never of the result: G_x[c] = g[c] / r - x[c] mean(g x) / r^3 cancels
     # to nothing when d_model = 1
-    r = np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True))
-    gg = np.abs(g64 * gamma64)
-    terms = np.abs(x64) * (gg / r + np.abs(x64) * np.mean(gg * np.abs(x64), axis=-1, keepdims=True) / r**3)
-    bound = INVARIANT_ULPS * eps_m * x64.shape[-1] * terms.sum(axis=-1)
-    return [invariants.bounded_each("<G_x, x> = 0 per row when eps = 0", "g_x", products.sum(axis=-1), bound,
-                                    f"|sum_c G_x[c] x[c]| per row, allowed {INVARIANT_ULPS} ulps of "
-                                    "d_model x the size of its "
-                                    "terms, sum_c |x[c]| (|g[c] gamma[c]| / r + |x[c]| mean|g gamma x| / r^3) "
-                                    "(RMSNorm is scale invariant when eps = 0), backward at eps = 0")]
+    terms = np.abs(x64) * (np.abs(gg) / r + np.abs(x64) * np.mean(np.abs(gg * x64), axis=-1, keepdims=True) / r**3)
+    bound = INVARIANT_ULPS * machine_epsilon(dtype) * d * terms.sum(axis=-1)
+    return [invariants.bounded_each(SCALE_IDENTITY, "g_x", products - expected, bound,
+                                    f"|sum_c G_x[c] x[c] - d eps mean(g xhat) / s^2| per row (g = G_y gamma, s = "
+                                    f"sqrt(mean(x^2) + eps), xhat = x / s; RMSNorm is scale invariant but for eps), "
+                                    f"at eps = {eps:g}, allowed {INVARIANT_ULPS} ulps of d_model x the size of its "
+                                    "terms, sum_c |x[c]| (|g[c]| / s + |x[c]| mean|g x| / s^3)")]
+
+
+def user_scale_identity(calls, data, g, eps: float, dtype: str) -> list:
+    """The scale identity on a user's G_x, or not applicable where eps is fixed inside the user's module."""
+    if "eps" in calls.fixed:
+        return [invariants.not_applicable(SCALE_IDENTITY, "g_x", calls.fixed["eps"])]
+    return _scale_identity(calls()["x"], data, g, eps, dtype)
 
 
 def _terms(x, gamma, eps, grad_y) -> dict[str, np.ndarray]:
@@ -98,8 +111,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     g_x, g_gamma = backward(data["x"], data["gamma"], eps, g, faults)
 
     def checks():
-        x64, gamma64, g64 = (t.astype(np.float64) for t in (data["x"], data["gamma"], g))
-        return _scale_invariance(backward(x64, gamma64, 0.0, g64, faults)[0], data, g, "float64")
+        return _scale_identity(g_x, data, g, eps, sc.dtype)
 
     terms = _terms(data["x"], data["gamma"], eps, g)["x"]
     analytic = {"x": INVARIANT_ULPS * float(np.finfo(np.dtype(sc.dtype)).eps) * terms}
@@ -114,7 +126,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
     return user_engine.build(sc, user_engine.UserOp(
         inputs=data, args={"eps": sc.p("eps")}, g=g, forward=forward, backward=backward,
         terms=lambda inputs, args, g: _terms(inputs["x"], inputs["gamma"], args["eps"], g),
-        invariants=lambda gradients, dtype, y: _scale_invariance(gradients(eps=0.0)["x"], data, g, dtype),
+        invariants=lambda calls, dtype, y: user_scale_identity(calls, data, g, sc.p("eps"), dtype),
         batched=("x",), rounding=_rounding, structure=_STRUCTURE), faults)
 
 

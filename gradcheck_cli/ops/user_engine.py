@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .. import implementation, precision
+from ..numeric import SeedStream
 from ..result import Check, Kind
 from . import dense
 from .convention import MASKS, MEANING
@@ -60,11 +61,13 @@ class UserOp:
     forward(*inputs, *args) -> y and backward(*inputs, *args, grad_y, faults) -> tuple of gradients (in the
     inputs' order): the built-in formulas, in whatever dtype they are given. terms(inputs, args, g) -> dict
     of float64 arrays, the size of the terms of ``o`` (the output) and of each input's gradient (rounding
-    puts about eps x these in each element). invariants(gradients, precision, output) -> checks, where
-    ``gradients(**args)`` is the implementation's gradients (dict by input) at the scenario's g, with some
-    of the args replaced (e.g. eps = 0), and ``output`` its output; ``gradients`` is a :class:`Calls`, which
-    also calls the implementation on other inputs (``forward``, ``backward``). ``batched``: inputs (and
-    arguments, such as a mask [B, ...]) whose axis 0 is the batch axis. ``shown``: faults that change what the
+    puts about eps x these in each element). invariants(calls, precision, output) -> checks, where
+    ``calls()`` is the implementation's gradients (dict by input) at the scenario's inputs and g, and
+    ``output`` its output; ``calls`` is a :class:`Calls`, which also calls the implementation on other
+    inputs (``forward``, ``backward``) and says which settings are fixed inside the user's module
+    (``fixed``). Invariants never change a setting of the code under test: each holds in the setting the
+    code has, or is not applicable where it needs a setting the code keeps to itself. ``batched``: inputs
+    (and arguments, such as a mask [B, ...]) whose axis 0 is the batch axis. ``shown``: faults that change what the
     implementation is shown instead (fault -> args -> args, e.g. every key visible for ``mask``); the others
     add their change to the reference gradients (``ADDED``). ``adapt(impl, backend)``: the user's
     implementation as the engine calls it (inputs, then args), when the op's interface passes them in another
@@ -88,15 +91,18 @@ class UserOp:
 
 
 class Calls:
-    """The implementation under test, for invariants: ``calls(**args)`` its gradients at the scenario's
-    inputs and g (dicts by input), ``forward(inputs)`` its output on other inputs (a dict, some of the
-    scenario's replaced), ``backward(inputs, grad_y)`` its gradients there."""
+    """The implementation under test, for invariants: ``calls()`` its gradients at the scenario's inputs and g
+    (dict by input: those already checked), ``forward(inputs)`` its output on other inputs (a dict, some of the
+    scenario's replaced), ``backward(inputs, grad_y)`` its gradients there. ``fixed``: the op's arguments
+    that do not reach the code (a module whose factory does not take them and whose call does not pass them),
+    by name, with the words that say so."""
 
-    def __init__(self, forward, gradients):
-        self._forward, self._gradients = forward, gradients
+    def __init__(self, forward, gradients, checked: dict, fixed: Mapping[str, str]):
+        self._forward, self._gradients, self._checked = forward, gradients, checked
+        self.fixed = dict(fixed)
 
-    def __call__(self, **changed) -> dict:
-        return self._gradients(None, None, **changed)
+    def __call__(self) -> dict:
+        return dict(self._checked)
 
     def forward(self, inputs: dict) -> np.ndarray:
         return self._forward({**inputs})
@@ -111,10 +117,10 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
     if op.adapt is not None:
         impl = op.adapt(impl, sc.backend)
     order = tuple(op.inputs)
-    module_rows, module_hints, transposed = [], [], lambda: []
+    module_rows, module_hints, transposed, fixed = [], [], lambda: [], {}
     if sc.module is not None:  # a module built by the user's factory, its weights mapped from the op's tensors
-        impl, module_rows, module_hints, transposed = _from_module(sc, impl, order, tuple(op.args),
-                                                                   {t: v.shape for t, v in op.inputs.items()})
+        impl, module_rows, module_hints, transposed, fixed = _from_module(sc, impl, order, tuple(op.args),
+                                                                          {t: v.shape for t, v in op.inputs.items()})
 
     def flavoured(user):
         if sc.backend == "torch":  # one callable, differentiated by autograd
@@ -177,17 +183,16 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
             vectorise.clear()
             return None
 
-    def gradients(at: dict | None, grad_y: np.ndarray | None, **changed) -> dict:
+    def gradients(at: dict | None, grad_y: np.ndarray | None) -> dict:
         at, grad_y = {**op.inputs, **(at or {})}, op.g if grad_y is None else grad_y
-        args = {**op.args, **changed}
         expected = {f"d{t}": (op.inputs[t].shape, dt) for t in order}
         out = implementation.call(impl.backward, "backward", tuple(at[t] for t in order)
-                                  + tuple({**shown, **changed}.values()) + (grad_y,), expected, names)
+                                  + tuple(shown.values()) + (grad_y,), expected, names)
         grads = {t: out[f"d{t}"] for t in order}
         if added:  # the interface variants: the change each fault makes to the float64 reference's gradients
             xs = [at[t].astype(np.float64) for t in order]
-            wrong = op.backward(*xs, *args.values(), grad_y.astype(np.float64), added)
-            right = op.backward(*xs, *args.values(), grad_y.astype(np.float64), ())
+            wrong = op.backward(*xs, *op.args.values(), grad_y.astype(np.float64), added)
+            right = op.backward(*xs, *op.args.values(), grad_y.astype(np.float64), ())
             grads = {t: (grads[t] + w - r).astype(dt) for t, w, r in zip(order, wrong, right)}
         return grads
 
@@ -249,11 +254,20 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
     reference = computed(np.float64)
     terms = op.terms(op.inputs, op.args, op.g)
     names_of = {"o": FORWARD_CHECK, **dict.fromkeys(order, BACKWARD_CHECK)}
-    agree, computes_in = precision.judge(results, reference, terms, sc.dtype, computed, names_of, sc.factor, sc.slack)
+    def forward_or_none(xs: dict) -> np.ndarray | None:
+        try:
+            return call_forward(xs)
+        except implementation.ImplementationFailure:
+            return None
+
+    nearby = precision.nearby(op.inputs, forward_or_none, lambda xs: op.forward(
+        *(xs[t].astype(np.float64) for t in order), *op.args.values()), [sc.seed, SeedStream.PRECISION])
+    agree, computes_in = precision.judge(results, reference, terms, sc.dtype, computed, names_of, sc.factor, sc.slack,
+                                         nearby_difference=nearby)
 
     def checks() -> list:
         try:
-            out = [deterministic] + agree + op.invariants(Calls(call_forward, gradients), computes_in, y)
+            out = [deterministic] + agree + op.invariants(Calls(call_forward, gradients, grads, fixed), computes_in, y)
         except implementation.ImplementationFailure as exc:
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
         return out + module_rows + compiled_rows(impl)
@@ -287,11 +301,12 @@ _MODULES: dict[tuple, tuple] = {}
 
 
 def _from_module(sc, factory, order: tuple[str, ...], arg_names: tuple[str, ...], shapes: dict) -> tuple:
-    """(f, rows, hints, transposed): the one callable f(*inputs, *args) of the module the scenario's factory
-    builds (``implementation.modules``), in its flavour; a passing ``implementation`` row that lists the
-    parameters checked and those frozen; what to say when its forward disagrees with the reference (frozen
-    parameters that are not zero, a mask ``call`` does not pass); and ``transposed()``, the module with one
-    square weight's expression transposed, for the hint of a missing ``.T``."""
+    """(f, rows, hints, transposed, fixed): the one callable f(*inputs, *args) of the module the scenario's
+    factory builds (``implementation.modules``), in its flavour; a passing ``implementation`` row that lists
+    the parameters checked and those frozen; what to say when its forward disagrees with the reference (frozen
+    parameters that are not zero, a mask ``call`` does not pass); ``transposed()``, the module with one square
+    weight's expression transposed, for the hint of a missing ``.T``; and the op's arguments fixed inside the
+    module (neither taken by the factory nor passed by ``call``), by name, with why."""
     from ..implementation import modules
     available = modules.sizes(sc, sc.n_q > 0)  # n_q is 0 outside the attention family
     key = (id(factory), sc.module, repr(sorted(available.items())), sc.backend)
@@ -330,12 +345,17 @@ def _from_module(sc, factory, order: tuple[str, ...], arg_names: tuple[str, ...]
         hints.append(f"the module has parameters no weight maps that are not zero ({', '.join(nonzero)}): they "
                      "are part of its forward but not of the op's; map them, zero them in the factory, or build the "
                      "module without them (e.g. bias=False)")
+    taken = modules.taken(factory, available)
+    fixed = {a: f"{a} is fixed inside the module (its factory {sc.implementation} does not take {a} and call does "
+                f"not pass it, so the value it uses is unknown): let the factory take {a}, as in "
+                f"def factory(..., {a}), or pass it in call"
+             for a in arg_names if a not in sc.module.call and a not in taken}
     if "visible" in arg_names and "visible" not in sc.module.call:
         hints.append(f"the module is called without the mask (call: {list(sc.module.call)}): if it takes one, pass "
                      f"it, e.g. call: {list(sc.module.call) + ['visible']}")
     return f, [Check(kind=Kind.IMPLEMENTATION, name="module parameters", tensor="-", shape=None, max_abs_error=0.0,
                      relative_error=0.0, tolerance=0.0, noise_floor=0.0, worst_index=None, passed=True,
-                     detail=detail)], hints, transposed
+                     detail=detail)], hints, transposed, fixed
 
 
 def _module(sc, factory, available: dict, spec, order, arg_names, shapes) -> tuple:

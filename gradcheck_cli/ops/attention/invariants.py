@@ -11,11 +11,12 @@ from ...result import Check
 from ...tolerance import INVARIANT_ULPS, machine_epsilon
 
 
-def engine_invariants(fwd, bwd, inputs, visible, kv_map, grads, rng, terms: dict[str, np.ndarray]) -> list[Check]:
+def engine_invariants(fwd, bwd, inputs, visible, kv_map, grads, rng, terms: dict[str, np.ndarray],
+                      g: np.ndarray) -> list[Check]:
     """All attention invariants for the engine. ``fwd(q, k, v) -> (o, a)`` and
     ``bwd(q, k, v, grad_o) -> Gradients`` are the implementation under test; ``grads`` is its backward
-    at ``inputs`` (with the A and G_A the backward used, and G_S); ``terms`` as for
-    :func:`output_invariants`."""
+    at ``inputs`` and upstream gradient ``g`` (with the A and G_A the backward used, and G_S); ``terms`` as
+    for :func:`output_invariants`."""
     o, a = fwd(inputs["q"], inputs["k"], inputs["v"])
 
     def backward_kv(q, k, v, grad_o):
@@ -24,7 +25,7 @@ def engine_invariants(fwd, bwd, inputs, visible, kv_map, grads, rng, terms: dict
 
     return (weight_invariants(a, visible, grads)
             + output_invariants(lambda q, k, v: fwd(q, k, v)[0], backward_kv, inputs, visible, kv_map, o, rng,
-                               terms, o.dtype.name))
+                               terms, o.dtype.name, (g, grads.k, grads.v)))
 
 
 def weight_invariants(a, visible, grads) -> list[Check]:
@@ -55,34 +56,50 @@ def weight_invariants(a, visible, grads) -> list[Check]:
 CONVEX_ULPS = {"float64": 64.0, "float32": 64.0, "float16": 4.0, "bfloat16": 4.0}
 
 
+#: The invariants of the K/V gradients: every query row's loss, and query row 0's alone.
+UNSEEN, UNSEEN_BY_ROW_0 = "unseen K/V rows get zero gradient", "K/V rows query row 0 cannot see get zero gradient"
+
+
 def output_invariants(forward, backward_kv, inputs, visible, kv_map, o, rng, terms: dict[str, np.ndarray],
-                      precision: str) -> list[Check]:
+                      precision: str, checked) -> list[Check]:
     """Invariants that need only the output and the K/V gradients, so they apply to any
-    implementation: ``forward(q, k, v) -> o``, ``backward_kv(q, k, v, grad_o) -> (g_k, g_v)``.
+    implementation: ``forward(q, k, v) -> o``, ``backward_kv(q, k, v, grad_o) -> (g_k, g_v)``, and
+    ``checked`` = (g, g_k, g_v), the scenario's upstream gradient and the K/V gradients under test at it.
     ``terms``: the size of the terms of each element of O, ``o`` (with the logits' rounding) and
     ``o_convex`` (sum_j A_ij |V_jc|), in float64; ``precision``: the dtype the computation rounds in."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     eps = machine_epsilon(precision)
     heads_kv = k.shape[-3]
     checks = []
+    hidden = ~masks.kv_rows_seen(visible, kv_map, heads_kv)  # [B, Hkv, n_k]: rows no query sees
+    n_hidden = int(hidden.sum())
+
+    # Under the scenario's loss (its upstream gradient: on every query row unless loss_rows says otherwise),
+    # K/V rows that no query row carrying upstream gradient sees, in any query head sharing them (padding
+    # keys, keys past every window), must get exactly zero gradient.
+    g, grads_kv = checked[0], checked[1:]
+    loaded = np.any(np.asarray(g) != 0, axis=-1)  # [B, Hq, n_q]: the query rows the loss is on
+    unloaded = ~masks.kv_rows_seen(visible & loaded[..., None], kv_map, heads_kv)
+    rows = "every query row" if loaded.all() else f"{int(loaded.sum())} of {loaded.size} query rows"
+    for name, grad in zip("kv", grads_kv):
+        checks.append(bounded(UNSEEN, name, np.where(unloaded[..., None], np.asarray(grad), 0), 0.0,
+                             f"loss on {rows} (the scenario's upstream gradient); {int(unloaded.sum())} (batch, kv "
+                             "head, key) rows none of them sees must get exactly zero gradient"))
 
     # The seed's causal test, for any mask: upstream gradient only on query row 0; K/V rows that no
-    # query head sharing them sees from row 0 must get exactly zero gradient.
+    # query head sharing them sees from row 0 must get exactly zero gradient (under a causal mask every key
+    # is seen by some row, so only a loss on one row sees the future keys leak into it).
     first = np.zeros_like(o)
     first[..., 0, :] = np.random.default_rng(rng.integers(2**32)).standard_normal(first[..., 0, :].shape)
     first_k, first_v = backward_kv(q, k, v, first)
-    row0 = visible[..., :1, :]
-    unseen = ~masks.kv_rows_seen(row0, kv_map, heads_kv)  # [B, Hkv, n_k]
+    unseen = ~masks.kv_rows_seen(visible[..., :1, :], kv_map, heads_kv)  # [B, Hkv, n_k]
     n_unseen = int(unseen.sum())
     for name, grad in (("k", first_k), ("v", first_v)):
-        checks.append(bounded("unseen K/V rows get zero gradient", name,
-                             np.where(unseen[..., None], grad, 0), 0.0,
+        checks.append(bounded(UNSEEN_BY_ROW_0, name, np.where(unseen[..., None], grad, 0), 0.0,
                              f"loss on query row 0 only; {n_unseen} (batch, kv head, key) rows it cannot see "
                              "must get exactly zero gradient"))
 
     # Replacing K/V rows that no query sees must not change O (beyond the rounding of O's own terms).
-    hidden = ~masks.kv_rows_seen(visible, kv_map, heads_kv)
-    n_hidden = int(hidden.sum())
     k2 = np.where(hidden[..., None], rng.standard_normal(k.shape).astype(k.dtype) * 10, k)
     v2 = np.where(hidden[..., None], rng.standard_normal(v.shape).astype(v.dtype) * 10, v)
     o2 = forward(q, k2, v2)

@@ -18,12 +18,29 @@ def forward(q, k, v, visible, scale: float, kv_map):
     return (e / e.sum(axis=-1, keepdims=True)) @ v
 
 
-def plain(inputs: dict, g, visible, scale: float, kv_map, dtype: str) -> dict:
-    """{o, q, k, v}: the plain forward and its ``jax.vjp`` gradients computed in ``dtype`` on ``inputs``
-    (rounded to it), as float64 NumPy arrays."""
+def backward(q, k, v, visible, scale: float, kv_map, grad_o):
+    """(G_Q, G_K, G_V): the closed forms (``formulas.backward``), every step in the inputs' dtype, K/V
+    gradients summed over the query heads of each KV head."""
+    k_rep, v_rep = k[:, kv_map], v[:, kv_map]
+    s = jnp.where(visible, (q @ jnp.swapaxes(k_rep, -1, -2)) * scale, -jnp.inf)
+    e = jnp.exp(s - s.max(axis=-1, keepdims=True))
+    a = e / e.sum(axis=-1, keepdims=True)
+    g_a = grad_o @ jnp.swapaxes(v_rep, -1, -2)
+    g_s = a * (g_a - (a * g_a).sum(axis=-1, keepdims=True))
+    g_k_rep, g_v_rep = (jnp.swapaxes(g_s, -1, -2) @ q) * scale, jnp.swapaxes(a, -1, -2) @ grad_o
+    groups = jax.nn.one_hot(kv_map, k.shape[1], dtype=q.dtype)  # [Hq, Hkv]: each query head's KV head
+    return ((g_s @ k_rep) * scale, jnp.einsum("bhnd,hg->bgnd", g_k_rep, groups),
+            jnp.einsum("bhnd,hg->bgnd", g_v_rep, groups))
+
+
+def plain(inputs: dict, g, visible, scale: float, kv_map, dtype: str) -> list[dict]:
+    """Two plain computations in ``dtype`` on ``inputs`` (rounded to it), each {o, q, k, v} as float64 NumPy
+    arrays: the plain forward with its ``jax.vjp`` gradients, and the closed forms (so that no one plain way
+    is lucky)."""
     dt = jnp.dtype(dtype)  # a NumPy dtype (ml_dtypes' for bfloat16)
     to = lambda a: jnp.asarray(np.asarray(a).astype(dt))  # noqa: E731 (rounded in NumPy: no float64 in JAX)
     rest = (jnp.asarray(visible), float(scale), jnp.asarray(np.asarray(kv_map, dtype=np.int32)))
-    o, pull = jax.vjp(lambda q, k, v: forward(q, k, v, *rest), *(to(inputs[t]) for t in "qkv"))
-    grads = pull(to(g))
-    return {t: np.asarray(x).astype(np.float64) for t, x in zip("oqkv", (o, *grads))}
+    q, k, v = (to(inputs[t]) for t in "qkv")
+    o, pull = jax.vjp(lambda q, k, v: forward(q, k, v, *rest), q, k, v)
+    ways = [(o, *pull(to(g))), (o, *backward(q, k, v, *rest, to(g)))]
+    return [{t: np.asarray(x).astype(np.float64) for t, x in zip("oqkv", way)} for way in ways]

@@ -77,7 +77,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         invariants=lambda: [copies.agreement(fast, reference, inputs, visible, scale, kv_map, faults,
                                              np.random.default_rng([sc.seed, SeedStream.FAST_FORWARD]))]
         + engine_invariants(fwd, bwd, inputs, visible, kv_map, grads, rng_inv,
-                            output_terms(inputs, a, scale, kv_map)),
+                            output_terms(inputs, a, scale, kv_map), g),
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
                 "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
                 "analytic_q": grads.q, "analytic_k": grads.k, "analytic_v": grads.v},

@@ -329,7 +329,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                                   "plus sum_c |G_O_ic| x the terms of O_ic (D is formed from the forward's O); "
                                   "accumulated over the blocks of the tiled backward (softmax is shift invariant)")
         return agree + [rows] + output_invariants(fwd, backward_kv, inputs, visible, kv_map, o, rng_inv, terms,
-                                                  sc.dtype)
+                                                  sc.dtype, (g, g_k, g_v))
 
     lead = sc.batch * sc.heads_q
     def o_dot(t: dict) -> np.ndarray:

@@ -20,6 +20,7 @@ from .reference import (
     Interface,
     called_as,
     diagnosis_fields,
+    forward64,
     hint_context,
     implementation_second,
     implementation_tangents,
@@ -123,9 +124,17 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     if low:
         return _low(sc, impl, inputs, g, interface, results, deterministic, user_forward, user_backward)
     ref, terms, a64 = reference(inputs, g, visible, scale, kv_map)
+    def forward_or_none(xs: dict) -> np.ndarray | None:
+        try:
+            return user_forward(xs["q"], xs["k"], xs["v"], interface.visible)
+        except implementation.ImplementationFailure:
+            return None
+
+    nearby = precision.nearby(inputs, forward_or_none, lambda xs: forward64(xs, visible, scale, kv_map),
+                              [sc.seed, SeedStream.PRECISION])
     agree, computes_in = precision.judge(results, ref, terms, sc.dtype,
                                          lambda p: plain(inputs, g, visible, scale, kv_map, p), REFERENCE_CHECKS,
-                                         sc.factor, sc.slack)
+                                         sc.factor, sc.slack, nearby_difference=nearby)
     rounding, rounding_total = blocks.rounding(inputs, g, a64, scale, kv_map)
     rule = precision.Policy.for_dtype(computes_in)
     rng_inv = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
@@ -135,7 +144,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             out = [deterministic] + agree + output_invariants(
                 lambda q, k, v: user_forward(q, k, v, interface.visible),
                 lambda q, k, v, go: user_backward(q, k, v, go)[1:],
-                inputs, visible, kv_map, o, rng_inv, output_terms(inputs, a64, scale, kv_map), computes_in)
+                inputs, visible, kv_map, o, rng_inv, output_terms(inputs, a64, scale, kv_map), computes_in,
+                (g, dk, dv))
         except implementation.ImplementationFailure as exc:
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
         return out + compiled_rows(impl)
@@ -200,7 +210,7 @@ def _low(sc, impl, inputs: dict, g, interface: Interface, results: dict, determi
             out = [deterministic] + agree + output_invariants(
                 forward64, backward_kv64, rounded, visible, kv_map, r64["o"],
                 np.random.default_rng([sc.seed, SeedStream.INVARIANTS]), output_terms(rounded, a64, scale, kv_map),
-                computes_in)
+                computes_in, (g64, r64["k"], r64["v"]))
         except implementation.ImplementationFailure as exc:
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
         return out + compiled_rows(impl)

@@ -29,6 +29,7 @@ from ..reference import (
     Interface,
     called_as,
     diagnosis_fields,
+    forward64,
     hint_context,
     implementation_second,
     implementation_tangents,
@@ -98,18 +99,36 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         checks_first.append(implementation_determinism(results, again, sc.nondet_tol))
     ref, terms, a64 = reference(rounded, g_rounded, sc.visible, scale, kv_np)
 
-    def plain(precision: str) -> dict:
-        """torch autograd of the plain forward in ``precision``, on the same inputs."""
+    def plain(precision: str) -> dict | list[dict]:
+        """torch autograd of the plain forward in ``precision``, on the same inputs; in half precision also
+        the closed forms without faults and SDPA, so that no one plain way is lucky (torch's softmax backward
+        rounds less than the closed forms' steps: either alone would judge the other)."""
         pdt = DTYPES[precision]
         args = [to(rounded[t], pdt) for t in "qkv"]
-        out, gr = by_autograd(lambda q_, k_, v_: forward(q_, k_, v_, vis if user is None else
-                                                      torch.from_numpy(sc.visible).to(device), scale, kv_map),
-                            args, to(g_rounded, pdt))
-        return {"o": np_(out), **{t: np_(x) for t, x in zip("qkv", gr)}}
+        mask, gp = vis if user is None else torch.from_numpy(sc.visible).to(device), to(g_rounded, pdt)
+        out, gr = by_autograd(lambda q_, k_, v_: forward(q_, k_, v_, mask, scale, kv_map), args, gp)
+        ways = [{"o": np_(out), **{t: np_(x) for t, x in zip("qkv", gr)}}]
+        if precision not in LOW_PRECISION:
+            return ways[0]
+        closed = backward(*args, mask, scale, kv_map, gp)
+        ways.append({"o": np_(forward(*args, mask, scale, kv_map)), **{t: np_(x) for t, x in zip("qkv", closed)}})
+        sd_o, sd = by_autograd(lambda q_, k_, v_: sdpa(q_, k_, v_, mask, scale, kv_map, sc.heads_q), args, gp)
+        return ways + [{"o": np_(sd_o), **{t: np_(x) for t, x in zip("qkv", sd)}}]
 
     if user is not None:
         names = LOW_PRECISION_CHECKS if low else REFERENCE_CHECKS
-        agree, computes_in = precision.judge(results, ref, terms, sc.dtype, plain, names, sc.factor, sc.slack)
+
+        def forward_or_none(xs: dict) -> np.ndarray | None:
+            try:
+                return np_(fwd(*(to(xs[t]) for t in "qkv")))
+            except ImplementationFailure:
+                return None
+
+        nearby = None if low else precision.nearby(rounded, forward_or_none,
+                                                   lambda xs: forward64(xs, sc.visible, scale, kv_np),
+                                                   [sc.seed, SeedStream.PRECISION])
+        agree, computes_in = precision.judge(results, ref, terms, sc.dtype, plain, names, sc.factor, sc.slack,
+                                             nearby_difference=nearby)
     elif low:
         agree, computes_in = precision.judge(results, ref, terms, sc.dtype, plain, LOW_PRECISION_CHECKS,
                                              sc.factor, sc.slack, what="closed forms")
@@ -118,7 +137,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
 
     def invariants_of_output() -> list[Check]:
         terms = output_terms(rounded, a64, scale, kv_np)
-        return _output_invariants(sc, fwd, bwd, rounded, o, to, np_, terms, computes_in)
+        return _output_invariants(sc, fwd, bwd, rounded, o, to, np_, terms, computes_in,
+                                  (g_rounded, results["k"], results["v"]))
 
     context = None
     if user is not None:
@@ -226,13 +246,15 @@ def implementation_determinism(first: dict, second: dict, tolerance: float) -> C
     return determinism("forward and backward", first, second, tolerance)
 
 
-def _output_invariants(sc, fwd, bwd, inputs, o, to, np_, terms: dict, precision: str) -> list[Check]:
-    """The output-only invariants on the implementation under test, in the precision it computes in."""
+def _output_invariants(sc, fwd, bwd, inputs, o, to, np_, terms: dict, precision: str, checked) -> list[Check]:
+    """The output-only invariants on the implementation under test, in the precision it computes in
+    (``checked``: the scenario's upstream gradient and the K/V gradients under test at it)."""
     backward_kv = lambda q_, k_, v_, go: [np_(t) for t in bwd(to(q_), to(k_), to(v_), to(go))[1:]]  # noqa: E731
     try:
         return output_invariants(lambda q_, k_, v_: np_(fwd(to(q_), to(k_), to(v_))), backward_kv,
                                  inputs, sc.visible, np.asarray(sc.kv_map), np_(o),
-                                 np.random.default_rng([sc.seed, SeedStream.INVARIANTS]), terms, precision)
+                                 np.random.default_rng([sc.seed, SeedStream.INVARIANTS]), terms, precision,
+                                 checked)
     except ImplementationFailure as exc:
         return [failure_check("invariants", exc)]
 
