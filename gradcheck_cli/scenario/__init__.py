@@ -29,7 +29,9 @@ from .fields import (
                      MASK_KEYS,
                      MAX_DIRECTIONS,
                      MAX_EPSILON,
+                     MAX_FACTOR,
                      MAX_SCALE,
+                     MAX_SLACK,
                      MAX_TOLERANCE,
                      MODES,
                      NAME_RE,
@@ -48,6 +50,7 @@ __all__ = [
     "Scenario", "default_kv_map", "load", "loads", "read_files", "select", "with_engine", "json_schema",
     "available_memory", "cgroup_room", "need",
     "ATTENTION_KEYS", "BACKEND_KEYS", "BACKENDS", "CHECK_KEYS", "COMMON_KEYS", "DEVICES", "ENGINES", "LOW_PRECISION",
-    "MASK_KEYS", "MAX_DIRECTIONS", "MAX_EPSILON", "MAX_SCALE", "MAX_SWEEP_CASES", "MAX_TOLERANCE", "MAX_VALUES",
+    "MASK_KEYS", "MAX_DIRECTIONS", "MAX_EPSILON", "MAX_SCALE", "MAX_SWEEP_CASES", "MAX_TOLERANCE",
+    "MAX_FACTOR", "MAX_SLACK", "MAX_VALUES",
     "MODES", "NAME_RE", "NESTED", "SAFE_TAGS", "SCENARIO_KEYS", "TOP_KEYS",
 ]

@@ -43,6 +43,11 @@ MAX_EPSILON = 0.1
 #: The largest relative tolerance: a check blind to errors of this fraction of a gradient has no power
 #: (verdict.POWER_LIMIT).
 MAX_TOLERANCE = 0.25
+#: The largest ``check.factor``: an implementation may err by this many times the plain computations' error
+#: (FlashAttention's tests use 2, a few 3 or 4); more accepts code that is wrong by far more than rounding.
+MAX_FACTOR = 10.0
+#: The largest ``check.slack``, an absolute allowance on results of order 1 (the inputs are standard normal).
+MAX_SLACK = 1e-2
 #: Larger scales only saturate the softmax (and overflow the logits near 1e300).
 MAX_SCALE = 1e6
 #: More random directions than this cost more than checking every element would.

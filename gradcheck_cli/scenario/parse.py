@@ -32,7 +32,9 @@ from .fields import (
     LOW_PRECISION,
     MAX_DIRECTIONS,
     MAX_EPSILON,
+    MAX_FACTOR,
     MAX_SCALE,
+    MAX_SLACK,
     MAX_TOLERANCE,
     MIN_STEP_ULPS,
     MODES,
@@ -251,9 +253,16 @@ def _convention(f: _Fields, visible, scale: float, d_head: int, op_spec) -> Conv
 def _user_code_policy(f: _Fields) -> tuple[float, float | None, float, float]:
     """The ``check`` keys of an op that accepts an implementation: (factor, slack, nondet_tol, timeout)."""
     factor = f.float("check.factor", DEFAULT_FACTOR)
+    if factor > MAX_FACTOR:
+        raise f.error("check.factor", f"{factor:g} would accept an implementation {factor:g} times as wrong as a plain "
+                      f"computation in the same precision: a check that blind passes real bugs; at most {MAX_FACTOR:g}",
+                      hint=f"omit it for the default ({DEFAULT_FACTOR:g}, FlashAttention's)")
     slack = f.float("check.slack", None, positive=False)
     if slack is not None and slack < 0:
         raise f.error("check.slack", f"must be >= 0, got {slack}")
+    if slack is not None and slack > MAX_SLACK:
+        raise f.error("check.slack", f"{slack:g} would accept any error of that absolute size in results of order 1; "
+                      f"at most {MAX_SLACK:g}", hint="omit it for the default (1e-5 in half precision, else 0)")
     nondet_tol = f.float("check.nondet_tol", 0.0, positive=False)
     if f.has("check.nondet_tol") and not f.has("implementation") and f.where("check.nondet_tol")[0] != "defaults":
         raise f.error("check.nondet_tol", "applies to a scenario with an implementation: the built-in engines are "
@@ -261,6 +270,10 @@ def _user_code_policy(f: _Fields) -> tuple[float, float | None, float, float]:
                       hint="remove it, or add 'implementation: module:attribute'")
     if nondet_tol < 0:
         raise f.error("check.nondet_tol", f"must be >= 0, got {nondet_tol}",
+                      hint="0 (the default) requires two calls on the same inputs to agree bit for bit")
+    if nondet_tol > MAX_TOLERANCE:
+        raise f.error("check.nondet_tol", f"{nondet_tol:g} would accept two calls on the same inputs that differ by "
+                      f"{nondet_tol:.0%} of their size; at most {MAX_TOLERANCE:g}",
                       hint="0 (the default) requires two calls on the same inputs to agree bit for bit")
     timeout = f.float("check.timeout", 900.0)
     if f.has("check.timeout") and not f.has("implementation") and f.where("check.timeout")[0] != "defaults":

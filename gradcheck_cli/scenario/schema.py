@@ -11,6 +11,8 @@ from .fields import (
     ENGINES,
     MAX_DIRECTIONS,
     MAX_EPSILON,
+    MAX_FACTOR,
+    MAX_SLACK,
     MAX_TOLERANCE,
     MODES,
     NAME_RE,
@@ -36,7 +38,9 @@ def json_schema() -> dict:
                     "description": ".npy path (relative to the YAML) or nested list; True = visible"}}}
     check = {"type": "object", "additionalProperties": False, "properties": {
         "mode": {"enum": list(MODES)}, "samples": pos, "directions": {**pos, "maximum": MAX_DIRECTIONS},
-        "colouring": {"type": "boolean"}, "factor": number, "slack": number, "nondet_tol": number,
+        "colouring": {"type": "boolean"}, "factor": {**number, "maximum": MAX_FACTOR},
+        "slack": {**number, "minimum": 0, "maximum": MAX_SLACK},
+        "nondet_tol": {**number, "minimum": 0, "maximum": MAX_TOLERANCE},
         "timeout": number}}
     described = lambda key, values: {"enum": list(values), "description": "; ".join(  # noqa: E731
         f"{v}: {MEANING[key, v]}" for v in values) + f" (default {values[0]})"}

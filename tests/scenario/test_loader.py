@@ -9,7 +9,7 @@ from gradcheck_cli import scenario
 from gradcheck_cli.cli import main
 from gradcheck_cli.errors import ScenarioError
 
-from helpers import assert_rejected
+from helpers import ROOT, assert_rejected
 
 BASE = """\
 scenarios:
@@ -209,3 +209,24 @@ def test_a_misspelled_choice_gets_a_suggestion():
                     "did you mean 'attention'?")
     assert_rejected("scenarios:\n  - name: a\n    n_q: 4\n    d_head: 4\n    check: {mode: ful}\n", 5,
                     "scenarios[0].check.mode", "did you mean 'full'?")
+
+
+@pytest.mark.parametrize("check, key, words", [
+    ("{factor: 1.0e+308}", "check.factor", "at most 10"),
+    ("{factor: 11}", "check.factor", "11 times as wrong as a plain computation"),
+    ("{slack: 1.0e+308}", "check.slack", "at most 0.01"),
+    ("{slack: 0.5}", "check.slack", "at most 0.01"),
+    ("{nondet_tol: 1.0e+308}", "check.nondet_tol", "at most 0.25"),
+])
+def test_the_agreement_rule_s_settings_are_bounded_as_tolerance_is(check, key, words):
+    """A factor of 1e308 made the reference check pass at a relative error of 1.07 (issue 22)."""
+    text = f"scenarios:\n  - {{name: a, n_q: 3, d_head: 2, implementation: 'my_attention:attention', check: {check}}}\n"
+    with pytest.raises(ScenarioError) as err:
+        scenario.loads(text, file="x.yaml", base_dir=ROOT / "examples")
+    assert (err.value.line, err.value.key) == (2, f"scenarios[0].{key}") and words in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("check", ["{factor: 10}", "{slack: 0.01}", "{nondet_tol: 0.25}"])
+def test_the_bounds_themselves_are_accepted(check):
+    text = f"scenarios:\n  - {{name: a, n_q: 3, d_head: 2, implementation: 'my_attention:attention', check: {check}}}\n"
+    assert scenario.loads(text, base_dir=ROOT / "examples")[0].name == "a"
