@@ -204,6 +204,13 @@ def test_yaml_nested_by_block_mappings_is_refused_at_the_line_that_goes_too_deep
     assert err.value.line == 5 + 63 and err.value.key == "scenarios[0].x-junk.k.k.k.k.k..."
 
 
+def test_yaml_deeper_than_libyamls_own_bound_says_the_same():
+    text = "scenarios:\n  - name: a\n    n_q: 3\n    d_head: 2\n    x-junk: " + "[" * 3000 + "]" * 3000 + "\n"
+    with pytest.raises(ScenarioError) as err:
+        scenario.loads(text, file="deep.yaml")
+    assert err.value.line == 5 and "nested more than 64 levels deep" in err.value.message
+
+
 def test_deep_yaml_without_libyaml_is_refused_with_its_line(monkeypatch):
     """PyYAML's pure-Python composer recurses per level: its RecursionError is bad input, at the line
     where the document first nests too deep."""

@@ -89,8 +89,11 @@ class _Doc:
             node = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
             self.value = self._convert(node, ()) if node is not None else None
         except yaml.YAMLError as exc:
-            raise ScenarioError(f"not valid YAML: {_yaml_problem(exc)}", file=file,
-                                line=_yaml_line(exc, text)) from None
+            problem = _yaml_problem(exc)
+            if "maximum nesting depth" in problem:  # libyaml's own bound (1,000 levels), met before ours
+                raise ScenarioError(f"the YAML is nested more than {MAX_DEPTH} levels deep", file=file,
+                                    line=_yaml_line(exc, text)) from None
+            raise ScenarioError(f"not valid YAML: {problem}", file=file, line=_yaml_line(exc, text)) from None
         except RecursionError:  # PyYAML's pure-Python composer (without libyaml), which recurses per level
             raise ScenarioError(f"the YAML is nested more than {MAX_DEPTH} levels deep", file=file,
                                 line=_too_deep(text)) from None
