@@ -1,5 +1,6 @@
-"""The ``attn-gradcheck`` console script: the click command, with Ctrl-C ending every run the same
-way at any moment (while starting, loading or checking): one line, exit 130, no traceback.
+"""The ``attn-gradcheck`` console script: the click command, with Ctrl-C ending every command the same
+way at any moment (while starting, loading or checking): one line, exit 130, no traceback; SIGTERM
+the same way with exit 143, whichever command it stops (``run``, ``merge``, ``sweep-eps``, ...).
 
 After a Ctrl-C the process leaves with ``os._exit`` once its output is flushed and any report is
 written: worker threads still finishing a chunk of finite differences are not waited for.
@@ -21,6 +22,14 @@ def _leave(code: int, message: str | None = None) -> None:
         sys.stderr.flush()
     finally:
         os._exit(code)
+
+
+def _stopped(exc: BaseException) -> None:
+    """Leave after a Ctrl-C (130) or a SIGTERM (143), however it reached here: as itself, wrapped in click's
+    Abort, or as the cause of another exception."""
+    from .errors import caused_by_sigterm
+    terminated = caused_by_sigterm(exc)
+    _leave(ExitCode.TERMINATED if terminated else ExitCode.INTERRUPTED, "terminated" if terminated else "interrupted")
 
 
 def _terminate(signum, frame) -> None:
@@ -58,11 +67,9 @@ def main() -> None:
         from .cli import main as command
         code = command.main(prog_name="attn-gradcheck", standalone_mode=False)
     except KeyboardInterrupt as exc:
-        if type(exc).__name__ == "Terminated":
-            _leave(ExitCode.TERMINATED, "terminated")
-        _leave(ExitCode.INTERRUPTED, "interrupted")
-    except click.exceptions.Abort:  # click's own reading of Ctrl-C (and of EOF at a prompt)
-        _leave(ExitCode.INTERRUPTED, "interrupted")
+        _stopped(exc)
+    except click.exceptions.Abort as exc:  # click's own reading of Ctrl-C or SIGTERM (and of EOF at a prompt)
+        _stopped(exc)
     except click.exceptions.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
@@ -74,8 +81,8 @@ def main() -> None:
             _leave(ExitCode.BROKEN_PIPE)
         raise
     except Exception as exc:  # Ctrl-C inside a class body while importing comes wrapped (RuntimeError
-        if _caused_by_interrupt(exc):  # from __set_name__): it is still a Ctrl-C
-            _leave(ExitCode.INTERRUPTED, "interrupted")
+        if _caused_by_interrupt(exc):  # from __set_name__): it is still a Ctrl-C (or a SIGTERM)
+            _stopped(exc)
         raise
     if code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED):
         _leave(code)

@@ -22,6 +22,18 @@ def caused_by_interrupt(exc: BaseException) -> bool:
     return False
 
 
+def caused_by_sigterm(exc: BaseException) -> bool:
+    """``exc`` is SIGTERM's ``Terminated``, or was raised while handling one (click turns a KeyboardInterrupt
+    into its ``Abort``; the reports' writer into ``ReportsInterrupted`` with ``terminated`` set)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, Terminated) or getattr(exc, "terminated", False) is True:
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 class ReportsInterrupted(KeyboardInterrupt):
     """Ctrl-C (or SIGTERM) while the reports were being put in place: which are new and which are not."""
 

@@ -17,6 +17,8 @@ from pathlib import Path
 try:
     from timm.layers import Attention
 except ImportError:  # no torchvision: timm's attention module from its source file, as it is
+    if importlib.util.find_spec("timm") is None:
+        raise  # timm itself is not installed (pip install timm): nothing to load its source from
     _layers = Path(importlib.util.find_spec("timm").submodule_search_locations[0]) / "layers"
     _spec = importlib.util.spec_from_file_location("_timm_layers", _layers / "__init__.py",
                                                    submodule_search_locations=[str(_layers)])

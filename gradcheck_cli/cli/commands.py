@@ -8,12 +8,12 @@ from pathlib import Path
 
 import click
 
-from .. import __version__, api, checker, files, report, stepsweep
-from ..errors import GradcheckError, Terminated
+from .. import __version__, api, checker, report, stepsweep
+from ..errors import GradcheckError, caused_by_sigterm
 from ..exitcodes import EPILOG, EPILOG_INFO, ExitCode
 from ..ops import FAULTS, OPS
 from ..scenario import ENGINES, json_schema, load, select
-from .params import FAULT_CHOICE, _finite_float, _no_constant, _parse_steps, _require_matplotlib, _Shard
+from .params import FAULT_CHOICE, _parse_steps, _require_matplotlib, _Shard
 from .ui import _console, _error, _fail, _ProgressBar, _unwritten
 
 
@@ -112,19 +112,25 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
     except OSError as exc:
         raise _fail(f"cannot write the reports: {_unwritten(exc)}") from None
     except KeyboardInterrupt as exc:  # a second Ctrl-C while writing: nothing half-written stays behind
-        written = getattr(exc, "written", [])
-        pending = getattr(exc, "pending", None)
-        click.echo("interrupted while writing the reports; " + (
-            f"written: {', '.join(written) or 'none'}; not written (the old files, if any, are as they were): "
-            f"{', '.join(pending)}" if pending is not None else "none written"), err=True)
-        terminated = isinstance(exc, Terminated) or getattr(exc, "terminated", False)
-        raise click.exceptions.Exit(ExitCode.TERMINATED if terminated else ExitCode.INTERRUPTED) from None
+        raise _stopped_writing(exc, "reports") from None
     if interrupted:
         written = [p for p in (json_path, junit_path, html_path) if p] + ([f"{arrays_dir}/"] if arrays_dir else [])
         click.echo(f"{'terminated' if outcome.exit_code == ExitCode.TERMINATED else 'interrupted'} after "
                    f"{len(results)} of {len(scenarios)} scenario(s)"
                    + (f"; partial report(s) written: {', '.join(written)}" if written else ""), err=True)
     raise click.exceptions.Exit(outcome.exit_code)
+
+
+def _stopped_writing(exc: KeyboardInterrupt, what: str) -> click.exceptions.Exit:
+    """Say what a Ctrl-C or SIGTERM while the outputs were put in place left (nothing half-written stays
+    behind), and the exit that follows: 130, or 143 for SIGTERM."""
+    written = getattr(exc, "written", [])
+    pending = getattr(exc, "pending", None)
+    terminated = caused_by_sigterm(exc)
+    click.echo(f"{'terminated' if terminated else 'interrupted'} while writing the {what}; " + (
+        f"written: {', '.join(written) or 'none'}; not written (the old files, if any, are as they were): "
+        f"{', '.join(pending)}" if pending is not None else "none written"), err=True)
+    return click.exceptions.Exit(ExitCode.TERMINATED if terminated else ExitCode.INTERRUPTED)
 
 
 @main.command(epilog=EPILOG, short_help="Combine JSON reports (e.g. the shards of a CI matrix) into one verdict.")
@@ -139,29 +145,15 @@ def merge(reports, json_path, junit_path, html_path):
     """Combine the JSON REPORTS of several runs into one report and one verdict.
 
     Scenarios keep their file order; counts, verdict and negative controls are recomputed. Refused
-    (exit 2): a file that is not an attn-gradcheck JSON report, a report of an interrupted run, shards
-    of one config that are missing or given twice, a scenario present in two reports. The exit code is
-    the merged verdict's, as for 'run'.
+    (exit 2): a file that is not an attn-gradcheck JSON report (a key given twice in one object, nesting
+    deeper than a report's included), a report of an interrupted run, shards of one config that are
+    missing or given twice, a scenario present in two reports. The exit code is the merged verdict's, as
+    for 'run'; 130 on Ctrl-C, 143 on SIGTERM.
     """
-    loaded = []
-    for path in reports:
-        try:
-            text = files.read_regular(path, files.MAX_REPORT_BYTES).decode("utf-8")
-        except files.FileProblem as exc:
-            raise _fail(f"{path}: {exc}") from None
-        except UnicodeDecodeError:
-            raise _fail(f"{path}: not UTF-8 text, so not a JSON report") from None
-        try:
-            data = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
-            json.dumps(data, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape is no text
-            loaded.append((path, data))
-        except UnicodeEncodeError:
-            raise _fail(f"{path}: not an attn-gradcheck JSON report (it holds a lone surrogate escape such as "
-                        "\\ud800, which is not text)") from None
-        except json.JSONDecodeError as exc:
-            raise _fail(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from None
-        except (ValueError, RecursionError) as exc:  # NaN, nesting or integers beyond what a report holds
-            raise _fail(f"{path}: not an attn-gradcheck JSON report ({str(exc)[:120] or type(exc).__name__})") from None
+    try:
+        loaded = [(path, report.read_report(path)) for path in reports]
+    except GradcheckError as exc:
+        raise _fail(exc) from None
     try:
         report.prepare_outputs({"--json": json_path, "--junit": junit_path, "--html": html_path}, {},
                                inputs=list(reports))
@@ -174,6 +166,8 @@ def merge(reports, json_path, junit_path, html_path):
                              html_path=html_path)
     except OSError as exc:
         raise _fail(f"cannot write the report: {_unwritten(exc)}") from None
+    except KeyboardInterrupt as exc:
+        raise _stopped_writing(exc, "reports") from None
     raise click.exceptions.Exit(ExitCode.of_verdict(data["verdict"]))
 
 
@@ -239,6 +233,8 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
                 stage.add(plot_path, lambda fh: report.plot_sweeps(sweeps, fh, Path(plot_path).suffix[1:].lower()))
     except OSError as exc:
         raise _fail(f"cannot write the outputs: {_unwritten(exc)}") from None
+    except KeyboardInterrupt as exc:
+        raise _stopped_writing(exc, "outputs") from None
     if failed:
         raise click.exceptions.Exit(ExitCode.FAILED)
 

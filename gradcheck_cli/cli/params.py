@@ -1,8 +1,6 @@
 """The command line's parameter types and value checks: I/N shards, fault names (from the registry),
---steps ranges, --plot's needs, and the number checks of a JSON report read by 'merge'."""
+--steps ranges, --plot's needs."""
 from __future__ import annotations
-
-import math
 
 import click
 import numpy as np
@@ -29,17 +27,6 @@ class _Shard(click.ParamType):
         if not sep or not 1 <= index <= count:
             self.fail(f"{value!r} is not I/N with 1 <= I <= N (e.g. 2/4)", param, ctx)
         return index, count
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"it holds the number {text[:40]}, beyond float64 (a report holds finite numbers or null)")
-    return value
-
-
-def _no_constant(name: str):
-    raise ValueError(f"it holds {name}, which a report never does (non-finite numbers are written as null)")
 
 
 def _parse_steps(text: str) -> tuple[float, ...]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from .failures import ImplementationFailure, determinism, failure_check, in_copi
 from .locating import SPEC_RE, LoadError, _import_from_file, _local_file, locate, source_files
 
 __all__ = ["CTRL_C_REACHES_HERE", "SPEC_RE", "ImplementationFailure", "LoadError", "call", "determinism",
-           "failure_check", "guarded", "in_copies", "load", "locate", "source_files"]
+           "failure_check", "guarded", "in_copies", "install_line", "load", "locate", "source_files"]
 
 
 #: Implementations imported by this process: (folder, spec, flavour) -> object.
@@ -67,6 +68,12 @@ def load(spec: str, base_dir: Path, flavour: str = "numpy") -> Any:
                             f"installed module {top!r} ({shadowed}), which it imports ({type(exc).__name__}: {exc}); "
                             f"imported under its own name, the file hides that module from itself: rename the file "
                             f"(e.g. {top}_recipe.py) and the 'module:' part of implementation") from None
+        library = _missing_library(exc, top)
+        if library is not None:
+            then = "" if isinstance(exc, ModuleNotFoundError) else \
+                f" (the module then raised {type(exc).__name__}: {str(exc)[:200]})"
+            raise LoadError(f"cannot import {module_name!r}: it needs the library {library}, which is not installed "
+                            f"here: {install_line(library)}{then}") from None
         missing = isinstance(exc, ModuleNotFoundError) and exc.name is not None and top != exc.name.split(".")[0]
         where = (f" (it was found, but it imports {exc.name!r}, which is not installed here)" if missing else
                  " (the module must be importable from the YAML's folder or PYTHONPATH)"
@@ -230,6 +237,39 @@ def guarded_call(fn, what: str, args: tuple, expected: dict[str, tuple[tuple[int
                                         f"[{', '.join(map(str, index))}]", name, index)
         result[name] = arr
     return result
+
+
+#: Import names whose package on PyPI is named otherwise (pip's name, or the extra of this tool that
+#: installs it); any other library is installed by its import name, with '_' written '-'.
+PIP_NAMES = {"torch": "'attn-gradcheck[torch]'", "jax": "'attn-gradcheck[jax]'", "jaxlib": "'attn-gradcheck[jax]'",
+             "sklearn": "scikit-learn", "cv2": "opencv-python", "PIL": "Pillow", "yaml": "PyYAML",
+             "skimage": "scikit-image", "bs4": "beautifulsoup4", "haiku": "dm-haiku", "attr": "attrs",
+             "dateutil": "python-dateutil"}
+
+
+def install_line(library: str) -> str:
+    """The command that installs the top-level module ``library`` ("pip install timm")."""
+    return f"pip install {PIP_NAMES.get(library, library.replace('_', '-'))}"
+
+
+def _missing_library(exc: BaseException, top: str) -> str | None:
+    """The library that importing the user's module ``top`` needed and is not installed: named by a
+    ModuleNotFoundError that ``exc`` is, or was raised while handling (a fallback that then failed, e.g.
+    ``importlib.util.find_spec("timm").submodule_search_locations`` on None); None when there is none."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        name = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+        library = name.split(".")[0] if isinstance(name, str) and name else None
+        if library and library != top:
+            try:
+                installed = importlib.util.find_spec(library) is not None
+            except (ImportError, ValueError):
+                installed = True  # found but broken: not a missing library
+            if not installed:
+                return library
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _shadowed(exc: BaseException, top: str, local: Path | None, folder: str) -> str | None:

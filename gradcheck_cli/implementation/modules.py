@@ -27,6 +27,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,10 @@ from .failures import ImplementationFailure
 KEYS = ("factory", "weights", "call")
 
 _TOKEN = re.compile(r"\s*(concat\(|[A-Za-z_]\w*|\.T\b|,|\))")
+
+#: The deepest nesting of ``concat(`` an expression may have (a fused weight needs one or two): bounded
+#: before the recursive parser runs, so no expression can exhaust Python's stack.
+MAX_DEPTH = 32
 
 
 @dataclass(frozen=True)
@@ -61,22 +66,33 @@ class Expr:
         return body + (".T" if self.transpose else "")
 
 
+def _short(text: str) -> str:
+    """``text`` quoted, cut to a readable length (an expression of megabytes is not repeated back)."""
+    return repr(text) if len(text) <= 80 else repr(text[:60]) + f"... ({len(text):,} characters)"
+
+
 def parse_expr(text: str) -> Expr:
     """Parse a weight expression; raises ValueError saying what is wrong."""
     if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"expected an expression of the op's tensors (e.g. 'w1.T'), got {text!r}")
+        raise ValueError(f"expected an expression of the op's tensors (e.g. 'w1.T'), got {reprlib.repr(text)}")
     tokens, pos, clean = [], 0, text.strip()
     while pos < len(clean):
         m = _TOKEN.match(clean, pos)
         if not m:
-            raise ValueError(f"cannot read {clean[pos:]!r} in {text!r}: an expression is a tensor name, name.T, "
-                             "or concat(a, b, ...), optionally followed by .T")
+            raise ValueError(f"cannot read {_short(clean[pos:])} in {_short(clean)}: an expression is a tensor name, "
+                             "name.T, or concat(a, b, ...), optionally followed by .T")
         tokens.append(m.group(1))
         pos = m.end()
+    depth = 0
+    for token in tokens:
+        depth += (token == "concat(") - (token == ")")
+        if depth > MAX_DEPTH:
+            raise ValueError(f"concat( is nested more than {MAX_DEPTH} deep in {_short(clean)}: a fused weight "
+                             "needs one concat(a, b, ...)")
 
     def expr(i: int) -> tuple[Expr, int]:
         if i >= len(tokens):
-            raise ValueError(f"{text!r} ends too early")
+            raise ValueError(f"{_short(clean)} ends too early")
         if tokens[i] == "concat(":
             parts, i = [], i + 1
             while True:
@@ -88,19 +104,19 @@ def parse_expr(text: str) -> Expr:
                 if i < len(tokens) and tokens[i] == ")":
                     i += 1
                     break
-                raise ValueError(f"concat( in {text!r} needs its closing parenthesis")
+                raise ValueError(f"concat( in {_short(clean)} needs its closing parenthesis")
             node = Expr(parts=tuple(parts))
         elif re.fullmatch(r"[A-Za-z_]\w*", tokens[i]):
             node, i = Expr(name=tokens[i]), i + 1
         else:
-            raise ValueError(f"unexpected {tokens[i]!r} in {text!r}")
+            raise ValueError(f"unexpected {tokens[i]!r} in {_short(clean)}")
         if i < len(tokens) and tokens[i] == ".T":
             node, i = Expr(node.name, node.parts, True), i + 1
         return node, i
 
     node, end = expr(0)
     if end != len(tokens):
-        raise ValueError(f"unexpected {tokens[end]!r} in {text!r}")
+        raise ValueError(f"unexpected {tokens[end]!r} in {_short(clean)}")
     return node
 
 

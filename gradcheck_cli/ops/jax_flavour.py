@@ -135,8 +135,14 @@ def from_module(built, spec, order: tuple[str, ...], arg_names: tuple[str, ...],
             raise ImplementationFailure(f"the module built by {spec.factory} has no parameter {path!r}"
                                         f"{suggest(path, leaves)}; its parameters: {', '.join(leaves) or 'none'}")
         paths[full] = (expr, fitted(expression_shape(expr, shapes), tuple(np.shape(leaves[full])), path, expr))
-    frozen = [p for p in leaves if p not in paths]
-    nonzero = [p for p in frozen if np.size(leaves[p]) and float(np.max(np.abs(np.asarray(leaves[p])))) > 0]
+    frozen, nonzero = [], []
+    for p, leaf in leaves.items():
+        if p in paths:
+            continue
+        unread = _unread(leaf)
+        frozen.append(p if unread is None else f"{p} ({unread})")
+        if unread is None and np.count_nonzero(np.asarray(leaf)):
+            nonzero.append(p)
     names = order + arg_names
 
     def f(*values):
@@ -151,6 +157,18 @@ def from_module(built, spec, order: tuple[str, ...], arg_names: tuple[str, ...],
         return out[0] if isinstance(out, (tuple, list)) and out else out
 
     return f, frozen, nonzero
+
+
+def _unread(leaf) -> str | None:
+    """Why a frozen leaf's values are not read (None: they are): an empty array has none, and what is not a
+    dense numeric array (a sparse BCOO matrix, None, a string) is listed as it is, never reduced."""
+    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+        return f"{type(leaf).__name__}, not inspected"
+    if np.asarray(leaf).dtype.kind not in "biufc":
+        return f"{np.asarray(leaf).dtype}, not inspected"
+    if np.size(leaf) == 0:
+        return f"empty, {list(np.shape(leaf))}"
+    return None
 
 
 def _functional(built, factory: str):

@@ -87,8 +87,14 @@ def from_module(module, spec, order: tuple[str, ...], arg_names: tuple[str, ...]
                                         f"{suggest(path, params)}; its parameters: {', '.join(params) or 'none'}")
         reshape[path] = fitted(expression_shape(expr, shapes), tuple(params[path].shape), path, expr)
     mapped = [path for path, _ in spec.weights]
-    frozen = [name for name, _ in module.named_parameters() if name not in mapped]
-    nonzero = [name for name, t in module.named_parameters() if name in frozen and bool(t.detach().abs().max() > 0)]
+    frozen, nonzero = [], []
+    for name, t in module.named_parameters():
+        if name in mapped:
+            continue
+        unread = _unread(t)
+        frozen.append(name if unread is None else f"{name} ({unread})")
+        if unread is None and bool(torch.count_nonzero(t.detach()) > 0):
+            nonzero.append(name)
     names = order + arg_names
 
     def f(*values):
@@ -104,3 +110,15 @@ def from_module(module, spec, order: tuple[str, ...], arg_names: tuple[str, ...]
         return out[0] if isinstance(out, (tuple, list)) and out else out
 
     return f, frozen, nonzero
+
+
+def _unread(t: torch.Tensor) -> str | None:
+    """Why a frozen parameter's values are not read (None: they are): an empty one has none, and a sparse,
+    quantised or meta one is listed as it is, never reduced (a max over it has no meaning or no kernel)."""
+    if t.layout != torch.strided:
+        return f"{str(t.layout).removeprefix('torch.')}, {list(t.shape)}, not inspected"
+    if t.is_meta or t.is_quantized:
+        return f"{'meta' if t.is_meta else 'quantised'}, {list(t.shape)}, not inspected"
+    if t.numel() == 0:
+        return f"empty, {list(t.shape)}"
+    return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 from .common import diagnosis_lines, failure_message, reproduce_command, summary, verdict
 from .formats import JSON_SCHEMA_VERSION, json_bytes, json_report, junit_xml
 from .html import sweeps_html
-from .merge import merge_reports
+from .merge import merge_reports, read_report
 from .outputs import INPUT_SUFFIXES, STAGE_PREFIX, StagedWrites, prepare_outputs, remove_stale_stages, write_reports
 from .plot import plot_sweeps
 from .registry import REPORTER_BY_NAME
@@ -20,6 +20,6 @@ from .terminal import render_controls, render_merged, render_scenario, render_su
 __all__ = [
     "INPUT_SUFFIXES", "JSON_SCHEMA_VERSION", "REPORTER_BY_NAME", "STAGE_PREFIX", "StagedWrites", "diagnosis_lines",
     "failure_message", "json_bytes", "json_report", "junit_xml", "merge_reports", "plot_sweeps", "prepare_outputs",
-    "remove_stale_stages", "render_controls", "render_merged", "render_scenario", "render_summary", "render_sweep",
-    "reproduce_command", "summary", "sweeps_html", "verdict", "write_reports",
+    "read_report", "remove_stale_stages", "render_controls", "render_merged", "render_scenario", "render_summary",
+    "render_sweep", "reproduce_command", "summary", "sweeps_html", "verdict", "write_reports",
 ]

@@ -48,8 +48,10 @@ def prepare_outputs(files: dict[str, str | None], folders: dict[str, str | None]
     targets: dict[Path, str] = {Path(p).resolve(): f"the input {p}" for p in inputs}
     targets.update({Path(p).resolve(): f"the {opt} folder {p}" for opt, p in folders.items() if p})
     wanted = [(opt, Path(p)) for opt, p in files.items() if p]
-    wanted += [(f"{opt} ({name})", Path(folders[opt]) / name)
+    wanted += [(f"{opt} ({_cut(name)})", Path(folders[opt]) / name)
                for opt, names in (folder_files or {}).items() if folders.get(opt) for name in names]
+    for what, p in wanted:  # first: a name too long for the file system makes every stat of it fail
+        _fits(what, p, member=what not in files)
     for what, p in wanted:
         key = p.resolve()
         if key in targets:
@@ -83,16 +85,37 @@ def prepare_outputs(files: dict[str, str | None], folders: dict[str, str | None]
         except OSError as exc:
             raise GradcheckError(f"{opt} {p}: cannot write there ({exc.strerror or exc})") from None
     for what, p in wanted:
-        if what not in files and (p.is_dir() or not _files.is_regular_or_absent(p)):  # a --save-arrays member
-            raise GradcheckError(f"{what}: {p} exists and is not a regular file; remove it or choose another folder")
         try:
-            longest = os.pathconf(p.parent if p.parent.exists() else ".", "PC_NAME_MAX")
-        except (OSError, ValueError):
-            longest = 255
-        if len(os.fsencode(p.name)) > longest:
-            raise GradcheckError(f"{p}: the file name is {len(os.fsencode(p.name))} bytes; this file system allows "
-                                 f"{longest}")
+            if what not in files and (p.is_dir() or not _files.is_regular_or_absent(p)):  # a --save-arrays member
+                raise GradcheckError(f"{what}: {p} exists and is not a regular file; remove it or choose another "
+                                     "folder")
+        except OSError as exc:
+            raise GradcheckError(f"{what}: {p}: cannot write there ({exc.strerror or exc})") from None
     remove_stale_stages({p.parent for _, p in wanted if p.parent.exists()}, keep=inputs)
+
+
+def _fits(what: str, p: Path, member: bool) -> None:
+    """``p``'s file name, and the whole path, within what the file system allows (NAME_MAX, PATH_MAX);
+    ``member``: a file of a folder option, named after a scenario."""
+    limits = {}
+    for key, default in (("PC_NAME_MAX", 255), ("PC_PATH_MAX", 4096)):
+        try:
+            limits[key] = os.pathconf(p.parent if p.parent.is_dir() else Path("."), key)
+        except (OSError, ValueError):
+            limits[key] = default
+    name, whole = len(os.fsencode(p.name)), len(os.fsencode(str(p)))
+    where = what if member else f"{what} {_cut(str(p))}"
+    if name > limits["PC_NAME_MAX"]:
+        raise GradcheckError(f"{where}: the file name is {name} bytes; this file system allows {limits['PC_NAME_MAX']}"
+                             + (" (the scenario's name makes it: shorten the name or its sweep's values, nothing has "
+                                "run)" if member else ""))
+    if whole >= limits["PC_PATH_MAX"]:
+        raise GradcheckError(f"{where}: the path is {whole} bytes; this system allows {limits['PC_PATH_MAX'] - 1}")
+
+
+def _cut(text: str) -> str:
+    """A path as messages show it: whole up to 100 characters, else its two ends."""
+    return text if len(text) <= 100 else f"{text[:60]}...{text[-30:]} ({len(text)} characters)"
 
 
 #: Staged report files are named .attn-gradcheck-<pid>-<random>.tmp beside their targets, whatever the

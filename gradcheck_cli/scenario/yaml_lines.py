@@ -12,6 +12,10 @@ from ..errors import ScenarioError
 
 #: A document may hold at most this many values once YAML aliases are expanded.
 MAX_VALUES = 1_000_000
+#: The deepest nesting of mappings and lists a document may have (a scenario file needs under ten levels:
+#: scenarios[0].sweep.mask.visible and a 4-D inline mask): refused where it is exceeded, with its line and
+#: key, before anything that walks the document recursively could run out of stack.
+MAX_DEPTH = 64
 
 _SHORT = reprlib.Repr()
 _SHORT.maxstring = _SHORT.maxother = 60
@@ -50,6 +54,23 @@ def _key(path: tuple) -> str:
     return out
 
 
+def _too_deep(text: str) -> int | None:
+    """The line where ``text`` first nests deeper than MAX_DEPTH, from the parser's events (a flat stream:
+    no recursion), or None when it cannot tell."""
+    depth = 0
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    return event.start_mark.line + 1
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+    except yaml.YAMLError:
+        pass
+    return None
+
+
 #: The tags of YAML's core schema (and the merge key '<<', and timestamps, which YAML 1.1 resolves
 #: plain dates to: the field readers refuse them by type). Any other tag is refused where it stands.
 SAFE_TAGS = frozenset(f"tag:yaml.org,2002:{t}" for t in ("null", "bool", "int", "float", "str", "seq", "map",
@@ -68,12 +89,20 @@ class _Doc:
             node = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
             self.value = self._convert(node, ()) if node is not None else None
         except yaml.YAMLError as exc:
-            raise ScenarioError(f"not valid YAML: {_yaml_problem(exc)}", file=file,
-                                line=_yaml_line(exc, text)) from None
-        except RecursionError:
-            raise ScenarioError("the YAML is nested too deeply to be a scenario file", file=file) from None
+            problem = _yaml_problem(exc)
+            if "maximum nesting depth" in problem:  # libyaml's own bound (1,000 levels), met before ours
+                raise ScenarioError(f"the YAML is nested more than {MAX_DEPTH} levels deep", file=file,
+                                    line=_yaml_line(exc, text)) from None
+            raise ScenarioError(f"not valid YAML: {problem}", file=file, line=_yaml_line(exc, text)) from None
+        except RecursionError:  # PyYAML's pure-Python composer (without libyaml), which recurses per level
+            raise ScenarioError(f"the YAML is nested more than {MAX_DEPTH} levels deep", file=file,
+                                line=_too_deep(text)) from None
 
     def _convert(self, node, path: tuple) -> Any:
+        if len(path) > MAX_DEPTH and isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
+            raise ScenarioError(f"nested more than {MAX_DEPTH} levels deep (a scenario file needs under ten)",
+                                file=self.file, line=node.start_mark.line + 1,
+                                key=_key(path[:8]) + "..." if len(path) > 8 else _key(path))
         if node.tag not in SAFE_TAGS:  # explicit tags outside YAML's core schema (!!python/object, !custom, ...)
             tag = node.tag.replace("tag:yaml.org,2002:", "!!")
             raise ScenarioError(f"the YAML tag {_show(tag)} is not allowed: scenario files hold plain "

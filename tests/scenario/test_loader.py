@@ -109,7 +109,7 @@ def test_yaml_anchors_and_merge_keys(tmp_path):
     ("scenarios: [{name: a, n_q: 4, d_head: 100000000000}]\n", 1, "GiB"),
     ("scenarios: [{name: a, n_q: 4, d_head: 2, loss_rows: [0, 0]}]\n", 1, "listed twice"),
     ("scenarios:\n  - name: a\x00\n", 2, "unacceptable character"),
-    ("[" * 5000, 1, "nesting depth"),
+    ("[" * 5000, 1, "nested more than 64 levels deep"),
     ("x-a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\nx-b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
      "x-c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nx-d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
      "x-e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\nx-f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]\n"
