@@ -2,11 +2,11 @@
 results, the command that re-runs a scenario, and the plain-text lines of a failed check."""
 from __future__ import annotations
 
-import shlex
 from collections.abc import Sequence
 
 from ..indices import ranges
 from ..result import ScenarioResult
+from ..text import shell_word
 
 
 def summary(results: Sequence[ScenarioResult]) -> dict:
@@ -24,8 +24,9 @@ def verdict(results: Sequence[ScenarioResult]) -> str:
 
 
 def reproduce_command(config: str, name: str, faults: Sequence[str] = (), engine: str | None = None) -> str:
-    """One line that re-runs just this scenario (with the same faults, and the --engine given)."""
-    parts = ["attn-gradcheck", "run", shlex.quote(config), "--select", shlex.quote(name)]
+    """One line that re-runs just this scenario (with the same faults, and the --engine given); a path or name
+    that holds a character that is not printable is quoted as ``$'...'``, visible and exact."""
+    parts = ["attn-gradcheck", "run", shell_word(config), "--select", shell_word(name)]
     for fault in faults:
         parts += ["--fault", fault]
     if engine:

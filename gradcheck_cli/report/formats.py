@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 from .. import __version__
 from ..result import ControlCell, ScenarioResult, controls_verdict
+from ..text import text_only, visible_all
 from . import schema as report_schema
 from .common import diagnosis_lines, failure_message, reproduce_command, summary, verdict
 
@@ -82,11 +83,14 @@ def _controls_into(report: dict, cells: list[dict]) -> None:
 
 
 def _json_safe(value):
-    """JSON has no NaN or Infinity: non-finite numbers are written as null."""
+    """JSON has no NaN or Infinity: non-finite numbers are written as null; nor, for a reader that wants text
+    (``merge``), lone surrogates: written as their escapes (``text.text_only``)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, str):
+        return text_only(value)
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {_json_safe(k): _json_safe(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_json_safe(v) for v in value]
     return value
@@ -98,7 +102,9 @@ def _num(x, spec: str) -> str:
 
 def junit_xml(report: dict) -> bytes:
     """JUnit XML of a JSON report (``json_report`` or ``merge_reports``): one testsuite per scenario,
-    one testcase per check, and one per negative-control cell."""
+    one testcase per check, and one per negative-control cell. Always valid XML 1.0: every text is made
+    visible first (``text.visible``: no control character, lone surrogate or noncharacter is left)."""
+    report = visible_all(report)
     root = ET.Element("testsuites", name="attn-gradcheck", id=str(report.get("run_id", "")))
     for r in report["scenarios"]:
         checks = [SimpleNamespace(**c) for c in r["checks"]]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from html import escape
 
+from ..text import visible_all
+
 #: Colours of the heat map's levels: -1 not checked, 0 within tolerance, d >= 1: error 10^(d-1)..10^d x allowed.
 _LEVEL_COLOURS = {-1: "#e8e8e8", 0: "#7bc47f", 1: "#f6e05e", 2: "#f6ad55", 3: "#ed8936", 4: "#e53e3e"}
 _VERDICT = {"pass": "pass", "fail": "FAIL", "inconclusive": "inconclusive", "interrupted": "interrupted"}
@@ -114,7 +116,9 @@ def _controls(nc: dict) -> str:
 
 
 def html_report(report: dict) -> bytes:
-    """The HTML report of a JSON report: self-contained (inline CSS and SVG, no script, no link out)."""
+    """The HTML report of a JSON report: self-contained (inline CSS and SVG, no script, no link out); its text
+    made visible (``text.visible``) before it is escaped as HTML."""
+    report = visible_all(report)
     title = f"attn-gradcheck: {report.get('config', '')}"
     summary = report.get("summary", {})
     verdict = report.get("verdict", "")
@@ -180,6 +184,7 @@ def _sweep_svg(sweep: dict) -> str:
 def sweeps_html(data: dict) -> bytes:
     """The HTML of a ``sweep-eps`` run (its JSON: ``sweeps``): per scenario the V curve (inline SVG) and the table
     of errors by step, the step the run uses and the best one marked."""
+    data = visible_all(data)
     title = f"attn-gradcheck sweep-eps: {data.get('config', '')}"
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
              f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body>", f"<h1>{escape(title)}</h1>"]

@@ -2,6 +2,7 @@
 report and an epsilon sweep (plain aligned columns when the output is not a terminal)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -11,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..result import ControlCell, ScenarioResult, controls_verdict
+from ..text import visible, visible_all
 from .common import _g, diagnosis_lines, failure_message, summary
 
 
@@ -98,7 +100,18 @@ def _table(console: Console, title: str, headers: Sequence[str], rows: Sequence[
         console.print(line(cells), markup=False, highlight=False, soft_wrap=True)
 
 
+def _visible_result(r: ScenarioResult) -> ScenarioResult:
+    """``r`` with the text it took from outside made visible (``text.visible``): its name, faults and hints, and
+    each check's name, tensor, detail and diagnosis."""
+    checks = tuple(dataclasses.replace(c, name=visible(c.name), tensor=None if c.tensor is None else visible(c.tensor),
+                                       detail=visible(c.detail), diagnosis=visible_all(c.diagnosis))
+                   for c in r.checks)
+    return dataclasses.replace(r, name=visible(r.name), faults=tuple(map(visible, r.faults)),
+                               hints=tuple(map(visible, r.hints)), checks=checks)
+
+
 def render_scenario(console: Console, r: ScenarioResult, description: str, reproduce: str | None = None) -> None:
+    r, description, reproduce = _visible_result(r), visible(description), reproduce and visible(reproduce)
     title = f"{r.name} ({description})" + (f"  faults: {', '.join(r.faults)}" if r.faults else "")
     rows, styles = [], []
     for c in r.checks:
@@ -177,6 +190,8 @@ def render_summary(console: Console, results: Sequence[ScenarioResult], interrup
 
 
 def render_controls(console: Console, cells: Sequence[ControlCell]) -> None:
+    cells = [dataclasses.replace(c, fault=visible(c.fault), scenario=visible(c.scenario), reason=visible(c.reason),
+                                 caught_by=tuple(map(visible, c.caught_by))) for c in cells]
     scenarios = list(dict.fromkeys(c.scenario for c in cells))
     faults = list(dict.fromkeys(c.fault for c in cells))
     look = {(c.fault, c.scenario): c for c in cells}
@@ -220,6 +235,7 @@ def render_controls(console: Console, cells: Sequence[ControlCell]) -> None:
 
 def render_merged(console: Console, data: dict) -> None:
     """A line per scenario (its failed checks under it), the totals and the negative controls."""
+    data = visible_all(data)  # reports read from files: any text at all
     for sc in data["scenarios"]:
         word = {"pass": "passed", "fail": "FAILED", "inconclusive": "INCONCLUSIVE"}[sc["verdict"]]
         console.print(f"{sc['name']} ({sc['config']}): {word}")
@@ -248,6 +264,7 @@ def render_sweep(console: Console, sweep, description: str) -> None:
     """A table per scenario: one row per step, the relative error of each input's sampled elements."""
     tensors = list(sweep.errors)
     best = {t: sweep.best(t) for t in tensors}
+    description = visible(description)
     rows = []
     for k, h in enumerate(sweep.steps):
         cells = [f"{h:.0e}"]
@@ -255,7 +272,8 @@ def render_sweep(console: Console, sweep, description: str) -> None:
             e = sweep.errors[t][k]
             cells.append(("inf" if not math.isfinite(e) else f"{e:.1e}") + (" *" if h == best[t] else "  "))
         rows.append(cells + (["<- run"] if h == sweep.chosen else [""]))
-    _table(console, f"{sweep.name} ({description}): relative error against epsilon", ["epsilon"] + tensors + [""],
+    _table(console, f"{visible(sweep.name)} ({description}): relative error against epsilon",
+           ["epsilon"] + [visible(t) for t in tensors] + [""],
            rows, [True] * (1 + len(tensors)) + [False])
     console.print("  large steps: truncation (~h^2); small steps: rounding (~eps/h); * = smallest error; "
                   "<- run = the step the run uses", soft_wrap=True)
