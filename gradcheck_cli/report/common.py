@@ -1,7 +1,9 @@
-"""What the terminal, the JSON and JUnit reports and the pytest plugin share: the counts and verdict of
-results, the command that re-runs a scenario, and the plain-text lines of a failed check."""
+"""What the terminal, the JSON, JUnit and HTML reports and the pytest plugin share: the counts and verdict of
+results, the command that re-runs a scenario, the table's columns and cells, the power line, and the plain-text
+lines of a failed check."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from ..indices import ranges
@@ -37,6 +39,69 @@ def reproduce_command(config: str, name: str, faults: Sequence[str] = (), engine
 def _g(x, spec: str = ".6g") -> str:
     """A number of a report's JSON, where a non-finite one is null."""
     return "non-finite" if x is None else format(x, spec)
+
+
+#: The number columns of a scenario's table (docs/reports.md "The table"), each with the label it has on a narrow
+#: terminal's second line. Each means one thing on every row and is blank where it does not apply:
+#: max abs err: the error the check measured (the largest, or on an invariant with an allowance per element the
+#: one closest to failing); rel err: that over the larger side's largest value (gradient and reference rows);
+#: rel tol: a relative tolerance (gradient rows, and nondet_tol on "deterministic"); noise floor: the absolute
+#: allowance for rounding added to it (gradient rows); allowed: an absolute allowance (reference and invariant
+#: rows); detects: the check's power.
+COLUMNS = (("max abs err", "abs"), ("rel err", "rel"), ("rel tol", "rtol"), ("noise floor", "floor"),
+           ("allowed", "allowed"), ("detects", "detects"))
+
+
+def _cell(x) -> str:
+    """A number of the table: '' for none, 'non-finite' for inf, NaN, or the null a JSON report has for them."""
+    if x is None:
+        return "non-finite"
+    return f"{x:.2e}" if math.isfinite(x) else "non-finite"
+
+
+def number_cells(c) -> list[str]:
+    """The cells of check ``c`` (a ``Check``, or a JSON report's check as an object) under ``COLUMNS``: '' where a
+    column does not apply; an implementation's call that raised shows "did not run", one that only records what
+    ran (no shape: the module's parameters, compilations) no numbers, one whose result is not finite that only."""
+    kind = str(c.kind)
+    blank = [""] * len(COLUMNS)
+    if kind == "implementation" and c.shape is None:
+        return (["did not run"] + blank[1:]) if not c.passed else blank
+    cells = {"max abs err": _cell(c.max_abs_error)}
+    if kind in ("gradient", "reference"):
+        cells["rel err"] = _cell(c.relative_error)
+    if kind == "gradient" or (kind == "implementation" and cells["max abs err"] != "non-finite"):
+        cells["rel tol"] = _cell(c.tolerance)  # implementation: "deterministic", nondet_tol of the largest value
+    if kind == "gradient":
+        cells["noise floor"] = _cell(c.noise_floor)
+    if kind in ("reference", "invariant"):
+        cells["allowed"] = _cell(c.tolerance)
+    if c.detectable is not None:
+        cells["detects"] = _cell(c.detectable)
+    return [cells.get(header, "") for header, _ in COLUMNS]
+
+
+def labelled_numbers(c, short: bool = False) -> list[str]:
+    """``label value`` for each number of check ``c`` that applies (``number_cells``), labelled by its column's
+    header (``short``: its narrow label)."""
+    return [cell if cell == "did not run" else f"{label if short else header} {cell}"
+            for (header, label), cell in zip(COLUMNS, number_cells(c)) if cell]
+
+
+def power_line(detectable: dict) -> str:
+    """What the passing checks of a scenario would have caught (its ``detectable``: tensor -> relative error), or
+    '' when none has power."""
+    if not detectable:
+        return ""
+    return "power: would have caught uniform relative errors above " + ", ".join(
+        f"{_cell(x)} in {power_name(t)}" for t, x in detectable.items())
+
+
+def power_name(tensor: str) -> str:
+    """How the power line names a checked tensor: O, a gradient dq, or a part H_Q of a Hessian-vector product."""
+    if tensor in ("o", "o_dot"):
+        return "O" if tensor == "o" else "the JVP"
+    return f"H_{tensor[1].upper()}" if len(tensor) == 2 and tensor[0] == "h" else "d" + tensor
 
 
 def diagnosis_lines(c, indent: str = "    ") -> list[str]:

@@ -13,7 +13,7 @@ from .. import __version__
 from ..result import ControlCell, ScenarioResult, controls_verdict
 from ..text import text_only, visible_all
 from . import schema as report_schema
-from .common import diagnosis_lines, failure_message, reproduce_command, summary, verdict
+from .common import diagnosis_lines, failure_message, labelled_numbers, reproduce_command, summary, verdict
 
 #: Version of the JSON report layout (docs/reports.md "JSON report"). Bumped on any incompatible change.
 JSON_SCHEMA_VERSION = report_schema.SCHEMA_VERSION
@@ -115,9 +115,7 @@ def junit_xml(report: dict) -> bytes:
             case = ET.SubElement(suite, "testcase", classname=f"attn-gradcheck.{r['name']}",
                                  name=f"{c.name} [{c.tensor}]")
             if not c.passed:
-                msg = (f"{c.name} ({c.tensor}): max abs error {_num(c.max_abs_error, '.3e')}, relative "
-                       f"{_num(c.relative_error, '.3e')}, tolerance {_num(c.tolerance, '.1e')}, noise floor "
-                       f"{_num(c.noise_floor, '.1e')}")
+                msg = f"{c.name} ({c.tensor}): " + ", ".join(labelled_numbers(c))  # the table's row
                 text = "\n".join([failure_message(c)] + diagnosis_lines(c, indent="  ")
                                  + [f"hint: {h}" for h in r.get("hints", [])] + [f"reproduce: {r['reproduce']}"])
                 ET.SubElement(case, "failure", message=msg).text = text
