@@ -104,37 +104,54 @@ def power_name(tensor: str) -> str:
     return f"H_{tensor[1].upper()}" if len(tensor) == 2 and tensor[0] == "h" else "d" + tensor
 
 
+def where_text(d: dict) -> str:
+    """The "where:" line of a diagnosis: how many elements are out of tolerance, and along each axis where."""
+    where = [f"{d['out_of_tolerance']} of {d['checked']} checked elements out of tolerance"]
+    for axis, values in d["axes"].items():
+        hit = [i for i, n in enumerate(values["out_of_tolerance"]) if n]
+        if hit:
+            where.append(f"{axis} {ranges(hit)} of {len(values['out_of_tolerance'])}")
+    return "where: " + "; ".join(where)
+
+
+def class_texts(d: dict) -> list[str]:
+    """A line per class of rows of a diagnosis that has checked elements (a class with none is not shown)."""
+    return [f"{cls['label']}: {cls['out_of_tolerance']} of {cls['checked']} out of tolerance"
+            + (f" (max |error| {_g(cls['max_abs_error'], '.2e')})" if cls["out_of_tolerance"] else "")
+            for cls in d["classes"] if cls["checked"]]
+
+
+def worst_items(c) -> list[tuple[str, str, str]]:
+    """(element, analytic, numeric) of each of the worst elements of check ``c``'s diagnosis."""
+    return [(f"{c.tensor}{'[' + ', '.join(map(str, w['index'])) + ']' if w['index'] else ''}", _g(w["analytic"]),
+             _g(w["numeric"])) for w in (c.diagnosis or {}).get("worst") or []]
+
+
+def heat_cell(heat: dict) -> str:
+    """What one cell of a heat map holds, when it bins several rows or columns ('' when it is one of each)."""
+    per = [f"{b} {name}s" for b, name in zip(heat["bin"], (heat["rows"], heat["columns"])) if b > 1]
+    return f"a cell is {' x '.join(per)}" if per else ""
+
+
 def diagnosis_lines(c, indent: str = "    ") -> list[str]:
     """Plain text of a failed gradient check's diagnosis (docs/verdicts.md "Diagnosing a failure");
     [] when it has none."""
     d = c.diagnosis
     if not d:
         return []
-    where = [f"{d['out_of_tolerance']} of {d['checked']} checked elements out of tolerance"]
-    for axis, values in d["axes"].items():
-        hit = [i for i, n in enumerate(values["out_of_tolerance"]) if n]
-        if hit:
-            where.append(f"{axis} {ranges(hit)} of {len(values['out_of_tolerance'])}")
-    lines = [indent + "where: " + "; ".join(where)]
-    for cls in d["classes"]:
-        if cls["checked"]:
-            lines.append(f"{indent}  {cls['label']}: {cls['out_of_tolerance']} of {cls['checked']} out of tolerance"
-                         + (f" (max |error| {_g(cls['max_abs_error'], '.2e')})" if cls["out_of_tolerance"] else ""))
+    lines = [indent + where_text(d)] + [f"{indent}  {line}" for line in class_texts(d)]
     heat = d["heat"]
     if heat:
-        per = [f"{b} {name}s" for b, name in zip(heat["bin"], (heat["rows"], heat["columns"])) if b > 1]
+        cell = heat_cell(heat)
         lines.append(f"{indent}heat map, {heat['rows']} x {heat['columns']} (digit d: error 10^(d-1) to 10^d times "
-                     "what is allowed; '.' within tolerance; ' ' not checked"
-                     + (f"; a cell is {' x '.join(per)}" if per else "") + "):")
+                     "what is allowed; '.' within tolerance; ' ' not checked" + (f"; {cell}" if cell else "") + "):")
         width = len(str(len(heat["levels"]) * heat["bin"][0]))
         for i, row in enumerate(heat["levels"]):
             cells = "".join(" " if x < 0 else ("." if x == 0 else str(x)) for x in row)
             lines.append(f"{indent}  {str(i * heat['bin'][0]).rjust(width)} |{cells}|")
-    if d["worst"]:
-        lines.append(indent + "worst: " + "; ".join(
-            f"{c.tensor}{'[' + ', '.join(map(str, w['index'])) + ']' if w['index'] else ''} "
-            f"analytic {_g(w['analytic'])} numeric {_g(w['numeric'])}"
-            for w in d["worst"]))
+    worst = worst_items(c)
+    if worst:
+        lines.append(indent + "worst: " + "; ".join(f"{where} analytic {a} numeric {n}" for where, a, n in worst))
     return lines
 
 
