@@ -16,10 +16,6 @@ from ..text import visible, visible_all
 from .common import COLUMNS, _g, diagnosis_lines, failure_message, labelled_numbers, number_cells, power_line, summary
 
 
-def _fmt(x: float) -> str:
-    return f"{x:.2e}"
-
-
 def _narrow_table(console: Console, title: str, rows: Sequence[Sequence[str]], checks, styles: Sequence[str]) -> None:
     """The scenario table on a terminal too narrow for it: each check's name, tensor and status on one line, its
     numbers on the next, each labelled (``abs 1.38e-09  rel 6.55e-10  rtol 1.00e-06 ...``), so that nothing wraps
