@@ -16,6 +16,7 @@ from .checker import run_scenario
 from .errors import GradcheckError
 from .report import diagnosis_lines, failure_message, reproduce_command
 from .scenario import load
+from .text import visible
 
 SUFFIX = ".gradcheck.yaml"
 
@@ -52,7 +53,7 @@ class ScenarioFile(pytest.File):
         try:
             scenarios = load(self.path)
         except GradcheckError as exc:
-            raise self.CollectError(str(exc)) from None
+            raise self.CollectError(visible(str(exc))) from None
         for sc in scenarios:
             yield ScenarioItem.from_parent(self, name=sc.name, scenario=sc)
 
@@ -88,15 +89,15 @@ class ScenarioItem(pytest.Item):
         if result.verdict == "inconclusive" and policy != "fail":
             undecided = [c for c in result.checks if c.verdict == "inconclusive"]
             names = ", ".join(dict.fromkeys(c.name for c in undecided))
-            reason = f"inconclusive: {names} ({undecided[0].detail[:160]})"
+            reason = visible(f"inconclusive: {names} ({undecided[0].detail[:160]})")
             if policy == "skip":
                 pytest.skip(reason)
             pytest.xfail(reason)
-        raise ScenarioFailed("\n".join(lines))
+        raise ScenarioFailed("\n".join(map(visible, lines)))
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, ScenarioFailed):
-            return f"scenario {self.scenario.name} ({self.scenario.describe()}):\n{excinfo.value}"
+            return f"scenario {visible(self.scenario.name)} ({visible(self.scenario.describe())}):\n{excinfo.value}"
         return super().repr_failure(excinfo, style)
 
     def reportinfo(self):

@@ -13,6 +13,7 @@ from ..errors import GradcheckError, caused_by_sigterm
 from ..exitcodes import EPILOG, EPILOG_INFO, ExitCode
 from ..ops import FAULTS, OPS
 from ..scenario import ENGINES, json_schema, load, select
+from ..text import visible
 from .params import FAULT_CHOICE, _parse_steps, _require_matplotlib, _Shard
 from .ui import _console, _error, _fail, _ProgressBar, _unwritten
 
@@ -77,7 +78,7 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
 
     out, scenarios = _console(), plan.scenarios
     if shard and not scenarios:
-        out.print(f"shard {shard[0]}/{shard[1]} of {config}: no scenario falls in this shard")
+        out.print(f"shard {shard[0]}/{shard[1]} of {visible(config)}: no scenario falls in this shard")
     bar = _ProgressBar(progress, plan.units, "checking")
     finished = [0]
     bar.running(scenarios[0].name if scenarios else None)
@@ -117,7 +118,7 @@ def run(config, faults, break_softmax_term, selects, deselects, negative_control
         written = [p for p in (json_path, junit_path, html_path) if p] + ([f"{arrays_dir}/"] if arrays_dir else [])
         click.echo(f"{'terminated' if outcome.exit_code == ExitCode.TERMINATED else 'interrupted'} after "
                    f"{len(results)} of {len(scenarios)} scenario(s)"
-                   + (f"; partial report(s) written: {', '.join(written)}" if written else ""), err=True)
+                   + (f"; partial report(s) written: {visible(', '.join(written))}" if written else ""), err=True)
     raise click.exceptions.Exit(outcome.exit_code)
 
 
@@ -128,8 +129,8 @@ def _stopped_writing(exc: KeyboardInterrupt, what: str) -> click.exceptions.Exit
     pending = getattr(exc, "pending", None)
     terminated = caused_by_sigterm(exc)
     click.echo(f"{'terminated' if terminated else 'interrupted'} while writing the {what}; " + (
-        f"written: {', '.join(written) or 'none'}; not written (the old files, if any, are as they were): "
-        f"{', '.join(pending)}" if pending is not None else "none written"), err=True)
+        f"written: {visible(', '.join(written)) or 'none'}; not written (the old files, if any, are as they were): "
+        f"{visible(', '.join(pending))}" if pending is not None else "none written"), err=True)
     return click.exceptions.Exit(ExitCode.TERMINATED if terminated else ExitCode.INTERRUPTED)
 
 
@@ -314,7 +315,7 @@ def validate(configs):
             bad = True
             continue
         for sc in scenarios:
-            out.print(f"{sc.name}: {sc.op} {sc.describe()}", highlight=False)
-        out.print(f"{config}: {len(scenarios)} scenario(s) valid", highlight=False)
+            out.print(visible(f"{sc.name}: {sc.op} {sc.describe()}"), highlight=False)
+        out.print(f"{visible(config)}: {len(scenarios)} scenario(s) valid", highlight=False)
     if bad:
         raise click.exceptions.Exit(ExitCode.BAD_INPUT)

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import ScenarioErrors
 from ..exitcodes import ExitCode
+from ..text import visible
 
 
 class _Console(Console):
@@ -37,10 +38,9 @@ def _console(stderr: bool = False) -> Console:
 
 def _error(problem: str | BaseException) -> None:
     """One line per problem on stderr (``ScenarioErrors`` holds several: one line each, capped and counted);
-    control characters of a path or value are shown escaped, so a problem never spans lines."""
+    control characters of a path or value are shown escaped (``text.visible``), so a problem never spans lines."""
     for line in problem.lines() if isinstance(problem, ScenarioErrors) else [str(problem)]:
-        text = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in line)
-        click.echo(f"error: {text}", err=True)
+        click.echo(f"error: {visible(line)}", err=True)
 
 
 def _fail(problem: str | BaseException) -> click.exceptions.Exit:
@@ -105,7 +105,7 @@ class _ProgressBar:
     def running(self, name: str | None) -> None:
         """The scenario now running (the first not yet finished, in file order)."""
         with self.lock:
-            self.bar.update(self.task, now=name or "")
+            self.bar.update(self.task, now=visible(name or ""))
 
     def advance(self, n: int) -> None:
         with self.lock:

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 from .. import __version__
 from ..result import ControlCell, ScenarioResult, controls_verdict
+from ..text import text_only, visible_all
 from . import schema as report_schema
-from .common import diagnosis_lines, failure_message, reproduce_command, summary, verdict
+from .common import diagnosis_lines, failure_message, labelled_numbers, reproduce_command, summary, verdict
 
 #: Version of the JSON report layout (docs/reports.md "JSON report"). Bumped on any incompatible change.
 JSON_SCHEMA_VERSION = report_schema.SCHEMA_VERSION
@@ -82,11 +83,14 @@ def _controls_into(report: dict, cells: list[dict]) -> None:
 
 
 def _json_safe(value):
-    """JSON has no NaN or Infinity: non-finite numbers are written as null."""
+    """JSON has no NaN or Infinity: non-finite numbers are written as null; nor, for a reader that wants text
+    (``merge``), lone surrogates: written as their escapes (``text.text_only``)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, str):
+        return text_only(value)
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {_json_safe(k): _json_safe(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_json_safe(v) for v in value]
     return value
@@ -98,7 +102,9 @@ def _num(x, spec: str) -> str:
 
 def junit_xml(report: dict) -> bytes:
     """JUnit XML of a JSON report (``json_report`` or ``merge_reports``): one testsuite per scenario,
-    one testcase per check, and one per negative-control cell."""
+    one testcase per check, and one per negative-control cell. Always valid XML 1.0: every text is made
+    visible first (``text.visible``: no control character, lone surrogate or noncharacter is left)."""
+    report = visible_all(report)
     root = ET.Element("testsuites", name="attn-gradcheck", id=str(report.get("run_id", "")))
     for r in report["scenarios"]:
         checks = [SimpleNamespace(**c) for c in r["checks"]]
@@ -109,9 +115,7 @@ def junit_xml(report: dict) -> bytes:
             case = ET.SubElement(suite, "testcase", classname=f"attn-gradcheck.{r['name']}",
                                  name=f"{c.name} [{c.tensor}]")
             if not c.passed:
-                msg = (f"{c.name} ({c.tensor}): max abs error {_num(c.max_abs_error, '.3e')}, relative "
-                       f"{_num(c.relative_error, '.3e')}, tolerance {_num(c.tolerance, '.1e')}, noise floor "
-                       f"{_num(c.noise_floor, '.1e')}")
+                msg = f"{c.name} ({c.tensor}): " + ", ".join(labelled_numbers(c))  # the table's row
                 text = "\n".join([failure_message(c)] + diagnosis_lines(c, indent="  ")
                                  + [f"hint: {h}" for h in r.get("hints", [])] + [f"reproduce: {r['reproduce']}"])
                 ET.SubElement(case, "failure", message=msg).text = text

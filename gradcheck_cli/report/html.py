@@ -1,10 +1,25 @@
 """A report to look at (``--html PATH``): one self-contained HTML file rendered from a JSON report (``json_report``
 or ``merge_reports``), with no script and nothing fetched from the network. Per scenario: its verdict, the table
 of checks, each failed check's message and diagnosis with the heat map of where the errors are (head x row, as
-an inline SVG), the hints and the command that reproduces it; then the negative-control matrix, coloured."""
+an inline SVG), the worst elements, the hints, the power line and the command that reproduces it: what the terminal
+prints, drawn (the same cells, shared with it in ``common``); then the negative-control matrix, coloured."""
 from __future__ import annotations
 
 from html import escape
+from types import SimpleNamespace
+
+from ..text import visible_all
+from .common import (
+    COLUMNS,
+    _g,
+    class_texts,
+    failure_message,
+    heat_cell,
+    number_cells,
+    power_line,
+    where_text,
+    worst_items,
+)
 
 #: Colours of the heat map's levels: -1 not checked, 0 within tolerance, d >= 1: error 10^(d-1)..10^d x allowed.
 _LEVEL_COLOURS = {-1: "#e8e8e8", 0: "#7bc47f", 1: "#f6e05e", 2: "#f6ad55", 3: "#ed8936", 4: "#e53e3e"}
@@ -21,6 +36,7 @@ td.na { background: #edf2f7; color: #718096; }
 pre { background: #f7fafc; padding: .5em; white-space: pre-wrap; word-break: break-word; }
 .hint { background: #ebf8ff; padding: .4em .6em; border-left: 3px solid #3182ce; margin: .3em 0; }
 figure { margin: .5em 0; } figcaption { color: #4a5568; font-size: .9em; }
+p.where, p.power { margin: .3em 0; } ul.classes { margin: .2em 0; } table.worst code { font-size: .95em; }
 """
 
 
@@ -33,10 +49,12 @@ def _num(x) -> str:
 
 
 def _heat_svg(heat: dict, tensor: str) -> str:
-    """The heat map of a diagnosis (``heat``: rows, columns, levels) as an inline SVG, one square per cell."""
+    """The heat map of a diagnosis (``heat``: rows, columns, bin, levels) as an inline SVG, one square per cell."""
     levels = heat.get("levels") or []
     if not levels:
         return ""
+    rows, columns = escape(heat.get("rows", "")), escape(heat.get("columns", ""))
+    step = heat.get("bin") or [1, 1]
     cell = max(6, min(24, 480 // max(1, max(len(r) for r in levels))))
     width, height = cell * max(len(r) for r in levels), cell * len(levels)
     rects = []
@@ -46,46 +64,73 @@ def _heat_svg(heat: dict, tensor: str) -> str:
             what = ("not checked" if level == -1 else "within tolerance" if level == 0 else
                     f"error 1e{level - 1} to 1e{level} x allowed")
             rects.append(f'<rect x="{j * cell}" y="{i * cell}" width="{cell - 1}" height="{cell - 1}" '
-                         f'fill="{colour}"><title>{escape(heat.get("rows", ""))} {i}, '
-                         f'{escape(heat.get("columns", ""))} {j}: {what}</title></rect>')
+                         f'fill="{colour}"><title>{rows} {i * step[0]}, {columns} {j * step[1]}: {what}</title></rect>')
+    per = heat_cell(heat)
     return (f'<figure><svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
             f'role="img" aria-label="heat map of {escape(tensor)}">{"".join(rects)}</svg>'
-            f'<figcaption>where {escape(tensor)} is wrong: {escape(heat.get("rows", ""))} (down) x '
-            f'{escape(heat.get("columns", ""))} (across); green within tolerance, yellow to red 10x to 10^4x '
+            f'<figcaption>where {escape(tensor)} is wrong: {rows} (down) x {columns} (across)'
+            + (f" ({escape(per)})" if per else "") + '; green within tolerance, yellow to red 10x to 10^4x '
             'or more over, grey not checked</figcaption></figure>')
 
 
+#: What a check of a JSON report holds when a key is missing (the schema requires them; the page is drawn anyway).
+_CHECK_KEYS = {"kind": "", "name": "", "tensor": None, "shape": None, "max_abs_error": None, "relative_error": None,
+               "tolerance": None, "noise_floor": None, "worst_index": None, "verdict": "", "detail": "",
+               "diagnosis": None, "detectable": None}
+
+
+def _diagnosis(c) -> list[str]:
+    """What the terminal prints under a failed check, drawn: where, the classes of rows that have checked
+    elements, the heat map as an SVG, and the worst elements as a table."""
+    d = c.diagnosis
+    if not d:
+        return []
+    out = [f'<p class="where">{escape(where_text(d))}</p>']
+    classes = class_texts(d)
+    if classes:
+        out.append('<ul class="classes">' + "".join(f"<li>{escape(line)}</li>" for line in classes) + "</ul>")
+    if d.get("heat"):
+        out.append(_heat_svg(d["heat"], str(c.tensor)))
+    worst = worst_items(c)
+    if worst:
+        out.append('<table class="worst"><tr><th class="name">worst</th><th>analytic</th><th>numeric</th></tr>'
+                   + "".join(f'<tr><td class="name"><code>{escape(where)}</code></td><td>{escape(a)}</td>'
+                             f"<td>{escape(n)}</td></tr>" for where, a, n in worst) + "</table>")
+    return out
+
+
 def _scenario(s: dict) -> str:
+    """A scenario's section: what the terminal prints for it (docs/reports.md "Reading a report"), drawn."""
     verdict = s.get("verdict", "")
+    headers = ["check", "tensor", *(header for header, _ in COLUMNS), "status"]
     out = [f'<h2 id="{escape(s["name"], quote=True)}">{escape(s["name"])} '
            f'<span class="{escape(verdict)}">{escape(_VERDICT.get(verdict, verdict))}</span></h2>',
            f'<p>op {escape(str(s.get("op", "")))}, engine {escape(str(s.get("engine", "")))}, '
            f'{escape(str(s.get("dtype", "")))}, mode {escape(str(s.get("mode", "")))}'
            + (f', faults {escape(", ".join(s.get("faults") or []))}' if s.get("faults") else "")
            + f', {s.get("elapsed_s", 0):.2f} s</p>',
-           '<table class="checks"><tr><th class="name">check</th><th class="name">tensor</th><th>max abs err</th>'
-           '<th>rel err</th><th>tolerance</th><th>noise floor</th><th>detects</th><th>status</th></tr>']
-    for c in s.get("checks", []):
-        shape = "x".join(map(str, c.get("shape") or []))
-        v = c.get("verdict", "")
-        out.append(f'<tr><td class="name">{escape(c["name"])}</td>'
-                   f'<td class="name">{escape(str(c.get("tensor") or ""))} {shape}</td>'
-                   f'<td>{_num(c.get("max_abs_error"))}</td><td>{_num(c.get("relative_error"))}</td>'
-                   f'<td>{_num(c.get("tolerance"))}</td><td>{_num(c.get("noise_floor"))}</td>'
-                   f'<td>{_num(c.get("detectable"))}</td>'
-                   f'<td class="{escape(v)}">{escape(_VERDICT.get(v, v))}</td></tr>')
+           '<table class="checks"><tr>' + "".join(('<th class="name">' if i < 2 else "<th>") + f"{escape(h)}</th>"
+                                                  for i, h in enumerate(headers)) + "</tr>"]
+    checks = [SimpleNamespace(**{**_CHECK_KEYS, "passed": c.get("verdict") == "pass", **c})
+              for c in s.get("checks", [])]
+    for c in checks:
+        shape = "x".join(map(str, c.shape or []))
+        out.append(f'<tr><td class="name">{escape(c.name)}</td>'
+                   f'<td class="name">{escape(str(c.tensor or ""))} {shape}</td>'
+                   + "".join(f"<td>{escape(cell)}</td>" for cell in number_cells(c))
+                   + f'<td class="{escape(c.verdict)}">{escape(_VERDICT.get(c.verdict, c.verdict))}</td></tr>')
     out.append("</table>")
-    for c in s.get("checks", []):
-        if c.get("verdict") in ("fail", "inconclusive"):
-            out.append(f'<h3 class="{escape(c["verdict"])}">{escape(c["name"])} ({escape(str(c.get("tensor")))})'
-                       f'</h3><pre>{escape(c.get("detail", ""))}</pre>')
-            diagnosis = c.get("diagnosis") or {}
-            if diagnosis.get("heat"):
-                out.append(_heat_svg(diagnosis["heat"], str(c.get("tensor"))))
-            for cls in diagnosis.get("classes", []):
-                out.append(f'<p>{escape(cls["label"])}: {cls["out_of_tolerance"]} of {cls["checked"]} out of '
-                           f'tolerance (max |error| {_num(cls.get("max_abs_error"))})</p>')
+    out += [f"<p>{escape(c.name)}: {escape(c.detail)}</p>" for c in checks if c.kind == "experiment" and c.passed]
+    for c in checks:
+        if not c.passed:
+            word = "FAIL" if c.verdict == "fail" else "INCONCLUSIVE"
+            out.append(f'<h3 class="{escape(c.verdict)}">{word} {escape(c.name)} ({escape(str(c.tensor))})</h3>'
+                       f"<pre>{escape(failure_message(c))}</pre>")
+            out += _diagnosis(c)
     out += [f'<div class="hint">hint: {escape(h)}</div>' for h in s.get("hints", [])]
+    power = power_line(s.get("detectable") or {})
+    if power:
+        out.append(f'<p class="power">{escape(power)}</p>')
     if s.get("reproduce") and not s.get("passed"):
         out.append(f'<p>reproduce: <code>{escape(s["reproduce"])}</code></p>')
     return "\n".join(out)
@@ -110,11 +155,25 @@ def _controls(nc: dict) -> str:
             row.append(f'<td class="{cls}" title="{escape(why, quote=True)}">{escape(c["status"])}</td>')
         out.append("<tr>" + "".join(row) + "</tr>")
     out.append("</table>")
+    # the lines the terminal prints under the matrix
+    reasons = list(dict.fromkeys(c["reason"] for c in cells if c["status"] == "not applicable" and c.get("reason")))
+    if reasons:
+        out.append(f"<p>n/a: the fault cannot apply to that scenario: {escape('; '.join(reasons))}</p>")
+    applicable = [c for c in cells if c["status"] != "not applicable"]
+    missed = [c for c in applicable if c["status"] == "missed"]
+    out += [f'<p class="fail">MISSED {escape(c["fault"])} on {escape(c["scenario"])}: it changes the result by '
+            f'{_g(c["effect"], ".2e")} (relative) but no check failed; the scenario lacks power for it</p>'
+            for c in missed]
+    out += [f'<p class="inconclusive">INCONCLUSIVE {escape(name)}: no fault applies to it, so its negative controls '
+            "prove nothing</p>" for name in nc.get("powerless") or []]
+    out.append(f"<p>{len(applicable) - len(missed)} of {len(applicable)} applicable fault(s) detected</p>")
     return "\n".join(out)
 
 
 def html_report(report: dict) -> bytes:
-    """The HTML report of a JSON report: self-contained (inline CSS and SVG, no script, no link out)."""
+    """The HTML report of a JSON report: self-contained (inline CSS and SVG, no script, no link out); its text
+    made visible (``text.visible``) before it is escaped as HTML."""
+    report = visible_all(report)
     title = f"attn-gradcheck: {report.get('config', '')}"
     summary = report.get("summary", {})
     verdict = report.get("verdict", "")
@@ -180,6 +239,7 @@ def _sweep_svg(sweep: dict) -> str:
 def sweeps_html(data: dict) -> bytes:
     """The HTML of a ``sweep-eps`` run (its JSON: ``sweeps``): per scenario the V curve (inline SVG) and the table
     of errors by step, the step the run uses and the best one marked."""
+    data = visible_all(data)
     title = f"attn-gradcheck sweep-eps: {data.get('config', '')}"
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
              f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body>", f"<h1>{escape(title)}</h1>"]

@@ -2,6 +2,7 @@
 report and an epsilon sweep (plain aligned columns when the output is not a terminal)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -11,37 +12,34 @@ from rich.table import Table
 from rich.text import Text
 
 from ..result import ControlCell, ScenarioResult, controls_verdict
-from .common import _g, diagnosis_lines, failure_message, summary
+from ..text import visible, visible_all
+from .common import COLUMNS, _g, diagnosis_lines, failure_message, labelled_numbers, number_cells, power_line, summary
 
 
-def _fmt(x: float) -> str:
-    return f"{x:.2e}"
-
-
-#: Under this many columns a terminal gets the scenario table in two lines per check (``_narrow_table``).
-NARROW = 100
-
-
-def _narrow_table(console: Console, title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
-                  styles: Sequence[Sequence[str | None]] | None) -> None:
-    """The scenario table on a narrow terminal: each check's name and status on one line, its numbers under it
-    in aligned columns (the header names them once), so that nothing wraps at 80 columns."""
+def _narrow_table(console: Console, title: str, rows: Sequence[Sequence[str]], checks, styles: Sequence[str]) -> None:
+    """The scenario table on a terminal too narrow for it: each check's name, tensor and status on one line, its
+    numbers on the next, each labelled (``abs 1.38e-09  rel 6.55e-10  rtol 1.00e-06 ...``), so that nothing wraps
+    at 80 columns; a longer name wraps at its words, and numbers that do not fit go on one more line, never split."""
     for line in _wrapped(title, console.width, ""):
         console.print(line, markup=False, highlight=False)
-    numbers = [list(r[1:-1]) for r in rows]
-    widths = [max([len(h)] + [len(n[i]) for n in numbers]) for i, h in enumerate(headers[1:-1])]
-
-    def values(cells):
-        return "    " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                                  for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-    name_width = max(8, console.width - 10)
-    console.print(Text(f"{headers[0].ljust(name_width)} {headers[-1]}", style="bold"))
-    console.print(Text(values(headers[1:-1]), style="bold"))
-    for i, row in enumerate(rows):
-        status_style = (styles[i][-1] if styles else None) or ""
-        console.print(Text.assemble((row[0][:name_width].ljust(name_width), ""), " ", (row[-1], status_style)))
-        console.print(values(numbers[i]), markup=False, highlight=False)
+    status_width = max(len(row[-1]) for row in rows)
+    name_width, tensor_width = (max(len(row[i]) for row in rows) for i in (0, 1))
+    aligned = name_width + 2 + tensor_width + 2 + status_width <= console.width  # in columns when they fit
+    room = name_width + 2 + tensor_width + 1 if aligned else max(20, console.width - status_width - 1)
+    for row, c, style in zip(rows, checks, styles):
+        head = f"{row[0].ljust(name_width) if aligned else row[0]}  {row[1]}".rstrip()
+        lines = [head] if aligned else _wrapped(head, room, "  ")
+        console.print(Text.assemble(lines[0].ljust(room), " ", (row[-1], style)))
+        for line in lines[1:]:
+            console.print(line, markup=False, highlight=False)
+        packed = ""
+        for pair in labelled_numbers(c, short=True):
+            if packed and len(packed) + 2 + len(pair) > console.width:
+                console.print(packed, markup=False, highlight=False)
+                packed = ""
+            packed = f"{packed}  {pair}" if packed else f"    {pair}"
+        if packed:
+            console.print(packed, markup=False, highlight=False)
 
 
 def _wrapped(text: str, width: int, indent: str) -> list[str]:
@@ -69,13 +67,8 @@ def _say(console: Console, text: str | Text, indent: str = "    ") -> None:
 
 
 def _table(console: Console, title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
-           right: Sequence[bool], styles: Sequence[Sequence[str | None]] | None = None,
-           two_lines: bool = False) -> None:
-    """A rich table on a terminal (with ``two_lines``, two lines per row under NARROW columns: the scenario
-    table); plain aligned columns otherwise (no wrapping, no trailing spaces)."""
-    if two_lines and console.is_terminal and console.width < NARROW:
-        _narrow_table(console, title, headers, rows, styles)
-        return
+           right: Sequence[bool], styles: Sequence[Sequence[str | None]] | None = None) -> None:
+    """A rich table on a terminal; plain aligned columns otherwise (no wrapping, no trailing spaces)."""
     if console.is_terminal:
         table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
                       pad_edge=False, padding=(0, 1), collapse_padding=True)
@@ -98,24 +91,30 @@ def _table(console: Console, title: str, headers: Sequence[str], rows: Sequence[
         console.print(line(cells), markup=False, highlight=False, soft_wrap=True)
 
 
+def _visible_result(r: ScenarioResult) -> ScenarioResult:
+    """``r`` with the text it took from outside made visible (``text.visible``): its name, faults and hints, and
+    each check's name, tensor, detail and diagnosis."""
+    checks = tuple(dataclasses.replace(c, name=visible(c.name), tensor=None if c.tensor is None else visible(c.tensor),
+                                       detail=visible(c.detail), diagnosis=visible_all(c.diagnosis))
+                   for c in r.checks)
+    return dataclasses.replace(r, name=visible(r.name), faults=tuple(map(visible, r.faults)),
+                               hints=tuple(map(visible, r.hints)), checks=checks)
+
+
 def render_scenario(console: Console, r: ScenarioResult, description: str, reproduce: str | None = None) -> None:
+    r, description, reproduce = _visible_result(r), visible(description), reproduce and visible(reproduce)
     title = f"{r.name} ({description})" + (f"  faults: {', '.join(r.faults)}" if r.faults else "")
-    rows, styles = [], []
-    for c in r.checks:
-        grad = c.kind == "gradient"
-        relative = c.kind in ("gradient", "reference", "implementation")
-        # a call of the implementation that failed has no numbers (inf): its row says so, the message follows below
-        numbers = (["did not run", "", ""] if c.kind == "implementation" and not c.passed
-                   and not math.isfinite(c.max_abs_error) else
-                   [_fmt(c.max_abs_error), _fmt(c.relative_error) if relative else "", _fmt(c.tolerance)])
-        rows.append([c.name, f"{c.tensor} {'x'.join(map(str, c.shape))}" if c.shape else (c.tensor or ""),
-                     *numbers, _fmt(c.noise_floor) if grad else "",
-                     _fmt(c.detectable) if c.detectable is not None else "",
-                     {"pass": "pass", "fail": "FAIL"}.get(c.verdict, c.verdict)])
-        styles.append([None] * 7 + [{"pass": "green", "fail": "bold red"}.get(c.verdict, "bold yellow")])
-    _table(console, title, ["check", "tensor", "max abs err", "rel err", "tolerance", "noise floor", "detects",
-                            "status"], rows, [False, False, True, True, True, True, True, False], styles,
-           two_lines=True)
+    statuses = [{"pass": "pass", "fail": "FAIL"}.get(c.verdict, c.verdict) for c in r.checks]
+    status_styles = [{"pass": "green", "fail": "bold red"}.get(c.verdict, "bold yellow") for c in r.checks]
+    rows = [[c.name, f"{c.tensor} {'x'.join(map(str, c.shape))}" if c.shape else (c.tensor or ""),
+             *number_cells(c), status] for c, status in zip(r.checks, statuses)]
+    headers = ["check", "tensor", *(header for header, _ in COLUMNS), "status"]
+    wide = sum(max(len(h), *(len(row[i]) for row in rows)) + 2 for i, h in enumerate(headers)) - 2
+    if console.is_terminal and wide > console.width:  # a table that would wrap its names: two lines per check
+        _narrow_table(console, title, rows, r.checks, status_styles)
+    else:
+        _table(console, title, headers, rows, [False, False] + [True] * len(COLUMNS) + [False],
+               [[None] * (len(headers) - 1) + [style] for style in status_styles])
     for c in r.checks:
         if c.kind == "experiment" and c.passed:  # an experiment's numbers are its result: always shown
             _say(console, f"  {c.name}: {c.detail}")
@@ -130,10 +129,8 @@ def render_scenario(console: Console, r: ScenarioResult, description: str, repro
                     _say(console, _heat_text(line) if console.is_terminal else Text(line), "  ")
     for hint in r.hints:
         _say(console, Text.assemble("  ", ("hint:", "bold cyan"), f" {hint}"), "      ")
-    power = r.detectable
-    if power:
-        _say(console, "  power: would have caught uniform relative errors above "
-             + ", ".join(f"{_fmt(x)} in {_power_name(t)}" for t, x in power.items()))
+    if r.detectable:
+        _say(console, "  " + power_line(r.detectable))
     word = {"pass": "passed", "fail": "FAILED", "inconclusive": "INCONCLUSIVE"}[r.verdict]
     compiling = f" (of which {r.compile_s:.2f} s compiling with jax.jit)" if r.compile_s else ""
     console.print(f"  {r.name}: {word} in {r.elapsed_s:.2f} s{compiling}", highlight=False)
@@ -177,6 +174,8 @@ def render_summary(console: Console, results: Sequence[ScenarioResult], interrup
 
 
 def render_controls(console: Console, cells: Sequence[ControlCell]) -> None:
+    cells = [dataclasses.replace(c, fault=visible(c.fault), scenario=visible(c.scenario), reason=visible(c.reason),
+                                 caught_by=tuple(map(visible, c.caught_by))) for c in cells]
     scenarios = list(dict.fromkeys(c.scenario for c in cells))
     faults = list(dict.fromkeys(c.fault for c in cells))
     look = {(c.fault, c.scenario): c for c in cells}
@@ -220,6 +219,7 @@ def render_controls(console: Console, cells: Sequence[ControlCell]) -> None:
 
 def render_merged(console: Console, data: dict) -> None:
     """A line per scenario (its failed checks under it), the totals and the negative controls."""
+    data = visible_all(data)  # reports read from files: any text at all
     for sc in data["scenarios"]:
         word = {"pass": "passed", "fail": "FAILED", "inconclusive": "INCONCLUSIVE"}[sc["verdict"]]
         console.print(f"{sc['name']} ({sc['config']}): {word}")
@@ -248,6 +248,7 @@ def render_sweep(console: Console, sweep, description: str) -> None:
     """A table per scenario: one row per step, the relative error of each input's sampled elements."""
     tensors = list(sweep.errors)
     best = {t: sweep.best(t) for t in tensors}
+    description = visible(description)
     rows = []
     for k, h in enumerate(sweep.steps):
         cells = [f"{h:.0e}"]
@@ -255,15 +256,9 @@ def render_sweep(console: Console, sweep, description: str) -> None:
             e = sweep.errors[t][k]
             cells.append(("inf" if not math.isfinite(e) else f"{e:.1e}") + (" *" if h == best[t] else "  "))
         rows.append(cells + (["<- run"] if h == sweep.chosen else [""]))
-    _table(console, f"{sweep.name} ({description}): relative error against epsilon", ["epsilon"] + tensors + [""],
+    _table(console, f"{visible(sweep.name)} ({description}): relative error against epsilon",
+           ["epsilon"] + [visible(t) for t in tensors] + [""],
            rows, [True] * (1 + len(tensors)) + [False])
     console.print("  large steps: truncation (~h^2); small steps: rounding (~eps/h); * = smallest error; "
                   "<- run = the step the run uses", soft_wrap=True)
     console.print()
-
-
-def _power_name(tensor: str) -> str:
-    """How the power line names a checked tensor: O, a gradient dq, or a part H_Q of a Hessian-vector product."""
-    if tensor in ("o", "o_dot"):
-        return "O" if tensor == "o" else "the JVP"
-    return f"H_{tensor[1].upper()}" if len(tensor) == 2 and tensor[0] == "h" else "d" + tensor

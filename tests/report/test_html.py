@@ -2,6 +2,7 @@
 the heat map of where a failed check is wrong as an inline SVG, hints and the reproduce command, and the
 negative-control matrix coloured; parsed here with the standard library's HTML parser."""
 import json
+import re
 from html.parser import HTMLParser
 
 from click.testing import CliRunner
@@ -48,6 +49,98 @@ def test_a_broken_run_s_report_shows_where_and_the_controls(root, tmp_path):
     assert any("hint:" in t for t in page.text)
     statuses = [a.get("class") for t, a in page.tags if t == "td" and a.get("class") in ("detected", "missed", "na")]
     assert len(statuses) == len(report["negative_controls"]["cells"]) and "detected" in statuses
+    detected = next(line for line in out.output.splitlines() if "applicable fault(s) detected" in line)
+    assert detected in page.text  # the terminal's count under the matrix
+
+
+class Drawn(HTMLParser):
+    """The rows of each table, the text of each paragraph and list item, by class (an item by its list's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables, self.paragraphs, self.items, self.open, self.list = [], [], [], None, ""
+
+    def handle_starttag(self, tag, attrs):
+        cls = dict(attrs).get("class", "")
+        if tag == "table":
+            self.tables.append((cls, []))
+        elif tag == "tr":
+            self.tables[-1][1].append([])
+        elif tag in ("td", "th"):
+            self.tables[-1][1][-1].append("")
+            self.open = "cell"
+        elif tag == "ul":
+            self.list = cls
+        elif tag in ("p", "li"):  # an item has its list's class
+            (self.paragraphs if tag == "p" else self.items).append((cls if tag == "p" else self.list, ""))
+            self.open = tag
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th", "p", "li"):
+            self.open = None
+
+    def handle_data(self, data):
+        if self.open == "cell":
+            self.tables[-1][1][-1][-1] += data
+        elif self.open in ("p", "li"):
+            where = self.paragraphs if self.open == "p" else self.items
+            where[-1] = (where[-1][0], where[-1][1] + data)
+
+
+def _terminal_rows(text: str) -> list[list[str]]:
+    """The cells of each table row the terminal printed (plain text: names and tensors left-aligned, numbers
+    right-aligned under their header, so each number's cell ends where its header does)."""
+    numbers = ["max abs err", "rel err", "rel tol", "noise floor", "allowed", "detects"]
+    lines, rows = text.splitlines(), []
+    for i, header in enumerate(lines):
+        if not header.startswith("check "):
+            continue
+        ends = [header.index(n) + len(n) for n in numbers]
+        starts = [ends[0] - len(numbers[0])] + ends[:-1]  # "max abs err" is its column's widest cell
+        for line in lines[i + 1:]:
+            if not line or line.startswith("  "):
+                break
+            rows.append([line[:header.index("tensor")].strip(), line[header.index("tensor"):starts[0]].strip(),
+                         *(line[a:b].strip() for a, b in zip(starts, ends)), line[ends[-1]:].strip()])
+    return rows
+
+
+def test_the_page_shows_what_the_terminal_prints(root, tmp_path):
+    """Issue 22 item 13: the table's cells, blank where the terminal's are; each failed check's message, where,
+    classes of rows (none without a checked element: no "0 of 0"), heat map and worst elements; the hints and the
+    power line."""
+    html, js = tmp_path / "r.html", tmp_path / "r.json"
+    out = CliRunner().invoke(main, ["run", str(root / "configs/quickstart.yaml"), "--break-softmax-term",
+                                    "--html", str(html), "--json", str(js)])
+    assert out.exit_code == 1, out.output
+    report, terminal = json.loads(js.read_text()), out.output
+    page = Drawn()
+    page.feed(html.read_text())
+    # the checks tables, row by row, cell by cell, against the terminal's
+    drawn = [row for cls, rows in page.tables if cls == "checks" for row in rows[1:]]
+    printed = _terminal_rows(terminal)
+    assert len(drawn) == len(printed) == report["summary"]["checks"]
+    for d, p in zip(drawn, printed):
+        assert [d[0], " ".join(d[1].split()), *d[2:]] == p
+    assert any(row[3] == "" and row[2] == "0.00e+00" for row in drawn)  # an invariant: no rel err, as printed
+    # the worst elements, as a table
+    worst = [tuple(row) for cls, rows in page.tables if cls == "worst" for row in rows[1:]]
+    listed = [tuple(re.fullmatch(r"(.+) analytic (\S+) numeric (\S+)", item).groups())
+              for line in terminal.splitlines() if line.startswith("    worst: ")
+              for item in line[len("    worst: "):].split("; ")]
+    assert worst == listed and len(worst) >= 5
+    # the where and power lines and the classes of rows, as printed
+    assert [t for c, t in page.paragraphs if c == "where"] == [line.strip() for line in terminal.splitlines()
+                                                              if line.startswith("    where: ")]
+    assert [t for c, t in page.paragraphs if c == "power"] == [line.strip() for line in terminal.splitlines()
+                                                              if line.startswith("  power: ")]
+    assert len([t for c, t in page.paragraphs if c == "power"]) == len(report["scenarios"])
+    classes = [t for c, t in page.items if c == "classes"]
+    assert classes == [line.strip() for line in terminal.splitlines() if line.startswith("      ")
+                       and "out of tolerance" in line]
+    empty = [cls for s in report["scenarios"] for c in s["checks"] for cls in (c["diagnosis"] or {}).get("classes", [])
+             if cls["checked"] == 0]
+    assert empty and not any(" of 0 " in t for t in classes)  # classes with nothing checked are left out
 
 
 def test_text_is_escaped_and_the_reporter_is_registered():

@@ -1,6 +1,7 @@
 """Terminal output that fits: at 80 and 160 columns every line of a failing scenario's report fits the width,
 nothing is lost or split (every number and word of the unwrapped report is there, whole), the table goes to two
-lines per check under 100 columns, and off a terminal nothing is wrapped at all."""
+lines per check, each number labelled, where it would not fit on one, every column means one thing on every row,
+and off a terminal nothing is wrapped at all."""
 import re
 
 import pytest
@@ -40,17 +41,60 @@ def test_every_line_fits_and_nothing_is_lost_or_split(failing, width):
     # and every element index, e.g. v[1, 1, 3, 2]: never split over two lines
     assert all(line.count("[") == line.count("]") for line in lines if "|" not in line and "heat map" not in line)
     assert sorted(re.findall(r"\w\[[\d, ]+\]", text)) == sorted(re.findall(r"\w\[[\d, ]+\]", whole))
-    words = {w for w in whole.split() if len(w) > 3 and not set(w) <= set("-━─")}
+    header = next(line for line in whole.splitlines() if line.startswith("check "))  # narrow: a label per number
+    words = {w for w in whole.split() if len(w) > 3 and not set(w) <= set("-━─")} - set(header.split())
     assert words <= set(text.split()) | {w for w in words if "|" in w}  # every word (heat-map rows aside)
 
 
-def test_under_100_columns_a_check_takes_two_lines_and_over_it_one(failing):
+def test_a_table_too_wide_for_the_terminal_takes_two_lines_per_check_each_number_labelled(failing):
     sc, result = failing
     narrow, wide = _render(result, sc.describe(), 80), _render(result, sc.describe(), 160)
-    name_line = next(line for line in narrow.splitlines() if line.startswith("gradient q"))
-    assert name_line.rstrip().endswith("FAIL") and NUMBER.search(name_line) is None  # the numbers go below it
+    lines = narrow.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("gradient q"))
+    assert lines[at].rstrip().endswith("FAIL") and NUMBER.search(lines[at]) is None  # the numbers go below it
+    c = result.checks[0]
+    assert lines[at + 1] == (f"    abs {c.max_abs_error:.2e}  rel {c.relative_error:.2e}  rtol {c.tolerance:.2e}  "
+                             f"floor {c.noise_floor:.2e}")  # failed: no power
+    invariant = next(i for i, line in enumerate(lines) if line.startswith("score-gradient rows sum to 0"))
+    assert re.fullmatch(r"    abs \S+  allowed \S+", lines[invariant + 1])  # no rel err: it would repeat abs
+    table = lines[1:lines.index(next(line for line in lines if line.startswith("  FAIL")))]
+    for line in table[1::2]:  # every number has its label before it
+        assert re.fullmatch(r"    (abs|did not run)( \S+)?(  (rel|rtol|floor|allowed|detects) \S+)*", line), line
     wide_line = next(line for line in wide.splitlines() if line.startswith("gradient q"))
     assert NUMBER.search(wide_line) and wide_line.rstrip().endswith("FAIL")
+
+
+def test_every_column_means_one_thing_on_every_row():
+    """rel tol only where the tolerance is relative (gradient rows, nondet_tol), allowed only where it is an
+    absolute allowance (reference and invariant rows), rel err blank where it would repeat max abs err."""
+    from gradcheck_cli.report.common import COLUMNS, number_cells
+
+    def check(kind, **keys):
+        base = dict(tensor="o", shape=(2,), max_abs_error=1e-3, relative_error=2e-3, tolerance=3e-3, noise_floor=4e-3,
+                    worst_index=None, passed=True, detectable=5e-3)
+        return Check(kind=kind, name=kind, **{**base, **keys})
+
+    assert [h for h, _ in COLUMNS] == ["max abs err", "rel err", "rel tol", "noise floor", "allowed", "detects"]
+    assert number_cells(check(Kind.GRADIENT)) == ["1.00e-03", "2.00e-03", "3.00e-03", "4.00e-03", "", "5.00e-03"]
+    assert number_cells(check(Kind.REFERENCE, noise_floor=0.0)) == ["1.00e-03", "2.00e-03", "", "", "3.00e-03",
+                                                                    "5.00e-03"]
+    assert number_cells(check(Kind.INVARIANT, relative_error=1e-3, noise_floor=0.0, detectable=None)) == [
+        "1.00e-03", "", "", "", "3.00e-03", ""]
+    deterministic = check(Kind.IMPLEMENTATION, relative_error=1e-3, noise_floor=0.0, detectable=None)
+    assert number_cells(deterministic) == ["1.00e-03", "", "3.00e-03", "", "", ""]  # nondet_tol is relative
+    raised = check(Kind.IMPLEMENTATION, shape=None, max_abs_error=float("inf"), passed=False, detectable=None)
+    assert number_cells(raised) == ["did not run", "", "", "", "", ""]
+    assert number_cells(check(Kind.IMPLEMENTATION, shape=None, max_abs_error=0.0, detectable=None)) == [""] * 6
+    nan = check(Kind.GRADIENT, max_abs_error=float("nan"), relative_error=float("inf"), passed=False, detectable=None)
+    assert number_cells(nan) == ["non-finite", "non-finite", "3.00e-03", "4.00e-03", "", ""]
+    result = ScenarioResult(name="demo", op="attention", dtype="float64", epsilon=1e-6, tolerance=1e-6, mode="full",
+                            faults=(), checks=(check(Kind.GRADIENT), check(Kind.INVARIANT, detectable=None)),
+                            elapsed_s=0.0)
+    plain = _render(result, "d", 200, terminal=False).splitlines()
+    assert plain[1].split() == ["check", "tensor", "max", "abs", "err", "rel", "err", "rel", "tol", "noise", "floor",
+                                "allowed", "detects", "status"]
+    assert plain[3].split() == ["invariant", "o", "2", "1.00e-03", "3.00e-03", "pass"]
+    assert plain[3].index("3.00e-03") > plain[2].index("4.00e-03")  # under allowed, not under rel tol
 
 
 def test_off_a_terminal_lines_are_never_wrapped(failing):
@@ -61,18 +105,21 @@ def test_off_a_terminal_lines_are_never_wrapped(failing):
 
 SNAPSHOT_80 = """\
 demo (B=1 Hq=1 Hkv=1 n_q=2 n_k=2 d=2/2 float64 full)
-check                                                                  status
-    tensor     max abs err   rel err  tolerance  noise floor  detects
-gradient q                                                             FAIL
-    q 1x1x2x2     5.00e-01  2.50e-01   1.00e-06     1.00e-12
-implementation runs                                                    FAIL
-    -          did not run
+gradient q                          q 1x1x2x2  FAIL
+    abs 5.00e-01  rel 2.50e-01  rtol 1.00e-06  floor 1.00e-12
+backward agrees with the reference  q 1x1x2x2  pass
+    abs 2.00e-16  rel 1.00e-16  allowed 3.00e-14  detects 1.00e-14
+hidden K/V rows do not change O     o 1x1x2x2  pass
+    abs 0.00e+00  allowed 8.00e-15
+implementation runs                 -          FAIL
+    did not run
   FAIL gradient q (q): worst at q[0, 0, 1, 1]: analytic 1.5, numeric 2.0; 4
       elements checked; the number 123456789.123456789e+10 is never split
   FAIL implementation runs (-): backward raised ValueError: a long message that
       the tool wraps at a word boundary so that the terminal never has to
   hint: the analytic gradient is off by a constant factor of 0.75 everywhere:
         look at the scale (a hint long enough to wrap onto a second line)
+  power: would have caught uniform relative errors above 1.00e-14 in dq
   demo: FAILED in 0.00 s
 """
 
@@ -83,6 +130,11 @@ def test_a_snapshot_at_80_columns():
               relative_error=0.25, tolerance=1e-6, noise_floor=1e-12, worst_index=(0, 0, 1, 1), passed=False,
               detail="worst at q[0, 0, 1, 1]: analytic 1.5, numeric 2.0; 4 elements checked; the number "
                      "123456789.123456789e+10 is never split"),
+        Check(kind=Kind.REFERENCE, name="backward agrees with the reference", tensor="q", shape=(1, 1, 2, 2),
+              max_abs_error=2e-16, relative_error=1e-16, tolerance=3e-14, noise_floor=0.0, worst_index=(0, 0, 0, 0),
+              passed=True, detectable=1e-14),
+        Check(kind=Kind.INVARIANT, name="hidden K/V rows do not change O", tensor="o", shape=(1, 1, 2, 2),
+              max_abs_error=0.0, relative_error=0.0, tolerance=8e-15, noise_floor=0.0, worst_index=None, passed=True),
         Check(kind=Kind.IMPLEMENTATION, name="implementation runs", tensor="-", shape=None,
               max_abs_error=float("inf"), relative_error=float("inf"), tolerance=0.0, noise_floor=0.0,
               worst_index=None, passed=False, detail="backward raised ValueError: a long message that the tool "
