@@ -51,8 +51,8 @@ def test_negative_controls_json_and_junit(root, tmp_path):
     root_el = ET.parse(tmp_path / "r.xml").getroot()
     suites = {s.get("name"): s for s in root_el.iter("testsuite")}
     assert set(suites) == set(names) | {"negative-controls"}
-    # 3 gradient checks, 3 independence checks, the fast forward, 9 invariants
-    assert suites["gqa-4x2"].get("failures") == "0" and int(suites["gqa-4x2"].get("tests")) == 16
+    # 3 gradient checks, 3 independence checks, the fast forward, 11 invariants
+    assert suites["gqa-4x2"].get("failures") == "0" and int(suites["gqa-4x2"].get("tests")) == 18
 
 
 def test_junit_failure_carries_the_worst_element(root, tmp_path):
