@@ -29,6 +29,22 @@ class Verdict(_Word):
         return cls.FAIL if cls.FAIL in seen else cls.INCONCLUSIVE if cls.INCONCLUSIVE in seen else cls.PASS
 
 
+#: The summary's count of each check verdict (the JSON report's ``summary``), in report order.
+COUNTS = {Verdict.PASS: "passed", Verdict.FAIL: "failed", Verdict.INCONCLUSIVE: "inconclusive",
+          Verdict.NOT_APPLICABLE: "not_applicable"}
+
+
+def counts(verdicts: Iterable[str]) -> dict[str, int]:
+    """How many of ``verdicts`` (check verdicts) are of each kind, by ``COUNTS``' names."""
+    seen = list(verdicts)
+    return {key: sum(v == verdict for v in seen) for verdict, key in COUNTS.items()}
+
+
+def passes(verdict: str) -> bool:
+    """What a check's ``passed`` is for its verdict: it neither failed nor was inconclusive."""
+    return verdict in (Verdict.PASS, Verdict.NOT_APPLICABLE)
+
+
 class Kind(_Word):
     """What a check compares."""
     GRADIENT = "gradient"              # analytic gradient vs finite differences

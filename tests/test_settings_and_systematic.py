@@ -198,3 +198,30 @@ def test_keys_no_query_sees_must_get_zero_gradient_under_every_rows_loss():
     (full,) = [c for c in checks if c.name == UNSEEN and c.tensor == "v"]
     # batch 1's 2 padding keys in each of its 2 KV heads
     assert "loss on every query row" in full.detail and "4 (batch, kv head, key) rows" in full.detail
+
+
+def test_a_check_that_is_not_applicable_is_counted_apart_in_every_report(folder):
+    import json
+    import xml.etree.ElementTree as ET
+
+    from click.testing import CliRunner
+
+    from gradcheck_cli.cli import main
+    config = folder / "n.yaml"
+    config.write_text(yaml.safe_dump({"scenarios": [
+        {"name": "kept", "op": "rmsnorm", "backend": "torch", "batch": 2, "n": 3, "d_model": 8,
+         "implementation": {"factory": "norms:rmsnorm_keeping_eps", "weights": {"weight": "gamma"}}}]}))
+    out = {k: folder / f"r.{k}" for k in ("json", "xml", "html")}
+    run = CliRunner().invoke(main, ["run", str(config), "--json", str(out["json"]), "--junit", str(out["xml"]),
+                                    "--html", str(out["html"])])
+    assert run.exit_code == 0, run.output
+    assert "n/a" in run.stdout and "1 not applicable -- all checks passed" in run.stdout
+    assert "n/a <G_x, x> = d eps mean(g xhat) / s^2 (g_x): not applicable here: eps is fixed" in run.stdout
+    data = json.loads(out["json"].read_text())
+    assert data["summary"]["not_applicable"] == 1 and data["verdict"] == "pass" and data["schema_version"] == 3
+    assert [c["verdict"] for c in data["scenarios"][0]["checks"] if c["name"] == SCALE] == ["not applicable"]
+    (suite,) = ET.parse(out["xml"]).getroot().iter("testsuite")
+    assert suite.get("skipped") == "1" and suite.get("failures") == "0"
+    assert "n/a" in out["html"].read_text()
+    merged = CliRunner().invoke(main, ["merge", str(out["json"])])
+    assert merged.exit_code == 0 and "1 not applicable" in merged.stdout, merged.output

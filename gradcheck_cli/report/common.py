@@ -7,16 +7,21 @@ import math
 from collections.abc import Sequence
 
 from ..indices import ranges
-from ..result import ScenarioResult
+from ..result import ScenarioResult, counts
 from ..text import shell_word
 
 
 def summary(results: Sequence[ScenarioResult]) -> dict:
+    """The counts of a run: scenarios, checks, and checks by verdict (``result.COUNTS``)."""
     checks = [c for r in results for c in r.checks]
-    passed = sum(c.passed for c in checks)
-    inconclusive = sum(c.verdict == "inconclusive" for c in checks)
-    return {"scenarios": len(results), "checks": len(checks), "passed": passed,
-            "failed": len(checks) - passed - inconclusive, "inconclusive": inconclusive}
+    return {"scenarios": len(results), "checks": len(checks), **counts(c.verdict for c in checks)}
+
+
+def counted(s: dict) -> str:
+    """'N passed, N failed[, N inconclusive][, N not applicable]' of a summary."""
+    return (f"{s['passed']} passed, {s['failed']} failed" + (f", {s['inconclusive']} inconclusive" if s["inconclusive"]
+                                                                else "")
+            + (f", {s['not_applicable']} not applicable" if s.get("not_applicable") else ""))
 
 
 def verdict(results: Sequence[ScenarioResult]) -> str:

@@ -110,6 +110,7 @@ def junit_xml(report: dict) -> bytes:
         checks = [SimpleNamespace(**c) for c in r["checks"]]
         suite = ET.SubElement(root, "testsuite", name=r["name"], tests=str(len(checks)),
                               failures=str(sum(not c.passed for c in checks)), errors="0",
+                              skipped=str(sum(c.verdict == "not applicable" for c in checks)),
                               time=f"{r['elapsed_s']:.6f}")
         for c in checks:
             case = ET.SubElement(suite, "testcase", classname=f"attn-gradcheck.{r['name']}",
@@ -119,6 +120,8 @@ def junit_xml(report: dict) -> bytes:
                 text = "\n".join([failure_message(c)] + diagnosis_lines(c, indent="  ")
                                  + [f"hint: {h}" for h in r.get("hints", [])] + [f"reproduce: {r['reproduce']}"])
                 ET.SubElement(case, "failure", message=msg).text = text
+            elif c.verdict == "not applicable":
+                ET.SubElement(case, "skipped", message=c.detail)
     controls = (report.get("negative_controls") or {}).get("cells")
     if controls is not None:
         suite = ET.SubElement(root, "testsuite", name="negative-controls", tests=str(len(controls)),

@@ -23,7 +23,9 @@ from .common import (
 
 #: Colours of the heat map's levels: -1 not checked, 0 within tolerance, d >= 1: error 10^(d-1)..10^d x allowed.
 _LEVEL_COLOURS = {-1: "#e8e8e8", 0: "#7bc47f", 1: "#f6e05e", 2: "#f6ad55", 3: "#ed8936", 4: "#e53e3e"}
-_VERDICT = {"pass": "pass", "fail": "FAIL", "inconclusive": "inconclusive", "interrupted": "interrupted"}
+_VERDICT = {"pass": "pass", "fail": "FAIL", "inconclusive": "inconclusive", "interrupted": "interrupted",
+            "not applicable": "n/a"}
+_CLASS = {"not applicable": "na"}  # a verdict's CSS class where its word is not one
 
 _STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em; color: #1a202c; max-width: 1200px; }
@@ -31,6 +33,7 @@ h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 
 table { border-collapse: collapse; margin: .5em 0; } td, th { padding: .15em .6em; text-align: right; }
 th { border-bottom: 1px solid #a0aec0; } td.name, th.name { text-align: left; }
 .pass { color: #276749; } .fail { color: #c53030; font-weight: bold; } .inconclusive { color: #b7791f; }
+.na { color: #718096; }
 td.detected { background: #c6f6d5; } td.missed { background: #fed7d7; font-weight: bold; }
 td.na { background: #edf2f7; color: #718096; }
 pre { background: #f7fafc; padding: .5em; white-space: pre-wrap; word-break: break-word; }
@@ -118,9 +121,12 @@ def _scenario(s: dict) -> str:
         out.append(f'<tr><td class="name">{escape(c.name)}</td>'
                    f'<td class="name">{escape(str(c.tensor or ""))} {shape}</td>'
                    + "".join(f"<td>{escape(cell)}</td>" for cell in number_cells(c))
-                   + f'<td class="{escape(c.verdict)}">{escape(_VERDICT.get(c.verdict, c.verdict))}</td></tr>')
+                   + f'<td class="{_CLASS.get(c.verdict, escape(c.verdict))}">'
+                   f'{escape(_VERDICT.get(c.verdict, c.verdict))}</td></tr>')
     out.append("</table>")
     out += [f"<p>{escape(c.name)}: {escape(c.detail)}</p>" for c in checks if c.kind == "experiment" and c.passed]
+    out += [f'<p><span class="na">n/a</span> {escape(c.name)} ({escape(str(c.tensor))}): {escape(c.detail)}</p>'
+            for c in checks if c.verdict == "not applicable"]
     for c in checks:
         if not c.passed:
             word = "FAIL" if c.verdict == "fail" else "INCONCLUSIVE"

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from .. import __version__
 from .. import files as _files
 from ..errors import GradcheckError
-from ..result import Verdict
+from ..result import COUNTS, Verdict, counts, passes
 from . import schema as report_schema
 from .formats import JSON_SCHEMA_VERSION, _controls_into, _with_id
 
@@ -197,11 +197,8 @@ def merge_reports(reports: Sequence[tuple[str, dict]]) -> dict:
     order = {(os.path.normpath(str(sc["config"])), sc["name"]): k for k, sc in enumerate(scenarios)}
     cells.sort(key=lambda cc: order.get((cc[0], cc[1]["scenario"]), len(order)))
     checks = [c for sc in scenarios for c in sc["checks"]]
-    failed = sum(c["verdict"] == "fail" for c in checks)
-    inconclusive = sum(c["verdict"] == "inconclusive" for c in checks)
-    summary_ = {"scenarios": len(scenarios), "checks": len(checks), "passed": len(checks) - failed - inconclusive,
-                "failed": failed, "inconclusive": inconclusive}
-    verdict_ = "fail" if failed else ("inconclusive" if inconclusive else "pass")
+    summary_ = {"scenarios": len(scenarios), "checks": len(checks), **counts(c["verdict"] for c in checks)}
+    verdict_ = Verdict.combine(c["verdict"] for c in checks)
     merged = {
         "tool": "attn-gradcheck",
         "version": __version__,
@@ -230,23 +227,23 @@ def _consistent(path: str, data: dict) -> None:
     def bad(where: str, what: str):
         return GradcheckError(f"{path}: {where}: {what}: the report contradicts itself (edited or damaged); "
                               "use the report the run wrote")
-    counts = {"scenarios": len(data["scenarios"]), "checks": 0, "passed": 0, "failed": 0, "inconclusive": 0}
+    tally = {"scenarios": len(data["scenarios"]), "checks": 0, **dict.fromkeys(COUNTS.values(), 0)}
     for i, sc in enumerate(data["scenarios"]):
         verdicts = set()
         for j, c in enumerate(sc["checks"]):
-            if c["passed"] != (c["verdict"] == "pass"):
+            if c["passed"] != passes(c["verdict"]):
                 raise bad(f"scenarios[{i}].checks[{j}]", f"passed is {str(c['passed']).lower()} but its verdict is "
                                                          f"{c['verdict']}")
             verdicts.add(c["verdict"])
-            counts["checks"] += 1
-            counts[{"pass": "passed", "fail": "failed", "inconclusive": "inconclusive"}[c["verdict"]]] += 1
+            tally["checks"] += 1
+            tally[COUNTS[c["verdict"]]] += 1
         derived = Verdict.combine(verdicts)
         if sc["verdict"] != derived or sc["passed"] != (derived == "pass"):
             raise bad(f"scenarios[{i}] ({sc['name']})", f"its verdict is {sc['verdict']} (passed "
                                                         f"{str(sc['passed']).lower()}) but its checks say {derived}")
-    summary_ = {k: data["summary"].get(k) for k in counts}
-    if summary_ != counts:
-        raise bad("summary", f"it counts {summary_} but the report holds {counts}")
+    summary_ = {k: data["summary"].get(k) for k in tally}
+    if summary_ != tally:
+        raise bad("summary", f"it counts {summary_} but the report holds {tally}")
 
 
 def _files_of(parts: Sequence[tuple[str, dict]]) -> str:
@@ -262,10 +259,10 @@ def _check_shards(config, parts: Sequence[tuple[str, dict]], configs: dict) -> N
     if not all(s for _, s in shards):
         raise GradcheckError(f"reports of {config} mix shards and whole runs: "
                              + ", ".join(p for p, s in shards if not s) + " ran without --shard")
-    counts = {s["count"] for _, s in shards}
-    if len(counts) > 1:
-        raise GradcheckError(f"reports of {config} come from different splits (N = {sorted(counts)})")
-    count = counts.pop()
+    splits = {s["count"] for _, s in shards}
+    if len(splits) > 1:
+        raise GradcheckError(f"reports of {config} come from different splits (N = {sorted(splits)})")
+    count = splits.pop()
     runs = {(tuple(s.get("select", ())), tuple(s.get("deselect", ())), s.get("of")) for _, s in shards}
     if len(runs) > 1:
         raise GradcheckError(f"shards of {config} selected different scenarios (--select / --deselect differ): "

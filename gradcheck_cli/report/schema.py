@@ -1,12 +1,13 @@
-"""The JSON Schema (draft 2020-12) of the ``--json`` report, schema_version 2: published as
+"""The JSON Schema (draft 2020-12) of the ``--json`` report, schema_version 3: published as
 ``schema/report.schema.json``, and what ``merge`` checks every input against before using it. Keys are
 only added within a version, so objects admit keys this schema does not name. Imports nothing of ours."""
 from __future__ import annotations
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: a check's verdict may be "not applicable"; the summary counts not_applicable
 
 _NUMBER = {"type": ["number", "null"]}  # non-finite numbers are written as null
 _VERDICT = {"enum": ["pass", "fail", "inconclusive"]}
+_CHECK_VERDICT = {"enum": ["pass", "fail", "inconclusive", "not applicable"]}
 _STRINGS = {"type": "array", "items": {"type": "string"}}
 _INTS = {"type": "array", "items": {"type": "integer"}}
 
@@ -48,7 +49,7 @@ _CHECK = {
         "name": {"type": "string"}, "tensor": {"type": ["string", "null"]},
         "shape": {"oneOf": [_INTS, {"type": "null"}]}, "max_abs_error": _NUMBER, "relative_error": _NUMBER,
         "tolerance": _NUMBER, "noise_floor": _NUMBER, "worst_index": {"oneOf": [_INTS, {"type": "null"}]},
-        "passed": {"type": "boolean"}, "verdict": _VERDICT, "fd_error": _NUMBER, "detectable": _NUMBER,
+        "passed": {"type": "boolean"}, "verdict": _CHECK_VERDICT, "fd_error": _NUMBER, "detectable": _NUMBER,
         "detail": {"type": "string"}, "diagnosis": {"oneOf": [{"type": "null"}, _DIAGNOSIS]},
     },
 }
@@ -98,7 +99,8 @@ def report_schema() -> dict:
             "faults": {"oneOf": [_STRINGS, {"type": "null"}]},
             "passed": {"type": "boolean"},
             "verdict": {"enum": ["pass", "fail", "inconclusive", "interrupted"]},
-            "summary": {"type": "object", "required": ["scenarios", "checks", "passed", "failed", "inconclusive"],
+            "summary": {"type": "object", "required": ["scenarios", "checks", "passed", "failed", "inconclusive",
+                                                       "not_applicable"],
                         "additionalProperties": {"type": "integer", "minimum": 0}},
             "engine": {"type": ["string", "null"]},
             "scenarios": {"type": "array", "items": _SCENARIO},

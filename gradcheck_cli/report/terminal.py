@@ -13,7 +13,17 @@ from rich.text import Text
 
 from ..result import ControlCell, ScenarioResult, controls_verdict
 from ..text import visible, visible_all
-from .common import COLUMNS, _g, diagnosis_lines, failure_message, labelled_numbers, number_cells, power_line, summary
+from .common import (
+    COLUMNS,
+    _g,
+    counted,
+    diagnosis_lines,
+    failure_message,
+    labelled_numbers,
+    number_cells,
+    power_line,
+    summary,
+)
 
 
 def _narrow_table(console: Console, title: str, rows: Sequence[Sequence[str]], checks, styles: Sequence[str]) -> None:
@@ -104,8 +114,9 @@ def _visible_result(r: ScenarioResult) -> ScenarioResult:
 def render_scenario(console: Console, r: ScenarioResult, description: str, reproduce: str | None = None) -> None:
     r, description, reproduce = _visible_result(r), visible(description), reproduce and visible(reproduce)
     title = f"{r.name} ({description})" + (f"  faults: {', '.join(r.faults)}" if r.faults else "")
-    statuses = [{"pass": "pass", "fail": "FAIL"}.get(c.verdict, c.verdict) for c in r.checks]
-    status_styles = [{"pass": "green", "fail": "bold red"}.get(c.verdict, "bold yellow") for c in r.checks]
+    statuses = [{"pass": "pass", "fail": "FAIL", "not applicable": "n/a"}.get(c.verdict, c.verdict) for c in r.checks]
+    status_styles = [{"pass": "green", "fail": "bold red", "not applicable": "dim"}.get(c.verdict, "bold yellow")
+                     for c in r.checks]
     rows = [[c.name, f"{c.tensor} {'x'.join(map(str, c.shape))}" if c.shape else (c.tensor or ""),
              *number_cells(c), status] for c, status in zip(r.checks, statuses)]
     headers = ["check", "tensor", *(header for header, _ in COLUMNS), "status"]
@@ -118,6 +129,8 @@ def render_scenario(console: Console, r: ScenarioResult, description: str, repro
     for c in r.checks:
         if c.kind == "experiment" and c.passed:  # an experiment's numbers are its result: always shown
             _say(console, f"  {c.name}: {c.detail}")
+        if c.verdict == "not applicable":  # why it could not run: neither a pass nor a fail
+            _say(console, Text.assemble("  ", ("n/a", "dim"), f" {c.name} ({c.tensor}): {c.detail}"), "      ")
     for c in r.checks:
         if not c.passed:
             word, style = ("FAIL", "red") if c.verdict == "fail" else ("INCONCLUSIVE", "yellow")
@@ -168,9 +181,7 @@ def render_summary(console: Console, results: Sequence[ScenarioResult], interrup
                 "differences too inaccurate, no power, or code that computes in a lower precision)")
     else:
         word = "all checks passed"
-    console.print(f"{s['scenarios']} scenario(s), {s['checks']} checks: {s['passed']} passed, {s['failed']} failed"
-                  + (f", {s['inconclusive']} inconclusive" if s["inconclusive"] else "") + f" -- {word}",
-                  highlight=False)
+    console.print(f"{s['scenarios']} scenario(s), {s['checks']} checks: {counted(s)} -- {word}", highlight=False)
 
 
 def render_controls(console: Console, cells: Sequence[ControlCell]) -> None:
@@ -225,14 +236,14 @@ def render_merged(console: Console, data: dict) -> None:
         console.print(f"{sc['name']} ({sc['config']}): {word}")
         for c in sc["checks"]:
             if c["verdict"] != "pass":
-                console.print(f"  {c['verdict'].upper()} {c['name']} ({c['tensor']}): {c['detail']}", soft_wrap=True)
+                word = "n/a" if c["verdict"] == "not applicable" else c["verdict"].upper()
+                console.print(f"  {word} {c['name']} ({c['tensor']}): {c['detail']}", soft_wrap=True)
         for hint in sc.get("hints", []):
             console.print(f"  hint: {hint}", soft_wrap=True)
         if sc["verdict"] != "pass":
             console.print(f"  reproduce: {sc['reproduce']}", soft_wrap=True)
     s = data["summary"]
-    console.print(f"{s['scenarios']} scenario(s), {s['checks']} checks: {s['passed']} passed, {s['failed']} failed"
-                  + (f", {s['inconclusive']} inconclusive" if s["inconclusive"] else "")
+    console.print(f"{s['scenarios']} scenario(s), {s['checks']} checks: {counted(s)}"
                   + f" -- merged from {len(data['merged_from'])} report(s): {data['verdict']}")
     if data["negative_controls"] is not None:
         cells = data["negative_controls"]["cells"]

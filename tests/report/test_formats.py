@@ -24,7 +24,7 @@ def test_json_report_contract(root, tmp_path):
     assert set(report) == {"tool", "version", "schema_version", "config", "faults", "passed", "verdict",
                            "summary", "scenarios", "negative_controls", "shard", "interrupted", "engine", "run_id"}
     assert report["tool"] == "attn-gradcheck" and report["faults"] == ["scale"] and report["passed"] is False
-    assert set(report["summary"]) == {"scenarios", "checks", "passed", "failed", "inconclusive"}
+    assert set(report["summary"]) == {"scenarios", "checks", "passed", "failed", "inconclusive", "not_applicable"}
     s = report["scenarios"][0]
     assert set(s) == {"name", "op", "dtype", "epsilon", "tolerance", "mode", "faults", "passed", "verdict",
                       "elapsed_s", "checks", "hints", "reproduce", "index", "config", "engine", "detectable"}
@@ -32,7 +32,7 @@ def test_json_report_contract(root, tmp_path):
     assert set(c) == {"kind", "name", "tensor", "shape", "max_abs_error", "relative_error", "tolerance",
                       "noise_floor", "worst_index", "passed", "verdict", "fd_error", "detail", "diagnosis",
                       "detectable"}
-    assert report["schema_version"] == 2
+    assert report["schema_version"] == 3
     assert c["kind"] == "gradient" and c["tensor"] == "q" and c["passed"] is False
     assert report["summary"]["failed"] == sum(not c["passed"] for s in report["scenarios"] for c in s["checks"])
     assert list(tmp_path.iterdir()) == [path]  # no temp files left behind
