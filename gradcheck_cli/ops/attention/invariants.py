@@ -57,7 +57,7 @@ CONVEX_ULPS = {"float64": 64.0, "float32": 64.0, "float16": 4.0, "bfloat16": 4.0
 
 
 #: The invariants of the K/V gradients: every query row's loss, and query row 0's alone.
-UNSEEN, UNSEEN_BY_ROW_0 = "unseen K/V rows get zero gradient", "K/V rows query row 0 cannot see get zero gradient"
+UNSEEN, UNSEEN_BY_ROW_0 = "unseen K/V rows get zero gradient", "row 0's unseen K/V rows get zero gradient"
 
 
 def output_invariants(forward, backward_kv, inputs, visible, kv_map, o, rng, terms: dict[str, np.ndarray],
