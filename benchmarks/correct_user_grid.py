@@ -2,7 +2,8 @@
 swiglu, infonce; in torch and JAX also attention-projections, self and cross, and the whole block) in the
 three flavours (NumPy: examples/my_*.py; torch: examples/torch_ops.py; JAX: examples/jax_ops.py), plus JAX
 attention (examples/jax_attention.py) and modules with weights (the mapping form of implementation: a torch
-SwiGLU module with a frozen extra parameter, a JAX function with its params pytree): no run may FAIL, and
+SwiGLU module with a frozen extra parameter, a JAX function with its params pytree, and RMSNorm/LayerNorm
+modules whose factories take the scenario's eps, in torch and JAX): no run may FAIL, and
 inconclusive verdicts are listed with their checks. Shapes, eps, rotary dims, offsets, bases, masks, GQA,
 dtypes and check modes are drawn at random.
 
@@ -41,7 +42,7 @@ def draw(rng: random.Random, flavour: str, i: int) -> dict:
     """The keys of one correct scenario."""
     ops = ["layernorm", "rmsnorm", "rope", "swiglu", "infonce"]
     if flavour != "numpy":
-        ops += ["attention-projections", "block", "module"]
+        ops += ["attention-projections", "block", "module", "norm-module"]
     if flavour == "jax":
         ops.append("attention")
     op = rng.choice(ops)
@@ -49,7 +50,7 @@ def draw(rng: random.Random, flavour: str, i: int) -> dict:
             "batch": rng.randint(1, 3)}
     if flavour != "numpy":
         keys["backend"] = flavour
-    if op in ("layernorm", "rmsnorm"):
+    if op in ("layernorm", "rmsnorm", "norm-module"):
         keys.update(n=rng.randint(1, 5), d_model=rng.randint(2, 24), eps=rng.choice([0.0, 1e-6, 1e-5, 0.1]))
     elif op == "rope":
         d = 2 * rng.randint(1, 8)
@@ -77,6 +78,13 @@ def draw(rng: random.Random, flavour: str, i: int) -> dict:
             {"factory": "torch_ops:SwiGLU", "weights": {"gate.weight": "w1.T", "up.weight": "w3.T",
                                                          "down.weight": "w2.T"}} if flavour == "torch" else
             {"factory": "jax_ops:swiglu_with_params", "weights": {"mlp.gate": "w1", "mlp.up": "w3", "mlp.down": "w2"}})
+    elif op == "norm-module":  # a norm module whose factory takes the scenario's eps
+        keys["op"] = rng.choice(["rmsnorm", "layernorm"])
+        torch_weights = {"weight": "gamma"} if keys["op"] == "rmsnorm" else {"weight": "gamma", "bias": "beta"}
+        keys["implementation"] = (
+            {"factory": f"torch_ops:{keys['op']}_module", "weights": torch_weights} if flavour == "torch" else
+            {"factory": f"jax_ops:{keys['op']}_with_params",
+             "weights": {"scale": "gamma"} if keys["op"] == "rmsnorm" else {"scale": "gamma", "bias": "beta"}})
     elif op == "attention":
         keys["implementation"] = "jax_attention:attention"
     elif op in ("attention-projections", "block"):

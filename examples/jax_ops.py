@@ -60,6 +60,15 @@ def swiglu_with_params(d_model, d_ff):  # the module form without flax: a functi
     return (lambda p, x: swiglu(x, p["mlp"]["gate"], p["mlp"]["up"], p["mlp"]["down"])), params
 
 
+def rmsnorm_with_params(d_model, eps):  # a factory that takes the scenario's eps; weights: {scale: gamma}
+    return (lambda p, x: rmsnorm(x, p["scale"], eps)), {"scale": jnp.ones((d_model,))}
+
+
+def layernorm_with_params(d_model, eps):  # weights: {scale: gamma, bias: beta}
+    return (lambda p, x: layernorm(x, p["scale"], p["bias"], eps)), {"scale": jnp.ones((d_model,)),
+                                                                     "bias": jnp.zeros((d_model,))}
+
+
 def infonce(q, p, n, tau):
     # DPR: each query's candidates are every positive of the batch and every hard negative (n [B, k, dim])
     z = q @ jnp.concatenate([p, n.reshape(-1, n.shape[-1])]).T / tau

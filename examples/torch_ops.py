@@ -74,6 +74,33 @@ class SwiGLU(torch.nn.Module):  # a module with weights, as a model would hold t
         return self.scale * self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+class RMSNorm(torch.nn.Module):  # a norm module built with its eps, as models build them (weights: {weight: gamma})
+    def __init__(self, d_model, eps=1e-6):
+        super().__init__()
+        self.weight, self.eps = torch.nn.Parameter(torch.ones(d_model)), eps
+
+    def forward(self, x):
+        return rmsnorm(x, self.weight, self.eps)
+
+
+class LayerNorm(torch.nn.Module):  # weights: {weight: gamma, bias: beta}
+    def __init__(self, d_model, eps=1e-5):
+        super().__init__()
+        self.weight, self.bias = torch.nn.Parameter(torch.ones(d_model)), torch.nn.Parameter(torch.zeros(d_model))
+        self.eps = eps
+
+    def forward(self, x):
+        return layernorm(x, self.weight, self.bias, self.eps)
+
+
+def rmsnorm_module(d_model, eps):  # a factory that takes the scenario's eps: the module is built with it
+    return RMSNorm(d_model, eps)
+
+
+def layernorm_module(d_model, eps):
+    return LayerNorm(d_model, eps)
+
+
 def infonce(q, p, n, tau):
     # DPR: each query's candidates are every positive of the batch and every hard negative (n [B, k, dim])
     candidates = torch.cat([p, n.reshape(-1, n.shape[-1])])
