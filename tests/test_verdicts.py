@@ -134,3 +134,17 @@ def test_the_precision_of_a_correct_float64_implementation_is_float64(root, monk
         if c.kind == "reference":
             assert "ulps of float64" in c.detail and c.detectable is not None and c.detectable < 1e-10
     assert np.isfinite(list(result.detectable.values())).all()
+
+
+@pytest.mark.parametrize("seed", [264721, 1])
+def test_a_layer_whose_query_and_key_weights_get_no_gradient_passes(seed):
+    """One key per query: the softmax is 1 whatever W_Q and W_K are, so their gradients are exactly 0 in the
+    reference and rounding (1e-16) in torch's autograd: judged by the size of the terms they are made of (the
+    attention's, composed through the projections), not by their zero value (issue 22: a false FAIL)."""
+    pytest.importorskip("torch")
+    from helpers import with_examples
+    sc = with_examples(op="attention-projections", backend="torch", batch=2, heads_q=1, heads_kv=1, n_q=1, d_head=7,
+                       d_model=12, seed=seed, mask={"causal": "lower-right"},
+                       implementation="torch_ops:attention_projections")
+    result = checker.run_scenario(sc)
+    assert result.verdict == "pass", _not_passed(result)

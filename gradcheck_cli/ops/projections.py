@@ -100,6 +100,31 @@ class Layer:
             grads["x"] = g_x if "shared-input-sum" in faults else g_x + from_kv
         return grads
 
+    def terms(self, x, w_q, w_k, w_v, w_o, grad_y, m=None) -> dict[str, np.ndarray]:
+        """The size of the terms of y and of each gradient (float64), composed through the projections from
+        attention's own (``attention.term_sizes``: a softmax Jacobian that cancels, as with one visible key,
+        is judged by what it is made of, never by its value)."""
+        x, w_q, w_k, w_v, w_o, grad_y = (np.asarray(t, dtype=np.float64) for t in (x, w_q, w_k, w_v, w_o, grad_y))
+        s = np.asarray(m, dtype=np.float64) if self.cross else x
+        ax, as_, aq, ak, av, ao, ag = (np.abs(t) for t in (x, s, w_q, w_k, w_v, w_o, grad_y))
+        inputs = {"q": split(x @ w_q, self.heads_q), "k": split(s @ w_k, self.heads_kv),
+                  "v": split(s @ w_v, self.heads_kv)}
+        a = attention.attention_weights(inputs["q"], inputs["k"], self.visible, self.scale, self.kv_map)
+        att = attention.term_sizes(inputs, split(ag @ ao.T, self.heads_q), lambda span: a[..., span, :],
+                                   self.scale, self.kv_map)
+        t_q, t_k, t_v, t_o = (merge(att[t]) for t in "qkvo")
+        # the projections' own products: |x| |W| under each input's terms
+        t_q, t_k, t_v = t_q + merge(split(ax @ aq, self.heads_q)), t_k + merge(split(as_ @ ak, self.heads_kv)), \
+            t_v + merge(split(as_ @ av, self.heads_kv))
+        out = {"o": t_o @ ao, "w_q": _rows(ax).T @ _rows(t_q), "w_k": _rows(as_).T @ _rows(t_k),
+               "w_v": _rows(as_).T @ _rows(t_v), "w_o": _rows(t_o).T @ _rows(ag)}
+        from_kv = t_k @ ak.T + t_v @ av.T
+        if self.cross:
+            out["x"], out["m"] = t_q @ aq.T, from_kv
+        else:
+            out["x"] = t_q @ aq.T + from_kv
+        return out
+
 
 def _shapes(sc) -> dict:
     d, dh, dv = sc.p("d_model"), sc.d_head, sc.d_value
@@ -182,9 +207,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
 
     return user_engine.build(sc, user_engine.UserOp(
         inputs=data, args=args, g=g, forward=forward, backward=backward,
-        terms=lambda inputs, a, g: user_engine.bounded_terms(forward, backward, inputs, a, g,
-                                                             sc.batch * sc.n_q + sc.n_k + sc.p("d_model")
-                                                             + sc.heads_q * sc.d_head),
+        terms=lambda inputs, a, g: layer.terms(**inputs, grad_y=g),
         invariants=checks, batched=("x", "m", "visible"), structure=_STRUCTURE, shown=SHOWN,
         alternatives=kv_alternatives(sc, lambda kv: Layer(dataclasses.replace(sc, kv_map=kv)).forward(
             **{t: v.astype(np.float64) for t, v in data.items()}))), faults)
