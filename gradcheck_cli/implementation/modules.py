@@ -187,6 +187,22 @@ def build(factory, available: dict[str, Any], spec: str):
     return guarded(f"the factory {spec}", lambda: factory(**kwargs))
 
 
+def frozen(named, mapped, unread, nonzero) -> tuple[list[str], list[str]]:
+    """The module's parameters no weight maps (``named``: (name, value) pairs; ``mapped``: the mapped names),
+    each as its name or 'name (why it is not read)' (``unread(value)``: None for a dense array), and those of
+    them that are not zero (``nonzero(value)``, asked of dense ones only: an empty or sparse parameter is
+    listed, never reduced)."""
+    listed, nonzeros = [], []
+    for name, value in named:
+        if name in mapped:
+            continue
+        why = unread(value)
+        listed.append(name if why is None else f"{name} ({why})")
+        if why is None and nonzero(value):
+            nonzeros.append(name)
+    return listed, nonzeros
+
+
 def check_names(spec: ModuleSpec, tensors: tuple[str, ...], args: tuple[str, ...]) -> list[tuple[str, str]]:
     """What is wrong with ``spec`` for an op whose scenario has ``tensors`` and passes ``args``: a list of
     (key, message)."""

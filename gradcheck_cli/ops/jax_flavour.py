@@ -125,6 +125,7 @@ def from_module(built, spec, order: tuple[str, ...], arg_names: tuple[str, ...],
     a linen path may leave out its leading ``params.``) is replaced by its expression of the op's tensors, the
     module called with ``spec.call`` and, when it returns a tuple or list, its first element taken. Returns
     (f, frozen, nonzero): the leaves not replaced, and those of them that are not zero."""
+    from ..implementation import modules
     from ..implementation.modules import expression_shape, fitted, suggest
     apply, params = _functional(built, spec.factory)
     leaves = dict(_flatten(params))
@@ -135,14 +136,7 @@ def from_module(built, spec, order: tuple[str, ...], arg_names: tuple[str, ...],
             raise ImplementationFailure(f"the module built by {spec.factory} has no parameter {path!r}"
                                         f"{suggest(path, leaves)}; its parameters: {', '.join(leaves) or 'none'}")
         paths[full] = (expr, fitted(expression_shape(expr, shapes), tuple(np.shape(leaves[full])), path, expr))
-    frozen, nonzero = [], []
-    for p, leaf in leaves.items():
-        if p in paths:
-            continue
-        unread = _unread(leaf)
-        frozen.append(p if unread is None else f"{p} ({unread})")
-        if unread is None and np.count_nonzero(np.asarray(leaf)):
-            nonzero.append(p)
+    frozen, nonzero = modules.frozen(leaves.items(), paths, _unread, lambda leaf: np.count_nonzero(np.asarray(leaf)))
     names = order + arg_names
 
     def f(*values):

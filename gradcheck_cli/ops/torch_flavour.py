@@ -73,6 +73,7 @@ def from_module(module, spec, order: tuple[str, ...], arg_names: tuple[str, ...]
     and, when it returns a tuple or list, its first element taken. The module is put in ``dtype`` on
     ``device`` and in eval mode (dropout off). Returns (f, frozen, nonzero): the parameters
     not replaced (kept as built, not differentiated), and those of them that are not zero."""
+    from ..implementation import modules
     from ..implementation.modules import expression_shape, fitted, suggest
     if not isinstance(module, torch.nn.Module):
         raise ImplementationFailure(f"the factory {spec.factory} must return a torch.nn.Module, got "
@@ -87,14 +88,8 @@ def from_module(module, spec, order: tuple[str, ...], arg_names: tuple[str, ...]
                                         f"{suggest(path, params)}; its parameters: {', '.join(params) or 'none'}")
         reshape[path] = fitted(expression_shape(expr, shapes), tuple(params[path].shape), path, expr)
     mapped = [path for path, _ in spec.weights]
-    frozen, nonzero = [], []
-    for name, t in module.named_parameters():
-        if name in mapped:
-            continue
-        unread = _unread(t)
-        frozen.append(name if unread is None else f"{name} ({unread})")
-        if unread is None and bool(torch.count_nonzero(t.detach()) > 0):
-            nonzero.append(name)
+    frozen, nonzero = modules.frozen(module.named_parameters(), mapped, _unread,
+                                     lambda t: bool(torch.count_nonzero(t.detach()) > 0))
     names = order + arg_names
 
     def f(*values):
