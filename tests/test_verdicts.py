@@ -148,3 +148,15 @@ def test_a_layer_whose_query_and_key_weights_get_no_gradient_passes(seed):
                        implementation="torch_ops:attention_projections")
     result = checker.run_scenario(sc)
     assert result.verdict == "pass", _not_passed(result)
+
+
+def test_a_block_with_one_key_per_query_passes_in_float32():
+    """The block's gradients judged by the terms of its parts (attention's, RMSNorm's, RoPE's, SwiGLU's)
+    composed, not by each tensor's largest value: W_Q and W_K get no gradient with one key per query."""
+    pytest.importorskip("torch")
+    from helpers import with_examples
+    sc = with_examples(op="block", backend="torch", dtype="float32", seed=105366, batch=3, heads_q=2, heads_kv=1,
+                       n_q=1, d_head=8, d_model=9, d_ff=7, mask={"causal": "lower-right"},
+                       implementation="torch_ops:block")
+    result = checker.run_scenario(sc)
+    assert result.verdict == "pass", _not_passed(result)

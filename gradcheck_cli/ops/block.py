@@ -85,6 +85,36 @@ class Block:
                 "w_v": rows @ g_v.reshape(-1, g_v.shape[-1]), "w_o": g_wo, "gamma2": g_gamma2,
                 "w1": ffn["w1"], "w3": ffn["w3"], "w2": ffn["w2"]}
 
+    def terms(self, x, gamma1, w_q, w_k, w_v, w_o, gamma2, w1, w3, w2, grad_y) -> dict[str, np.ndarray]:
+        """The size of the terms of y and of every gradient (float64), composed from the parts' own (RMSNorm's,
+        attention's, RoPE's, SwiGLU's term sizes), in the backward's order: a gradient that cancels to nothing
+        (W_Q and W_K with one key per query, a one-feature RMSNorm) is judged by what it is made of."""
+        x, gamma1, w_q, w_k, w_v, w_o, gamma2, w1, w3, w2, grad_y = (
+            np.asarray(t, dtype=np.float64) for t in (x, gamma1, w_q, w_k, w_v, w_o, gamma2, w1, w3, w2, grad_y))
+        cos, sin = np.cos(self.theta), np.sin(self.theta)
+        h1 = rmsnorm.forward(x, gamma1, self.eps)
+        q, k, v = self.attention_in(h1, w_q, w_k, w_v)
+        a = attention.attention_weights(q, k, self.visible, self.scale, self.kv_map)
+        o = attention.forward(q, k, v, self.visible, self.scale, self.kv_map)
+        h = x + merge(o) @ w_o
+        h2 = rmsnorm.forward(h, gamma2, self.eps)
+        ffn = swiglu._terms(h2, w1, w3, w2, grad_y)
+        norm2 = rmsnorm._terms(h, gamma2, self.eps, ffn["x"])
+        t_gh = np.abs(grad_y) + norm2["x"]
+        att = attention.term_sizes({"q": q, "k": k, "v": v}, split(t_gh @ np.abs(w_o).T, self.heads_q),
+                                   lambda span: a[..., span, :], self.scale, self.kv_map)
+        t_q = merge(rope._rotation_terms(att["q"], cos, sin, self.layout))
+        t_k = merge(rope._rotation_terms(att["k"], cos, sin, self.layout))
+        t_v, t_o = merge(att["v"]), merge(att["o"])
+        t_h1 = t_q @ np.abs(w_q).T + t_k @ np.abs(w_k).T + t_v @ np.abs(w_v).T
+        norm1 = rmsnorm._terms(x, gamma1, self.eps, t_h1)
+        rows = np.abs(h1).reshape(-1, h1.shape[-1]).T
+        flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+        return {"o": np.abs(x) + t_o @ np.abs(w_o) + ffn["o"], "x": t_gh + norm1["x"], "gamma1": norm1["gamma"],
+                "w_q": rows @ flat(t_q), "w_k": rows @ flat(t_k), "w_v": rows @ flat(t_v),
+                "w_o": flat(t_o).T @ flat(t_gh), "gamma2": norm2["gamma"], "w1": ffn["w1"], "w3": ffn["w3"],
+                "w2": ffn["w2"]}
+
 
 def _shapes(sc) -> dict:
     d, f, dh, dv = sc.p("d_model"), sc.p("d_ff"), sc.d_head, sc.d_value
@@ -165,10 +195,9 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         grads = block.backward(*values[:len(order)], grad_y=values[-2], faults=values[-1])
         return tuple(grads[t] for t in order)
 
-    length = sc.batch * sc.n_q + sc.p("d_model") + sc.p("d_ff") + sc.heads_q * sc.d_head
     return user_engine.build(sc, user_engine.UserOp(
         inputs=data, args=args, g=g, forward=forward, backward=backward,
-        terms=lambda inputs, a, g: user_engine.bounded_terms(forward, backward, inputs, a, g, length),
+        terms=lambda inputs, a, g: block.terms(**inputs, grad_y=g),
         invariants=lambda calls, dtype, y: projections.mask_invariants(sc, "x", data, calls.forward, calls.backward,
                                                                         dtype),
         batched=("x", "visible"), structure=_STRUCTURE, shown=projections.SHOWN,

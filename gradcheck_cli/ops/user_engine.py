@@ -35,21 +35,6 @@ ADDED = "adds to the implementation's gradients the change this bug makes to the
 
 
 
-def bounded_terms(forward, backward, inputs: dict, args: dict, g: np.ndarray, length: int) -> dict:
-    """For a composite op (a layer, a block), whose terms are not summed element by element: each tensor's
-    largest reference element times sqrt(length), the longest sum behind an element (rounding errors of
-    independent terms grow as its square root), for every element of the tensor. Looser than the op-by-op
-    sums where an element is far below its tensor's largest (it then allows that tensor's rounding);
-    ``precision.judge`` adds factor x the built-in engine's own error in the same precision."""
-    xs = [np.asarray(v, dtype=np.float64) for v in inputs.values()]
-    rest = [a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a for a in args.values()]
-    y = forward(*xs, *rest)
-    grads = backward(*xs, *rest, np.asarray(g, dtype=np.float64), ())
-    root = float(np.sqrt(max(length, 1)))
-    return {t: np.full(np.shape(v), root * float(np.max(np.abs(v), initial=0.0)))
-            for t, v in zip(("o",) + tuple(inputs), (y,) + tuple(grads))}
-
-
 #: Names of the reference checks of the output (``o``) and of each gradient.
 FORWARD_CHECK, BACKWARD_CHECK = "forward agrees with the reference", "backward agrees with the reference"
 
