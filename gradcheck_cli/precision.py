@@ -37,6 +37,7 @@ from .tolerance import (
     AGREEMENT_ULPS,
     DEFAULT_FACTOR,
     DEFAULT_SLACK,
+    LOWER_MIN_PLAIN,
     LOWER_MIN_ULPS,
     LOWER_PRECISION,
     NEARBY_STEP,
@@ -165,37 +166,48 @@ def agreement(name: str, tensor: str, mine: np.ndarray, reference: np.ndarray, t
                  noise_floor=0.0, worst_index=index, passed=passed, detail=detail, detectable=detect)
 
 
-def nearby(inputs: dict[str, np.ndarray], forward: Callable[[dict], np.ndarray | None],
-           reference: Callable[[dict], np.ndarray], seed) -> Callable[[float], np.ndarray | None]:
-    """``difference(t)``: the output of ``forward`` minus that of the float64 ``reference`` with every floating
-    input moved by t x NEARBY_STEP of its root mean square along one random direction (drawn once, from
-    ``seed``); both take the moved inputs (a dict) and return the output. ``forward`` returns None where the
-    code fails; so does ``difference``."""
+Differences = Callable[[float], "dict[str, np.ndarray] | None"]
+
+
+def nearby(inputs: dict[str, np.ndarray], results_at: Callable[[dict], dict | None],
+           reference_at: Callable[[dict], dict], seed) -> Differences:
+    """``difference(t)``: the implementation's results (``results_at``: the output ``o`` and the gradients, by
+    name) minus the float64 reference's (``reference_at``) with every floating input moved by t x NEARBY_STEP
+    of its root mean square along one random direction (drawn once, from ``seed``); both take the moved inputs
+    (a dict). ``results_at`` returns None where the code fails; so does ``difference``. Each t is evaluated
+    once."""
     rng = np.random.default_rng(seed)
     floating = {t: x for t, x in inputs.items() if np.asarray(x).dtype.kind == "f"}
     step = {t: NEARBY_STEP * float(np.sqrt(np.mean(np.square(x, dtype=np.float64)))) * rng.standard_normal(x.shape)
             for t, x in floating.items()}
+    done: dict[float, dict | None] = {}
 
-    def difference(t: float) -> np.ndarray | None:
-        moved = {**inputs, **{n: (x + t * step[n]).astype(x.dtype) for n, x in floating.items()}}
-        out = forward(moved)
-        if out is None:
-            return None
-        return np.asarray(out, dtype=np.float64) - np.asarray(reference(moved), dtype=np.float64)
+    def difference(t: float) -> dict | None:
+        if t not in done:
+            moved = {**inputs, **{n: (x + t * step[n]).astype(x.dtype) for n, x in floating.items()}}
+            out = results_at(moved)
+            ref = None if out is None else reference_at(moved)
+            done[t] = None if out is None else {
+                k: np.asarray(v, dtype=np.float64) - np.asarray(ref[k], dtype=np.float64) for k, v in out.items()
+                if k in ref}
+        return done[t]
     return difference
 
 
-def irregularity(difference: np.ndarray, nearby_difference: Callable[[float], np.ndarray | None]) -> float | None:
-    """How irregular an implementation's ``difference`` from the reference is along a random direction: the
-    root mean square of its second difference over the inputs moved by -1, 0, +1 steps (``nearby``), over
-    sqrt(6) times that of the difference. About 1 for rounding (three independent draws), near 0 for a
-    smooth, systematic difference. None where the moved inputs could not be evaluated."""
+def irregularity(difference: np.ndarray, nearby_difference: Differences, key: str = "o") -> float | None:
+    """How irregular an implementation's ``difference`` from the reference in result ``key`` is along a random
+    direction: the root mean square of its second difference over the inputs moved by -1, 0, +1 steps
+    (``nearby``), over sqrt(6) times that of the difference. About 1 for rounding (three independent draws),
+    near 0 for a smooth, systematic difference. None where the moved inputs could not be evaluated."""
     d0 = np.asarray(difference, dtype=np.float64)
     size = float(np.sqrt(np.mean(d0 * d0))) if d0.size else 0.0
     if size == 0.0 or not np.isfinite(size):
         return None
     plus, minus = nearby_difference(1.0), nearby_difference(-1.0)
-    if plus is None or minus is None or plus.shape != d0.shape or minus.shape != d0.shape:
+    if plus is None or minus is None or key not in plus or key not in minus:
+        return None
+    plus, minus = plus[key], minus[key]
+    if plus.shape != d0.shape or minus.shape != d0.shape:
         return None
     second = plus + minus - 2 * d0
     return float(np.sqrt(np.mean(second * second)) / (np.sqrt(6.0) * size))
@@ -203,16 +215,16 @@ def irregularity(difference: np.ndarray, nearby_difference: Callable[[float], np
 
 def judge(results: dict[str, np.ndarray], reference: dict[str, np.ndarray], terms: dict[str, np.ndarray],
           dtype: str, plain, names: dict[str, str], factor: float = DEFAULT_FACTOR, slack: float | None = None,
-          what: str = "implementation",
-          nearby_difference: Callable[[float], np.ndarray | None] | None = None) -> tuple[list, str]:
+          what: str = "implementation", nearby_difference: Differences | None = None) -> tuple[list, str]:
     """``reference`` checks of each result (``o`` first, then ``q``, ...) under the rule of ``dtype``;
     ``plain(dtype)`` gives a plain computation's results in that precision, or a list of several plain
     computations' (E_plain is the largest error of any; called only for dtypes other than float64). The
-    forward decides the precision the implementation computes in: when ``o`` is out
-    of the rule of ``dtype`` but fits that of a lower precision (LOWER_PRECISION), it "computes in about
-    float32", and every result is judged by that rule: within it is inconclusive (run it with that
+    forward decides the precision the implementation computes in, or where it agrees with the reference to
+    ``dtype``'s rule, the first gradient that does not: when that result is out of the rule of ``dtype``
+    but fits that of a lower precision (LOWER_PRECISION) by an error the size of its rounding, it "computes
+    in about float32", and every result is judged by that rule: within it is inconclusive (run it with that
     dtype), beyond it a FAIL. Unless that difference is smooth in the inputs (``nearby_difference``: the
-    forward's difference from the reference at nearby inputs, ``nearby``; ``irregularity`` below
+    results' differences from the reference at nearby inputs, ``nearby``; ``irregularity`` below
     SMOOTH_LIMIT): then it is no rounding but another function, judged by the rule of ``dtype``. Returns
     (checks, the precision it computes in)."""
     plains: dict[str, list[dict]] = {}
@@ -230,22 +242,29 @@ def judge(results: dict[str, np.ndarray], reference: dict[str, np.ndarray], term
         policy = Policy.for_dtype(precision, factor, slack if precision == dtype else None)
         return agreement(names[t], t, results[t], reference[t], terms[t], policy, plain_error(precision, t), what)
 
-    computes_in = dtype
-    first = check("o", dtype) if "o" in results else None
-    if first is not None and not first.passed and np.isfinite(first.max_abs_error):
-        signed = np.asarray(results["o"], dtype=np.float64) - reference["o"]
+    computes_in, own, systematic = dtype, {t: check(t, dtype) for t in results}, False
+    for t in results:  # "o" first: the forward decides; else the first gradient that can (a float32 backward)
+        c = own[t]
+        if c.passed or not np.isfinite(c.max_abs_error):
+            continue
+        signed = np.asarray(results[t], dtype=np.float64) - reference[t]
         diff = np.abs(signed)
         for lower in LOWER_PRECISION.get(dtype, ()):
-            if check("o", lower).passed and effective_ulps(diff, terms["o"], lower) >= LOWER_MIN_ULPS:
-                smooth = None if nearby_difference is None else irregularity(signed, nearby_difference)
-                if smooth is not None and smooth < SMOOTH_LIMIT:
-                    first = dataclasses.replace(first, detail=_systematic(first, reference["o"], smooth, lower))
-                    break
-                computes_in = lower
+            rounding_sized = (effective_ulps(diff, terms[t], lower) >= LOWER_MIN_ULPS
+                              or float(diff.max()) >= LOWER_MIN_PLAIN * plain_error(lower, t))
+            if check(t, lower).passed and rounding_sized:
+                smooth = None if nearby_difference is None else irregularity(signed, nearby_difference, t)
+                if smooth is not None and smooth < SMOOTH_LIMIT:  # another function: no precision of any kind
+                    own[t] = dataclasses.replace(c, detail=_systematic(c, reference[t], smooth, lower))
+                    systematic = True
+                else:
+                    computes_in = lower
                 break
+        if computes_in != dtype or systematic:
+            break
     checks = []
     for t in results:
-        c = first if t == "o" and computes_in == dtype else check(t, dtype)
+        c = own[t]
         if computes_in != dtype and not c.passed:
             lower = check(t, computes_in)
             if lower.passed:

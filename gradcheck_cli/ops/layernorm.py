@@ -150,6 +150,14 @@ INTERFACE = Interface(("numpy", "torch", "jax"), (
     "grad_y) -> (dx, dgamma, dbeta); torch: a callable f(x, gamma, beta, eps) -> y, differentiated by"
     " autograd"), args=("eps",))
 
+def _validate(params: dict, extra: dict) -> list:
+    """One feature and no eps: var(x) = 0, so y divides zero by zero on every row."""
+    if params.get("d_model") == 1 and params.get("eps") == 0:
+        return [("eps", "with d_model 1 the variance of every row is 0, so eps 0 divides zero by zero (y is NaN)",
+                 "give eps > 0, or d_model >= 2")]
+    return []
+
+
 #: A small scenario on which every fault of this op applies (the fault contract's).
 EXAMPLE = {"batch": 2, "n": 4, "d_model": 8, "eps": 0.0}
 
@@ -160,7 +168,7 @@ OP = Op(name="layernorm", summary="LayerNorm y = gamma * (x - mean) / sqrt(var +
         keys={"n": Param("int", 4, "rows per batch element"),
               "d_model": Param("int", help="features per row, e.g. 'd_model: 16'"),
               "eps": Param("float", 1e-5, "added to var(x); 0 allowed", minimum=0.0)},
-        shapes=_shapes,
+        shapes=_shapes, validate=_validate,
         describe=lambda sc: f"B={sc.batch} n={sc.p('n')} d_model={sc.p('d_model')} eps={sc.p('eps'):g} "
                             f"{sc.dtype} {sc.mode}",
         backends=("numpy", "torch", "jax"),

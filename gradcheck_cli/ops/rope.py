@@ -15,7 +15,7 @@ from collections.abc import Collection
 import numpy as np
 
 from .. import invariants
-from ..tolerance import INVARIANT_ULPS
+from ..tolerance import INVARIANT_ULPS, machine_epsilon
 from . import dense, user_engine
 from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
 
@@ -74,13 +74,14 @@ def _shapes(sc) -> dict:
     return {"x": (sc.batch, sc.p("heads"), sc.p("n"), sc.p("d_head"))}
 
 
-def pair_norm_checks(x, y, theta, layout, grad_y, grad_x, label: str = "") -> list:
-    """Rotations keep the norm of every (position, pair); and <R u, w> = <u, R^T w> for the backward."""
+def pair_norm_checks(x, y, theta, layout, grad_y, grad_x, label: str = "", precision: str | None = None) -> list:
+    """Rotations keep the norm of every (position, pair); and <R u, w> = <u, R^T w> for the backward; to the
+    rounding of ``precision``, the precision the code computes in (default the inputs' dtype)."""
     first, second = _pairs(2 * theta.shape[-1], layout)
     x64, y64 = x.astype(np.float64), y.astype(np.float64)
     norm_in = np.hypot(x64[..., first], x64[..., second])
     norm_out = np.hypot(y64[..., first], y64[..., second])
-    eps = float(np.finfo(x.dtype).eps)
+    eps = machine_epsilon(precision or x.dtype.name)
     checks = [invariants.bounded(f"rotation keeps pair norms{label}", "y", norm_out - norm_in,
                                  INVARIANT_ULPS * eps * max(float(norm_in.max(initial=0.0)), 1.0),
                                  "| |(y_a, y_b)| - |(x_a, x_b)| | per position and rotated pair")]
@@ -142,7 +143,8 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         inputs=data, args=args, g=g, forward=lambda x, cos, sin: rotate_cs(x, cos, sin, layout), backward=backward_cs,
         terms=lambda inputs, a, g: {"o": _rotation_terms(inputs["x"], a["cos"], a["sin"], layout),
                                     "x": _rotation_terms(g, a["cos"], a["sin"], layout)},
-        invariants=lambda gradients, dtype, y: pair_norm_checks(data["x"], y, theta, layout, g, gradients()["x"]),
+        invariants=lambda calls, dtype, y: pair_norm_checks(data["x"], y, theta, layout, g, calls()["x"],
+                                                             precision=dtype),
         batched=("x",), rounding=_rounding, structure=_STRUCTURE), faults)
 
 

@@ -239,14 +239,18 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
     reference = computed(np.float64)
     terms = op.terms(op.inputs, op.args, op.g)
     names_of = {"o": FORWARD_CHECK, **dict.fromkeys(order, BACKWARD_CHECK)}
-    def forward_or_none(xs: dict) -> np.ndarray | None:
+    def results_at(xs: dict) -> dict | None:
         try:
-            return call_forward(xs)
+            return {"o": call_forward(xs), **gradients(xs, None)}
         except implementation.ImplementationFailure:
             return None
 
-    nearby = precision.nearby(op.inputs, forward_or_none, lambda xs: op.forward(
-        *(xs[t].astype(np.float64) for t in order), *op.args.values()), [sc.seed, SeedStream.PRECISION])
+    def reference_at(xs: dict) -> dict:
+        x64 = [xs[t].astype(np.float64) for t in order]
+        return {"o": op.forward(*x64, *op.args.values()),
+                **dict(zip(order, op.backward(*x64, *op.args.values(), op.g.astype(np.float64), ())))}
+
+    nearby = precision.nearby(op.inputs, results_at, reference_at, [sc.seed, SeedStream.PRECISION])
     agree, computes_in = precision.judge(results, reference, terms, sc.dtype, computed, names_of, sc.factor, sc.slack,
                                          nearby_difference=nearby)
 

@@ -70,6 +70,8 @@ def number_cells(c) -> list[str]:
     ran (no shape: the module's parameters, compilations) no numbers, one whose result is not finite that only."""
     kind = str(c.kind)
     blank = [""] * len(COLUMNS)
+    if c.verdict == "not applicable":  # nothing was measured
+        return blank
     if kind == "implementation" and c.shape is None:
         return (["did not run"] + blank[1:]) if not c.passed else blank
     cells = {"max abs err": _cell(c.max_abs_error)}

@@ -123,6 +123,7 @@ def test_yaml_anchors_and_merge_keys(tmp_path):
     ("scenarios: [{name: a, n_q: 3, d_head: 2, sweep: {'n_q.': [5]}}]\n", 1, "cannot sweep 'n_q.'"),
     ("scenarios: [{name: a, n_q: 3, d_head: 2, sweep: {'mask.': [{causal: upper-left}]}}]\n", 1, "cannot sweep"),
     ("scenarios: [{name: a, n_q: 3, d_head: 2, tolerance: 1.0e+20}]\n", 1, "at most 0.25"),
+    ("scenarios: [{name: a, op: layernorm, n: 2, d_model: 1, eps: 0}]\n", 1, "eps 0 divides zero by zero"),
 ])
 def test_more_bad_input(text, line, words):
     with pytest.raises(ScenarioError) as err:

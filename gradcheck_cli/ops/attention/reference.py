@@ -131,9 +131,11 @@ def reference(inputs: dict, g: np.ndarray, visible, scale, kv_map) -> tuple[dict
     return {"o": o, "q": grads.q, "k": grads.k, "v": grads.v}, terms, grads.a
 
 
-def forward64(inputs: dict, visible, scale, kv_map) -> np.ndarray:
-    """The float64 reference's O on the given inputs (q, k, v)."""
-    return forward(*(np.asarray(inputs[t], dtype=np.float64) for t in "qkv"), visible, scale, kv_map)
+def results64(inputs: dict, g, visible, scale, kv_map) -> dict:
+    """The float64 reference's O, G_Q, G_K and G_V on the given inputs (q, k, v) and upstream gradient."""
+    x = [np.asarray(inputs[t], dtype=np.float64) for t in "qkv"]
+    grads = backward(*x, visible, scale, kv_map, np.asarray(g, dtype=np.float64))
+    return {"o": forward(*x, visible, scale, kv_map), "q": grads.q, "k": grads.k, "v": grads.v}
 
 
 def plain(inputs: dict, g: np.ndarray, visible, scale, kv_map, dtype: str) -> dict:

@@ -20,12 +20,12 @@ from .reference import (
     Interface,
     called_as,
     diagnosis_fields,
-    forward64,
     hint_context,
     implementation_second,
     implementation_tangents,
     plain,
     reference,
+    results64,
     varies,
 )
 from .rounding import Blocks, output_terms
@@ -124,13 +124,14 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     if low:
         return _low(sc, impl, inputs, g, interface, results, deterministic, user_forward, user_backward)
     ref, terms, a64 = reference(inputs, g, visible, scale, kv_map)
-    def forward_or_none(xs: dict) -> np.ndarray | None:
+    def results_at(xs: dict) -> dict | None:
         try:
-            return user_forward(xs["q"], xs["k"], xs["v"], interface.visible)
+            grads = user_backward(xs["q"], xs["k"], xs["v"], g)
+            return {"o": user_forward(xs["q"], xs["k"], xs["v"], interface.visible), **dict(zip("qkv", grads))}
         except implementation.ImplementationFailure:
             return None
 
-    nearby = precision.nearby(inputs, forward_or_none, lambda xs: forward64(xs, visible, scale, kv_map),
+    nearby = precision.nearby(inputs, results_at, lambda xs: results64(xs, g, visible, scale, kv_map),
                               [sc.seed, SeedStream.PRECISION])
     agree, computes_in = precision.judge(results, ref, terms, sc.dtype,
                                          lambda p: plain(inputs, g, visible, scale, kv_map, p), REFERENCE_CHECKS,

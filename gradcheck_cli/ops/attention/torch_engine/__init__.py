@@ -29,11 +29,11 @@ from ..reference import (
     Interface,
     called_as,
     diagnosis_fields,
-    forward64,
     hint_context,
     implementation_second,
     implementation_tangents,
     reference,
+    results64,
     varies,
 )
 from ..rounding import Blocks, output_terms
@@ -118,14 +118,15 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     if user is not None:
         names = LOW_PRECISION_CHECKS if low else REFERENCE_CHECKS
 
-        def forward_or_none(xs: dict) -> np.ndarray | None:
+        def results_at(xs: dict) -> dict | None:
             try:
-                return np_(fwd(*(to(xs[t]) for t in "qkv")))
+                moved = [to(xs[t]) for t in "qkv"]
+                return {"o": np_(fwd(*moved)), **{t: np_(x) for t, x in zip("qkv", bwd(*moved, g))}}
             except ImplementationFailure:
                 return None
 
-        nearby = None if low else precision.nearby(rounded, forward_or_none,
-                                                   lambda xs: forward64(xs, sc.visible, scale, kv_np),
+        nearby = None if low else precision.nearby(rounded, results_at,
+                                                   lambda xs: results64(xs, g_rounded, sc.visible, scale, kv_np),
                                                    [sc.seed, SeedStream.PRECISION])
         agree, computes_in = precision.judge(results, ref, terms, sc.dtype, plain, names, sc.factor, sc.slack,
                                              nearby_difference=nearby)
