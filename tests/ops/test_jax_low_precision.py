@@ -1,6 +1,7 @@
 """A user's JAX attention in bfloat16 and float16 (ops/attention/user.py ``_low``): no finite differences; its
 output and jax.vjp gradients against the float64 reference, within factor x the error of the plain attention in
 jax.numpy differentiated by jax.vjp in the same precision (ops/attention/jax_plain.py), as torch's are."""
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,9 @@ def _failed(result):
 @pytest.mark.parametrize("base,impl,dtype", [
     pytest.param(EXAMPLES, "jax_attention:attention", "bfloat16", id="jax-numpy-bfloat16"),
     pytest.param(EXAMPLES, "jax_attention:attention", "float16", id="jax-numpy-float16"),
-    pytest.param(EXAMPLES / "recipes", "jax_nn:dot_product_attention", "bfloat16", id="jax-nn-bfloat16")])
+    pytest.param(EXAMPLES / "recipes", "jax_nn:dot_product_attention", "bfloat16", id="jax-nn-bfloat16",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("flax") is None,
+                                          reason="examples/recipes/jax_nn.py imports flax, which is not installed"))])
 def test_a_correct_jax_attention_passes_in_half_precision_with_gqa_and_a_causal_mask(base, impl, dtype):
     result = checker.run_scenario(_load(base, implementation=impl, dtype=dtype, **GQA_CAUSAL))
     assert result.verdict == "pass", [(c.name, c.tensor, c.detail) for c in result.checks if not c.passed]
