@@ -31,12 +31,15 @@ def _failed(result):
 
 # jax.nn.dot_product_attention only in bfloat16: in float16 XLA on CPU refuses its float32-accumulating dot_general
 # ("precision 'F16_F16_F32' is not supported"), which the tool reports as a failed "implementation runs".
+# bfloat16 by default (the rule's power and the matrix below run on it too); float16 and the recipe (JAX compiles
+# for every shape: seconds each) in the slow set.
 @pytest.mark.parametrize("base,impl,dtype", [
     pytest.param(EXAMPLES, "jax_attention:attention", "bfloat16", id="jax-numpy-bfloat16"),
-    pytest.param(EXAMPLES, "jax_attention:attention", "float16", id="jax-numpy-float16"),
+    pytest.param(EXAMPLES, "jax_attention:attention", "float16", id="jax-numpy-float16", marks=pytest.mark.slow),
     pytest.param(EXAMPLES / "recipes", "jax_nn:dot_product_attention", "bfloat16", id="jax-nn-bfloat16",
-                 marks=pytest.mark.skipif(importlib.util.find_spec("flax") is None,
-                                          reason="examples/recipes/jax_nn.py imports flax, which is not installed"))])
+                 marks=[pytest.mark.slow,
+                        pytest.mark.skipif(importlib.util.find_spec("flax") is None,
+                                           reason="examples/recipes/jax_nn.py imports flax, which is not installed")])])
 def test_a_correct_jax_attention_passes_in_half_precision_with_gqa_and_a_causal_mask(base, impl, dtype):
     result = checker.run_scenario(_load(base, implementation=impl, dtype=dtype, **GQA_CAUSAL))
     assert result.verdict == "pass", [(c.name, c.tensor, c.detail) for c in result.checks if not c.passed]
