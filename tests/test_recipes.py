@@ -88,12 +88,11 @@ def test_llama_rmsnorm_in_float64_is_said_to_compute_in_float32(llama):
     assert any("float32" in c.detail for c in result.checks if c.verdict == "inconclusive")
 
 
-# By default jax.nn.dot_product_attention with GQA and flax's nnx module with its weights; the slow set runs the
-# rest (the KV cache, the bnhd convention -- also checked by default on the same function in
-# tests/ops/test_attention_convention.py --, flax's function and linen's module).
-@pytest.mark.parametrize("name", _names(RECIPES / "jax_nn.yaml", {"jax-nn-kv-cache", "jax-nn-bnhd-convention",
-                                                                  "flax-dot-product-attention",
-                                                                  "flax-linen-attention"}))
+# Slow, all of them (JAX compiles for every shape: seconds each): by default jax.nn.dot_product_attention is checked
+# with GQA in bnhd (tests/ops/test_attention_convention.py) and, through jax_nn.py, in float64 (below); a JAX
+# function with its parameters in tests/ops/test_user_modules.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _names(RECIPES / "jax_nn.yaml", set()))
 def test_each_jax_and_flax_recipe_passes_in_float32(name):
     pytest.importorskip("jax")
     pytest.importorskip("flax")
