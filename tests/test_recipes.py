@@ -1,6 +1,12 @@
 """Recipes for real libraries (examples/recipes/): each passes on the library as it is, with every applicable
 fault detected, and its shipped broken variant fails with the right check named. Skipped where the library
-is not installed (.ci/run installs pinned versions)."""
+is not installed (.ci/run installs pinned versions).
+
+All of them are slow: the libraries' imports (transformers: ~5 s) and JAX's compilations (one per shape, seconds per
+scenario) cost more than the rest of the default run's user code together. By default the same machinery runs on
+the shipped torch and JAX implementations (tests/ops/test_torch_flavour.py, test_jax_flavour.py), torch modules and a
+JAX function with its parameters (tests/ops/test_user_modules.py), and jax.nn.dot_product_attention itself
+(tests/ops/test_attention_convention.py); .ci/run runs these."""
 import dataclasses
 from pathlib import Path
 
@@ -11,12 +17,11 @@ from gradcheck_cli import checker, scenario
 
 RECIPES = Path(__file__).resolve().parents[1] / "examples" / "recipes"
 
+pytestmark = pytest.mark.slow
 
-def _names(path, slow: set[str]) -> list:
-    """The scenario names of a recipe file, those in ``slow`` marked slow."""
-    names = [doc["name"] for doc in yaml.safe_load(path.read_text())["scenarios"]]
-    assert slow <= set(names)
-    return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in names]
+
+def _names(path) -> list[str]:
+    return [doc["name"] for doc in yaml.safe_load(path.read_text())["scenarios"]]
 
 
 @pytest.fixture(scope="module")
@@ -32,21 +37,15 @@ def test_the_llama_recipes_cover_every_op_and_map_four_modules(llama):
     assert len(llama) == 9 and sum(sc.module is not None for sc in llama.values()) == 4
 
 
-@pytest.mark.parametrize("name", _names(RECIPES / "hf_llama.yaml", set()))
+@pytest.mark.parametrize("name", _names(RECIPES / "hf_llama.yaml"))
 def test_each_llama_recipe_passes(llama, name):
     result = checker.run_scenario(llama[name])
     assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
 
 
-# The layer modules' faults are the decoder layer's too: its controls stand for theirs. By default the controls
-# run on the norm, RoPE, the SDPA attention and the decoder layer (which holds the MLP and the attention module);
-# the slow set runs them on every recipe that has its own.
-CONTROLLED = ["llama-rmsnorm", "llama-rope", "llama-sdpa-attention", "llama-decoder-layer"] + [
-    pytest.param(name, marks=pytest.mark.slow)
-    for name in ("llama-mlp", "llama-eager-attention", "llama-rmsnorm-module")]
-
-
-@pytest.mark.parametrize("name", CONTROLLED)
+# the layer modules' faults are the decoder layer's too: its controls stand for theirs
+@pytest.mark.parametrize("name", [n for n in _names(RECIPES / "hf_llama.yaml")
+                                  if n not in ("llama-attention-module", "llama-mlp-module")])
 def test_every_fault_is_caught_on_the_llama_recipes(llama, name):
     cells = checker.negative_controls([llama[name]])
     assert cells and {c.status for c in cells} == {"detected"}, [(c.fault, c.status) for c in cells]
@@ -88,11 +87,7 @@ def test_llama_rmsnorm_in_float64_is_said_to_compute_in_float32(llama):
     assert any("float32" in c.detail for c in result.checks if c.verdict == "inconclusive")
 
 
-# Slow, all of them (JAX compiles for every shape: seconds each): by default jax.nn.dot_product_attention is checked
-# with GQA in bnhd (tests/ops/test_attention_convention.py) and, through jax_nn.py, in float64 (below); a JAX
-# function with its parameters in tests/ops/test_user_modules.py.
-@pytest.mark.slow
-@pytest.mark.parametrize("name", _names(RECIPES / "jax_nn.yaml", set()))
+@pytest.mark.parametrize("name", _names(RECIPES / "jax_nn.yaml"))
 def test_each_jax_and_flax_recipe_passes_in_float32(name):
     pytest.importorskip("jax")
     pytest.importorskip("flax")
