@@ -9,6 +9,11 @@ from hypothesis import settings
 
 from helpers import ROOT
 
+# One torch (OpenMP) thread per test process, set before any test imports torch: the tests' tensors are tiny,
+# and two OpenMP threads per process, each busy-waiting for the other, doubled the CPU time of the torch tests
+# on a 2-core machine (more with two xdist workers, or when the cores are shared). Subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 pytest_plugins = ["pytester"]  # tests/test_pytest_plugin.py runs pytest in-process on scenario files
 
 # dev (the default): quick enough to run on every change. ci: three times the examples, derandomized so that

@@ -156,6 +156,7 @@ def matrix():
     return cells
 
 
+@pytest.mark.slow  # tests/cli/test_commands.py runs every shipped config by default, through the CLI (exit 0)
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_config_passes_clean(path):
     for sc in load_config(path):
@@ -163,7 +164,7 @@ def test_shipped_config_passes_clean(path):
         assert result.passed, [(c.name, c.tensor, c.detail) for c in result.checks if not c.passed]
 
 
-@pytest.mark.slow  # every fault on every shipped scenario: ~5-12 s (the module-scoped matrix)
+@pytest.mark.slow  # every fault on every shipped scenario: the module-scoped matrix, ~30 s
 def test_no_applicable_fault_is_missed_on_any_shipped_config(matrix):
     missed = [(c.fault, c.scenario) for _, c in matrix if c.status == "missed"]
     assert not missed

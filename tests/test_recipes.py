@@ -1,6 +1,12 @@
 """Recipes for real libraries (examples/recipes/): each passes on the library as it is, with every applicable
 fault detected, and its shipped broken variant fails with the right check named. Skipped where the library
-is not installed (.ci/run installs pinned versions)."""
+is not installed (.ci/run installs pinned versions).
+
+All of them are slow: the libraries' imports (transformers: ~5 s) and JAX's compilations (one per shape, seconds per
+scenario) cost more than the rest of the default run's user code together. By default the same machinery runs on
+the shipped torch and JAX implementations (tests/ops/test_torch_flavour.py, test_jax_flavour.py), torch modules and a
+JAX function with its parameters (tests/ops/test_user_modules.py), and jax.nn.dot_product_attention itself
+(tests/ops/test_attention_convention.py); .ci/run runs these."""
 import dataclasses
 from pathlib import Path
 
@@ -11,27 +17,42 @@ from gradcheck_cli import checker, scenario
 
 RECIPES = Path(__file__).resolve().parents[1] / "examples" / "recipes"
 
+pytestmark = pytest.mark.slow
+
+
+def _names(path) -> list[str]:
+    return [doc["name"] for doc in yaml.safe_load(path.read_text())["scenarios"]]
+
 
 @pytest.fixture(scope="module")
 def llama():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    return scenario.load(RECIPES / "hf_llama.yaml")
+    return {sc.name: sc for sc in scenario.load(RECIPES / "hf_llama.yaml")}
 
 
-def test_the_llama_recipes_pass_and_every_fault_is_caught_on_them(llama):
-    assert {sc.op for sc in llama} == {"rmsnorm", "rope", "swiglu", "attention", "attention-projections", "block"}
-    assert len(llama) == 9 and sum(sc.module is not None for sc in llama) == 4
-    for sc in llama:
-        result = checker.run_scenario(sc)
-        assert result.verdict == "pass", (sc.name, [(c.name, c.detail) for c in result.checks if not c.passed])
-    # the layer modules' faults are the decoder layer's too: its controls stand for theirs
-    controlled = [sc for sc in llama if sc.name not in ("llama-attention-module", "llama-mlp-module")]
-    assert {c.status for c in checker.negative_controls(controlled)} == {"detected"}
+def test_the_llama_recipes_cover_every_op_and_map_four_modules(llama):
+    assert {sc.op for sc in llama.values()} == {"rmsnorm", "rope", "swiglu", "attention", "attention-projections",
+                                                "block"}
+    assert len(llama) == 9 and sum(sc.module is not None for sc in llama.values()) == 4
+
+
+@pytest.mark.parametrize("name", _names(RECIPES / "hf_llama.yaml"))
+def test_each_llama_recipe_passes(llama, name):
+    result = checker.run_scenario(llama[name])
+    assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
+
+
+# the layer modules' faults are the decoder layer's too: its controls stand for theirs
+@pytest.mark.parametrize("name", [n for n in _names(RECIPES / "hf_llama.yaml")
+                                  if n not in ("llama-attention-module", "llama-mlp-module")])
+def test_every_fault_is_caught_on_the_llama_recipes(llama, name):
+    cells = checker.negative_controls([llama[name]])
+    assert cells and {c.status for c in cells} == {"detected"}, [(c.fault, c.status) for c in cells]
 
 
 def test_the_llama_decoder_layer_checks_every_weight_and_a_detached_residual_fails_gradient_x(llama):
-    (layer,) = [sc for sc in llama if sc.name == "llama-decoder-layer"]
+    layer = llama["llama-decoder-layer"]
     result = checker.run_scenario(layer)
     assert {c.tensor for c in result.checks if c.name.startswith("gradient ")} == {
         "x", "gamma1", "w_q", "w_k", "w_v", "w_o", "gamma2", "w1", "w3", "w2"}
@@ -66,12 +87,18 @@ def test_llama_rmsnorm_in_float64_is_said_to_compute_in_float32(llama):
     assert any("float32" in c.detail for c in result.checks if c.verdict == "inconclusive")
 
 
-def test_jax_and_flax_recipes_pass_in_float32_and_jax_nn_is_said_to_compute_in_float32_in_float64():
+@pytest.mark.parametrize("name", _names(RECIPES / "jax_nn.yaml"))
+def test_each_jax_and_flax_recipe_passes_in_float32(name):
     pytest.importorskip("jax")
     pytest.importorskip("flax")
-    scenarios = scenario.load(RECIPES / "jax_nn.yaml")
-    for sc in scenarios:
-        assert checker.run_scenario(sc).verdict == "pass", sc.name
+    (sc,) = [sc for sc in scenario.load(RECIPES / "jax_nn.yaml") if sc.name == name]
+    result = checker.run_scenario(sc)
+    assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
+
+
+def test_jax_nn_in_float64_is_said_to_compute_in_float32():
+    pytest.importorskip("jax")
+    pytest.importorskip("flax")  # jax_nn.py imports it
     # (the controls of a user's JAX attention and layer run in tests/ops/test_jax_flavour.py)
     doc = {"scenarios": [{"name": "t", "heads_q": 2, "n_q": 4, "d_head": 4, "backend": "jax",
                           "implementation": "jax_nn:dot_product_attention"}]}

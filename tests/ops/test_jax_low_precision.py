@@ -1,6 +1,7 @@
 """A user's JAX attention in bfloat16 and float16 (ops/attention/user.py ``_low``): no finite differences; its
 output and jax.vjp gradients against the float64 reference, within factor x the error of the plain attention in
 jax.numpy differentiated by jax.vjp in the same precision (ops/attention/jax_plain.py), as torch's are."""
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -30,10 +31,15 @@ def _failed(result):
 
 # jax.nn.dot_product_attention only in bfloat16: in float16 XLA on CPU refuses its float32-accumulating dot_general
 # ("precision 'F16_F16_F32' is not supported"), which the tool reports as a failed "implementation runs".
+# bfloat16 by default (the rule's power and the matrix below run on it too); float16 and the recipe (JAX compiles
+# for every shape: seconds each) in the slow set.
 @pytest.mark.parametrize("base,impl,dtype", [
     pytest.param(EXAMPLES, "jax_attention:attention", "bfloat16", id="jax-numpy-bfloat16"),
-    pytest.param(EXAMPLES, "jax_attention:attention", "float16", id="jax-numpy-float16"),
-    pytest.param(EXAMPLES / "recipes", "jax_nn:dot_product_attention", "bfloat16", id="jax-nn-bfloat16")])
+    pytest.param(EXAMPLES, "jax_attention:attention", "float16", id="jax-numpy-float16", marks=pytest.mark.slow),
+    pytest.param(EXAMPLES / "recipes", "jax_nn:dot_product_attention", "bfloat16", id="jax-nn-bfloat16",
+                 marks=[pytest.mark.slow,
+                        pytest.mark.skipif(importlib.util.find_spec("flax") is None,
+                                           reason="examples/recipes/jax_nn.py imports flax, which is not installed")])])
 def test_a_correct_jax_attention_passes_in_half_precision_with_gqa_and_a_causal_mask(base, impl, dtype):
     result = checker.run_scenario(_load(base, implementation=impl, dtype=dtype, **GQA_CAUSAL))
     assert result.verdict == "pass", [(c.name, c.tensor, c.detail) for c in result.checks if not c.passed]
@@ -70,7 +76,11 @@ def test_negative_controls_detect_every_applicable_fault_on_a_bfloat16_jax_scena
     assert all(LOW in c.caught_by for c in cells if c.fault != "mask-backward")
 
 
-def test_the_plain_peer_computes_in_the_dtype_and_matches_the_reference_to_its_rounding():
+# Each dtype compiles the peer's eager JAX operations afresh (seconds): bfloat16, the scenarios' dtype, by default.
+@pytest.mark.parametrize("dtype, low, high", [("bfloat16", 1e-3, 0.2),
+                                              pytest.param("float16", 1e-5, 0.02, marks=pytest.mark.slow),
+                                              pytest.param("float32", 1e-9, 1e-5, marks=pytest.mark.slow)])
+def test_the_plain_peer_computes_in_the_dtype_and_matches_the_reference_to_its_rounding(dtype, low, high):
     from gradcheck_cli.ops.attention.jax_plain import plain
     from gradcheck_cli.ops.attention.reference import reference
     sc = _load(implementation="jax_attention:attention", dtype="bfloat16", **GQA_CAUSAL)
@@ -78,10 +88,9 @@ def test_the_plain_peer_computes_in_the_dtype_and_matches_the_reference_to_its_r
     x = {t: rng.standard_normal(s) for t, s in (("q", (2, 4, 5, 8)), ("k", (2, 2, 8, 8)), ("v", (2, 2, 8, 8)))}
     g = rng.standard_normal((2, 4, 5, 8))
     ref, _, _ = reference(x, g, sc.visible, sc.scale, np.asarray(sc.kv_map))
-    for dtype, low, high in (("bfloat16", 1e-3, 0.2), ("float16", 1e-5, 0.02), ("float32", 1e-9, 1e-5)):
-        for got in plain(x, g, sc.visible, sc.scale, sc.kv_map, dtype):  # the vjp of the forward, the closed forms
-            errors = [float(np.abs(got[t] - ref[t]).max()) / float(np.abs(ref[t]).max()) for t in "oqkv"]
-            assert low < max(errors) < high, (dtype, errors)
+    for got in plain(x, g, sc.visible, sc.scale, sc.kv_map, dtype):  # the vjp of the forward, the closed forms
+        errors = [float(np.abs(got[t] - ref[t]).max()) / float(np.abs(ref[t]).max()) for t in "oqkv"]
+        assert low < max(errors) < high, (dtype, errors)
 
 
 def test_a_numpy_implementation_in_half_precision_is_still_refused_at_load(tmp_path):

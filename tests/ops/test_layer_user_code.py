@@ -21,7 +21,9 @@ def _passes(sc):
     return result
 
 
-@pytest.mark.parametrize("backend", ["torch", "jax"])
+# The JAX cases are slow: they are examples/jax_ops.yaml's jax-attention-projections and jax-block, key for key,
+# which tests/ops/test_jax_flavour.py runs by default (JAX compiles for every shape: seconds each).
+@pytest.mark.parametrize("backend", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("keys, attr, tensors", [
     (PROJECTIONS, "attention_projections", {"x", "w_q", "w_k", "w_v", "w_o"}),
     (BLOCK, "block", {"x", "gamma1", "w_q", "w_k", "w_v", "w_o", "gamma2", "w1", "w3", "w2"})])

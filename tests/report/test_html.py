@@ -8,7 +8,7 @@ from html.parser import HTMLParser
 from click.testing import CliRunner
 
 from gradcheck_cli.cli import main
-from gradcheck_cli.report import REPORTER_BY_NAME
+from gradcheck_cli.report import write_reports
 from gradcheck_cli.report.html import html_report
 
 
@@ -143,7 +143,7 @@ def test_the_page_shows_what_the_terminal_prints(root, tmp_path):
     assert empty and not any(" of 0 " in t for t in classes)  # classes with nothing checked are left out
 
 
-def test_text_is_escaped_and_the_reporter_is_registered():
+def test_text_is_escaped_and_the_html_reporter_writes_it(tmp_path):
     report = {"config": "a<b>.yaml", "verdict": "fail", "summary": {"scenarios": 1}, "run_id": "x",
               "scenarios": [{"name": "n<&>", "verdict": "fail", "passed": False, "op": "attention", "checks": [
                   {"name": "gradient q", "tensor": "q", "shape": [1], "max_abs_error": 1.0, "relative_error": 1.0,
@@ -152,7 +152,8 @@ def test_text_is_escaped_and_the_reporter_is_registered():
                   "reproduce": "attn-gradcheck run 'a<b>.yaml'"}], "negative_controls": None}
     data = html_report(report)
     assert b"<script>" not in data and b"&lt;script&gt;" in data and b"n&lt;&amp;&gt;" in data
-    assert REPORTER_BY_NAME["html"] is html_report
+    write_reports(html_path=tmp_path / "r.html", json_data=report)  # what --html writes, by the registry's name
+    assert (tmp_path / "r.html").read_bytes() == data
 
 
 def test_merge_writes_the_html_of_the_merged_report(root, tmp_path):
