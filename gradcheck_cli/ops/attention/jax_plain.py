@@ -18,12 +18,31 @@ def forward(q, k, v, visible, scale: float, kv_map):
     return (e / e.sum(axis=-1, keepdims=True)) @ v
 
 
+#: Compiled with every operation's result rounded to the dtype, as JAX computes it one operation at a time
+#: (XLA may otherwise keep float32 between fused operations): the same numbers as ``jax.vjp`` of ``forward``
+#: called eagerly, from one compiled program instead of one per operation (seconds of compiling).
+ROUNDED = {"xla_allow_excess_precision": False}
+
+
+def _forward_and_vjp(scale: float):
+    def run(q, k, v, g, visible, kv_map):
+        o, pull = jax.vjp(lambda q, k, v: forward(q, k, v, visible, scale, kv_map), q, k, v)
+        return (o, *pull(g))
+    return jax.jit(run)
+
+
+#: The compiled program of each (scale, argument shapes and dtypes), for the life of the process.
+_COMPILED: dict[tuple, object] = {}
+
+
 def plain(inputs: dict, g, visible, scale: float, kv_map, dtype: str) -> dict:
     """{o, q, k, v}: the plain forward and its ``jax.vjp`` gradients computed in ``dtype`` on ``inputs``
     (rounded to it), as float64 NumPy arrays."""
     dt = jnp.dtype(dtype)  # a NumPy dtype (ml_dtypes' for bfloat16)
     to = lambda a: jnp.asarray(np.asarray(a).astype(dt))  # noqa: E731 (rounded in NumPy: no float64 in JAX)
-    rest = (jnp.asarray(visible), float(scale), jnp.asarray(np.asarray(kv_map, dtype=np.int32)))
-    o, pull = jax.vjp(lambda q, k, v: forward(q, k, v, *rest), *(to(inputs[t]) for t in "qkv"))
-    grads = pull(to(g))
-    return {t: np.asarray(x).astype(np.float64) for t, x in zip("oqkv", (o, *grads))}
+    args = (*(to(inputs[t]) for t in "qkv"), to(g), jnp.asarray(visible),
+            jnp.asarray(np.asarray(kv_map, dtype=np.int32)))
+    key = (float(scale),) + tuple((a.shape, str(a.dtype)) for a in args)
+    if key not in _COMPILED:
+        _COMPILED[key] = _forward_and_vjp(float(scale)).lower(*args).compile(compiler_options=ROUNDED)
+    return {t: np.asarray(x).astype(np.float64) for t, x in zip("oqkv", _COMPILED[key](*args))}
