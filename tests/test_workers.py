@@ -4,6 +4,7 @@ import pytest
 import yaml
 
 from gradcheck_cli import scenario, workers
+
 from helpers import ROOT
 
 
@@ -21,7 +22,8 @@ def test_the_fork_server_preloads_each_scenarios_engine_and_backend():
     modules = workers.preload([jax_sc, torch_sc, built_in])
     assert modules[:2] == ["gradcheck_cli.worker_process", "gradcheck_cli.ops"]
     assert {"jax", "jax.numpy", "gradcheck_cli.ops.jax_flavour", "gradcheck_cli.ops.attention.user"} <= set(modules)
-    assert {"torch", "torch.fx.experimental.symbolic_shapes", "gradcheck_cli.ops.attention.torch_engine"} <= set(modules)
+    assert {"torch", "torch.fx.experimental.symbolic_shapes",
+            "gradcheck_cli.ops.attention.torch_engine"} <= set(modules)
     assert "gradcheck_cli.ops.attention.tiled" in modules
     assert len(modules) == len(set(modules))
     assert not {"jax", "torch"} & set(workers.preload([built_in]))  # a framework only where a scenario uses it
