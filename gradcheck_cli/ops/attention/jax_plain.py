@@ -20,8 +20,9 @@ def forward(q, k, v, visible, scale: float, kv_map):
 
 #: Compiled with every operation's result rounded to the dtype, as JAX computes it one operation at a time
 #: (XLA may otherwise keep float32 between fused operations): the same numbers as ``jax.vjp`` of ``forward``
-#: called eagerly, from one compiled program instead of one per operation (seconds of compiling).
-ROUNDED = {"xla_allow_excess_precision": False}
+#: called eagerly, from one compiled program instead of one per operation (seconds of compiling); without
+#: LLVM's optimisations, which take most of the compile time of a program this small and change no number.
+ROUNDED = {"xla_allow_excess_precision": False, "xla_backend_optimization_level": 0}
 
 
 def _forward_and_vjp(scale: float):
