@@ -12,7 +12,7 @@ The GEMM floor: an exhaustive central-difference check needs 2 N forwards (N = i
 only the two GEMMs of each forward (Q K^T and A V, full size) at this machine's float64 GEMM rate,
 measured in the same run on stacked products of the same shapes.
 
-    python benchmarks/bench_full_mode.py [--repeat 3] [--json out.json]
+    python benchmarks/bench_full_mode.py [--repeat 3] [--json out.json] [--only causal-n64-d32 ...]
 """
 from __future__ import annotations
 
@@ -105,9 +105,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--only", nargs="+", choices=[k["name"] for k in SCENARIOS], help="these scenarios only")
     args = ap.parse_args()
     figures = []
     for keys in SCENARIOS:
+        if args.only and keys["name"] not in args.only:
+            continue
         sc = scenario.loads(yaml.safe_dump({"scenarios": [keys]}))[0]
         problem = attention.OP.problem(sc)
         elements = sum(x.size for x in problem.inputs.values())

@@ -10,6 +10,9 @@ with its batch size (the finite differences stack perturbed copies along the bat
   on fresh random inputs (what any black-box check of this many copies must spend in the user's code).
 - gradcheck: ``torch.autograd.gradcheck`` of the scalar L = sum(O * G) in q, k, v (the like-for-like
   comparison: attn-gradcheck differentiates L too), once.
+- worker: the scenario as ``attn-gradcheck run`` checks it, in a fresh worker process forked from the fork
+  server (``runner.check_isolated``; the server started once, before): the wall time of the check and the
+  ``elapsed_s`` the worker reports, what a user sees per scenario (the worker's start, its first calls).
 
 The floor is serial; the tool runs its chunks of copies on ``numeric.WORKERS`` threads (torch releases the
 GIL), so on a machine with spare cores it can come in under it. Each figure is the median of ``--repeat``
@@ -35,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from gradcheck_cli import checker, scenario
+from gradcheck_cli import checker, runner, scenario
 
 HERE = Path(__file__).resolve().parent
 SHAPES = [(64, 32), (128, 64)]
@@ -170,10 +173,11 @@ def main() -> int:
     sys.path.insert(0, str(HERE))
     import user_sdpa
     print(f"{'scenario':<16} {'tool s':>8} {'floor s':>8} {'tool/floor':>10} {'calls':>6} {'copies':>7} "
-          f"{'gradcheck s':>11} {'gradcheck/tool':>14}")
+          f"{'gradcheck s':>11} {'gradcheck/tool':>14} {'worker s':>8} {'elapsed_s':>9} {'worker/floor':>12}")
     for n, d in SHAPES:
         sc = _scenario(n, d)
         checker.run_scenario(sc)  # warm: imports, first calls
+        runner.check_isolated(str(HERE / "bench_user_code.py"), sc)  # the fork server started (torch imported)
         times, floors, calls = [], [], []
         for _ in range(args.repeat):  # tool and floor alternate, so a change of the machine's load hits both
             user_sdpa.CALLS.clear()
@@ -183,10 +187,19 @@ def main() -> int:
             calls = list(user_sdpa.CALLS)
             floors.append(_floor(calls, n, d, 3))
         assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
+        walls, elapsed = [], []
+        for _ in range(args.repeat):  # a fresh worker each time, as for every scenario of a run
+            start = time.perf_counter()
+            outcome = runner.check_isolated(str(HERE / "bench_user_code.py"), sc)
+            walls.append(time.perf_counter() - start)
+            elapsed.append(outcome.result.elapsed_s)
+            assert outcome.result.verdict == "pass"
         best, floor = statistics.median(times), statistics.median(floors)
+        worker = statistics.median(walls)
         grad = _gradcheck(n, d)
         print(f"{sc.name:<16} {best:8.3f} {floor:8.3f} {best / floor:10.2f} {len(calls):6d} {sum(calls):7d} "
-              f"{grad:11.2f} {grad / best:14.1f}")
+              f"{grad:11.2f} {grad / best:14.1f} {worker:8.3f} {statistics.median(elapsed):9.3f} "
+              f"{worker / floor:12.2f}")
     if not args.no_flavours:
         _flavours(args.repeat)
     return 0

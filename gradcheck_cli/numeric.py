@@ -6,6 +6,7 @@ evaluated in one vectorised call per chunk, each chunk bounded by a memory budge
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import enum
 import functools
@@ -133,6 +134,22 @@ def _in_chunks(work: Callable[[int, int], object], total: int, chunking: Chunkin
         finally:  # Ctrl-C (or any error): chunks not yet started never start
             for _, future in pending:
                 future.cancel()
+
+
+#: A scenario whose inputs hold at most this many elements does its own products (the build, the invariants,
+#: the probes: everything outside the chunk threads, which always take one BLAS thread each) with one BLAS
+#: thread too: its products are too small to share (OpenBLAS splits any above 64^3 multiply-adds, e.g. a
+#: 128 x 128 x 64 score matrix), and on a machine whose cores are busy, waking a second BLAS thread per product
+#: cost more than the product (n=128, d=64: 0.30 s of main-thread work against 0.05 s on one thread).
+SERIAL_BLAS_ELEMENTS = 2**18
+
+
+def serial_blas(elements: int) -> contextlib.AbstractContextManager:
+    """One BLAS thread for the products of a scenario of ``elements`` input elements (SERIAL_BLAS_ELEMENTS),
+    while the context lasts; BLAS as it is for a larger one."""
+    if elements > SERIAL_BLAS_ELEMENTS:
+        return contextlib.nullcontext()
+    return _blas_controller().limit(limits=1, user_api="blas")
 
 
 @functools.cache

@@ -40,7 +40,7 @@ def run(config: str, scenarios: Sequence[Scenario], faults: Sequence[str] = (), 
         return
     threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
     pool = _Workers(max(1, min(jobs, len(scenarios))), threads,
-                    torch=any(sc.backend == "torch" for sc in scenarios))
+                    [sc for sc, alone in zip(scenarios, isolated) if alone or jobs > 1])
     try:
         if jobs <= 1:  # built-in scenarios here, implementations one at a time in a worker
             for sc in scenarios:
@@ -59,7 +59,7 @@ def run(config: str, scenarios: Sequence[Scenario], faults: Sequence[str] = (), 
 def check_isolated(config: str, sc: Scenario, faults: Sequence[str] = (), *, controls: bool = False,
                    memory_budget: int = checker.DEFAULT_MEMORY_BUDGET) -> Outcome:
     """One scenario in a worker process of its own (as ``run`` checks an implementation)."""
-    pool = _Workers(1, os.cpu_count() or 1, torch=sc.backend == "torch")
+    pool = _Workers(1, os.cpu_count() or 1, [sc])
     try:
         (outcome,) = pool.map(config, [sc], faults, controls, memory_budget, None)
         return outcome
@@ -70,7 +70,7 @@ def check_isolated(config: str, sc: Scenario, faults: Sequence[str] = (), *, con
 def sweep_isolated(config: str, sc: Scenario, steps, samples: int):
     """``stepsweep.sweep`` of one scenario in a fresh worker process: its Sweep, or a sentence saying
     how the implementation failed (raised, ended the process, or outlived ``check.timeout``)."""
-    worker = _Worker(_context(sc.backend == "torch"), os.cpu_count() or 1)
+    worker = _Worker(_context([sc]), os.cpu_count() or 1)
     try:
         worker.send(("sweep", (sc, tuple(steps), samples)))
         deadline = worker.started + sc.timeout

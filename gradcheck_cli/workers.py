@@ -9,9 +9,10 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from .errors import GradcheckError
+from .ops import OPS
 from .result import Check, Kind, ScenarioResult
 from .scenario import Scenario
 from .tasks import Outcome, units
@@ -22,14 +23,38 @@ from .worker_process import _SAFE_PATH_MARK, _serve
 POLL_S = 0.05
 
 
-def _context(torch: bool):
-    """Workers are forked from a fork server that imported this package (and torch, when a scenario
-    uses it) once, so a fresh process per implementation costs milliseconds, not an interpreter start;
-    where there is no fork server (Windows), they are spawned."""
+#: What a worker of each backend would import for its first scenario, imported once in the fork server
+#: instead (imports only: nothing that starts a thread or a framework's runtime, which a fork would break).
+#: torch's first backward through SDPA's math path imports torch.fx's symbolic shapes, and with them sympy
+#: (about 1 s in every fresh worker); JAX's own import takes 2-4 s.
+BACKEND_PRELOAD = {
+    "torch": ("torch", "torch.fx.experimental.symbolic_shapes", "gradcheck_cli.ops.torch_flavour"),
+    "jax": ("jax", "jax.numpy", "gradcheck_cli.ops.jax_flavour"),
+}
+
+
+def preload(scenarios: Sequence[Scenario]) -> list[str]:
+    """The modules the fork server imports for the workers of ``scenarios``: this package, NumPy's random
+    generators and masked arrays (imported lazily; np.unique takes numpy.ma), the engine module of each
+    scenario and its backend's framework."""
+    modules = ["gradcheck_cli.worker_process", "gradcheck_cli.ops", "numpy.random", "numpy.ma"]
+    for sc in scenarios:
+        op = OPS.get(sc.op)
+        if op is not None and op.engines:
+            modules.append(op.engines[op.engine_for(sc)].target.split(":")[0])
+        modules.extend(BACKEND_PRELOAD.get(sc.backend, ()))
+    return list(dict.fromkeys(modules))
+
+
+def _context(scenarios: Sequence[Scenario] = ()):
+    """Workers are forked from a fork server that imported this package, and what the workers of
+    ``scenarios`` need (``preload``), once, so a fresh process per implementation costs milliseconds, not an
+    interpreter start and its imports; where there is no fork server (Windows), they are spawned. A fork
+    server already running keeps what it preloaded."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    _start_fork_server(ctx, ["gradcheck_cli.worker_process", "gradcheck_cli.ops"] + (["torch"] if torch else []))
+    _start_fork_server(ctx, preload(scenarios))
     return ctx
 
 
@@ -83,8 +108,8 @@ class _Workers:
     imports, monkeypatches, global settings, threads): the next scenario gets a fresh one. A worker that
     dies or outlives its scenario's timeout is replaced; its scenario is a failed check."""
 
-    def __init__(self, size: int, threads: int, torch: bool = False):
-        self.ctx = _context(torch)
+    def __init__(self, size: int, threads: int, scenarios: Sequence[Scenario] = ()):
+        self.ctx = _context(scenarios)
         self.size, self.threads = size, threads
         self.idle: list[_Worker] = []
 

@@ -60,6 +60,14 @@ def run_scenario(sc: Scenario, faults: Sequence[str] = (), *, memory_budget: int
     ``numeric_cache`` lets several runs of the same scenario share finite differences when their
     faults leave the forward unchanged (negative controls use it).
     """
+    op = OPS[sc.op]
+    elements = sum(math.prod(shape) for shape in op.shapes(sc).values()) if op.shapes else 0
+    with numeric.serial_blas(elements):  # a small scenario's products on one BLAS thread
+        return _run(sc, faults, memory_budget, progress, numeric_cache, sizes)
+
+
+def _run(sc: Scenario, faults: Sequence[str], memory_budget: int, progress: Progress | None,
+         numeric_cache: dict | None, sizes: dict[str, float] | None) -> ScenarioResult:
     start = time.perf_counter()
     op = OPS[sc.op]
     active = tuple(f for f in faults if f in applicable_faults(sc))

@@ -1,12 +1,17 @@
 """A user's JAX function as the NumPy interface of ``user_engine``: ``f(*inputs, *args) -> y`` on JAX arrays
 becomes ``forward(*inputs, *args) -> y`` and ``backward(*inputs, *args, grad_y) -> (d<input>, ...)`` on
 NumPy arrays, the gradients by ``jax.vjp``. Both are compiled with ``jax.jit`` (once per shape: the
-finite differences call the forward on one stacked shape over and over). float64 scenarios enable JAX's
-x64 mode (without it JAX computes in float32 whatever it is given). Imported only when a scenario names a
-JAX implementation (JAX is imported here, at the top)."""
+finite differences call the forward on one stacked shape over and over, small stacks padded to one size:
+``stack_size``), and compiled programs are kept on disk across processes (``persistent_cache``). float64
+scenarios enable JAX's x64 mode (without it JAX computes in float32 whatever it is given). Imported only when
+a scenario names a JAX implementation (JAX is imported here, at the top)."""
 from __future__ import annotations
 
+import functools
+import os
+import stat
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -40,6 +45,61 @@ def _compiled_functions(user) -> tuple:
     return _COMPILED[id(user)][1:]
 
 
+#: Stacked copies of at most this many bytes (inputs and output) are padded to one number of copies, so
+#: that one compiled program serves every small stack of a scenario (the independence test's, the
+#: Richardson probes', each tensor's colours): compiling a shape costs 0.3-1 s, evaluating the padding
+#: copies of a small scenario microseconds.
+PAD_BYTES = 2 * 2**20
+#: ... and to at most this many copies.
+MAX_STACK = 256
+
+
+def stack_size(copies: int, copy_bytes: int) -> int:
+    """The number of copies to call the compiled forward with for ``copies`` stacked copies of
+    ``copy_bytes`` each: a stack that fits in PAD_BYTES is padded to the one size that does (at most
+    MAX_STACK); a larger one, whose evaluation costs more than its compilation, keeps its own size."""
+    fixed = max(1, min(MAX_STACK, PAD_BYTES // max(1, copy_bytes)))
+    return fixed if copies <= fixed else copies
+
+
+#: The persistent compilation cache's folder, instead of ``$XDG_CACHE_HOME/attn-gradcheck/jax``; 0 or off
+#: turns the cache off.
+CACHE_ENV = "ATTN_GRADCHECK_JAX_CACHE"
+#: The cache's size, kept by JAX (least recently used entries deleted first; needs the filelock package).
+CACHE_BYTES = 512 * 2**20
+
+
+@functools.lru_cache(maxsize=1)
+def persistent_cache() -> str | None:
+    """Keep compiled programs on disk (JAX's persistent compilation cache), so that a later process (the next
+    scenario's worker, the next run) loads what an earlier one compiled: each scenario runs in a fresh worker
+    process. The folder is ``$ATTN_GRADCHECK_JAX_CACHE`` or ``$XDG_CACHE_HOME/attn-gradcheck/jax`` (default
+    ``~/.cache/attn-gradcheck/jax``), made private to the user: JAX runs what it finds there, so a folder
+    others can write to is not used. ``ATTN_GRADCHECK_JAX_CACHE=0`` (or ``off``) turns it off; a cache folder
+    set in JAX's own configuration (``JAX_COMPILATION_CACHE_DIR``) is left as it is. Returns the folder used
+    (None: no cache of ours)."""
+    setting = os.environ.get(CACHE_ENV, "")
+    if setting.strip().lower() in ("0", "off", "false", "no") or jax.config.jax_compilation_cache_dir:
+        return None
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    folder = Path(setting).expanduser() if setting.strip() else base / "attn-gradcheck" / "jax"
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = folder.stat()
+    except OSError:
+        return None
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or (hasattr(os, "getuid") and info.st_uid != os.getuid()):
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # a small program compiles in 0.3-1 s
+    try:
+        import filelock  # noqa: F401 -- JAX's size limit needs it
+        jax.config.update("jax_compilation_cache_max_size", CACHE_BYTES)
+    except ImportError:
+        pass
+    return str(folder)
+
+
 def enable(dtype: str) -> None:
     """JAX's x64 mode for a float64 scenario (without it JAX computes in float32 whatever it is given); before
     a factory builds a module, so that its parameters can be float64."""
@@ -52,6 +112,7 @@ def wrap(user, count: int, dtype: str) -> SimpleNamespace:
     differentiable inputs; the arguments after them are passed as they are (arrays become JAX arrays).
     ``state.shapes`` are the shapes compiled, ``state.compile_s`` the time the first call of each took."""
     enable(dtype)
+    persistent_cache()
     state = SimpleNamespace(compile_s=0.0, shapes=set())
 
     def as_jax(a):
@@ -115,7 +176,7 @@ def wrap(user, count: int, dtype: str) -> SimpleNamespace:
     # the code gets JAX arrays (immutable, converted from the checker's) and what it returns is converted
     # into fresh NumPy arrays: implementation.call needs no copies around these
     forward.immutable = backward.immutable = jvp.immutable = hvp.immutable = True
-    return SimpleNamespace(forward=forward, backward=backward, jvp=jvp, hvp=hvp, state=state)
+    return SimpleNamespace(forward=forward, backward=backward, jvp=jvp, hvp=hvp, state=state, stack=stack_size)
 
 
 def from_module(built, spec, order: tuple[str, ...], arg_names: tuple[str, ...], shapes: dict):

@@ -134,6 +134,10 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
                                    {"y": (out, dt)}, names)["y"]
 
     vectorise = [True] if hasattr(impl, "forward_copies") else []
+    # one stacked copy's bytes: its inputs, its batched arguments and its output; what a compiled flavour pads to
+    stack = impl.stack if sc.backend == "jax" else None
+    stacked_bytes = (sum(op.inputs[t].nbytes for t in order) + int(np.prod(shape)) * dt.itemsize
+                     + sum(np.asarray(a).nbytes for name, a in shown.items() if name in op.batched))
 
     def user_forward(**xs) -> np.ndarray:
         """``xs`` with perturbed copies on one input: on a batched one, copies [C, B, ...] stacked along the
@@ -144,10 +148,15 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
             return call_forward(xs)
         copies = xs[moved]
         if moved in op.batched:
+            count = copies.shape[0]
+            total = stack(count, stacked_bytes) if stack else count
+            if total > count:  # a compiled flavour (JAX): small stacks padded with unmoved copies to one size
+                pad = np.broadcast_to(op.inputs[moved], (total - count,) + copies.shape[1:])
+                copies = np.concatenate([copies, pad])
             stacked = copies.reshape((-1,) + copies.shape[2:])
-            rest = {t: (np.concatenate([v] * copies.shape[0]) if t in op.batched else v)
+            rest = {t: (np.concatenate([v] * total) if t in op.batched else v)
                     for t, v in xs.items() if t != moved}
-            return call_forward({**rest, moved: stacked}).reshape(copies.shape[:1] + shape)
+            return call_forward({**rest, moved: stacked}).reshape((total,) + shape)[:count]
         flat = copies.reshape((-1,) + op.inputs[moved].shape)
         out = vectorised(moved, xs, flat) if vectorise else None
         if out is None:

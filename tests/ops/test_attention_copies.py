@@ -30,10 +30,15 @@ def test_fast_forward_equals_the_reference_on_stacked_copies(p, rows, scale, mas
     for name, x in (("q", q), ("k", k), ("v", v)):
         stacked = x + rng.standard_normal((5,) + x.shape)
         args = {"q": q, "k": k, "v": v, name: stacked}
-        mine = fast(**args)
-        assert mine.shape == (5,) + q.shape[:-1] + (v.shape[-1],)
-        assert np.allclose(mine, attention.forward(**args, visible=visible, scale=scale, kv_map=kv_map,
-                                                   faults=faults), rtol=1e-12, atol=1e-12)
+        expected = attention.forward(**args, visible=visible, scale=scale, kv_map=kv_map, faults=faults)
+        for pieces in (1, 10**9):  # exponentials by pieces of rows (many copies), and over whole blocks (few)
+            copies.PIECE_MATRICES, saved = pieces, copies.PIECE_MATRICES
+            try:
+                mine = fast(**args)
+            finally:
+                copies.PIECE_MATRICES = saved
+            assert mine.shape == (5,) + q.shape[:-1] + (v.shape[-1],)
+            assert np.allclose(mine, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_key_blocks_no_query_sees_are_skipped():
@@ -41,8 +46,15 @@ def test_key_blocks_no_query_sees_are_skipped():
     fast = copies.Forward(sc.visible, sc.scale, np.array([0]), 128, 128)
     spans = [(r.stop - r.start, k.stop - k.start) for r, k, *_ in fast.blocks]
     assert spans == [(32, 32), (32, 64), (32, 96), (32, 128)]   # 62.5% of the score matrix
-    # only the diagonal tile of each block has hidden keys, and only there is it zeroed
-    assert [(c.start, c.stop) for *_, c, _ in fast.blocks] == [(1, 32), (33, 64), (65, 96), (97, 128)]
+    # on many copies, exponentials only over the keys some row of each piece of 8 rows sees; only the diagonal
+    # tile has hidden keys inside that span, and only there is it zeroed after the exponential
+    for (*_, pieces), end in zip(fast.blocks, (32, 64, 96, 128)):
+        assert [(p.start, p.stop, c.stop) for p, c, _ in pieces] == [(0, 8, end - 24), (8, 16, end - 16),
+                                                                    (16, 24, end - 8), (24, 32, end)]
+        assert all(c.start == 0 and hidden.shape[-2:] == (8, c.stop) and hidden[..., :, :c.stop - 8].sum() == 0
+                   for _, c, hidden in pieces)
+    exponentials = sum((p.stop - p.start) * (c.stop - c.start) for *_, pieces in fast.blocks for p, c, _ in pieces)
+    assert exponentials == 128 * 129 // 2 + 4 * 4 * 28  # the visible set, and 28 hidden per 8 x 8 diagonal tile
     window = make(n_q=96, d_head=8, mask={"window": [8, 0]})
     spans = [(k.start, k.stop) for _, k, *_ in copies.Forward(window.visible, 1.0, np.array([0]), 96, 96).blocks]
     assert spans == [(0, 32), (24, 64), (56, 96)]
@@ -83,12 +95,31 @@ def test_a_fast_path_that_drifts_from_the_reference_fails_the_run(monkeypatch, d
     assert all(c.passed for c in result.checks if c.kind == "gradient")
 
 
+@pytest.mark.parametrize("tensor", ["q", "k", "v"])
+def test_the_agreement_check_takes_the_path_the_differences_of_each_tensor_take(monkeypatch, tensor):
+    """Copies of K put the scale on Q and read K^T in place, copies of Q lay out scale * K^T once: a drift in the
+    path of one tensor's copies alone fails the check, which evaluates each tensor's moved copies as the
+    differences stack them (a copy axis on that tensor only)."""
+    call = copies.Forward.__call__
+
+    def drifting(self, q, k, v):
+        out = call(self, q, k, v)
+        moved = {"q": q, "k": k, "v": v}
+        if moved[tensor].ndim > min(x.ndim for x in moved.values()):
+            out += 1e-9
+        return out
+
+    monkeypatch.setattr(copies.Forward, "__call__", drifting)
+    check = copies.agreement(*_agreement_args(make(n_q=40, d_head=4, mask={"causal": "lower-right"})))
+    assert not check.passed
+
+
 def test_a_fast_path_that_drops_a_key_fails_the_run(monkeypatch):
     init = copies.Forward.__init__
 
     def short(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        self.blocks = [(r, slice(k.start, k.stop - 1) if k.stop - k.start > 1 else k, None, None, None)
+        self.blocks = [(r, slice(k.start, k.stop - 1) if k.stop - k.start > 1 else k, None, None, ())
                        for r, k, *_ in self.blocks]
 
     monkeypatch.setattr(copies.Forward, "__init__", short)

@@ -83,3 +83,55 @@ def test_a_finitely_masked_jax_attention_fails_the_mask_checks():
     failed = {c.name for c in result.checks if not c.passed}
     assert {"forward agrees with the reference", "row 0's unseen K/V rows get zero gradient"} <= failed, failed
     assert any("hidden keys reach O" in h for h in result.hints), result.hints
+
+
+def test_small_stacks_of_copies_share_one_compiled_shape():
+    """Every stack of perturbed copies of a small scenario (the independence test's, the probes', each tensor's
+    colours) is padded to one size: the forward and the VJP at the scenario's shapes and one stacked forward."""
+    sc = {s.name: s for s in scenario.load(EXAMPLES / "jax_attention.yaml")}["jax-causal-gqa"]
+    result = checker.run_scenario(sc)
+    assert result.verdict == "pass"
+    row = next(c for c in result.checks if c.name == "compiled once per shape")
+    assert "each of 3 shape(s)" in row.detail, row.detail
+
+
+def test_stack_size_pads_small_stacks_to_one_size_and_leaves_large_ones_as_they_are():
+    from gradcheck_cli.ops.jax_flavour import MAX_STACK, PAD_BYTES, stack_size
+    assert {stack_size(c, 1000) for c in (1, 5, 80, MAX_STACK)} == {MAX_STACK}
+    assert stack_size(MAX_STACK + 1, 1000) == MAX_STACK + 1
+    assert (stack_size(3, PAD_BYTES // 4), stack_size(5, PAD_BYTES // 4)) == (4, 5)
+    assert stack_size(1, 2 * PAD_BYTES) == 1
+
+
+def test_the_persistent_cache_is_off_on_request_and_never_in_a_folder_others_can_write(tmp_path, monkeypatch):
+    from gradcheck_cli.ops import jax_flavour
+    monkeypatch.setenv(jax_flavour.CACHE_ENV, "0")
+    assert jax_flavour.persistent_cache.__wrapped__() is None
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv(jax_flavour.CACHE_ENV, str(shared))
+    assert jax_flavour.persistent_cache.__wrapped__() is None
+
+
+def test_compiled_programs_are_kept_in_a_private_per_user_folder(tmp_path):
+    """A fresh process (each scenario's worker is one) finds what an earlier one compiled: the second run writes
+    no entry of its own."""
+    import subprocess
+    import sys
+    code = ("import yaml; from pathlib import Path; from gradcheck_cli import checker, scenario\n"
+            "doc = {'scenarios': [{'name': 't', 'heads_q': 2, 'n_q': 3, 'd_head': 4, 'backend': 'jax',"
+            " 'implementation': 'jax_attention:attention'}]}\n"
+            f"sc = scenario.loads(yaml.safe_dump(doc), base_dir=Path({str(EXAMPLES)!r}))[0]\n"
+            "print(checker.run_scenario(sc).verdict)\n")
+    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path)}
+    env.pop("ATTN_GRADCHECK_JAX_CACHE", None)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    folder = tmp_path / "attn-gradcheck" / "jax"
+    entries = sorted(p.name for p in folder.iterdir())
+    assert first.stdout.strip() == "pass" and entries
+    assert folder.stat().st_mode & 0o077 == 0
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert again.stdout.strip() == "pass"
+    assert sorted(p.name for p in folder.iterdir()) == entries  # every program loaded, none compiled again

@@ -93,6 +93,31 @@ def test_the_plain_peer_computes_in_the_dtype_and_matches_the_reference_to_its_r
         assert low < max(errors) < high, (dtype, errors)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_compiled_plain_peer_gives_the_numbers_of_jax_run_one_operation_at_a_time(dtype):
+    """jax_plain compiles the peer once (every operation's result rounded to the dtype): the same numbers, to the
+    bit, as jax.vjp of its forward evaluated eagerly, so the peer's error the verdict scales is unchanged."""
+    import jax
+    import jax.numpy as jnp
+
+    from gradcheck_cli.ops.attention.jax_plain import backward, forward, plain
+    sc = _load(implementation="jax_attention:attention", dtype=dtype, **GQA_CAUSAL)
+    rng = np.random.default_rng(1)
+    x = {t: rng.standard_normal(s) for t, s in (("q", (2, 4, 5, 8)), ("k", (2, 2, 8, 8)), ("v", (2, 2, 8, 8)))}
+    g = rng.standard_normal((2, 4, 5, 8))
+    to = lambda a: jnp.asarray(a.astype(jnp.dtype(dtype)))  # noqa: E731
+    kv_map = jnp.asarray(np.asarray(sc.kv_map, dtype=np.int32))
+    with jax.disable_jit():
+        o, pull = jax.vjp(lambda q, k, v: forward(q, k, v, jnp.asarray(sc.visible), float(sc.scale), kv_map),
+                          *(to(x[t]) for t in "qkv"))
+        eager = dict(zip("oqkv", (o, *pull(to(g)))))
+        closed = dict(zip("oqkv", (o, *backward(*(to(x[t]) for t in "qkv"), jnp.asarray(sc.visible), float(sc.scale),
+                                                kv_map, to(g)))))
+    for got, want in zip(plain(x, g, sc.visible, sc.scale, sc.kv_map, dtype), (eager, closed)):
+        for t in "oqkv":
+            assert np.array_equal(got[t], np.asarray(want[t]).astype(np.float64)), t
+
+
 def test_a_numpy_implementation_in_half_precision_is_still_refused_at_load(tmp_path):
     (tmp_path / "my_attention.py").write_text((EXAMPLES / "my_attention.py").read_text())
     path = tmp_path / "s.yaml"

@@ -8,6 +8,11 @@ from its own inputs; nothing is reused from the unperturbed inputs), with less w
   key blocks no query of a row block sees (above a causal diagonal, outside a window, padding) are
   never multiplied, as in FlashAttention; and 32-row products run near the machine's peak GEMM rate
   where one 128-row product does not (measured: 55 vs 38 GFLOP/s per core on stacked float64 products);
+- exponentials only over the keys some row of each piece of ``PIECE_ROWS`` rows sees: NumPy's float64 exp
+  (scalar without AVX-512) is the largest elementwise cost, and a causal diagonal tile of 32 x 32 then takes
+  640 of them instead of 1,024 (the rest of the tile is set to 0, as hidden keys are);
+- the scale on Q and K^T read in place by the products when K has the copies (most of them: K's n_k x d_head
+  elements form one block per KV head), instead of a pass writing scale * K^T for every copy;
 - without the softmax's max-subtraction when a bound proves it unnecessary: |S_ij| <= |scale|
   ||q_i|| ||k_j|| (Cauchy-Schwarz) below :func:`shift_free_limit` means exp(S) can neither overflow nor
   underflow, and softmax is shift invariant; otherwise each row's maximum over its visible keys is
@@ -44,6 +49,7 @@ class Forward:
         if visible is not None:  # any shape that broadcasts to [B, Hq, n_q, n_k]
             visible = np.broadcast_to(visible, visible.shape[:-2] + (n_q, n_k))
         seen = np.ones((n_q, n_k), dtype=bool) if visible is None else visible.reshape(-1, n_q, n_k).any(axis=0)
+        #: (query rows, key span, the visible set there or None: all visible, its pieces) per row block
         self.blocks = []
         for start in range(0, n_q, self.rows):
             span = slice(start, min(start + self.rows, n_q))
@@ -51,24 +57,22 @@ class Forward:
             keys = slice(int(cols[0]), int(cols[-1]) + 1)  # every row sees some key (the loader says so)
             shown = None if visible is None else visible[..., span, keys]
             if shown is None or shown.all():
-                self.blocks.append((span, keys, None, None, None))
+                self.blocks.append((span, keys, None, None, ()))
                 continue
-            # the columns where some key is hidden (a causal block's diagonal tile): zeroed after exp
-            hidden = ~shown
-            where = np.flatnonzero(hidden.reshape(-1, hidden.shape[-1]).any(axis=0))
-            cut = slice(int(where[0]), int(where[-1]) + 1)
-            self.blocks.append((span, keys, shown, cut, hidden[..., cut]))
+            hidden = ~shown  # zeroed after the exponential
+            self.blocks.append((span, keys, shown, hidden, _pieces(shown)))
 
     def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         dt = np.result_type(q, k, v)
         shift = self._needs_shift(q, k, dt)
         k_rep, scale = self._repeat(k), np.asarray(self.scale, dtype=dt)
-        if len(self.blocks) > 1:
-            # scale * K^T laid out [..., d, n_k]: the products of every row block read contiguous rows
+        if q.size <= k_rep.size or len(self.blocks) == 1:
+            # the scale on Q, K^T read in place by the products (BLAS takes the transpose): with copies of K
+            # (the most numerous: n_k x d_head per block), a pass over them would cost a third of a product
+            q, k_t = q * scale, np.swapaxes(k_rep, -1, -2)
+        else:  # copies of Q: scale * K^T once, laid out [..., d, n_k], contiguous rows for every row block
             k_t = np.empty(k_rep.shape[:-2] + k_rep.shape[:-3:-1], dtype=dt)
             np.multiply(np.swapaxes(k_rep, -1, -2), scale, out=k_t)
-        else:  # one product per copy: a pass over the copies of K would cost as much as the product
-            q, k_t = q * scale, np.swapaxes(k_rep, -1, -2)
         v_rep = self._repeat(v)
         lead = np.broadcast_shapes(q.shape[:-2], k_t.shape[:-2], v_rep.shape[:-2])
         out = np.empty(lead + (q.shape[-2], v.shape[-1]), dtype=dt)
@@ -87,35 +91,68 @@ class Forward:
         return not bool(abs(self.scale) * q_norm * k_norm < shift_free_limit(dt))
 
     def _blocks(self, q, k_t, v_rep, shift: bool, out: np.ndarray) -> None:
-        for span, keys, shown, cut, hidden_cut in self.blocks:
+        for span, keys, shown, hidden, pieces in self.blocks:
             s = np.matmul(q[..., span, :], k_t[..., keys])
             with np.errstate(over="ignore", under="ignore", invalid="ignore"):
                 if shift:
                     s -= np.max(s, axis=-1, keepdims=True, where=True if shown is None else shown, initial=-np.inf)
-                e = np.exp(s, out=s)
-            if cut is not None:
-                np.copyto(e[..., cut], 0, where=hidden_cut)
-            block = np.matmul(e, v_rep[..., keys, :], out=out[..., span, :])
-            block /= e.sum(axis=-1, keepdims=True)
+                if hidden is None or s.size < PIECE_MATRICES * hidden.shape[-2] * hidden.shape[-1]:
+                    np.exp(s, out=s)
+                    if hidden is not None:
+                        np.copyto(s, 0, where=hidden)
+                else:
+                    for rows, cols, inner in pieces:  # exp only where some row of the piece sees a key
+                        e = s[..., rows, cols]
+                        np.exp(e, out=e)
+                        if inner is not None:
+                            np.copyto(e, 0, where=inner)
+                        s[..., rows, :cols.start] = 0
+                        s[..., rows, cols.stop:] = 0
+            block = np.matmul(s, v_rep[..., keys, :], out=out[..., span, :])
+            block /= s.sum(axis=-1, keepdims=True)
+
+
+#: Query rows of a partly hidden block whose exponentials are taken over one span of keys: the span some
+#: of them sees (a causal diagonal tile of 32 x 32 then takes 640 exponentials, not 1,024) ...
+PIECE_ROWS = 8
+#: ... in a call of at least this many score matrices (copies x batch x heads): on fewer, the exponentials
+#: saved cost less than the pieces' extra calls.
+PIECE_MATRICES = 16
+
+
+def _pieces(shown: np.ndarray) -> tuple:
+    """(rows, keys, hidden) of a partly hidden block's visible set ``shown`` [..., rows, keys], by PIECE_ROWS
+    rows: the span of keys some of those rows sees (exponentials taken there; the others are zero), and
+    where keys are hidden inside it (zeroed after the exponential), or None."""
+    pieces = []
+    for start in range(0, shown.shape[-2], PIECE_ROWS):
+        rows = slice(start, min(start + PIECE_ROWS, shown.shape[-2]))
+        part = shown[..., rows, :]
+        cols = np.flatnonzero(part.reshape(-1, part.shape[-1]).any(axis=0))
+        keys = slice(int(cols[0]), int(cols[-1]) + 1)
+        inner = part[..., keys]
+        pieces.append((rows, keys, None if inner.all() else ~inner))
+    return tuple(pieces)
 
 
 def agreement(fast: Forward, reference, inputs: dict, visible, scale, kv_map, faults, rng: np.random.Generator):
     """The check that the fast path computes the reference forward, on O stacked [7, B, Hq, n_q, d_value]:
     copy 0 from the unperturbed inputs, then two copies each of q, k and v moved as finite differences
-    stack them (every element by up to 1% of max(1, |x|)), each evaluated on a leading copy axis of its
-    own (the memory of one forward at a time). Each element of O may differ by ENGINE_AGREEMENT_ULPS x eps x
-    the size of its terms (``rounding.output_term_sizes``)."""
+    stack them (every element by up to 1% of max(1, |x|)), each evaluated as the differences of its tensor
+    are: a leading copy axis on the moved tensor alone, the others shared (so each path of the fast forward
+    the differences take is the one checked), one copy at a time (the memory of one forward). Each element of O
+    may differ by ENGINE_AGREEMENT_ULPS x eps x the size of its terms (``rounding.output_term_sizes``)."""
     dt = np.result_type(*inputs.values())
     visible = np.broadcast_to(visible, visible.shape[:-2] + inputs["q"].shape[-2:-1] + inputs["k"].shape[-2:-1])
-    moved = [inputs]
+    moved = [(inputs, {t: x[None] for t, x in inputs.items()})]
     for name, x in inputs.items():
         for _ in range(2):
             step = (rng.uniform(-0.01, 0.01, x.shape) * np.maximum(1.0, np.abs(x))).astype(x.dtype)
-            moved.append({**inputs, name: x + step})
+            moved.append(({**inputs, name: x + step}, {**inputs, name: (x + step)[None]}))
     relative = []
-    for args in moved:
+    for args, stacked in moved:
         ref = np.asarray(reference(**args), dtype=np.float64)
-        gap = np.abs(np.asarray(fast(**{t: x[None] for t, x in args.items()})[0], dtype=np.float64) - ref)
+        gap = np.abs(np.asarray(fast(**stacked)[0], dtype=np.float64) - ref)
         sizes = output_term_sizes(
             args, lambda span, args=args: attention_weights(args["q"][..., span, :], args["k"],
                                                             visible[..., span, :], scale, kv_map, faults),

@@ -33,14 +33,34 @@ def backward(q, k, v, visible, scale: float, kv_map, grad_o):
             jnp.einsum("bhnd,hg->bgnd", g_v_rep, groups))
 
 
+#: Compiled with every operation's result rounded to the dtype, as JAX computes it one operation at a time
+#: (XLA may otherwise keep float32 between fused operations): the same numbers as ``jax.vjp`` of ``forward``
+#: called eagerly, from one compiled program instead of one per operation (seconds of compiling); without
+#: LLVM's optimisations, which take most of the compile time of a program this small and change no number.
+ROUNDED = {"xla_allow_excess_precision": False, "xla_backend_optimization_level": 0}
+
+
+def _plain_ways(scale: float):
+    def run(q, k, v, g, visible, kv_map):
+        o, pull = jax.vjp(lambda q, k, v: forward(q, k, v, visible, scale, kv_map), q, k, v)
+        return (o, *pull(g), *backward(q, k, v, visible, scale, kv_map, g))
+    return jax.jit(run)
+
+
+#: The compiled program of each (scale, argument shapes and dtypes), for the life of the process.
+_COMPILED: dict[tuple, object] = {}
+
+
 def plain(inputs: dict, g, visible, scale: float, kv_map, dtype: str) -> list[dict]:
     """Two plain computations in ``dtype`` on ``inputs`` (rounded to it), each {o, q, k, v} as float64 NumPy
     arrays: the plain forward with its ``jax.vjp`` gradients, and the closed forms (so that no one plain way
     is lucky)."""
     dt = jnp.dtype(dtype)  # a NumPy dtype (ml_dtypes' for bfloat16)
     to = lambda a: jnp.asarray(np.asarray(a).astype(dt))  # noqa: E731 (rounded in NumPy: no float64 in JAX)
-    rest = (jnp.asarray(visible), float(scale), jnp.asarray(np.asarray(kv_map, dtype=np.int32)))
-    q, k, v = (to(inputs[t]) for t in "qkv")
-    o, pull = jax.vjp(lambda q, k, v: forward(q, k, v, *rest), q, k, v)
-    ways = [(o, *pull(to(g))), (o, *backward(q, k, v, *rest, to(g)))]
-    return [{t: np.asarray(x).astype(np.float64) for t, x in zip("oqkv", way)} for way in ways]
+    args = (*(to(inputs[t]) for t in "qkv"), to(g), jnp.asarray(visible),
+            jnp.asarray(np.asarray(kv_map, dtype=np.int32)))
+    key = (float(scale),) + tuple((a.shape, str(a.dtype)) for a in args)
+    if key not in _COMPILED:
+        _COMPILED[key] = _plain_ways(float(scale)).lower(*args).compile(compiler_options=ROUNDED)
+    o, *grads = (np.asarray(x).astype(np.float64) for x in _COMPILED[key](*args))
+    return [dict(zip("oqkv", (o, *grads[:3]))), dict(zip("oqkv", (o, *grads[3:])))]

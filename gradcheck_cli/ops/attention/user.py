@@ -76,15 +76,23 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                                   conv.names() + ("grad_o",))
         return interface.gradients(q, k, v, grad_o, *(conv.tensor(out[f"d{t}"]) for t in "qkv"))
 
+    stacked_bytes = sum(x.nbytes for x in inputs.values()) + visible.size + g.nbytes  # one copy's arguments and O
+    stack = impl.stack if sc.backend == "jax" else None  # the flavour's own object; a NumPy one is the user's
+
     def moved_forward(**moved) -> np.ndarray:
         """O of C copies of the inputs, the ``moved`` ones replaced ([C, B, ...] each), stacked along the batch
-        axis for one call: [C, B, Hq, n_q, d_value]."""
+        axis for one call: [C, B, Hq, n_q, d_value]. A compiled flavour (JAX) pads a small stack with unmoved
+        copies to one fixed size (``stack``), so that one compiled program serves every small stack."""
         c = next(iter(moved.values())).shape[0]
-        args = {t: (moved[t] if t in moved else np.broadcast_to(val, (c,) + val.shape)).reshape(
-            (c * batch,) + val.shape[1:]) for t, val in inputs.items()}
-        vis = np.broadcast_to(interface.visible, (c,) + visible.shape).reshape((c * batch,) + visible.shape[1:])
+        total = stack(c, stacked_bytes) if stack else c
+        if total > c:
+            moved = {t: np.concatenate([m, np.broadcast_to(inputs[t], (total - c,) + inputs[t].shape)])
+                     for t, m in moved.items()}
+        args = {t: (moved[t] if t in moved else np.broadcast_to(val, (total,) + val.shape)).reshape(
+            (total * batch,) + val.shape[1:]) for t, val in inputs.items()}
+        vis = np.broadcast_to(interface.visible, (total,) + visible.shape).reshape((total * batch,) + visible.shape[1:])
         try:
-            return user_forward(args["q"], args["k"], args["v"], vis).reshape((c,) + g.shape)
+            return user_forward(args["q"], args["k"], args["v"], vis).reshape((total,) + g.shape)[:c]
         except implementation.ImplementationFailure as exc:
             raise implementation.in_copies(exc, batch, " and ".join(moved)) from None
 
