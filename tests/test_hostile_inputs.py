@@ -104,6 +104,7 @@ def with_params(d_model, d_ff):
 '''
 
 
+@pytest.mark.slow  # JAX compiles the module: the same listing (modules.frozen) runs by default on the torch module
 def test_a_jax_params_pytree_with_empty_sparse_and_non_array_leaves_passes_and_lists_them(tmp_path):
     pytest.importorskip("jax")
     (tmp_path / "frozen_jax.py").write_text(FROZEN_JAX)

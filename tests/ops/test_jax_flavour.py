@@ -114,6 +114,7 @@ def test_the_persistent_cache_is_off_on_request_and_never_in_a_folder_others_can
     assert jax_flavour.persistent_cache.__wrapped__() is None
 
 
+@pytest.mark.slow  # two processes compiling (seconds): the cache itself; the folder rules are tested above
 def test_compiled_programs_are_kept_in_a_private_per_user_folder(tmp_path):
     """A fresh process (each scenario's worker is one) finds what an earlier one compiled: the second run writes
     no entry of its own."""
