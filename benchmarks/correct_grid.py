@@ -247,7 +247,7 @@ def main() -> int:
         print("\nchecks that did not pass (scenario verdict, check, check verdict): count")
         for key, n in reasons.most_common():
             print(f"  {key}: {n}")
-    shown = [r for r in results if r["verdict"] not in ("pass",)][:args.show]
+    shown = sorted((r for r in results if r["verdict"] != "pass"), key=lambda r: r["verdict"] != "fail")[:args.show]
     for r in shown:
         print(f"\n[{r['verdict']}] {r['category']} {json.dumps(r['doc'])}")
         for c in r.get("checks", []):

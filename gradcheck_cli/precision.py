@@ -196,9 +196,11 @@ def nearby(inputs: dict[str, np.ndarray], results_at: Callable[[dict], dict | No
 
 def irregularity(difference: np.ndarray, nearby_difference: Differences, key: str = "o") -> float | None:
     """How irregular an implementation's ``difference`` from the reference in result ``key`` is along a random
-    direction: the root mean square of its second difference over the inputs moved by -1, 0, +1 steps
-    (``nearby``), over sqrt(6) times that of the difference. About 1 for rounding (three independent draws),
-    near 0 for a smooth, systematic difference. None where the moved inputs could not be evaluated."""
+    direction: the root mean square of how far it moves when the inputs move by -1 and +1 steps
+    (``nearby``), over sqrt(2) times that of the difference. About 1 for rounding (independent draws), near 0
+    for a smooth, systematic difference. (First differences: the rounding of the inputs alone is a sawtooth
+    of them, whose second difference over two equal steps is exactly 0.) None where the moved inputs could
+    not be evaluated."""
     d0 = np.asarray(difference, dtype=np.float64)
     size = float(np.sqrt(np.mean(d0 * d0))) if d0.size else 0.0
     if size == 0.0 or not np.isfinite(size):
@@ -209,8 +211,8 @@ def irregularity(difference: np.ndarray, nearby_difference: Differences, key: st
     plus, minus = plus[key], minus[key]
     if plus.shape != d0.shape or minus.shape != d0.shape:
         return None
-    second = plus + minus - 2 * d0
-    return float(np.sqrt(np.mean(second * second)) / (np.sqrt(6.0) * size))
+    moves = np.concatenate([(plus - d0).ravel(), (minus - d0).ravel()])
+    return float(np.sqrt(np.mean(moves * moves)) / (np.sqrt(2.0) * size))
 
 
 def judge(results: dict[str, np.ndarray], reference: dict[str, np.ndarray], terms: dict[str, np.ndarray],
@@ -288,6 +290,6 @@ def _systematic(check, reference: np.ndarray, smooth: float, lower: str) -> str:
     size = float(np.abs(reference).max(initial=0.0))
     relative = f" ({check.max_abs_error / size:.2g} of the reference's largest element)" if size > 0 else ""
     return (f"a systematic difference of up to {check.max_abs_error:.3g}{relative}, not {lower} rounding: it is "
-            f"smooth in the inputs (moved a little along a random direction, its second difference is {smooth:.2g} "
-            f"of it; rounding's is about 1), so the code computes another function: a changed formula, or "
+            f"smooth in the inputs (moved a little along a random direction, it moves by {smooth:.2g} of itself; "
+            f"rounding's is about 1), so the code computes another function: a changed formula, or "
             f"constants (an eps, a scale, frequencies) made in {lower}; " + check.detail)

@@ -67,13 +67,15 @@ LOWER_MIN_ULPS = 1.0 / 64
 #: ulps, while it stays the size of a plain float32 computation's (measured: 0.5 to 2 times it).
 LOWER_MIN_PLAIN = 1.0 / 8
 
-#: Rounding or a changed function? A forward whose difference from the reference fits a lower precision's
-#: rule is moved along a random direction by NEARBY_STEP of each input's size (thousands of float32 ulps,
-#: so float32 rounding is drawn afresh, while a smooth difference barely changes), and its second
-#: difference along it is compared with the difference itself: rounding gives about 1 (independent errors
-#: at the three points), a changed function h^2 its curvature (~1e-6). Below SMOOTH_LIMIT the difference is
-#: systematic, a FAIL of its own size, not the lower precision's rounding.
-NEARBY_STEP = 1e-3
+#: Rounding or a changed function? A result whose difference from the reference fits a lower precision's
+#: rule is evaluated with the inputs moved along a random direction by +-NEARBY_STEP of each input's size
+#: (about 1,700 float32 ulps, so float32 rounding is drawn afresh, while a smooth difference barely moves),
+#: and how far the difference moves is compared with the difference itself: rounding gives about 1
+#: (independent errors), a changed function h times its relative slope (~1e-4, ~1e-2 at logits of 100).
+#: First differences, not the second difference: rounding of the inputs alone is a sawtooth of them, whose
+#: second difference over two equal steps is zero. Below SMOOTH_LIMIT the difference is systematic, a FAIL of
+#: its own size, not the lower precision's rounding.
+NEARBY_STEP = 1e-4
 SMOOTH_LIMIT = 0.1
 
 DTYPES = ("float64", "float32")  # what the NumPy engine computes in; the others need backend: torch

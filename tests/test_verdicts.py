@@ -160,3 +160,15 @@ def test_a_block_with_one_key_per_query_passes_in_float32():
                        implementation="torch_ops:block")
     result = checker.run_scenario(sc)
     assert result.verdict == "pass", _not_passed(result)
+
+
+@pytest.mark.parametrize("keys", [
+    {"heads_q": 4, "heads_kv": 1, "n_q": 2, "n_k": 1, "d_head": 2, "seed": 273096045, "mask": {"causal": "upper-left"}},
+    {"heads_q": 2, "heads_kv": 1, "n_q": 19, "n_k": 22, "d_head": 1, "seed": 863992525, "mask": {"key_lengths": [1]},
+     "check": {"mode": "sample"}}])
+def test_float32_rounding_of_the_inputs_alone_is_rounding_not_a_changed_function(root, monkeypatch, keys):
+    """One visible key per query: O is V rounded to float32, a sawtooth of V whose second difference over two
+    equal steps is exactly 0; the precision test takes first differences (the correct grid found it)."""
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    result = checker.run_scenario(make(batch=1, implementation="correct_impls:float32_inside", **keys))
+    assert result.verdict == "inconclusive", _not_passed(result)
