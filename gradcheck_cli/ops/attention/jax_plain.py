@@ -34,9 +34,11 @@ def backward(q, k, v, visible, scale: float, kv_map, grad_o):
 
 
 #: Compiled with every operation's result rounded to the dtype, as JAX computes it one operation at a time
-#: (XLA may otherwise keep float32 between fused operations): the same numbers as ``jax.vjp`` of ``forward``
-#: called eagerly, from one compiled program instead of one per operation (seconds of compiling); without
-#: LLVM's optimisations, which take most of the compile time of a program this small and change no number.
+#: (XLA may otherwise keep float32 between fused operations): the numbers of ``jax.vjp`` of ``forward``
+#: called eagerly (to the bit on most CPUs; with the same error against float64 on one with native float16,
+#: whose compiled float16 products round differently by a few ulps), from one compiled program instead of one
+#: per operation (seconds of compiling); without LLVM's optimisations, which take most of the compile time of a
+#: program this small and change no number.
 ROUNDED = {"xla_allow_excess_precision": False, "xla_backend_optimization_level": 0}
 
 
