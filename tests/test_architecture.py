@@ -30,9 +30,13 @@ def test_the_import_linter_contracts_hold():
 
 
 def test_attention_formulas_are_a_leaf(graph):
-    """forward, backward, repeat_kv, sum_groups and the faults import nothing of ours but the registry."""
+    """forward, backward, repeat_kv, sum_groups and the faults import nothing of ours but the registry and the
+    score stages, which import nothing of ours but the registry (each stage module its package's base)."""
+    stages = "gradcheck_cli.ops.attention.stages"
     ours = {m for m in graph.find_modules_directly_imported_by("gradcheck_cli.ops.attention.formulas")}
-    assert ours <= {"gradcheck_cli.ops.registry"}, ours
+    assert ours <= {"gradcheck_cli.ops.registry", stages}, ours
+    below = {m for s in graph.find_descendants(stages) | {stages} for m in graph.find_modules_directly_imported_by(s)}
+    assert below <= {"gradcheck_cli.ops.registry", *graph.find_descendants(stages)}, below
     assert not graph.find_modules_directly_imported_by("gradcheck_cli.ops.attention.inputs")
 
 

@@ -29,7 +29,8 @@ def _example(op, engine="naive", fault=None):
         pytest.importorskip("torch")
     derivative = FAULTS[fault].derivative if fault is not None else "vjp"
     mode = {"check": {"mode": derivative}} if derivative in ("jvp", "hvp") else {}
-    return make(**{"op": op, **OPS[op].example, **ENGINES.get(op, {}).get(engine, {}), **mode})
+    needs = dict(FAULTS[fault].scenario) if fault is not None else {}  # a variant's key (softcap: ...)
+    return make(**{"op": op, **OPS[op].example, **needs, **ENGINES.get(op, {}).get(engine, {}), **mode})
 
 
 def _engine_faults(op):
@@ -46,8 +47,9 @@ def borrowed(op, fault):
 
 def _borrowable(op):
     """The engine faults a composite borrows from its part: those of the forward and the VJP (a composite has
-    no JVP of its own)."""
-    return {name for name in _engine_faults(op) if OPS[op].faults[name].derivative == "vjp"}
+    no JVP of its own), of plain attention (not a score stage's, whose key only the part has)."""
+    return {name for name in _engine_faults(op) if OPS[op].faults[name].derivative == "vjp"
+            and not OPS[op].faults[name].scenario}
 
 
 def _cases():

@@ -16,7 +16,8 @@ class Fault:
     ``engine``: it applies to the op's built-in engines. ``user``: what it does to a user's
     implementation (it needs no access to its internals: it changes what the implementation is
     shown or what it returns), None when it does not apply to one. ``sized``: its size is set from the
-    clean run (e.g. 10x the smallest error the clean run detects)."""
+    clean run (e.g. 10x the smallest error the clean run detects). ``scenario``: the keys (and a value of each)
+    a scenario must have for the fault to apply, beyond the op's example (a score stage's: ``softcap``)."""
     name: str
     breaks: str                 # what the fault changes, in one line
     caught_by: tuple[str, ...]  # names of the checks expected to catch it
@@ -25,6 +26,7 @@ class Fault:
     user: str | None = None
     sized: bool = False
     derivative: str = "vjp"     # what it breaks: vjp (the gradients), jvp (the output's tangent), hvp (Hessian x vec)
+    scenario: tuple = ()        # (key, value) pairs a scenario needs for it to apply (a score stage's key)
 
 
 @dataclass(frozen=True)

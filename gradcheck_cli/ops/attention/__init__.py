@@ -2,7 +2,8 @@
 
 Modules, imported one way (each only from those above it in this list, and none from outside the
 package but the shared machinery below ``ops``):
-  formulas   forward, backward, ``repeat_kv``/``sum_groups``, the faults (a leaf)
+  stages     the score stages between scale * Q K^T and the softmax (soft-capping), each with its faults (a leaf)
+  formulas   forward, backward, ``repeat_kv``/``sum_groups``, the faults
   rounding   the size of the terms of O and the gradients (noise floors, agreement)
   reference  seeded inputs, the float64 reference, the faults' interface variants
   invariants semantic checks of attention       hints  likely causes of a failure
@@ -12,6 +13,7 @@ package but the shared machinery below ``ops``):
 from __future__ import annotations
 
 from ..registry import Engine, Interface, Op
+from . import stages as score_stages
 from .formulas import (
     ENGINE_FAULTS,
     FAULTS,
@@ -43,6 +45,8 @@ def shapes(sc) -> dict:
 
 def why_not(sc, fault: str) -> str | None:
     """Why a fault cannot apply to a scenario, where its structure says so."""
+    if fault in score_stages.FAULTS:
+        return score_stages.why_not(sc, fault)
     if fault == "swap-dk-dv" and sc.d_head != sc.d_value:
         return f"dK and dV differ in shape (d_head {sc.d_head}, d_value {sc.d_value}): they cannot be swapped"
     if fault in ("mask", "mask-backward", "leak-hidden-key") and sc.visible.all():
@@ -94,7 +98,8 @@ EXAMPLE = {"batch": 2, "heads_q": 4, "heads_kv": 2, "n_q": 3, "n_k": 10, "d_head
            "mask": {"causal": "lower-right", "key_lengths": [10, 8]}}
 
 OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradients of q, k, v",
-        tensors=("q", "k", "v"), faults=FAULTS, engines=ENGINES, engine_for=engine_for, attention_keys=True,
+        tensors=("q", "k", "v"), faults={**FAULTS, **score_stages.FAULTS}, keys=score_stages.KEYS, engines=ENGINES,
+        engine_for=engine_for, attention_keys=True,
         shapes=shapes, why_not=why_not, non_finite=non_finite, memory=memory_need,
         backends=("numpy", "torch", "jax"), built_in_backends=("numpy", "torch"),
         dtypes=("float64", "float32", "float16", "bfloat16"), low_precision_backends=("torch", "jax"),

@@ -27,6 +27,7 @@ import numpy as np
 
 from ... import invariants
 from ...tolerance import ENGINE_AGREEMENT_ULPS
+from . import stages as score_stages
 from .formulas import attention_weights, repeat_kv
 from .rounding import output_term_sizes
 
@@ -41,11 +42,12 @@ def shift_free_limit(dtype) -> float:
 
 class Forward:
     """O = formulas.forward(q, k, v, visible, scale, kv_map) for inputs with extra leading copy axes.
-    ``visible`` None means every key is visible (the ``mask`` fault)."""
+    ``visible`` None means every key is visible (the ``mask`` fault); ``stages``, the score stages (each block's
+    scores go through them, with their rows and keys, before the softmax)."""
 
     def __init__(self, visible: np.ndarray | None, scale: float, kv_map: np.ndarray, n_q: int, n_k: int,
-                 rows: int | None = None):
-        self.scale, self.kv_map, self.rows = scale, kv_map, rows or ROWS
+                 rows: int | None = None, stages=()):
+        self.scale, self.kv_map, self.rows, self.stages = scale, kv_map, rows or ROWS, tuple(stages)
         if visible is not None:  # any shape that broadcasts to [B, Hq, n_q, n_k]
             visible = np.broadcast_to(visible, visible.shape[:-2] + (n_q, n_k))
         seen = np.ones((n_q, n_k), dtype=bool) if visible is None else visible.reshape(-1, n_q, n_k).any(axis=0)
@@ -85,14 +87,20 @@ class Forward:
         return x if identity else repeat_kv(x, self.kv_map)
 
     def _needs_shift(self, q, k, dt) -> bool:
-        """False when |S_ij| <= |scale| max ||q_i|| max ||k_j|| < shift_free_limit (NaN or inf: True)."""
+        """False when |S_ij| <= |scale| max ||q_i|| max ||k_j|| < shift_free_limit (NaN or inf: True), the
+        bound taken through the score stages (``Stage.bound``)."""
         q_norm = np.sqrt(np.max(np.einsum("...d,...d->...", q, q), initial=0.0))
         k_norm = np.sqrt(np.max(np.einsum("...d,...d->...", k, k), initial=0.0))
-        return not bool(abs(self.scale) * q_norm * k_norm < shift_free_limit(dt))
+        b = abs(self.scale) * q_norm * k_norm
+        if self.stages and np.isfinite(b):
+            b = score_stages.bound(self.stages, float(b))
+        return not bool(b < shift_free_limit(dt))
 
     def _blocks(self, q, k_t, v_rep, shift: bool, out: np.ndarray) -> None:
         for span, keys, shown, hidden, pieces in self.blocks:
             s = np.matmul(q[..., span, :], k_t[..., keys])
+            if self.stages:
+                s = score_stages.apply(self.stages, s, span, keys)
             with np.errstate(over="ignore", under="ignore", invalid="ignore"):
                 if shift:
                     s -= np.max(s, axis=-1, keepdims=True, where=True if shown is None else shown, initial=-np.inf)
@@ -135,7 +143,8 @@ def _pieces(shown: np.ndarray) -> tuple:
     return tuple(pieces)
 
 
-def agreement(fast: Forward, reference, inputs: dict, visible, scale, kv_map, faults, rng: np.random.Generator):
+def agreement(fast: Forward, reference, inputs: dict, visible, scale, kv_map, faults, rng: np.random.Generator,
+              stages=()):
     """The check that the fast path computes the reference forward, on O stacked [7, B, Hq, n_q, d_value]:
     copy 0 from the unperturbed inputs, then two copies each of q, k and v moved as finite differences
     stack them (every element by up to 1% of max(1, |x|)), each evaluated as the differences of its tensor
@@ -155,8 +164,9 @@ def agreement(fast: Forward, reference, inputs: dict, visible, scale, kv_map, fa
         gap = np.abs(np.asarray(fast(**stacked)[0], dtype=np.float64) - ref)
         sizes = output_term_sizes(
             args, lambda span, args=args: attention_weights(args["q"][..., span, :], args["k"],
-                                                            visible[..., span, :], scale, kv_map, faults),
-            scale, kv_map)
+                                                            visible[..., span, :], scale, kv_map, faults, stages,
+                                                            span),
+            scale, kv_map, stages=stages)
         relative.append(gap / np.maximum(sizes, np.finfo(np.float64).tiny))
     return invariants.bounded(
         "fast forward agrees with the reference", "o", np.stack(relative),

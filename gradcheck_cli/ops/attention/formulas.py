@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..registry import Fault
+from . import stages as score_stages
 
 #: What a built-in fault does to a user's implementation: the gradient change the bug makes in the
 #: float64 reference is added to the implementation's gradients.
@@ -121,10 +122,17 @@ def sum_groups(g: np.ndarray, kv_map: np.ndarray, heads_kv: int, *, overwrite: b
     return out
 
 
-def _exp_scores(q, k, scale, kv_map, visible, hidden=None):
+def raw_scores(q, k, scale, kv_map):
+    """scale * q k^T, formed as the forward forms it (the input of the score stages)."""
+    return np.matmul(q, np.swapaxes(repeat_kv(k, kv_map) * np.asarray(scale, dtype=q.dtype), -1, -2))
+
+
+def _exp_scores(q, k, scale, kv_map, visible, hidden=None, stages=(), rows=slice(None)):
     """exp(S - m) and its row sums l, for S = scale * q k^T with the row max m over the visible set
-    subtracted (A.10.2). ``visible`` None means every key is visible; ``hidden`` may pass ~visible
-    precomputed (the projection and block ops difference their forwards through this one).
+    subtracted (A.10.2), S after the score ``stages`` (``stages``; none for plain attention). ``visible`` None
+    means every key is visible; ``hidden`` may pass ~visible precomputed (the projection and block ops difference
+    their forwards through this one). ``rows``: the query rows' slice of the score grid, for the stages, when q
+    holds some rows only.
 
     Hidden entries are overwritten with exactly 0 after the exponential rather than set to -inf
     before it: exp(-inf) takes NumPy's slow scalar path, about 3x the cost of the others. Whatever
@@ -133,6 +141,8 @@ def _exp_scores(q, k, scale, kv_map, visible, hidden=None):
     # scale k: as cheap as scaling q, and the same rounding whether or not copies are stacked
     k_rep = repeat_kv(k, kv_map) * np.asarray(scale, dtype=q.dtype)
     s = np.matmul(q, np.swapaxes(k_rep, -1, -2))
+    if stages:
+        s = score_stages.apply(stages, s, rows)
     if visible is None:
         s -= s.max(axis=-1, keepdims=True)
         e = np.exp(s, out=s)
@@ -144,19 +154,20 @@ def _exp_scores(q, k, scale, kv_map, visible, hidden=None):
     return e, e.sum(axis=-1, keepdims=True)
 
 
-def attention_weights(q, k, visible, scale, kv_map, faults: Collection[str] = ()):
+def attention_weights(q, k, visible, scale, kv_map, faults: Collection[str] = (), stages=(), rows=slice(None)):
     """A [..., B, Hq, n_q, n_k]: softmax of the scores over each row's visible set (A.10.2)."""
-    e, l = _exp_scores(q, k, scale, kv_map, None if "mask" in faults else visible)
+    e, l = _exp_scores(q, k, scale, kv_map, None if "mask" in faults else visible, stages=stages, rows=rows)
     e /= l
     return e
 
 
-def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), hidden=None):
+def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), hidden=None, stages=(),
+            rows=slice(None)):
     """O = A V [..., B, Hq, n_q, d_value] (A.10.3), evaluated as (exp(S - m) V) / l: the same product
     with the normalisation applied to the d_value-wide result instead of the n_k-wide weights.
     ``hidden`` may pass ~visible precomputed (the projection and block ops call this many times; the
     attention op's finite differences evaluate the same function through ``copies.Forward``)."""
-    e, l = _exp_scores(q, k, scale, kv_map, None if "mask" in faults else visible, hidden)
+    e, l = _exp_scores(q, k, scale, kv_map, None if "mask" in faults else visible, hidden, stages, rows)
     o = np.matmul(e, repeat_kv(v, kv_map))
     o /= l
     return o
@@ -167,15 +178,18 @@ class Gradients:
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
-    s: np.ndarray  # G_S [B, Hq, n_q, n_k], the score gradient (for the row-sum invariant)
+    s: np.ndarray  # G_S [B, Hq, n_q, n_k], the gradient at the softmax's input (for the row-sum invariant)
     a: np.ndarray  # A and G_A [B, Hq, n_q, n_k], to bound the rounding of G_S's row sums
     ga: np.ndarray
 
 
-def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = ()) -> Gradients:
-    """VJP of :func:`forward` at (q, k, v) for upstream gradient grad_o [B, Hq, n_q, d_value]."""
+def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = (), stages=(),
+             rows=slice(None)) -> Gradients:
+    """VJP of :func:`forward` at (q, k, v) for upstream gradient grad_o [B, Hq, n_q, d_value]. With score
+    ``stages``, G_S (at the softmax's input) is passed back through their derivative to the raw scores."""
     k_rep, v_rep = repeat_kv(k, kv_map), repeat_kv(v, kv_map)
-    a = attention_weights(q, k, visible, scale, kv_map, (*faults, "mask") if "mask-backward" in faults else faults)
+    a = attention_weights(q, k, visible, scale, kv_map, (*faults, "mask") if "mask-backward" in faults else faults,
+                          stages, rows)
     g_v = np.swapaxes(a, -1, -2) @ grad_o
     g_a = grad_o @ np.swapaxes(v_rep, -1, -2)
     if "softmax-term" in faults:
@@ -183,17 +197,23 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     else:
         g_s = a * (g_a - (a * g_a).sum(axis=-1, keepdims=True))
     s = 1.0 if "scale" in faults else scale
-    g_q = (g_s @ k_rep) * s
-    g_k = (np.swapaxes(g_s, -1, -2) @ q) * s
+    g_raw = g_s
+    if stages:
+        slope = score_stages.with_slope(stages, raw_scores(q, k, scale, kv_map), rows)[1]
+        g_raw = g_s if slope is None else g_s * slope
+    g_q = (g_raw @ k_rep) * s
+    g_k = (np.swapaxes(g_raw, -1, -2) @ q) * s
     heads_kv, overwrite = k.shape[-3], "gqa-sum" in faults
     return Gradients(q=g_q, k=sum_groups(g_k, kv_map, heads_kv, overwrite=overwrite),
                      v=sum_groups(g_v, kv_map, heads_kv, overwrite=overwrite), s=g_s, a=a, ga=g_a)
 
 
-def _tangent_parts(q, k, visible, scale, kv_map, dq, dk, faults: Collection[str]):
-    """(A, dS) of the JVP, with the JVP faults applied; dS is 0 off the visible set."""
+def _tangent_parts(q, k, visible, scale, kv_map, dq, dk, faults: Collection[str], stages=(), rows=slice(None)):
+    """(A, dS, chain) of the JVP, with the JVP faults applied; dS (the tangent of the softmax's input) is 0 off
+    the visible set. ``chain``: None without score stages, else (f', f'', the raw scores' tangent) of the stages
+    (f' None for 1, f'' None for 0), dS = f' times that tangent."""
     mask_off = "mask" in faults or "jvp-mask" in faults
-    a = attention_weights(q, k, visible, scale, kv_map, (*faults, "mask") if mask_off else faults)
+    a = attention_weights(q, k, visible, scale, kv_map, (*faults, "mask") if mask_off else faults, stages, rows)
     s = 1.0 if "jvp-scale" in faults else scale
     s_dot = np.zeros(a.shape, dtype=a.dtype)
     if dq is not None:
@@ -203,14 +223,18 @@ def _tangent_parts(q, k, visible, scale, kv_map, dq, dk, faults: Collection[str]
     s_dot *= np.asarray(s, dtype=a.dtype)
     if not mask_off:
         np.copyto(s_dot, 0, where=~visible)
-    return a, s_dot
+    if not stages:
+        return a, s_dot, None
+    _, d1, d2 = score_stages.jet(stages, raw_scores(q, k, scale, kv_map), rows)
+    return a, (s_dot if d1 is None else s_dot * d1), (d1, d2, s_dot)
 
 
-def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Collection[str] = ()) -> np.ndarray:
+def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Collection[str] = (),
+        stages=(), rows=slice(None)) -> np.ndarray:
     """JVP of :func:`forward` at (q, k, v) along tangents (dq, dk, dv) (None: zero), [..., B, Hq, n_q, d_value]:
     dO = (A * (dS - mu)) V + A dV with dS = scale (dQ K^T + Q dK^T) on the visible set and
     mu_i = sum_j A_ij dS_ij. GQA: K/V tangents are repeated like K/V. In the inputs' dtype."""
-    a, s_dot = _tangent_parts(q, k, visible, scale, kv_map, dq, dk, faults)
+    a, s_dot, _ = _tangent_parts(q, k, visible, scale, kv_map, dq, dk, faults, stages, rows)
     if "jvp-centring" not in faults:
         s_dot -= (a * s_dot).sum(axis=-1, keepdims=True)
     o_dot = (a * s_dot) @ repeat_kv(v, kv_map)
@@ -219,13 +243,27 @@ def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Coll
     return o_dot
 
 
-def _weights_with_logits(q, k, qa, ka, visible, scale, kv_map) -> tuple[np.ndarray, np.ndarray]:
+def _weights_with_logits(q, k, qa, ka, visible, scale, kv_map, stages=()) -> tuple[np.ndarray, np.ndarray]:
     """(A, Ã) with Ã = A (1 + L), L_ij = |scale| sum_c |q_ic| |k_jc|: the attention weights, and the same with the
     share of their logits' rounding (a logit S_ij carries an error of about eps L_ij, which A_ij carries relative
     to itself). As in ``rounding.term_sizes``, Ã is the outer factor of each product and the row sums inside take
     A: the factor enters once (first order in eps), not once per use of A."""
-    a = attention_weights(np.asarray(q, np.float64), np.asarray(k, np.float64), visible, scale, kv_map)
-    return a, a * (1.0 + abs(scale) * (qa @ np.swapaxes(repeat_kv(ka, kv_map), -1, -2)))
+    q64, k64 = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    a = attention_weights(q64, k64, visible, scale, kv_map, stages=stages)
+    logit = abs(scale) * (qa @ np.swapaxes(repeat_kv(ka, kv_map), -1, -2))
+    if stages:
+        logit = score_stages.error(stages, logit, raw_scores(q64, k64, scale, kv_map))
+    return a, a * (1.0 + logit)
+
+
+def _slope_sizes(q, k, qa, ka, scale, kv_map, stages):
+    """(the size of the terms of the stages' f' with its rounding, |f''|) on float64 inputs, or (None, None)."""
+    if not stages:
+        return None, None
+    r = raw_scores(np.asarray(q, np.float64), np.asarray(k, np.float64), scale, kv_map)
+    logit = abs(scale) * (qa @ np.swapaxes(repeat_kv(ka, kv_map), -1, -2))
+    d2 = score_stages.jet(stages, r)[2]
+    return score_stages.slope_size(stages, r, logit), None if d2 is None else np.abs(d2)
 
 
 def _abs64(x):
@@ -242,13 +280,17 @@ def _abs_tangent_scores(qa, ka, visible, scale, kv_map, dqa, dka) -> np.ndarray:
     return np.where(visible, abs(scale) * out, 0.0)
 
 
-def jvp_terms(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None) -> np.ndarray:
+def jvp_terms(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, stages=()) -> np.ndarray:
     """The size of the terms each element of the JVP is made of (its rounding), in float64:
     (Ã * (|dS| + |mu|)) |V| + Ã |dV|, with |dS| bounded by |scale| (|dQ| |K|^T + |Q| |dK|^T), |mu| by
-    rowsum(A |dS|), and Ã = A (1 + L) the weights with their logits' rounding (``_weights_with_logits``)."""
+    rowsum(A |dS|), and Ã = A (1 + L) the weights with their logits' rounding (``_weights_with_logits``); score
+    stages multiply |dS| by the size of their derivative's terms."""
     qa, ka, va = _abs64(q), _abs64(k), _abs64(v)
-    a, a_t = _weights_with_logits(q, k, qa, ka, visible, scale, kv_map)
+    a, a_t = _weights_with_logits(q, k, qa, ka, visible, scale, kv_map, stages)
     s_abs = _abs_tangent_scores(qa, ka, visible, scale, kv_map, _abs64(dq), _abs64(dk))
+    slope = _slope_sizes(q, k, qa, ka, scale, kv_map, stages)[0]
+    if slope is not None:
+        s_abs = s_abs * slope
     s_abs = s_abs + (a * s_abs).sum(axis=-1, keepdims=True)
     out = (a_t * s_abs) @ repeat_kv(va, kv_map)
     if dv is not None:
@@ -257,13 +299,15 @@ def jvp_terms(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None) -> np.
 
 
 def hvp(q, k, v, visible, scale, kv_map, grad_o, dq=None, dk=None, dv=None,
-        faults: Collection[str] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        faults: Collection[str] = (), stages=()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The derivative of :func:`backward`'s (G_Q, G_K, G_V) along the direction (dq, dk, dv) (None: zero) with
     grad_o fixed: the Hessian of L = sum(O * grad_o) times the direction, (H_Q, H_K, H_V) shaped like (q, k, v).
     Forward mode through the backward (module docstring); GQA: K/V and their directions are repeated like K/V,
     and H_K, H_V summed over the query heads of a KV head. In the inputs' dtype. ``faults``: the HVP faults, and
-    ``mask`` (the visible set ignored throughout, as in the forward)."""
-    a, s_dot = _tangent_parts(q, k, visible, scale, kv_map, dq, dk, ("mask",) if "mask" in faults else ())
+    ``mask`` (the visible set ignored throughout, as in the forward). Score ``stages``: G_S and its tangent go
+    back to the raw scores as G_R = f' G_S, G_R_dot = f' G_S_dot + f'' R_dot G_S (R_dot the raw scores' tangent)."""
+    a, s_dot, chain = _tangent_parts(q, k, visible, scale, kv_map, dq, dk, ("mask",) if "mask" in faults else (),
+                                     stages)
     dtype, heads_kv = a.dtype, k.shape[-3]
     sc = np.asarray(scale, dtype=dtype)
     g = np.asarray(grad_o, dtype=dtype)
@@ -282,6 +326,13 @@ def hvp(q, k, v, visible, scale, kv_map, grad_o, dq=None, dk=None, dv=None,
     g_s_dot = a * (-d_dot if g_a_dot is None else g_a_dot - d_dot)  # A * (G_A_dot - D_dot)
     if "hvp-softmax-tangent" not in faults:
         g_s_dot += a_dot * centred
+    if chain is not None:  # back through the score stages to the raw scores
+        d1, d2, r_dot = chain
+        bent = None if d2 is None else d2 * r_dot * g_s
+        if d1 is not None:
+            g_s, g_s_dot = g_s * d1, g_s_dot * d1
+        if bent is not None:
+            g_s_dot = g_s_dot + bent
     h_q = g_s_dot @ k_rep
     if dk is not None and "hvp-dk-path" not in faults:
         h_q += g_s @ repeat_kv(dk, kv_map)
@@ -295,7 +346,7 @@ def hvp(q, k, v, visible, scale, kv_map, grad_o, dq=None, dk=None, dv=None,
 
 
 def hvp_terms(q, k, v, visible, scale, kv_map, grad_o, dq=None, dk=None,
-              dv=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              dv=None, stages=()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The size of the terms each element of :func:`hvp`'s (H_Q, H_K, H_V) is made of (its rounding), in float64:
     its formulas with absolute values and every subtraction an addition (|A_dot| <= A * (|dS| + rowsum(A |dS|)),
     |G_A| <= |G| |V|^T, ...), the outer A of each product taken with its logits' rounding (Ã,
@@ -303,8 +354,10 @@ def hvp_terms(q, k, v, visible, scale, kv_map, grad_o, dq=None, dk=None,
     qa, ka, va, g = _abs64(q), _abs64(k), _abs64(v), _abs64(grad_o)
     dqa, dka, dva = _abs64(dq), _abs64(dk), _abs64(dv)
     heads_kv, sc = k.shape[-3], abs(scale)
-    a, a_t = _weights_with_logits(q, k, qa, ka, visible, scale, kv_map)
-    s_abs = _abs_tangent_scores(qa, ka, visible, scale, kv_map, dqa, dka)
+    a, a_t = _weights_with_logits(q, k, qa, ka, visible, scale, kv_map, stages)
+    r_abs = _abs_tangent_scores(qa, ka, visible, scale, kv_map, dqa, dka)
+    slope, bend = _slope_sizes(q, k, qa, ka, scale, kv_map, stages)
+    s_abs = r_abs if slope is None else r_abs * slope
     s_abs = s_abs + (a * s_abs).sum(axis=-1, keepdims=True)
     a_dot, a_dot_t = a * s_abs, a_t * s_abs
     g_a = g @ np.swapaxes(repeat_kv(va, kv_map), -1, -2)
@@ -315,6 +368,9 @@ def hvp_terms(q, k, v, visible, scale, kv_map, grad_o, dq=None, dk=None,
         g_a_dot = g @ np.swapaxes(repeat_kv(dva, kv_map), -1, -2)
         inner = inner + (a * g_a_dot).sum(axis=-1, keepdims=True) + g_a_dot
     g_s_dot = a_dot_t * centred + a_t * inner
+    if slope is not None:  # back through the score stages: |f'| (with its rounding) and |f''| |R_dot| |G_S|
+        g_s_dot = g_s_dot * slope + (0.0 if bend is None else bend * r_abs * g_s)
+        g_s = g_s * slope
     h_q = g_s_dot @ repeat_kv(ka, kv_map)
     if dka is not None:
         h_q += g_s @ repeat_kv(dka, kv_map)

@@ -7,26 +7,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import stages as score_stages
 
-def forward(q, k, v, visible, scale: float, kv_map):
-    """O = A V with A the softmax over each row's visible set of scale * q k^T, the row max subtracted
-    (``formulas.forward``), every step in the inputs' dtype. Shapes as in ``formulas``."""
+
+def forward(q, k, v, visible, scale: float, kv_map, stages=()):
+    """O = A V with A the softmax over each row's visible set of scale * q k^T (through the score ``stages``), the
+    row max subtracted (``formulas.forward``), every step in the inputs' dtype. Shapes as in ``formulas``."""
     k, v = k[:, kv_map], v[:, kv_map]
     s = (q @ jnp.swapaxes(k, -1, -2)) * scale
+    if stages:
+        s = score_stages.apply(stages, s, xp=jnp)
     s = jnp.where(visible, s, -jnp.inf)
     e = jnp.exp(s - s.max(axis=-1, keepdims=True))
     return (e / e.sum(axis=-1, keepdims=True)) @ v
 
 
-def backward(q, k, v, visible, scale: float, kv_map, grad_o):
+def backward(q, k, v, visible, scale: float, kv_map, grad_o, stages=()):
     """(G_Q, G_K, G_V): the closed forms (``formulas.backward``), every step in the inputs' dtype, K/V
-    gradients summed over the query heads of each KV head."""
+    gradients summed over the query heads of each KV head; G_S back through the score ``stages``' derivative."""
     k_rep, v_rep = k[:, kv_map], v[:, kv_map]
-    s = jnp.where(visible, (q @ jnp.swapaxes(k_rep, -1, -2)) * scale, -jnp.inf)
+    raw = (q @ jnp.swapaxes(k_rep, -1, -2)) * scale
+    staged, slope = score_stages.with_slope(stages, raw, xp=jnp) if stages else (raw, None)
+    s = jnp.where(visible, staged, -jnp.inf)
     e = jnp.exp(s - s.max(axis=-1, keepdims=True))
     a = e / e.sum(axis=-1, keepdims=True)
     g_a = grad_o @ jnp.swapaxes(v_rep, -1, -2)
     g_s = a * (g_a - (a * g_a).sum(axis=-1, keepdims=True))
+    if slope is not None:
+        g_s = g_s * slope
     g_k_rep, g_v_rep = (jnp.swapaxes(g_s, -1, -2) @ q) * scale, jnp.swapaxes(a, -1, -2) @ grad_o
     groups = jax.nn.one_hot(kv_map, k.shape[1], dtype=q.dtype)  # [Hq, Hkv]: each query head's KV head
     return ((g_s @ k_rep) * scale, jnp.einsum("bhnd,hg->bgnd", g_k_rep, groups),
@@ -42,10 +50,10 @@ def backward(q, k, v, visible, scale: float, kv_map, grad_o):
 ROUNDED = {"xla_allow_excess_precision": False, "xla_backend_optimization_level": 0}
 
 
-def _plain_ways(scale: float):
+def _plain_ways(scale: float, stages=()):
     def run(q, k, v, g, visible, kv_map):
-        o, pull = jax.vjp(lambda q, k, v: forward(q, k, v, visible, scale, kv_map), q, k, v)
-        return (o, *pull(g), *backward(q, k, v, visible, scale, kv_map, g))
+        o, pull = jax.vjp(lambda q, k, v: forward(q, k, v, visible, scale, kv_map, stages), q, k, v)
+        return (o, *pull(g), *backward(q, k, v, visible, scale, kv_map, g, stages))
     return jax.jit(run)
 
 
@@ -53,7 +61,7 @@ def _plain_ways(scale: float):
 _COMPILED: dict[tuple, object] = {}
 
 
-def plain(inputs: dict, g, visible, scale: float, kv_map, dtype: str) -> list[dict]:
+def plain(inputs: dict, g, visible, scale: float, kv_map, dtype: str, stages=()) -> list[dict]:
     """Two plain computations in ``dtype`` on ``inputs`` (rounded to it), each {o, q, k, v} as float64 NumPy
     arrays: the plain forward with its ``jax.vjp`` gradients, and the closed forms (so that no one plain way
     is lucky)."""
@@ -61,8 +69,8 @@ def plain(inputs: dict, g, visible, scale: float, kv_map, dtype: str) -> list[di
     to = lambda a: jnp.asarray(np.asarray(a).astype(dt))  # noqa: E731 (rounded in NumPy: no float64 in JAX)
     args = (*(to(inputs[t]) for t in "qkv"), to(g), jnp.asarray(visible),
             jnp.asarray(np.asarray(kv_map, dtype=np.int32)))
-    key = (float(scale),) + tuple((a.shape, str(a.dtype)) for a in args)
+    key = (float(scale), score_stages.labels(stages)) + tuple((a.shape, str(a.dtype)) for a in args)
     if key not in _COMPILED:
-        _COMPILED[key] = _plain_ways(float(scale)).lower(*args).compile(compiler_options=ROUNDED)
+        _COMPILED[key] = _plain_ways(float(scale), stages).lower(*args).compile(compiler_options=ROUNDED)
     o, *grads = (np.asarray(x).astype(np.float64) for x in _COMPILED[key](*args))
     return [dict(zip("oqkv", (o, *grads[:3]))), dict(zip("oqkv", (o, *grads[3:])))]

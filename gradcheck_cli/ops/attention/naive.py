@@ -9,6 +9,7 @@ import numpy as np
 from ...numeric import SeedStream
 from ..registry import Problem, SecondOrder, Tangents
 from . import copies
+from . import stages as score_stages
 from .formulas import attention_weights, backward, forward, hvp, hvp_terms, jvp, jvp_terms
 from .hints.tangent import jvp_hints
 from .inputs import seeded_inputs
@@ -26,27 +27,31 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     kv_map = np.asarray(sc.kv_map, dtype=np.intp)
     visible, scale = sc.visible, sc.scale
     blocks = Blocks(sc, kv_map)
+    # the score stages, a stage fault's wrong one in place of the right one (with the visible set the softmax
+    # then sees: ``shown``); the invariants keep the scenario's visible set
+    right = score_stages.from_scenario(sc)
+    stages, shown = score_stages.inject(right, visible, faults)
 
     def fwd(q, k, v):
-        return (forward(q, k, v, visible, scale, kv_map, faults),
-                attention_weights(q, k, visible, scale, kv_map, faults))
+        return (forward(q, k, v, shown, scale, kv_map, faults, stages=stages),
+                attention_weights(q, k, shown, scale, kv_map, faults, stages))
 
     def bwd(q, k, v, grad_o):
-        return backward(q, k, v, visible, scale, kv_map, grad_o, faults)
+        return backward(q, k, v, shown, scale, kv_map, grad_o, faults, stages)
 
     def reference(q, k, v):
-        return forward(q, k, v, visible, scale, kv_map, faults)
+        return forward(q, k, v, shown, scale, kv_map, faults, stages=stages)
 
     # Finite differences evaluate the same forward by blocks of query rows (copies.py), checked
     # against the reference in every run.
-    fast = copies.Forward(None if "mask" in faults else visible, scale, kv_map, sc.n_q, sc.n_k)
+    fast = copies.Forward(None if "mask" in faults else shown, scale, kv_map, sc.n_q, sc.n_k, stages=stages)
 
     def copies_forward(name: str, x: np.ndarray) -> np.ndarray:
         return fast(**{**inputs, name: x})
 
     o, a = fwd(q, k, v)
     grads = bwd(q, k, v, g)
-    rounding, rounding_total = blocks.rounding(inputs, g, a, scale, kv_map)
+    rounding, rounding_total = blocks.rounding(inputs, g, a, scale, kv_map, stages=right)
     rng_inv = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
     second = None
     if sc.mode == "hvp":  # the double backward: H u against differences of these very gradients
@@ -57,15 +62,15 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
 
         second = SecondOrder(
             gradients=moved_gradients,
-            hvp=lambda u: dict(zip("qkv", hvp(q, k, v, visible, scale, kv_map, g, u.get("q"), u.get("k"), u.get("v"),
-                                              faults))),
+            hvp=lambda u: dict(zip("qkv", hvp(q, k, v, shown, scale, kv_map, g, u.get("q"), u.get("k"), u.get("v"),
+                                              faults, stages))),
             hvp_terms=lambda u: dict(zip("qkv", hvp_terms(q, k, v, visible, scale, kv_map, g, u.get("q"), u.get("k"),
-                                                          u.get("v")))),
-            gradient_terms=term_sizes(inputs, g, lambda span: a[..., span, :], scale, kv_map))
+                                                          u.get("v"), right))),
+            gradient_terms=term_sizes(inputs, g, lambda span: a[..., span, :], scale, kv_map, stages=right))
 
     def o_dot(t: dict) -> np.ndarray:
         """The engine's JVP along tangents t (by input name; missing: zero)."""
-        return jvp(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), faults)
+        return jvp(q, k, v, shown, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), faults, stages)
 
     return Problem(
         inputs=inputs,
@@ -74,10 +79,10 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         rounding=rounding,
         rounding_total=rounding_total,
         copy_bytes=3 * a.size * dt.itemsize + o.size * dt.itemsize,
-        invariants=lambda: [copies.agreement(fast, reference, inputs, visible, scale, kv_map, faults,
-                                             np.random.default_rng([sc.seed, SeedStream.FAST_FORWARD]))]
+        invariants=lambda: [copies.agreement(fast, reference, inputs, shown, scale, kv_map, faults,
+                                             np.random.default_rng([sc.seed, SeedStream.FAST_FORWARD]), stages)]
         + engine_invariants(fwd, bwd, inputs, visible, kv_map, grads, rng_inv,
-                            output_terms(inputs, a, scale, kv_map), g),
+                            output_terms(inputs, a, scale, kv_map, right), g),
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
                 "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
                 "analytic_q": grads.q, "analytic_k": grads.k, "analytic_v": grads.v},
@@ -85,8 +90,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         tangents=Tangents(
             forward=lambda **moved: fast(**{**inputs, **moved}),
             jvp=o_dot,
-            jvp_terms=lambda t: jvp_terms(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v")),
-            output_terms=output_term_sizes(inputs, lambda span: a[..., span, :], scale, kv_map),
+            jvp_terms=lambda t: jvp_terms(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), right),
+            output_terms=output_term_sizes(inputs, lambda span: a[..., span, :], scale, kv_map, stages=right),
             upstream=g,
             explain=jvp_hints(o_dot, inputs, visible, scale, kv_map, [sc.seed, SeedStream.TANGENT_HINTS])),
         second=second,

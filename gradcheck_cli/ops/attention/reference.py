@@ -8,6 +8,7 @@ from collections.abc import Collection
 import numpy as np
 
 from ..registry import SecondOrder, Tangents
+from . import stages as score_stages
 from .formulas import DIFFERENCE_FAULTS, HVP_FAULTS, JVP_FAULTS, backward, forward, hvp, hvp_terms, jvp, jvp_terms
 from .hints import Context, diagnosis
 from .hints.context import _convention
@@ -21,12 +22,13 @@ def diagnosis_fields(sc, context=None) -> dict:
     return {"structure": structure, "hints": hints}
 
 
-def hint_context(inputs: dict, g, visible, scale, kv_map, results: dict, reference_results: dict, impl_forward=None):
+def hint_context(inputs: dict, g, visible, scale, kv_map, results: dict, reference_results: dict, impl_forward=None,
+                 stages=()):
     """What the hints may consult about an implementation (``hints.Context``)."""
     x = {t: val.astype(np.float64) for t, val in inputs.items()}
 
     def reference_output(visible=visible, kv_map=kv_map):
-        return forward(x["q"], x["k"], x["v"], visible, scale, np.asarray(kv_map, dtype=np.intp))
+        return forward(x["q"], x["k"], x["v"], visible, scale, np.asarray(kv_map, dtype=np.intp), stages=stages)
 
     return Context(output=np.asarray(results["o"], dtype=np.float64), reference=reference_output,
                    reference_gradients={t: reference_results[t] for t in "qkv"},
@@ -43,17 +45,22 @@ def called_as(sc, call, inputs: dict):
         return call(sc.convention)
     except ImplementationFailure as exc:
         x = {t: val.astype(np.float64) for t, val in inputs.items()}
-        ref = forward(x["q"], x["k"], x["v"], sc.visible, sc.scale, np.asarray(sc.kv_map, dtype=np.intp))
+        ref = forward(x["q"], x["k"], x["v"], sc.visible, sc.scale, np.asarray(sc.kv_map, dtype=np.intp),
+                      stages=score_stages.from_scenario(sc))
         exc.hint = _convention(sc, call, ref)
         raise
 
 
 class Interface:
     """The interface-level faults for a user's implementation (``Fault.user``): what it is shown
-    (``visible``) and what its gradients become (``gradients``). No fault: both unchanged."""
+    (``visible``) and what its gradients become (``gradients``). No fault: both unchanged. ``stages``: the
+    scenario's score stages (a stage fault's change to the reference's gradients is added like the others')."""
 
-    def __init__(self, faults: Collection[str], sizes: dict[str, float] | None, visible, scale, kv_map):
+    def __init__(self, faults: Collection[str], sizes: dict[str, float] | None, visible, scale, kv_map, stages=()):
         self.faults, self.sizes, self.scale, self.kv_map = tuple(faults), dict(sizes or {}), scale, kv_map
+        self.stages = tuple(stages)
+        stage_faults = [f for f in self.faults if f in score_stages.FAULTS]
+        self.wrong_stages = score_stages.inject(self.stages, visible, stage_faults)[0]
         self.true_visible = visible
         self.visible = visible
         if "mask" in self.faults:
@@ -63,14 +70,15 @@ class Interface:
             if len(hidden):
                 self.visible = visible.copy()
                 self.visible[tuple(hidden[0])] = True
-        self.added = tuple(f for f in self.faults if f in DIFFERENCE_FAULTS)
+        self.added = tuple(f for f in self.faults if f in DIFFERENCE_FAULTS or f in stage_faults)
 
     def gradients(self, q, k, v, grad_o, dq, dk, dv):
         out = {"q": dq, "k": dk, "v": dv}
         if self.added:
             args = [x.astype(np.float64) for x in (q, k, v, grad_o)]
-            right = backward(*args[:3], self.true_visible, self.scale, self.kv_map, args[3])
-            wrong = backward(*args[:3], self.true_visible, self.scale, self.kv_map, args[3], self.added)
+            right = backward(*args[:3], self.true_visible, self.scale, self.kv_map, args[3], stages=self.stages)
+            wrong = backward(*args[:3], self.true_visible, self.scale, self.kv_map, args[3], self.added,
+                             self.wrong_stages)
             for t in out:
                 out[t] = (out[t].astype(np.float64) + getattr(wrong, t) - getattr(right, t)).astype(out[t].dtype)
         for t in out:
@@ -88,7 +96,7 @@ class Interface:
             return tuple(values)
         x = [np.asarray(a, dtype=np.float64) for a in arrays]
         args = (*x[:3], self.true_visible, self.scale, self.kv_map, *x[3:])
-        right, wrong = closed_form(*args), closed_form(*args, faults=faults)
+        right, wrong = closed_form(*args, stages=self.stages), closed_form(*args, faults=faults, stages=self.stages)
         return tuple((val.astype(np.float64) + b - a).astype(val.dtype) for val, a, b in zip(values, right, wrong))
 
     def hvp(self, q, k, v, grad_o, dq, dk, dv, h):
@@ -99,7 +107,8 @@ class Interface:
     def jvp(self, q, k, v, dq, dk, dv, o_dot):
         """The implementation's output tangent ``o_dot`` along (dq, dk, dv) with the JVP faults' change to the
         closed form's added (as the VJP faults' are to the gradients)."""
-        return self._added(lambda *a, faults=(): (jvp(*a, faults=faults),), JVP_FAULTS, (q, k, v, dq, dk, dv),
+        return self._added(lambda *a, faults=(), stages=(): (jvp(*a, faults=faults, stages=stages),), JVP_FAULTS,
+                           (q, k, v, dq, dk, dv),
                            (o_dot,))[0]
 
 
@@ -120,30 +129,30 @@ LOW_PRECISION = ("float16", "bfloat16")
 LOW_PRECISION_CHECKS = dict.fromkeys("oqkv", "low-precision error within factor of plain")
 
 
-def reference(inputs: dict, g: np.ndarray, visible, scale, kv_map) -> tuple[dict, dict, np.ndarray]:
+def reference(inputs: dict, g: np.ndarray, visible, scale, kv_map, stages=()) -> tuple[dict, dict, np.ndarray]:
     """The float64 reference on the given inputs: ({o, q, k, v}, term sizes (root sum of squares) of
     each, A)."""
     x = {t: val.astype(np.float64) for t, val in inputs.items()}
     g64 = np.asarray(g, dtype=np.float64)
-    o = forward(x["q"], x["k"], x["v"], visible, scale, kv_map)
-    grads = backward(x["q"], x["k"], x["v"], visible, scale, kv_map, g64)
-    terms = term_sizes(x, g64, lambda span: grads.a[..., span, :], scale, kv_map, rss=True)
+    o = forward(x["q"], x["k"], x["v"], visible, scale, kv_map, stages=stages)
+    grads = backward(x["q"], x["k"], x["v"], visible, scale, kv_map, g64, stages=stages)
+    terms = term_sizes(x, g64, lambda span: grads.a[..., span, :], scale, kv_map, rss=True, stages=stages)
     return {"o": o, "q": grads.q, "k": grads.k, "v": grads.v}, terms, grads.a
 
 
-def results64(inputs: dict, g, visible, scale, kv_map) -> dict:
+def results64(inputs: dict, g, visible, scale, kv_map, stages=()) -> dict:
     """The float64 reference's O, G_Q, G_K and G_V on the given inputs (q, k, v) and upstream gradient."""
     x = [np.asarray(inputs[t], dtype=np.float64) for t in "qkv"]
-    grads = backward(*x, visible, scale, kv_map, np.asarray(g, dtype=np.float64))
-    return {"o": forward(*x, visible, scale, kv_map), "q": grads.q, "k": grads.k, "v": grads.v}
+    grads = backward(*x, visible, scale, kv_map, np.asarray(g, dtype=np.float64), stages=stages)
+    return {"o": forward(*x, visible, scale, kv_map, stages=stages), "q": grads.q, "k": grads.k, "v": grads.v}
 
 
-def plain(inputs: dict, g: np.ndarray, visible, scale, kv_map, dtype: str) -> dict:
+def plain(inputs: dict, g: np.ndarray, visible, scale, kv_map, dtype: str, stages=()) -> dict:
     """The built-in engine computed in ``dtype`` (float64 or float32) on the inputs: a plain
     implementation's rounding, for the agreement rule."""
     x = {t: val.astype(dtype) for t, val in inputs.items()}
-    o = forward(x["q"], x["k"], x["v"], visible, scale, kv_map)
-    grads = backward(x["q"], x["k"], x["v"], visible, scale, kv_map, np.asarray(g).astype(dtype))
+    o = forward(x["q"], x["k"], x["v"], visible, scale, kv_map, stages=stages)
+    grads = backward(x["q"], x["k"], x["v"], visible, scale, kv_map, np.asarray(g).astype(dtype), stages=stages)
     return {"o": o, "q": grads.q, "k": grads.k, "v": grads.v}
 
 
@@ -167,16 +176,17 @@ def implementation_tangents(inputs: dict, g, visible, scale, kv_map, a64, moved_
     form in that precision (``JVP_REFERENCE``)."""
     from ... import precision
     x64 = {t: val.astype(np.float64) for t, val in inputs.items()}
+    stages = interface.stages
 
     def agreement(tangent: dict, o_dot: np.ndarray):
         t64 = [np.asarray(tangent[n], dtype=np.float64) for n in "qkv"]
-        ref = jvp(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, *t64)
-        terms = jvp_terms(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, *t64)
+        ref = jvp(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, *t64, stages=stages)
+        terms = jvp_terms(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, *t64, stages=stages)
         def plain_error(dtype: str) -> float | None:  # of the closed form computed in dtype (none in float64)
             if dtype == "float64":
                 return None
             low = [x.astype(dtype) for x in (x64["q"], x64["k"], x64["v"], *t64)]
-            return float(np.abs(jvp(*low[:3], visible, scale, kv_map, *low[3:]) - ref).max(initial=0.0))
+            return float(np.abs(jvp(*low[:3], visible, scale, kv_map, *low[3:], stages=stages) - ref).max(initial=0.0))
 
         check = precision.agreement(JVP_REFERENCE, "o_dot", o_dot, ref, terms, policy, plain_error(policy.dtype))
         lower = None if check.passed or policy.dtype != "float64" else precision.lower_precision(
@@ -193,8 +203,8 @@ def implementation_tangents(inputs: dict, g, visible, scale, kv_map, a64, moved_
     return Tangents(
         forward=moved_forward, jvp=o_dot,
         jvp_terms=lambda t: jvp_terms(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, t.get("q"), t.get("k"),
-                                      t.get("v")),
-        output_terms=output_term_sizes(x64, lambda span: a64[..., span, :], scale, kv_map), upstream=g,
+                                      t.get("v"), stages),
+        output_terms=output_term_sizes(x64, lambda span: a64[..., span, :], scale, kv_map, stages=stages), upstream=g,
         explain=jvp_hints(o_dot, inputs, visible, scale, kv_map, seed), agreement=agreement)
 
 
@@ -222,16 +232,17 @@ def implementation_second(inputs: dict, g, visible, scale, kv_map, gradients, us
     from ... import precision
     x64 = {t: val.astype(np.float64) for t, val in inputs.items()}
     g64 = np.asarray(g, dtype=np.float64)
-    grads = backward(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, g64)
+    stages = interface.stages
+    grads = backward(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, g64, stages=stages)
 
     def agreement(u: dict, hu: dict) -> list:
         u64 = [np.asarray(u[n], dtype=np.float64) for n in "qkv"]
-        ref = hvp(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, g64, *u64)
-        terms = hvp_terms(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, g64, *u64)
+        ref = hvp(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, g64, *u64, stages=stages)
+        terms = hvp_terms(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, g64, *u64, stages=stages)
         plain = [np.zeros_like(r) for r in ref]
         if policy.dtype != "float64":
             low = [x.astype(policy.dtype) for x in (x64["q"], x64["k"], x64["v"], g64, *u64)]
-            plain = hvp(*low[:3], visible, scale, kv_map, *low[3:])
+            plain = hvp(*low[:3], visible, scale, kv_map, *low[3:], stages=stages)
         return [precision.agreement(HVP_REFERENCE, f"h{n}", hu[n], r, t, policy,
                                     float(np.abs(np.asarray(p, dtype=np.float64) - r).max(initial=0.0))
                                     if policy.dtype != "float64" else 0.0)
@@ -248,6 +259,6 @@ def implementation_second(inputs: dict, g, visible, scale, kv_map, gradients, us
     return SecondOrder(
         gradients=gradients, hvp=h,
         hvp_terms=lambda u: dict(zip("qkv", hvp_terms(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, g64,
-                                                       u.get("q"), u.get("k"), u.get("v")))),
-        gradient_terms=term_sizes(x64, g64, lambda span: grads.a[..., span, :], scale, kv_map),
+                                                       u.get("q"), u.get("k"), u.get("v"), stages))),
+        gradient_terms=term_sizes(x64, g64, lambda span: grads.a[..., span, :], scale, kv_map, stages=stages),
         agreement=agreement, explain=explain)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..dense import RSS_FACTOR
-from .formulas import repeat_kv, sum_groups
+from . import stages as score_stages
+from .formulas import raw_scores, repeat_kv, sum_groups
 
 #: Query rows of A taken at a time when the term sizes are formed: each step holds a few arrays of
 #: TERM_ROWS x n_k float64 per head, whatever n_q is (memory.py counts TERM_BLOCKS of them).
@@ -39,16 +40,18 @@ class Blocks:
             per_group = np.swapaxes(per_group, -1, -2)                                       # [..., B, Hkv, d_v]
         return per_group.reshape(terms.shape[:-4] + (-1,))
 
-    def rounding(self, inputs, g, a, scale, kv_map, rows: int = TERM_ROWS) -> tuple[dict[str, np.ndarray], float]:
+    def rounding(self, inputs, g, a, scale, kv_map, rows: int = TERM_ROWS,
+                 stages=()) -> tuple[dict[str, np.ndarray], float]:
         """Rounding model of one forward, per term of L: a logit carries an error of about
         eps * scale * sum_c |q_ic k_jc|, which the softmax passes on relative to A_ij; O_ic then sums
         A_ij V_jc. So |error of O_ic| <~ eps * sum_j A_ij (1 + scale |q_i|.|k_j|) |V_jc|, times |G_ic|.
         Returns the per-element size of the terms that move with it (by block), and the total.
         ``a`` is A, or a callable giving A's rows for a slice of query rows (``rows`` at a time), so
-        the tiled engine never holds all of A."""
+        the tiled engine never holds all of A. Score ``stages`` change a logit's error as they say
+        (``stages.error``)."""
         a_rows = a if callable(a) else (lambda span: a[..., span, :])
         g_abs = np.abs(g).astype(np.float64)
-        terms = g_abs * output_term_sizes(inputs, a_rows, scale, kv_map, rows)
+        terms = g_abs * output_term_sizes(inputs, a_rows, scale, kv_map, rows, stages=stages)
         # Moving V leaves the logits alone: both evaluations of a V difference round S (and A) the same
         # way, so only the product A V rounds differently (no logit term).
         terms_v = g_abs * output_term_sizes(inputs, a_rows, scale, kv_map, rows, logits=False)
@@ -65,14 +68,16 @@ class Blocks:
         return out, float(min(terms.sum(), RSS_FACTOR * np.sqrt(np.sum(terms * terms))))
 
 
-def output_term_sizes(inputs, a_rows, scale, kv_map, rows: int = TERM_ROWS, logits: bool = True) -> np.ndarray:
+def output_term_sizes(inputs, a_rows, scale, kv_map, rows: int = TERM_ROWS, logits: bool = True,
+                      stages=()) -> np.ndarray:
     """The size of the terms each element of O is made of, from which its rounding comes, in float64:
     sum_j A_ij |V_jc| (the product and the normalisation) plus the logits' share. A logit S_ij carries an
     error of about eps L_ij, L_ij = |scale| sum_c |q_ic k_jc|, which moves O_ic by A_ij (V_jc - O_ic) per
     unit (a shift common to the row cancels); that share is bounded by Cauchy-Schwarz as
     sqrt(sum_j A_ij L_ij^2) sqrt(sum_j A_ij (V_jc - O_ic)^2), so a peaked row, whose O is its top V row,
     is charged nothing for logits it barely weighs. ``a_rows(span)`` gives A's rows for a slice of query
-    rows; ``rows`` query rows are taken at a time. ``logits`` False leaves out the logits' share."""
+    rows; ``rows`` query rows are taken at a time. ``logits`` False leaves out the logits' share. Score
+    ``stages``: L_ij is the error of the scores after them (``_logit_error``)."""
     qa, ka = (np.abs(t).astype(np.float64) for t in (inputs["q"], repeat_kv(inputs["k"], kv_map)))
     v = repeat_kv(inputs["v"], kv_map).astype(np.float64)
     va = np.abs(v)
@@ -82,7 +87,7 @@ def output_term_sizes(inputs, a_rows, scale, kv_map, rows: int = TERM_ROWS, logi
         a = a_rows(span).astype(np.float64)
         out[..., span, :] = a @ va
         if logits:
-            logit = abs(scale) * (qa[..., span, :] @ np.swapaxes(ka, -1, -2))
+            logit = _logit_error(inputs, qa, ka, scale, kv_map, span, stages)
             spread = np.sqrt(np.sum(a * logit * logit, axis=-1, keepdims=True))
             o = a @ v
             variance = np.maximum(a @ (v * v) - o * o, 0.0)
@@ -90,15 +95,36 @@ def output_term_sizes(inputs, a_rows, scale, kv_map, rows: int = TERM_ROWS, logi
     return out
 
 
-def output_terms(inputs, a, scale, kv_map) -> dict[str, np.ndarray]:
+def _logit_error(inputs, qa, ka, scale, kv_map, span, stages=()):
+    """L_ij = |scale| sum_c |q_ic| |k_jc| for the query rows ``span`` (qa, ka: |q| and |repeat_kv(k)| in float64),
+    the size of a raw score's rounding; after score ``stages``, the error they pass on and add."""
+    logit = abs(scale) * (qa[..., span, :] @ np.swapaxes(ka, -1, -2))
+    if not stages:
+        return logit
+    r = raw_scores(np.asarray(inputs["q"][..., span, :], np.float64), np.asarray(inputs["k"], np.float64), scale,
+                   kv_map)
+    return score_stages.error(stages, logit, r, span)
+
+
+def _slope_size(inputs, q1, k1, scale, kv_map, span, stages):
+    """The size of the terms of the score stages' derivative for the query rows ``span`` (None: none)."""
+    if not stages:
+        return None
+    r = raw_scores(np.asarray(inputs["q"][..., span, :], np.float64), np.asarray(inputs["k"], np.float64), scale,
+                   kv_map)
+    return score_stages.slope_size(stages, r, abs(scale) * (q1[..., span, :] @ np.swapaxes(k1, -1, -2)), span)
+
+
+def output_terms(inputs, a, scale, kv_map, stages=()) -> dict[str, np.ndarray]:
     """The size of the terms of each element of O, for the invariants: ``o`` with the logits' rounding,
     ``o_convex`` without it (sum_j A_ij |V_jc|). ``a``: A, or ``a_rows(span)``."""
     a_rows = a if callable(a) else (lambda span: a[..., span, :])
-    return {"o": output_term_sizes(inputs, a_rows, scale, kv_map),
+    return {"o": output_term_sizes(inputs, a_rows, scale, kv_map, stages=stages),
             "o_convex": output_term_sizes(inputs, a_rows, scale, kv_map, logits=False)}
 
 
-def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: bool = False) -> dict[str, np.ndarray]:
+def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: bool = False,
+               stages=()) -> dict[str, np.ndarray]:
     """The size of the terms each element of O, G_Q, G_K and G_V is made of (float64, by blocks of
     ``rows`` query rows): rounding in a precision with unit roundoff u puts an error of about
     u x these in each element, whatever order the implementation sums in.
@@ -108,7 +134,8 @@ def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: boo
     G_Q ~ |scale| |G_S| |K|; G_K ~ |scale| |G_S|^T |Q|; G_V ~ Ã^T |G_O| (K/V summed over each group).
     ``rss``: the root sum of squares of those terms instead of their sum (independent rounding errors
     add in quadrature: the statistical size of the error, where the sum is its worst case).
-    ``a_rows(span)`` gives A's rows for a slice of query rows."""
+    ``a_rows(span)`` gives A's rows for a slice of query rows. Score ``stages``: L is the error of the scores
+    after them, and G_S goes back to the raw scores times the size of their derivative's terms."""
     power = 2 if rss else 1
     qa, ka, va = (np.abs(t).astype(np.float64) ** power for t in
                   (inputs["q"], repeat_kv(inputs["k"], kv_map), repeat_kv(inputs["v"], kv_map)))
@@ -122,9 +149,12 @@ def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: boo
     for start in range(0, qa.shape[-2], rows):
         span = slice(start, min(start + rows, qa.shape[-2]))
         a = a_rows(span).astype(np.float64)
-        a_err = a * (1.0 + abs(scale) * (q1[..., span, :] @ np.swapaxes(k1, -1, -2)))
+        a_err = a * (1.0 + _logit_error(inputs, q1, k1, scale, kv_map, span, stages))
         g_a = g1[..., span, :] @ np.swapaxes(v1, -1, -2)
         t_s = a_err * (g_a + np.sum(a * g_a, axis=-1, keepdims=True))
+        slope = _slope_size(inputs, q1, k1, scale, kv_map, span, stages)
+        if slope is not None:
+            t_s = t_s * slope
         a_err, t_s = a_err ** power, t_s ** power
         t_o[..., span, :] = a_err @ va
         t_q[..., span, :] = abs(scale) ** power * (t_s @ ka)
@@ -136,6 +166,6 @@ def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: boo
         return out
     # Terms below ~1e-154 square to 0 (a key almost no query weighs, at a large scale): the root sum of
     # squares is never below sum / sqrt(number of terms), which does not underflow.
-    linear = term_sizes(inputs, g, a_rows, scale, kv_map, rows)
+    linear = term_sizes(inputs, g, a_rows, scale, kv_map, rows, stages=stages)
     count = qa.shape[-2] * ka.shape[-2] * max(1, int(np.bincount(np.asarray(kv_map)).max()))
     return {t: np.maximum(np.sqrt(x), linear[t] / np.sqrt(count)) for t, x in out.items()}

@@ -28,6 +28,7 @@ from ...numeric import SeedStream
 from ...tolerance import ENGINE_AGREEMENT_ULPS, INVARIANT_ULPS
 from ..registry import Problem, Tangents
 from . import formulas
+from . import stages as score_stages
 from .formulas import DEFAULT_BLOCK, repeat_kv, sum_groups
 from .hints.tangent import jvp_hints
 from .inputs import seeded_inputs
@@ -59,9 +60,16 @@ def _online(s, vis, m):
     return p, m_new, np.exp(m - base)  # rescale 0 while m is -inf: nothing accumulated yet
 
 
+def _scores(q_blk, k_t_blk, stages, rows, cols):
+    """A block's scores: q_blk (k_blk scale)^T through the score stages (with the block's rows and keys)."""
+    s = q_blk @ k_t_blk
+    return score_stages.apply(stages, s, rows, cols) if stages else s
+
+
 def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), block_q: int = DEFAULT_BLOCK,
-            block_k: int = DEFAULT_BLOCK, with_lse: bool = False):
-    """O [..., B, Hq, n_q, d_value] (and LSE [..., B, Hq, n_q] with ``with_lse``)."""
+            block_k: int = DEFAULT_BLOCK, with_lse: bool = False, stages=()):
+    """O [..., B, Hq, n_q, d_value] (and LSE [..., B, Hq, n_q] with ``with_lse``); the scores through the score
+    ``stages`` block by block."""
     masked = "mask" not in faults
     k_rep = repeat_kv(k, kv_map) * np.asarray(scale, dtype=q.dtype)
     v_rep = repeat_kv(v, kv_map)
@@ -78,7 +86,8 @@ def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), block
             vis = _block(visible, rows, cols) if masked else None
             if vis is not None and not vis.any():
                 continue  # a block no query sees: skipped, as FlashAttention does
-            p, m_new, rescale = _online(q_blk @ np.swapaxes(k_rep[..., cols, :], -1, -2), vis, m)
+            p, m_new, rescale = _online(_scores(q_blk, np.swapaxes(k_rep[..., cols, :], -1, -2), stages, rows, cols),
+                                        vis, m)
             l = l * rescale + p.sum(axis=-1, keepdims=True)
             acc = acc * rescale + p @ v_rep[..., cols, :]
             m = m_new
@@ -89,7 +98,7 @@ def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), block
 
 
 def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Collection[str] = (),
-        block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK):
+        block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK, stages=()):
     """JVP of :func:`forward` along tangents (dq, dk, dv) (None: zero), [..., B, Hq, n_q, d_value]: the same
     function as ``formulas.jvp`` in exact arithmetic, by blocks with an online softmax and no n_q x n_k array.
     Beside the forward's running max m, l = sum_j exp(S_ij - m) and acc_o = sum_j exp(S_ij - m) V_j, each
@@ -98,7 +107,8 @@ def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Coll
     mu = acc_s / l and dO = (acc_sv - mu acc_o + acc_dv) / l, with dS = scale (dQ K^T + Q dK^T) on the visible
     set (hidden entries contribute nothing). The JVP faults are the naive engine's: ``jvp-centring`` (mu
     dropped), ``jvp-k-path`` (no Q dK^T), ``jvp-scale`` (dS without the scale), ``jvp-mask`` (the tangent's A
-    and dS without the visible set; so is ``mask``)."""
+    and dS without the visible set; so is ``mask``). Score ``stages``: dS is their derivative times the raw
+    scores' tangent."""
     masked = "mask" not in faults and "jvp-mask" not in faults
     k_rep, v_rep = repeat_kv(k, kv_map), repeat_kv(v, kv_map)
     k_scaled = k_rep * np.asarray(scale, dtype=q.dtype)  # S exactly as the forward forms it
@@ -123,7 +133,11 @@ def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Coll
             vis = _block(visible, rows, cols) if masked else None
             if vis is not None and not vis.any():
                 continue  # a block no query sees contributes nothing
-            p, m_new, rescale = _online(q_blk @ np.swapaxes(k_scaled[..., cols, :], -1, -2), vis, m)
+            scores, slope = q_blk @ np.swapaxes(k_scaled[..., cols, :], -1, -2), None
+            if stages:
+                scores, slope = score_stages.with_slope(stages, scores, rows, cols)
+            p, m_new, rescale = _online(scores, vis, m)
+            del scores  # one block fewer held while the tangent's are formed
             s_dot = None
             if dq_blk is not None:
                 s_dot = dq_blk @ np.swapaxes(k_dot_path[..., cols, :], -1, -2)
@@ -131,6 +145,8 @@ def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Coll
                 part = q_dot_path[..., rows, :] @ np.swapaxes(dk_rep[..., cols, :], -1, -2)
                 s_dot = part if s_dot is None else np.add(s_dot, part, out=s_dot if s_dot.shape == part.shape
                                                           else None)
+            if s_dot is not None and slope is not None:
+                s_dot = s_dot * slope
             # P is exactly 0 off the visible set, so P * dS is too: dS needs no mask of its own
             p_dot = np.zeros(p.shape, dtype=dtype) if s_dot is None else p * s_dot
             v_blk = v_rep[..., cols, :]
@@ -149,13 +165,14 @@ def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Coll
 
 
 def jvp_terms(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, block_q: int = DEFAULT_BLOCK,
-              block_k: int = DEFAULT_BLOCK) -> np.ndarray:
+              block_k: int = DEFAULT_BLOCK, stages=()) -> np.ndarray:
     """``formulas.jvp_terms`` (the size of the terms of each element of the JVP, in float64) by the JVP's blocks,
     with an online softmax and no n_q x n_k array (blocks no query sees skipped): with P = exp(S - m),
     P~ = P (1 + L) (L = |scale| |q| |k|^T, the logits' rounding) and |dS| = |scale| (|dQ| |K|^T + |Q| |dK|^T) on the
     visible set, it keeps sum P~ |dS| |V|, sum P~ |V|, sum P |dS| and sum P~ |dV| beside l = sum P (all rescaled
     when m grows): (A~ (|dS| + rowsum(A |dS|))) |V| + A~ |dV| is their combination, the row sum A |dS| being
-    common to a row's terms."""
+    common to a row's terms. Score ``stages``: L is the error of the staged scores and |dS| is multiplied by the
+    size of their derivative's terms."""
     f64 = [None if x is None else np.asarray(x, dtype=np.float64) for x in (q, k, v, dq, dk, dv)]
     q, k, v, dq, dk, dv = f64
     k_rep = repeat_kv(k, kv_map)
@@ -177,13 +194,22 @@ def jvp_terms(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, block_
             vis = _block(visible, rows, cols)
             if not vis.any():
                 continue
-            p, m_new, rescale = _online(q[..., rows, :] @ np.swapaxes(k_scaled[..., cols, :], -1, -2), vis, m)
-            p_t = p * (1.0 + qa[..., rows, :] @ np.swapaxes(ka[..., cols, :], -1, -2))
+            raw = q[..., rows, :] @ np.swapaxes(k_scaled[..., cols, :], -1, -2)
+            p, m_new, rescale = _online(score_stages.apply(stages, raw, rows, cols) if stages else raw, vis, m)
+            logit = qa[..., rows, :] @ np.swapaxes(ka[..., cols, :], -1, -2)
+            if stages:
+                slope = score_stages.slope_size(stages, raw, logit, rows, cols)
+                logit = score_stages.error(stages, logit, raw, rows, cols)
+            del raw
+            p_t = p * (1.0 + logit)
+            del logit
             s_abs = np.zeros(p.shape)
             if dqa is not None:
                 s_abs += dqa[..., rows, :] @ np.swapaxes(ka[..., cols, :], -1, -2)
             if dka is not None:
                 s_abs += qa[..., rows, :] @ np.swapaxes(dka[..., cols, :], -1, -2)
+            if stages and slope is not None:
+                s_abs = s_abs * slope
             v_blk = va[..., cols, :]
             l = l * rescale + p.sum(axis=-1, keepdims=True)
             row_s = row_s * rescale + (p * s_abs).sum(axis=-1, keepdims=True)  # P is 0 off the visible set
@@ -198,7 +224,7 @@ def jvp_terms(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, block_
 
 
 def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = (), block_q: int = DEFAULT_BLOCK,
-             block_k: int = DEFAULT_BLOCK, saved: tuple | None = None, stats: dict | None = None):
+             block_k: int = DEFAULT_BLOCK, saved: tuple | None = None, stats: dict | None = None, stages=()):
     """(G_Q, G_K, G_V) by blocks, recomputing P from the saved LSE (``saved`` = (O, LSE), else the
     forward is run to get them). No leading copy axes here. ``stats``, when given, receives the row
     sums of G_S and the sizes of their terms (``gs_rowsum``, ``gs_rowscale``: sum_j P_ij (|dP_ij| + |D_i|)
@@ -206,11 +232,13 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     vanish.
 
     ``mask-backward`` recomputes A without the mask as the naive engine's fault does: P from the
-    log-sum-exp of an unmasked forward, and D from its output."""
-    o, lse = saved if saved is not None else forward(q, k, v, visible, scale, kv_map, faults, block_q, block_k, True)
+    log-sum-exp of an unmasked forward, and D from its output. Score ``stages``: each block's G_S goes back to
+    the raw scores times their derivative (the row sums are G_S's, at the softmax's input)."""
+    o, lse = saved if saved is not None else forward(q, k, v, visible, scale, kv_map, faults, block_q, block_k, True,
+                                                     stages)
     masked = "mask" not in faults and "mask-backward" not in faults
     if "mask-backward" in faults and "mask" not in faults:
-        o, lse = forward(q, k, v, visible, scale, kv_map, (*faults, "mask"), block_q, block_k, True)
+        o, lse = forward(q, k, v, visible, scale, kv_map, (*faults, "mask"), block_q, block_k, True, stages)
     d_row = np.zeros(o.shape[:-1]) if "softmax-term" in faults else np.sum(grad_o * o, axis=-1)
     k_rep, v_rep = repeat_kv(k, kv_map), repeat_kv(v, kv_map)
     k_scaled = k_rep * np.asarray(scale, dtype=q.dtype)  # S exactly as the forward formed it
@@ -226,7 +254,8 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
             vis = _block(visible, rows, cols) if masked else None
             if vis is not None and not vis.any():
                 continue
-            s = q[..., rows, :] @ np.swapaxes(k_scaled[..., cols, :], -1, -2)
+            raw = q[..., rows, :] @ np.swapaxes(k_scaled[..., cols, :], -1, -2)
+            s, slope = score_stages.with_slope(stages, raw, rows, cols) if stages else (raw, None)
             with np.errstate(over="ignore", under="ignore"):
                 p = np.exp(s - lse[..., rows, None])
             if vis is not None:
@@ -238,10 +267,14 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
             if stats is not None:  # P = exp(S - LSE) carries eps (1 + |S - LSE| + S's own rounding) relative
                 rowsum[..., rows] += g_s.sum(axis=-1)
                 logit = abs(scale) * (np.abs(q[..., rows, :]) @ np.swapaxes(np.abs(k_blk), -1, -2))
+                if stages:
+                    logit = score_stages.error(stages, logit, raw, rows, cols)
                 with np.errstate(invalid="ignore"):
                     spread = np.where(p > 0, np.abs(s - lse[..., rows, None]), 0.0)
                 rowscale[..., rows] += (p * (np.abs(g_p) + np.abs(d_row[..., rows, None]))
                                         * (1.0 + spread + logit)).sum(axis=-1)
+            if slope is not None:
+                g_s = g_s * slope
             g_q[..., rows, :] += (g_s @ k_blk) * s_grad
             g_k[..., cols, :] += (np.swapaxes(g_s, -1, -2) @ q[..., rows, :]) * s_grad
     if stats is not None:
@@ -252,7 +285,7 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
 
 
 def naive_by_rows(q, k, v, visible, scale, kv_map, grad_o, block_q: int = DEFAULT_BLOCK,
-                  faults: Collection[str] = ()) -> tuple:
+                  faults: Collection[str] = (), stages=()) -> tuple:
     """The naive engine's formulas (full softmax rows, A.10.5-A.10.9) evaluated a block of query rows at
     a time, so the reference for ``tiled agrees with the naive engine`` needs O(block_q x n_k) memory:
     (O, G_Q, G_K, G_V). With ``faults`` it is the naive engine with the same bugs, so the agreement
@@ -262,8 +295,10 @@ def naive_by_rows(q, k, v, visible, scale, kv_map, grad_o, block_q: int = DEFAUL
     g_k, g_v = np.zeros(k.shape, dtype=out.dtype), np.zeros(v.shape, dtype=out.dtype)
     for rows in _spans(q.shape[-2], block_q):
         vis = _block(visible, rows, slice(None))
-        out[..., rows, :] = formulas.forward(q[..., rows, :], k, v, vis, scale, kv_map, faults)
-        grads = formulas.backward(q[..., rows, :], k, v, vis, scale, kv_map, grad_o[..., rows, :], faults)
+        out[..., rows, :] = formulas.forward(q[..., rows, :], k, v, vis, scale, kv_map, faults, stages=stages,
+                                             rows=rows)
+        grads = formulas.backward(q[..., rows, :], k, v, vis, scale, kv_map, grad_o[..., rows, :], faults, stages,
+                                  rows)
         g_q[..., rows, :] = grads.q
         g_k += grads.k
         g_v += grads.v
@@ -279,31 +314,35 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     kv_map = np.asarray(sc.kv_map, dtype=np.intp)
     visible, scale, bq, bk = sc.visible, sc.scale, sc.block_q, sc.block_k
     blocks = Blocks(sc, kv_map)
+    right = score_stages.from_scenario(sc)  # a stage fault's wrong stage in place, the softmax's visible set
+    stages, shown = score_stages.inject(right, visible, faults)
 
     def fwd(q, k, v):
-        return forward(q, k, v, visible, scale, kv_map, faults, bq, bk)
+        return forward(q, k, v, shown, scale, kv_map, faults, bq, bk, stages=stages)
 
     def backward_kv(q, k, v, grad_o):
-        return backward(q, k, v, visible, scale, kv_map, grad_o, faults, bq, bk)[1:]
+        return backward(q, k, v, shown, scale, kv_map, grad_o, faults, bq, bk, stages=stages)[1:]
 
     def copies_forward(name: str, x: np.ndarray) -> np.ndarray:
         return fwd(**{**inputs, name: x})
 
-    o, lse = forward(q, k, v, visible, scale, kv_map, faults, bq, bk, with_lse=True)
+    o, lse = forward(q, k, v, shown, scale, kv_map, faults, bq, bk, with_lse=True, stages=stages)
     stats: dict = {}
-    g_q, g_k, g_v = backward(q, k, v, visible, scale, kv_map, g, faults, bq, bk, saved=(o, lse), stats=stats)
+    g_q, g_k, g_v = backward(q, k, v, shown, scale, kv_map, g, faults, bq, bk, saved=(o, lse), stats=stats,
+                             stages=stages)
     def a_rows(span):
-        return formulas.attention_weights(q[..., span, :], k, visible[..., span, :], scale, kv_map, faults)
+        return formulas.attention_weights(q[..., span, :], k, shown[..., span, :], scale, kv_map, faults, stages,
+                                          span)
 
-    rounding, rounding_total = blocks.rounding(inputs, g, a_rows, scale, kv_map)
+    rounding, rounding_total = blocks.rounding(inputs, g, a_rows, scale, kv_map, stages=right)
     rng_inv = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
 
     def checks() -> list:
         ref = dict(zip("oqkv", (np.asarray(r, dtype=np.float64) for r in
-                                naive_by_rows(q, k, v, visible, scale, kv_map, g, bq, faults))))
+                                naive_by_rows(q, k, v, shown, scale, kv_map, g, bq, faults, stages))))
         # Both engines round: they may differ by ENGINE_AGREEMENT_ULPS x eps x the (worst-case) size of each
         # element's terms, never by a fraction of the result (a saturated row's gradient is zero to rounding).
-        sizes = term_sizes(inputs, g, a_rows, scale, kv_map)
+        sizes = term_sizes(inputs, g, a_rows, scale, kv_map, stages=right)
         policy = precision.Policy(sc.dtype, 0.0, 0.0, ENGINE_AGREEMENT_ULPS)
         agree = [precision.agreement("tiled agrees with the naive engine", t, mine, ref[t], sizes[t], policy,
                                      what="tiled") for t, mine in (("o", o), ("q", g_q), ("k", g_k), ("v", g_v))]
@@ -312,13 +351,13 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             t = {n: draw.standard_normal(x.shape).astype(dt) for n, x in inputs.items()}
             naive = np.empty(o.shape)
             for span in _spans(sc.n_q, TERM_ROWS):
-                naive[..., span, :] = formulas.jvp(q[..., span, :], k, v, visible[..., span, :], scale, kv_map,
-                                                   t["q"][..., span, :], t["k"], t["v"], faults)
+                naive[..., span, :] = formulas.jvp(q[..., span, :], k, v, shown[..., span, :], scale, kv_map,
+                                                   t["q"][..., span, :], t["k"], t["v"], faults, stages, span)
             agree.append(precision.agreement("tiled JVP agrees with the naive engine", "o_dot", o_dot(t), naive,
                                              jvp_terms(q, k, v, visible, scale, kv_map, t["q"], t["k"], t["v"], bq,
-                                                       bk), policy, what="tiled"))
+                                                       bk, right), policy, what="tiled"))
         eps = float(np.finfo(dt).eps)
-        terms = output_terms(inputs, a_rows, scale, kv_map)
+        terms = output_terms(inputs, a_rows, scale, kv_map, right)
         # D = rowsum(G_O * O) comes from the forward's O, which carries the rounding of its own terms
         scale_rows = stats["gs_rowscale"] + np.sum(np.abs(g).astype(np.float64) * terms["o"], axis=-1)
         rows = invariants.bounded("score-gradient rows sum to 0", "g_s",
@@ -334,7 +373,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     lead = sc.batch * sc.heads_q
     def o_dot(t: dict) -> np.ndarray:
         """The engine's JVP along tangents t (by input name; missing: zero)."""
-        return jvp(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), faults, bq, bk)
+        return jvp(q, k, v, shown, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), faults, bq, bk, stages)
 
     return Problem(
         inputs=inputs,
@@ -351,8 +390,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             forward=lambda **moved: fwd(**{**inputs, **moved}),
             jvp=o_dot,
             jvp_terms=lambda t: jvp_terms(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), bq,
-                                          bk),
-            output_terms=output_term_sizes(inputs, a_rows, scale, kv_map),
+                                          bk, right),
+            output_terms=output_term_sizes(inputs, a_rows, scale, kv_map, stages=right),
             upstream=g,
             explain=jvp_hints(o_dot, inputs, visible, scale, kv_map, [sc.seed, SeedStream.TANGENT_HINTS])),
         parts=blocks.parts,

@@ -11,6 +11,7 @@ from ...errors import ScenarioError
 from ...numeric import SeedStream
 from ..registry import Problem
 from ..user_engine import compile_time, compiled_rows
+from . import stages as score_stages
 from .inputs import seeded_inputs
 from .invariants import output_invariants
 from .reference import (
@@ -38,7 +39,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     engine in float64 is the reference its output and gradients must agree with (``precision``).
     In float16/bfloat16 (JAX only: the loader refuses a NumPy implementation there) that agreement, judged
     against a plain JAX computation in the same precision, replaces the finite differences (``_low``)."""
-    impl = sc.implementation_object
+    stages = score_stages.from_scenario(sc)
+    impl = score_stages.bind(sc.implementation_object, stages)  # softcap=... passed when the scenario has it
     if sc.mode == "jvp" and sc.backend == "numpy" and not callable(getattr(impl, "jvp", None)):
         raise ScenarioError(f"{sc.implementation} has no callable jvp: mode jvp needs jvp(q, k, v, visible, scale, "
                             "kv_map, dq, dk, dv) -> do beside forward and backward (docs/jvp-and-hvp.md "
@@ -58,7 +60,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     kv_map = np.asarray(sc.kv_map, dtype=np.intp)
     visible, scale, batch = sc.visible, sc.scale, sc.batch
     blocks = Blocks(sc, kv_map)
-    interface = Interface(faults, sizes, visible, scale, kv_map)
+    interface = Interface(faults, sizes, visible, scale, kv_map, stages)
 
     def user_forward(q, k, v, visible, conv=sc.convention):
         """The implementation's O, called in convention ``conv`` (its layout, mask and scale), in the tool's."""
@@ -131,7 +133,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     deterministic = implementation.determinism("forward and backward", results, again, sc.nondet_tol)
     if low:
         return _low(sc, impl, inputs, g, interface, results, deterministic, user_forward, user_backward)
-    ref, terms, a64 = reference(inputs, g, visible, scale, kv_map)
+    ref, terms, a64 = reference(inputs, g, visible, scale, kv_map, stages)
     def results_at(xs: dict) -> dict | None:
         try:
             grads = user_backward(xs["q"], xs["k"], xs["v"], g)
@@ -139,12 +141,13 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         except implementation.ImplementationFailure:
             return None
 
-    nearby = precision.nearby(inputs, results_at, lambda xs: results64(xs, g, visible, scale, kv_map),
+    nearby = precision.nearby(inputs, results_at, lambda xs: results64(xs, g, visible, scale, kv_map, stages),
                               [sc.seed, SeedStream.PRECISION])
     agree, computes_in = precision.judge(results, ref, terms, sc.dtype,
-                                         lambda p: plain(inputs, g, visible, scale, kv_map, p), REFERENCE_CHECKS,
+                                         lambda p: plain(inputs, g, visible, scale, kv_map, p, stages),
+                                         REFERENCE_CHECKS,
                                          sc.factor, sc.slack, nearby_difference=nearby)
-    rounding, rounding_total = blocks.rounding(inputs, g, a64, scale, kv_map)
+    rounding, rounding_total = blocks.rounding(inputs, g, a64, scale, kv_map, stages=stages)
     rule = precision.Policy.for_dtype(computes_in)
     rng_inv = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
 
@@ -153,7 +156,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             out = [deterministic] + agree + output_invariants(
                 lambda q, k, v: user_forward(q, k, v, interface.visible),
                 lambda q, k, v, go: user_backward(q, k, v, go)[1:],
-                inputs, visible, kv_map, o, rng_inv, output_terms(inputs, a64, scale, kv_map), computes_in,
+                inputs, visible, kv_map, o, rng_inv, output_terms(inputs, a64, scale, kv_map, stages), computes_in,
                 (g, dk, dv))
         except implementation.ImplementationFailure as exc:
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
@@ -185,7 +188,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                                                                    moved_gradients, user_hvp, interface,
                                                                    precision.Policy.for_dtype(computes_in, sc.factor,
                                                                                               sc.slack)),
-        **diagnosis_fields(sc, hint_context(inputs, g, visible, scale, kv_map, results, ref, user_forward)),
+        **diagnosis_fields(sc, hint_context(inputs, g, visible, scale, kv_map, results, ref, user_forward, stages)),
     )
 
 
@@ -202,9 +205,10 @@ def _low(sc, impl, inputs: dict, g, interface: Interface, results: dict, determi
     rounded = {t: x.astype(np.float64) for t, x in inputs.items()}  # the inputs as the dtype holds them
     g64 = g.astype(np.float64)
     r64 = {t: x.astype(np.float64) for t, x in results.items()}
-    ref, terms, a64 = reference(rounded, g64, visible, scale, kv_map)
+    stages = interface.stages
+    ref, terms, a64 = reference(rounded, g64, visible, scale, kv_map, stages)
     agree, computes_in = precision.judge(
-        r64, ref, terms, sc.dtype, lambda p: jax_plain.plain(rounded, g64, visible, scale, kv_map, p),
+        r64, ref, terms, sc.dtype, lambda p: jax_plain.plain(rounded, g64, visible, scale, kv_map, p, stages),
         LOW_PRECISION_CHECKS, sc.factor, sc.slack)
 
     def forward64(q, k, v, vis=interface.visible, conv=sc.convention):
@@ -218,14 +222,15 @@ def _low(sc, impl, inputs: dict, g, interface: Interface, results: dict, determi
         try:
             out = [deterministic] + agree + output_invariants(
                 forward64, backward_kv64, rounded, visible, kv_map, r64["o"],
-                np.random.default_rng([sc.seed, SeedStream.INVARIANTS]), output_terms(rounded, a64, scale, kv_map),
+                np.random.default_rng([sc.seed, SeedStream.INVARIANTS]),
+                output_terms(rounded, a64, scale, kv_map, stages),
                 computes_in, (g64, r64["k"], r64["v"]))
         except implementation.ImplementationFailure as exc:
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
         return out + compiled_rows(impl)
 
     context = hint_context(rounded, g64, visible, scale, kv_map, r64, ref,
-                           lambda q, k, v, vis, conv=sc.convention: forward64(q, k, v, vis, conv))
+                           lambda q, k, v, vis, conv=sc.convention: forward64(q, k, v, vis, conv), stages)
     return Problem(
         inputs={}, loss=None, gradients={t: r64[t] for t in "qkv"}, rounding={}, rounding_total=0.0, copy_bytes=0,
         invariants=checks, output=r64["o"],

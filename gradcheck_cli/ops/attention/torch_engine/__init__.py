@@ -20,6 +20,7 @@ from ....numeric import SeedStream
 from ....result import Check
 from ...convention import Convention
 from ...registry import Problem
+from .. import stages as score_stages
 from ..inputs import seeded_inputs
 from ..invariants import output_invariants
 from ..reference import (
@@ -59,9 +60,12 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     kv_np = np.asarray(sc.kv_map)
     kv_map = torch.as_tensor(sc.kv_map, dtype=torch.long, device=device)
     scale = sc.scale
-    user = sc.implementation_object
-    interface = Interface(faults, sizes, sc.visible, scale, kv_np) if user is not None else None
-    vis = torch.from_numpy(sc.visible if interface is None else interface.visible).to(device)
+    stages = score_stages.from_scenario(sc)
+    user = score_stages.bind(sc.implementation_object, stages)  # softcap=... passed when the scenario has it
+    interface = Interface(faults, sizes, sc.visible, scale, kv_np, stages) if user is not None else None
+    # the closed forms' stages, a stage fault's wrong one in place (and the visible set their softmax then sees)
+    wrong, shown = score_stages.inject(stages, sc.visible, faults) if user is None else (stages, sc.visible)
+    vis = torch.from_numpy(shown if interface is None else interface.visible).to(device)
     rounded = {t: np_(x) for t, x in zip("qkv", (q, k, v))}  # the inputs as the dtype holds them
     g_rounded = np_(g)
 
@@ -74,11 +78,11 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                 return conv.tensor(call_user(user, conv.arguments(q_, k_, v_, vis_, scale, kv_map, dt, lowest),
                                              conv.shape((q_.shape[0],) + tuple(g.shape[1:])), dt, conv.names(),
                                              sources if plain else None))
-        return forward(q_, k_, v_, vis_, scale, kv_map, faults)
+        return forward(q_, k_, v_, vis_, scale, kv_map, faults, wrong)
 
     def bwd(q_, k_, v_, grad_o):
         if user is None:
-            return backward(q_, k_, v_, vis, scale, kv_map, grad_o, faults)
+            return backward(q_, k_, v_, vis, scale, kv_map, grad_o, faults, wrong)
         conv = sc.convention
         args = conv.arguments(q_, k_, v_, vis, scale, kv_map, dt, lowest)
         grads = user_gradients(user, args[:3], args[3:], conv.tensor(grad_o).clone(), conv.shape(g.shape), dt,
@@ -97,21 +101,24 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     if user is not None:
         again = {"o": np_(fwd(q, k, v)), **{t: np_(x) for t, x in zip("qkv", bwd(q, k, v, g))}}
         checks_first.append(implementation_determinism(results, again, sc.nondet_tol))
-    ref, terms, a64 = reference(rounded, g_rounded, sc.visible, scale, kv_np)
+    ref, terms, a64 = reference(rounded, g_rounded, sc.visible, scale, kv_np, stages)
 
     def plain(precision: str) -> dict | list[dict]:
         """torch autograd of the plain forward in ``precision``, on the same inputs; in half precision also
         the closed forms without faults and SDPA, so that no one plain way is lucky (torch's softmax backward
-        rounds less than the closed forms' steps: either alone would judge the other)."""
+        rounds less than the closed forms' steps: either alone would judge the other; SDPA has no score stages)."""
         pdt = DTYPES[precision]
         args = [to(rounded[t], pdt) for t in "qkv"]
         mask, gp = vis if user is None else torch.from_numpy(sc.visible).to(device), to(g_rounded, pdt)
-        out, gr = by_autograd(lambda q_, k_, v_: forward(q_, k_, v_, mask, scale, kv_map), args, gp)
+        out, gr = by_autograd(lambda q_, k_, v_: forward(q_, k_, v_, mask, scale, kv_map, stages=stages), args, gp)
         ways = [{"o": np_(out), **{t: np_(x) for t, x in zip("qkv", gr)}}]
         if precision not in LOW_PRECISION:
             return ways[0]
-        closed = backward(*args, mask, scale, kv_map, gp)
-        ways.append({"o": np_(forward(*args, mask, scale, kv_map)), **{t: np_(x) for t, x in zip("qkv", closed)}})
+        closed = backward(*args, mask, scale, kv_map, gp, stages=stages)
+        ways.append({"o": np_(forward(*args, mask, scale, kv_map, stages=stages)),
+                     **{t: np_(x) for t, x in zip("qkv", closed)}})
+        if stages:
+            return ways
         sd_o, sd = by_autograd(lambda q_, k_, v_: sdpa(q_, k_, v_, mask, scale, kv_map, sc.heads_q), args, gp)
         return ways + [{"o": np_(sd_o), **{t: np_(x) for t, x in zip("qkv", sd)}}]
 
@@ -126,7 +133,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                 return None
 
         nearby = None if low else precision.nearby(rounded, results_at,
-                                                   lambda xs: results64(xs, g_rounded, sc.visible, scale, kv_np),
+                                                   lambda xs: results64(xs, g_rounded, sc.visible, scale, kv_np,
+                                                                        stages),
                                                    [sc.seed, SeedStream.PRECISION])
         agree, computes_in = precision.judge(results, ref, terms, sc.dtype, plain, names, sc.factor, sc.slack,
                                              nearby_difference=nearby)
@@ -134,10 +142,10 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         agree, computes_in = precision.judge(results, ref, terms, sc.dtype, plain, LOW_PRECISION_CHECKS,
                                              sc.factor, sc.slack, what="closed forms")
     else:
-        agree, computes_in = _opinions(sc, q, k, v, g, vis, kv_map, results, ref, terms, plain, np_), sc.dtype
+        agree, computes_in = _opinions(sc, q, k, v, g, vis, kv_map, results, ref, terms, plain, np_, stages), sc.dtype
 
     def invariants_of_output() -> list[Check]:
-        terms = output_terms(rounded, a64, scale, kv_np)
+        terms = output_terms(rounded, a64, scale, kv_np, stages)
         return _output_invariants(sc, fwd, bwd, rounded, o, to, np_, terms, computes_in,
                                   (g_rounded, results["k"], results["v"]))
 
@@ -145,7 +153,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     if user is not None:
         def impl_forward(q_, k_, v_, visible, conv=sc.convention):
             return np_(fwd(to(q_), to(k_), to(v_), torch.from_numpy(visible).to(device), conv))
-        context = hint_context(rounded, g_rounded, sc.visible, scale, kv_np, results, ref, impl_forward)
+        context = hint_context(rounded, g_rounded, sc.visible, scale, kv_np, results, ref, impl_forward, stages)
     if low:
         return Problem(inputs={}, loss=None, gradients={t: np_(grads[t]) for t in "qkv"}, rounding={},
                        rounding_total=0.0, copy_bytes=0,
@@ -157,7 +165,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
 
     inputs = {t: rounded[t].astype(sc.dtype) for t in "qkv"}
     blocks = Blocks(sc, kv_np)
-    rounding, total = blocks.rounding(inputs, g64, a64, scale, kv_np)
+    rounding, total = blocks.rounding(inputs, g64, a64, scale, kv_np, stages=stages)
 
     def moved_forward(**moved):
         """O of C copies of the inputs, the ``moved`` ones replaced by [C, B, ...] arrays, as a tensor."""
@@ -191,7 +199,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     def checks():
         out = list(checks_first)
         if user is None:
-            a = np_(probabilities(q, k, None if "mask" in faults else vis, scale, kv_map))
+            a = np_(probabilities(q, k, None if "mask" in faults else vis, scale, kv_map, wrong))
             out.append(invariants.bounded("attention is 0 off the visible set", "a", np.where(sc.visible, 0, a),
                                           0.0, "A_ij must be exactly 0 where key j is not visible to query i"))
         return out + agree + invariants_of_output()
@@ -259,9 +267,10 @@ def _output_invariants(sc, fwd, bwd, inputs, o, to, np_, terms: dict, precision:
     except ImplementationFailure as exc:
         return [failure_check("invariants", exc)]
 
-def _opinions(sc, q, k, v, g, vis, kv_map, results, ref, terms, plain, np_) -> list[Check]:
+def _opinions(sc, q, k, v, g, vis, kv_map, results, ref, terms, plain, np_, stages=()) -> list[Check]:
     """The built-in closed forms against the float64 reference with autograd of the plain forward as the
-    plain computation (``autograd agrees``: as accurate as autograd), and torch's SDPA likewise."""
+    plain computation (``autograd agrees``: as accurate as autograd), and torch's SDPA likewise (not with score
+    stages, which SDPA does not have)."""
     from .... import precision
     policy = precision.Policy.for_dtype(sc.dtype, sc.factor, sc.slack)
     auto = plain(sc.dtype)
@@ -270,6 +279,8 @@ def _opinions(sc, q, k, v, g, vis, kv_map, results, ref, terms, plain, np_) -> l
         e = float(np.abs(auto[t] - ref[t]).max(initial=0.0))
         checks.append(precision.agreement("autograd agrees", t, results[t], ref[t], terms[t], policy, e,
                                           "closed forms"))
+    if stages:
+        return checks
     sd_o, sd = by_autograd(lambda q_, k_, v_: sdpa(q_, k_, v_, vis, sc.scale, kv_map, sc.heads_q), (q, k, v), g)
     for t, got in zip("oqkv", (sd_o, *sd)):
         e = float(np.abs(auto[t] - ref[t]).max(initial=0.0))

@@ -8,6 +8,8 @@ from collections.abc import Collection
 import torch
 import torch.nn.functional as F
 
+from .. import stages as score_stages
+
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -25,29 +27,36 @@ def _sum_groups(g, kv_map, heads_kv: int, overwrite: bool = False):
     return out
 
 
-def probabilities(q, k, visible, scale, kv_map):
-    """A: softmax over each row's visible set of scale * q k^T, with the row max subtracted."""
+def probabilities(q, k, visible, scale, kv_map, stages=()):
+    """A: softmax over each row's visible set of scale * q k^T (through the score ``stages``), with the row max
+    subtracted."""
     s = (q @ _repeat_kv(k, kv_map).transpose(-1, -2)) * scale
+    if stages:
+        s = score_stages.apply(stages, s, xp=torch)
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
     e = torch.exp(s - s.amax(dim=-1, keepdim=True))
     return e / e.sum(dim=-1, keepdim=True)
 
 
-def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = ()):
+def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), stages=()):
     """O = A V (A.10.1-A.10.3) on torch tensors; differentiable, so autograd gives a second opinion."""
-    a = probabilities(q, k, None if "mask" in faults else visible, scale, kv_map)
+    a = probabilities(q, k, None if "mask" in faults else visible, scale, kv_map, stages)
     return a @ _repeat_kv(v, kv_map)
 
 
-def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = ()):
-    """The closed forms of A.10.5-A.10.9 (as ``formulas.backward``), with its faults."""
+def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = (), stages=()):
+    """The closed forms of A.10.5-A.10.9 (as ``formulas.backward``), with its faults; G_S back through the score
+    ``stages``' derivative."""
     masked = None if ("mask" in faults or "mask-backward" in faults) else visible
-    a = probabilities(q, k, masked, scale, kv_map)
+    a = probabilities(q, k, masked, scale, kv_map, stages)
     k_rep, v_rep = _repeat_kv(k, kv_map), _repeat_kv(v, kv_map)
     g_v = a.transpose(-1, -2) @ grad_o
     g_a = grad_o @ v_rep.transpose(-1, -2)
     g_s = a * g_a if "softmax-term" in faults else a * (g_a - (a * g_a).sum(dim=-1, keepdim=True))
+    if stages:
+        slope = score_stages.with_slope(stages, (q @ k_rep.transpose(-1, -2)) * scale, xp=torch)[1]
+        g_s = g_s if slope is None else g_s * slope
     s = 1.0 if "scale" in faults else scale
     g_q = (g_s @ k_rep) * s
     g_k = (g_s.transpose(-1, -2) @ q) * s

@@ -1,0 +1,179 @@
+"""Score stages: what happens to the scores between ``S = scale * Q K^T`` and the softmax.
+
+A scenario's stages are an ordered list (:func:`from_scenario`; the order of ``REGISTERED`` is the default,
+FlashAttention 2's and Gemma 2's: soft-capping first). Each stage is one module owning an elementwise map
+``f(s; its parameters, the query row i and key column j)`` with
+
+- ``value(s, rows, cols, xp)``: f on a block of scores [..., B, Hq, len(rows), len(cols)] (any extra leading
+  axes broadcast: perturbed copies), ``rows``/``cols`` the block's slices of the full n_q x n_k grid
+  (FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)`` is the model), ``xp`` the array namespace
+  (NumPy, torch or jax.numpy: the torch and JAX peers compute the same map, autograd-differentiable);
+- ``slope``/``bend``: f' and f'' at the stage's input, None for 1 and 0 (the chain rule of every derivative:
+  dS_in = f' dS_out for the VJP, S_dot_out = f' S_dot_in for the JVP, and the HVP's
+  G_in_dot = f'' S_dot_in G_out + f' G_out_dot);
+- ``error(size, s, ...)``: the rounding of f(s) when s carries an error of ``size`` (units of eps), and
+  ``slope_size``: the size of the terms of f'(s) with its rounding; ``bound(b)``: a bound on |f(s)| given |s| <= b;
+- ``kwargs``: what a user's implementation is passed (FlashAttention's keyword names), and its ``label``.
+
+The generic machinery here composes them (:func:`apply`, :func:`with_slope`, :func:`jet`, :func:`error`,
+:func:`slope_size`); the engines call it only when a scenario has stages, so plain attention's numbers and
+speed are untouched. A stage's faults are registered wrong stages (:func:`inject`), not flags in formulas.
+The mask is applied after every stage, by the engines (hidden scores never reach a stage).
+"""
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Collection
+
+import numpy as np
+
+from ...registry import Fault, Param
+from .base import ALL, Registration, Stage
+
+__all__ = ["ALL", "FAULTS", "KEYS", "REGISTERED", "Stage", "apply", "from_scenario", "inject", "jet", "with_slope"]
+
+
+#: The stage modules, in the default order of the score path.
+REGISTERED: tuple[Registration, ...] = ()
+
+#: The scenario keys of the stages (``Op.keys`` of attention).
+KEYS: dict[str, Param] = {r.key: r.param for r in REGISTERED}
+
+#: Every stage fault, by name.
+FAULTS: dict[str, Fault] = {name: f for r in REGISTERED for name, f in r.faults.items()}
+
+
+def from_scenario(sc) -> tuple[Stage, ...]:
+    """The scenario's stages, in order (empty for plain attention)."""
+    params = dict(sc.params)
+    if not any(params.get(r.key) is not None for r in REGISTERED):
+        return ()
+    return tuple(st for st in (r.make(sc) for r in REGISTERED) if st is not None)
+
+
+def owner(fault: str) -> Registration | None:
+    return next((r for r in REGISTERED if fault in r.faults), None)
+
+
+def why_not(sc, fault: str) -> str | None:
+    """Why a stage fault cannot apply to scenario ``sc`` (None: it applies, or it is no stage fault)."""
+    reg = owner(fault)
+    if reg is None:
+        return None
+    if dict(sc.params).get(reg.key) is None:
+        return f"the scenario has no {reg.key} (key {reg.key}:)"
+    if fault in reg.needs_mask and sc.visible.all():
+        return "every key is visible to every query: there is no mask for the stage to see"
+    return None
+
+
+def inject(stages: tuple[Stage, ...], visible, faults: Collection[str]):
+    """(stages, visible) with the active stage faults' wrong stages in place of the right ones, and the visible
+    set the softmax then uses (a fault that applies the mask before its stage hands the softmax every key)."""
+    for name in faults:
+        reg = owner(name)
+        if reg is None:
+            continue
+        for i, st in enumerate(stages):
+            if st.name == reg.key:
+                wrong, visible = reg.wrong[name](st, visible)
+                stages = stages[:i] + (wrong,) + stages[i + 1:]
+    return stages, visible
+
+
+def apply(stages, s, rows=ALL, cols=ALL, xp=np):
+    """The scores after every stage."""
+    for st in stages:
+        s = st.value(s, rows, cols, xp)
+    return s
+
+
+def with_slope(stages, s, rows=ALL, cols=ALL, xp=np):
+    """(the scores after every stage, the derivative of the whole chain at ``s``, None for 1)."""
+    d1 = None
+    for st in stages:
+        slope = st.slope(s, rows, cols, xp)
+        if slope is not None:
+            d1 = slope if d1 is None else d1 * slope
+        s = st.value(s, rows, cols, xp)
+    return s, d1
+
+
+def jet(stages, s, rows=ALL, cols=ALL):
+    """(f(s), f'(s), f''(s)) of the whole chain (f' None for 1, f'' None for 0): (g o f)'' = g'' f'^2 + g' f''."""
+    d1 = d2 = None
+    for st in stages:
+        slope, bend = st.slope(s, rows, cols), st.bend(s, rows, cols)
+        if bend is not None:
+            bend = bend if d1 is None else bend * d1 * d1
+        if slope is not None:
+            d2 = None if d2 is None else d2 * slope
+            d1 = slope if d1 is None else d1 * slope
+        if bend is not None:
+            d2 = bend if d2 is None else d2 + bend
+        s = st.value(s, rows, cols)
+    return s, d1, d2
+
+
+def error(stages, size, s, rows=ALL, cols=ALL):
+    """The error of the final scores (units of eps) when the first stage's input ``s`` carries ``size``."""
+    for st in stages:
+        size = st.error(size, s, rows, cols)
+        s = st.value(s, rows, cols)
+    return size
+
+
+def slope_size(stages, s, size, rows=ALL, cols=ALL):
+    """The size of the terms of the chain's derivative with its rounding (None: exactly 1), the input ``s``
+    carrying an error of ``size``: the product of each stage's, each at its own input and error."""
+    out = None
+    for st in stages:
+        part = st.slope_size(s, size, rows, cols)
+        if part is not None:
+            out = part if out is None else out * part
+        size = st.error(size, s, rows, cols)
+        s = st.value(s, rows, cols)
+    return out
+
+
+def bound(stages, b: float) -> float:
+    for st in stages:
+        b = st.bound(b)
+    return b
+
+
+def kwargs(stages) -> dict:
+    """What a user's implementation is passed for the stages (none for plain attention)."""
+    out: dict = {}
+    for st in stages:
+        out.update(st.kwargs)
+    return out
+
+
+def labels(stages) -> str:
+    return ", ".join(st.label for st in stages)
+
+
+#: The implementations bound to stage arguments, by (id of the implementation, its arguments): one object per
+#: pair for the life of the process, so that a compiled flavour (JAX) compiles it once, not once per scenario.
+_BOUND: dict[tuple, tuple] = {}
+
+
+def bind(impl, stages):
+    """A user's implementation with the stages' keyword arguments (``softcap=``, ...) bound: a callable (torch,
+    JAX) as ``functools.partial``, a NumPy object's forward/backward/jvp/hvp likewise. Unchanged without stages:
+    an implementation is passed a variant's argument only when the scenario uses the variant."""
+    given = kwargs(stages)
+    if impl is None or not given:
+        return impl
+    key = (id(impl), tuple(sorted(given.items())))
+    if key not in _BOUND:
+        if callable(impl) and not hasattr(impl, "backward"):
+            bound = functools.partial(impl, **given)
+        else:
+            bound = types.SimpleNamespace(**{name: functools.partial(getattr(impl, name), **given)
+                                             for name in ("forward", "backward", "jvp", "hvp")
+                                             if callable(getattr(impl, name, None))})
+        _BOUND[key] = (impl, bound)  # the implementation kept: its id stays its own
+    return _BOUND[key][1]

@@ -1,0 +1,67 @@
+"""The identity stage, which every stage extends (the package docstring says what each method means)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...registry import Fault, Param
+
+#: Every slice of a grid: the whole score matrix.
+ALL = slice(None)
+
+
+class Stage:
+    """An elementwise map of the scores (module docstring). Subclasses override what differs from the identity."""
+    name = "identity"
+
+    def value(self, s, rows=ALL, cols=ALL, xp=np):
+        return s
+
+    def slope(self, s, rows=ALL, cols=ALL, xp=np):
+        return None
+
+    def bend(self, s, rows=ALL, cols=ALL, xp=np):
+        return None
+
+    def error(self, size, s, rows=ALL, cols=ALL):
+        return size
+
+    def slope_size(self, s, size, rows=ALL, cols=ALL):
+        return None
+
+    def bound(self, b: float) -> float:
+        return b
+
+    @property
+    def kwargs(self) -> dict:
+        return {}
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One stage module as the op sees it: its scenario key, how a scenario makes the stage, its faults and
+    each fault's wrong stage (``wrong[fault](stage, visible) -> (stage, visible the softmax uses)``)."""
+    key: str
+    param: Param
+    make: Callable[[Any], Stage | None]
+    faults: Mapping[str, Fault]
+    wrong: Mapping[str, Callable]
+    needs_mask: tuple[str, ...] = ()  # faults that change nothing when every key is visible
+
+
+def block(visible, rows, cols, like, xp=np):
+    """The visible set's block (``visible`` an array [B, Hq, n_q, n_k] or a callable ``visible(rows, cols)``), as
+    an array of ``xp`` beside ``like`` (a torch tensor goes to its device)."""
+    vis = visible(rows, cols) if callable(visible) else visible[..., rows, cols]
+    if xp is np:
+        return vis
+    if hasattr(like, "device") and xp.__name__ == "torch":
+        return xp.as_tensor(np.ascontiguousarray(vis), device=like.device)
+    return xp.asarray(vis)
