@@ -257,6 +257,7 @@ class Op:
     tangent_flavours: tuple[str, ...] = ()      # the flavours of ``implementation:`` whose JVP it checks
     second_engines: tuple[str, ...] = ()        # the engines that compute a Hessian-vector product (mode hvp)
     second_flavours: tuple[str, ...] = ()       # the flavours of ``implementation:`` whose double backward it checks
+    variants: tuple[tuple[str, str], ...] = ()  # (key, what it does) of each variant it checks (attention's stages)
 
     def directional_derivative(self, mode: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
         """(engines, implementation flavours) that compute the derivative ``mode`` checks, for modes jvp and hvp;
