@@ -5,6 +5,7 @@ benchmarks/correct_impls.py), runs each through the Python API and counts verdic
 
     python benchmarks/correct_grid.py [--count 1000] [--seed 0] [--jobs 2] [--json out.json] [--only PREFIX]
     python benchmarks/correct_grid.py --derivatives [...]   # modes jvp and hvp instead (their own categories)
+    python benchmarks/correct_grid.py --variants [...]      # the score stages (softcap) on every engine and flavour
 
 Exit 1 when any scenario FAILs. Without torch the torch categories are skipped. The counts of a full run
 are in docs/verdicts.md ("How verdicts, power and precision work").
@@ -154,6 +155,46 @@ def draw_derivative(rng, category: str) -> dict:
     return sc
 
 
+def variant_categories(with_torch: bool) -> list[tuple[str, float]]:
+    """``--variants``: soft-capped attention on every engine, flavour, dtype and derivative."""
+    cats = [("softcap/naive", 0.16), ("softcap/tiled", 0.12), ("softcap/jvp/naive", 0.08), ("softcap/jvp/tiled", 0.06),
+            ("softcap/hvp/naive", 0.08), ("softcap/impl/numpy", 0.1)]
+    if with_torch:
+        cats += [("softcap/torch", 0.14), ("softcap/impl/torch", 0.12), ("softcap/hvp/impl/torch", 0.04)]
+    if _has("jax"):
+        cats += [("softcap/impl/jax", 0.06), ("softcap/jvp/impl/jax", 0.02)]
+    total = sum(w for _, w in cats)
+    return [(c, w / total) for c, w in cats]
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+def draw_variant(rng, category: str) -> dict:
+    parts = category.split("/")[1:]
+    mode = parts[0] if parts[0] in ("jvp", "hvp") else None
+    rest = "/".join(parts[1:] if mode else parts)
+    torch = rest in ("torch", "impl/torch")
+    half = not mode and (torch or rest == "impl/jax")
+    dtype = str(rng.choice(["float64", "float32", "float16", "bfloat16"] if half else ["float64", "float32"]))
+    sc = _attention(rng, dtype, small=mode is not None)
+    sc["softcap"] = float(np.round(math.exp(rng.uniform(math.log(0.3), math.log(60.0))), 3))
+    if mode:
+        sc["check"] = {"mode": mode}
+    if rest == "tiled":
+        sc.update(engine="tiled", block_q=int(rng.choice([1, 4, 8, 64])), block_k=int(rng.choice([1, 3, 8, 64])))
+    if rest.startswith("impl/"):
+        flavour = rest[5:]
+        sc["implementation"] = f"correct_impls:{flavour}_softcap"
+        if flavour != "numpy":
+            sc["backend"] = flavour
+    elif torch:
+        sc["backend"] = "torch"
+    return sc
+
+
 IMPLS = {"impl/numpy-einsum": "correct_impls:einsum", "impl/numpy-flash": "correct_impls:flash",
          "impl/numpy-float32-inside": "correct_impls:float32_inside", "impl/torch-plain": "correct_impls:torch_plain",
          "impl/torch-custom": "correct_impls:torch_custom", "impl/torch-sdpa": "correct_impls:torch_sdpa",
@@ -205,11 +246,14 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="only categories starting with this (e.g. impl/, attention/tiled)")
     ap.add_argument("--show", type=int, default=20, help="list this many non-passing cases")
     ap.add_argument("--derivatives", action="store_true", help="modes jvp and hvp (JVP and double backward)")
+    ap.add_argument("--variants", action="store_true", help="the score stages (soft-capping), every engine/flavour")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
     rng = np.random.default_rng(args.seed)
-    cats = (derivative_categories if args.derivatives else categories)(_has_torch())
-    pick = draw_derivative if args.derivatives else draw
+    kind = "variants" if args.variants else "derivatives" if args.derivatives else "plain"
+    cats = {"variants": variant_categories, "derivatives": derivative_categories, "plain": categories}[kind](
+        _has_torch())
+    pick = {"variants": draw_variant, "derivatives": draw_derivative, "plain": draw}[kind]
     if args.only:
         cats = [(c, w) for c, w in cats if c.startswith(args.only)]
         total = sum(w for _, w in cats)
@@ -228,7 +272,7 @@ def main() -> int:
     counts = collections.defaultdict(collections.Counter)
     for r in results:
         counts[r["category"]][r["verdict"]] += 1
-        if r["category"].startswith(("attention", "impl", "jvp", "hvp")):
+        if r["category"].startswith(("attention", "impl", "jvp", "hvp", "softcap")):
             counts[f"  dtype {r['doc']['dtype']}"][r["verdict"]] += 1
         else:
             counts[f"  op {r['doc']['op']}"][r["verdict"]] += 1

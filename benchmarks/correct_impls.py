@@ -155,3 +155,47 @@ def torch_softmax32(q, k, v, visible, scale, kv_map):
     k_rep, v_rep = k.index_select(1, kv_map), v.index_select(1, kv_map)
     s = (q @ k_rep.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
     return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v_rep
+
+
+# Soft-capped attention (``softcap:`` scenarios): each takes the cap as the keyword argument softcap, as
+# attn-gradcheck passes it.
+
+def numpy_softcap_forward(q, k, v, visible, scale, kv_map, *, softcap):
+    s = softcap * np.tanh(scale * np.einsum("bhid,bhjd->bhij", q, k[:, kv_map]) / softcap)
+    s = np.where(visible, s, -np.inf)
+    e = np.exp(s - s.max(axis=-1, keepdims=True))
+    return np.einsum("bhij,bhjd->bhid", e / e.sum(axis=-1, keepdims=True), v[:, kv_map])
+
+
+class _NumpySoftcap:
+    forward = staticmethod(numpy_softcap_forward)
+
+    @staticmethod
+    def backward(q, k, v, visible, scale, kv_map, grad_o, *, softcap):
+        k_rep, v_rep = k[:, kv_map], v[:, kv_map]
+        t = np.tanh(scale * np.einsum("bhid,bhjd->bhij", q, k_rep) / softcap)
+        s = np.where(visible, softcap * t, -np.inf)
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        p = e / e.sum(axis=-1, keepdims=True)
+        dp = np.einsum("bhid,bhjd->bhij", grad_o, v_rep)
+        ds = p * (dp - (p * dp).sum(-1, keepdims=True)) * (1 - t * t)
+        dk, dv = np.zeros_like(k), np.zeros_like(v)
+        np.add.at(dk, (slice(None), kv_map), scale * np.einsum("bhij,bhid->bhjd", ds, q))
+        np.add.at(dv, (slice(None), kv_map), np.einsum("bhij,bhid->bhjd", p, grad_o))
+        return scale * np.einsum("bhij,bhjd->bhid", ds, k_rep), dk, dv
+
+
+numpy_softcap = _NumpySoftcap()
+
+
+def torch_softcap(q, k, v, visible, scale, kv_map, *, softcap):
+    import torch
+    s = softcap * torch.tanh(scale * (q @ k[:, kv_map].transpose(-1, -2)) / softcap)
+    return torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1) @ v[:, kv_map]
+
+
+def jax_softcap(q, k, v, visible, scale, kv_map, *, softcap):
+    import jax
+    import jax.numpy as jnp
+    s = softcap * jnp.tanh(scale * (q @ jnp.swapaxes(k[:, kv_map], -1, -2)) / softcap)
+    return jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1) @ v[:, kv_map]

@@ -117,17 +117,19 @@ def test_faults_of_a_derivative_apply_only_where_it_is_checked():
     assert set(checker.applicable_faults(jvp)) == jvp_faults | {"mask"}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_every_engine_fault_is_caught_in_every_torch_precision(dtype):
-    """backend: torch in low precision: the reference checks (agreement with float64) keep the power."""
+@pytest.mark.parametrize("dtype, variant", [("float32", {}), ("float16", {}), ("bfloat16", {}),
+                                            ("float32", {"softcap": 1.5}), ("bfloat16", {"softcap": 1.5})])
+def test_every_engine_fault_is_caught_in_every_torch_precision(dtype, variant):
+    """backend: torch in low precision: the reference checks (agreement with float64) keep the power; with
+    soft-capping too (its faults apply then, and only then)."""
     pytest.importorskip("torch")
     sc = make(backend="torch", dtype=dtype, batch=2, heads_q=4, heads_kv=2, n_q=5, n_k=8, d_head=8, scale=0.4,
-              mask={"causal": "lower-right", "key_lengths": [8, 6]})
+              mask={"causal": "lower-right", "key_lengths": [8, 6]}, **variant)
     assert checker.run_scenario(sc).passed
     cells = checker.negative_controls([sc])
     assert {c.status for c in cells} == {"detected"}, [(c.fault, c.status) for c in cells]
     assert {c.fault for c in cells} == set(checker.applicable_faults(sc)) == set(OPS["attention"].faults) & {
-        f for f, r in FAULTS.items() if r.engine and r.derivative == "vjp"}
+        f for f, r in FAULTS.items() if r.engine and r.derivative == "vjp" and set(dict(r.scenario)) <= set(variant)}
 
 
 def test_every_fault_name_is_one_record():
