@@ -24,6 +24,6 @@ def test_the_fork_server_preloads_each_scenarios_engine_and_backend():
     assert {"jax", "jax.numpy", "gradcheck_cli.ops.jax_flavour", "gradcheck_cli.ops.attention.user"} <= set(modules)
     assert {"torch", "torch.fx.experimental.symbolic_shapes",
             "gradcheck_cli.ops.attention.torch_engine"} <= set(modules)
-    assert "gradcheck_cli.ops.attention.tiled" in modules
+    assert "gradcheck_cli.ops.attention.tiled_engine" in modules
     assert len(modules) == len(set(modules))
     assert not {"jax", "torch"} & set(workers.preload([built_in]))  # a framework only where a scenario uses it

@@ -4,7 +4,8 @@ and its faults."""
 import numpy as np
 import pytest
 
-from gradcheck_cli.ops.attention.formulas import FAULTS, HVP_FAULTS, backward, hvp, hvp_terms
+from gradcheck_cli.ops.attention.directional import hvp, hvp_terms
+from gradcheck_cli.ops.attention.formulas import FAULTS, HVP_FAULTS, backward
 
 from helpers import DERIVATIVE_MASKS, derivative_case
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from gradcheck_cli import checker
 from gradcheck_cli.errors import ScenarioError
-from gradcheck_cli.ops.attention import copies, formulas, tiled
+from gradcheck_cli.ops.attention import copies, directional, formulas, tiled
 from gradcheck_cli.ops.attention import stages as score_stages
 from gradcheck_cli.ops.attention.stages.softcap import Softcap
 
@@ -48,10 +48,10 @@ def test_closed_forms_equal_torch_autograd_of_the_definition(cap):
         np.testing.assert_allclose(a, b.detach(), rtol=1e-11, atol=1e-12)
     u = [np.random.default_rng(1).standard_normal(x.shape) for x in (q, k, v)]
     _, o_dot = torch.func.jvp(f, tuple(torch.tensor(x) for x in (q, k, v)), tuple(torch.tensor(x) for x in u))
-    np.testing.assert_allclose(formulas.jvp(q, k, v, visible, scale, kv_map, *u, stages=stages), o_dot,
+    np.testing.assert_allclose(directional.jvp(q, k, v, visible, scale, kv_map, *u, stages=stages), o_dot,
                                rtol=1e-11, atol=1e-12)
     hu = torch.autograd.grad(sum((a * torch.tensor(b)).sum() for a, b in zip(grads, u)), leaves)
-    for a, b in zip(formulas.hvp(q, k, v, visible, scale, kv_map, g, *u, stages=stages), hu):
+    for a, b in zip(directional.hvp(q, k, v, visible, scale, kv_map, g, *u, stages=stages), hu):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-11)
 
 
@@ -90,7 +90,8 @@ def test_tiled_and_fast_forward_compute_the_naive_engine():
         np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-12)
     u = [np.random.default_rng(2).standard_normal(x.shape) for x in (q, k, v)]
     np.testing.assert_allclose(tiled.jvp(q, k, v, visible, 0.8, kv_map, *u, block_q=4, block_k=4, stages=stages),
-                               formulas.jvp(q, k, v, visible, 0.8, kv_map, *u, stages=stages), rtol=1e-11, atol=1e-12)
+                               directional.jvp(q, k, v, visible, 0.8, kv_map, *u, stages=stages),
+                               rtol=1e-11, atol=1e-12)
     fast = copies.Forward(visible, 0.8, kv_map, 9, 13, rows=4, stages=stages)
     np.testing.assert_allclose(fast(q[None], k, v)[0], o, rtol=1e-12, atol=1e-13)
 

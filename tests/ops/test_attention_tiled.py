@@ -12,7 +12,7 @@ from gradcheck_cli import checker, masks, scenario
 from gradcheck_cli.cli import main
 from gradcheck_cli.errors import ScenarioError
 from gradcheck_cli.ops import attention
-from gradcheck_cli.ops.attention import tiled
+from gradcheck_cli.ops.attention import directional, tiled
 
 from helpers import CONFIGS, examples, load_config, make
 from strategies import problems
@@ -58,7 +58,7 @@ def _tangents(rng, *xs):
 @given(problems())
 def test_tiled_jvp_equals_the_closed_form_for_any_shape_mask_and_block(p):
     """The online-softmax JVP (running sums of exp(S - m) dS, exp(S - m) dS V, exp(S - m) dV beside l and acc_o)
-    is formulas.jvp to rounding: causal in both alignments, windows, key lengths, GQA, blocks that do not divide
+    is directional.jvp to rounding: causal in both alignments, windows, key lengths, GQA, blocks that do not divide
     n, each tangent alone, and with a blockwise mask; perturbed copies on a leading axis broadcast."""
     q, k, v, _, visible, kv_map, bq, bk, (causal, window, lengths) = p
     dq, dk, dv = _tangents(np.random.default_rng(q.size), q, k, v)
@@ -79,23 +79,22 @@ def test_tiled_jvp_equals_the_closed_form_for_any_shape_mask_and_block(p):
 @given(problems())
 def test_tiled_jvp_terms_equal_the_closed_form_ones_by_blocks(p):
     """The noise floor's terms of the JVP, by the JVP's blocks (online softmax, hidden blocks skipped), are
-    formulas.jvp_terms's: every tangent alone and together, any blocks, a blockwise mask too."""
-    from gradcheck_cli.ops.attention import formulas
+    directional.jvp_terms's: every tangent alone and together, any blocks, a blockwise mask too."""
     q, k, v, _, visible, kv_map, bq, bk, (causal, window, lengths) = p
     dq, dk, dv = _tangents(np.random.default_rng(q.size + 1), q, k, v)
     for t in (dict(dq=dq, dk=dk, dv=dv), dict(dq=dq), dict(dk=dk), dict(dv=dv)):
-        ref = formulas.jvp_terms(q, k, v, visible, 0.7, kv_map, **t)
+        ref = directional.jvp_terms(q, k, v, visible, 0.7, kv_map, **t)
         np.testing.assert_allclose(tiled.jvp_terms(q, k, v, visible, 0.7, kv_map, **t, block_q=bq, block_k=bk), ref,
                                    rtol=1e-12, atol=1e-14)
     block = masks.blockwise(q.shape[-2], k.shape[-2], causal=causal, window=window, key_lengths=lengths)
     np.testing.assert_allclose(tiled.jvp_terms(q, k, v, block, 0.7, kv_map, dq, dk, dv, block_q=bq, block_k=bk),
-                               formulas.jvp_terms(q, k, v, visible, 0.7, kv_map, dq, dk, dv), rtol=1e-12, atol=1e-14)
+                               directional.jvp_terms(q, k, v, visible, 0.7, kv_map, dq, dk, dv), rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("fault", [None, *attention.JVP_FAULTS, "mask"])
 @pytest.mark.parametrize("blocks", [(1, 1), (2, 3), (4, 7), (64, 64)])
 def test_tiled_jvp_with_an_explicit_mask_and_the_faults_of_the_naive_engine(fault, blocks):
-    """A random explicit mask (every row keeps a key) on MQA and GQA heads: equal to formulas.jvp, with each JVP
+    """A random explicit mask (every row keeps a key) on MQA and GQA heads: equal to directional.jvp, with each JVP
     fault (and the forward's mask fault) the same bug in both engines; float32 stays float32."""
     rng = np.random.default_rng(7)
     b, hq, hkv, n_q, n_k, d, dv = 2, 6, 2, 7, 11, 5, 3

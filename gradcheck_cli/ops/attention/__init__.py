@@ -4,16 +4,18 @@ Modules, imported one way (each only from those above it in this list, and none 
 package but the shared machinery below ``ops``):
   stages     the score stages between scale * Q K^T and the softmax (soft-capping), each with its faults (a leaf)
   formulas   forward, backward, ``repeat_kv``/``sum_groups``, the faults
+  directional  the JVP and the HVP in closed form
   rounding   the size of the terms of O and the gradients (noise floors, agreement)
   reference  seeded inputs, the float64 reference, the faults' interface variants
   invariants semantic checks of attention       hints  likely causes of a failure
   copies     the fast forward of the finite differences
-  naive, tiled, user, torch_engine   the engines, resolved by name from ``OP.engines``
+  naive, tiled_engine (over tiled), user, torch_engine   the engines, resolved by name from ``OP.engines``
 """
 from __future__ import annotations
 
 from ..registry import Engine, Interface, Op
 from . import stages as score_stages
+from .directional import hvp, jvp
 from .formulas import (
     ENGINE_FAULTS,
     FAULTS,
@@ -23,8 +25,6 @@ from .formulas import (
     attention_weights,
     backward,
     forward,
-    hvp,
-    jvp,
     repeat_kv,
     sum_groups,
 )
@@ -65,7 +65,7 @@ def why_not(sc, fault: str) -> str | None:
 
 ENGINES = {e.name: e for e in (
     Engine("naive", "gradcheck_cli.ops.attention.naive:build", "the closed forms in NumPy, dense n_q x n_k"),
-    Engine("tiled", "gradcheck_cli.ops.attention.tiled:build",
+    Engine("tiled", "gradcheck_cli.ops.attention.tiled_engine:build",
            "FlashAttention-style blocks with an online softmax; no n_q x n_k array", keys=("block_q", "block_k")),
     Engine("numpy-implementation", "gradcheck_cli.ops.attention.user:build", "a user's NumPy forward and backward",
            choice=False),

@@ -10,7 +10,8 @@ from ...numeric import SeedStream
 from ..registry import Problem, SecondOrder, Tangents
 from . import copies
 from . import stages as score_stages
-from .formulas import attention_weights, backward, forward, hvp, hvp_terms, jvp, jvp_terms
+from .directional import hvp, hvp_terms, jvp, jvp_terms
+from .formulas import attention_weights, backward, forward
 from .hints.tangent import jvp_hints
 from .inputs import seeded_inputs
 from .invariants import engine_invariants

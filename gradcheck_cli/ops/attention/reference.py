@@ -9,7 +9,8 @@ import numpy as np
 
 from ..registry import SecondOrder, Tangents
 from . import stages as score_stages
-from .formulas import DIFFERENCE_FAULTS, HVP_FAULTS, JVP_FAULTS, backward, forward, hvp, hvp_terms, jvp, jvp_terms
+from .directional import hvp, hvp_terms, jvp, jvp_terms
+from .formulas import DIFFERENCE_FAULTS, HVP_FAULTS, JVP_FAULTS, backward, forward
 from .hints import Context, diagnosis
 from .hints.context import _convention
 from .hints.tangent import jvp_hints

@@ -23,18 +23,8 @@ from collections.abc import Collection
 
 import numpy as np
 
-from ... import invariants, precision
-from ...numeric import SeedStream
-from ...tolerance import ENGINE_AGREEMENT_ULPS, INVARIANT_ULPS
-from ..registry import Problem, Tangents
-from . import formulas
 from . import stages as score_stages
 from .formulas import DEFAULT_BLOCK, repeat_kv, sum_groups
-from .hints.tangent import jvp_hints
-from .inputs import seeded_inputs
-from .invariants import output_invariants
-from .reference import diagnosis_fields
-from .rounding import TERM_ROWS, Blocks, output_term_sizes, output_terms, term_sizes
 
 
 def _block(visible, rows: slice, cols: slice):
@@ -100,7 +90,7 @@ def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), block
 def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Collection[str] = (),
         block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK, stages=()):
     """JVP of :func:`forward` along tangents (dq, dk, dv) (None: zero), [..., B, Hq, n_q, d_value]: the same
-    function as ``formulas.jvp`` in exact arithmetic, by blocks with an online softmax and no n_q x n_k array.
+    function as ``directional.jvp`` in exact arithmetic, by blocks with an online softmax and no n_q x n_k array.
     Beside the forward's running max m, l = sum_j exp(S_ij - m) and acc_o = sum_j exp(S_ij - m) V_j, each
     query block keeps acc_s = sum_j exp(S_ij - m) dS_ij, acc_sv = sum_j exp(S_ij - m) dS_ij V_j and
     acc_dv = sum_j exp(S_ij - m) dV_j (all rescaled by exp(m_old - m_new) when m grows); at the end
@@ -166,7 +156,7 @@ def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Coll
 
 def jvp_terms(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, block_q: int = DEFAULT_BLOCK,
               block_k: int = DEFAULT_BLOCK, stages=()) -> np.ndarray:
-    """``formulas.jvp_terms`` (the size of the terms of each element of the JVP, in float64) by the JVP's blocks,
+    """``directional.jvp_terms`` (the size of the terms of each element of the JVP, in float64) by the JVP's blocks,
     with an online softmax and no n_q x n_k array (blocks no query sees skipped): with P = exp(S - m),
     P~ = P (1 + L) (L = |scale| |q| |k|^T, the logits' rounding) and |dS| = |scale| (|dQ| |K|^T + |Q| |dK|^T) on the
     visible set, it keeps sum P~ |dS| |V|, sum P~ |V|, sum P |dS| and sum P~ |dV| beside l = sum P (all rescaled
@@ -282,119 +272,3 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     heads_kv, overwrite = k.shape[-3], "gqa-sum" in faults
     return (g_q, sum_groups(g_k, kv_map, heads_kv, overwrite=overwrite),
             sum_groups(g_v, kv_map, heads_kv, overwrite=overwrite))
-
-
-def naive_by_rows(q, k, v, visible, scale, kv_map, grad_o, block_q: int = DEFAULT_BLOCK,
-                  faults: Collection[str] = (), stages=()) -> tuple:
-    """The naive engine's formulas (full softmax rows, A.10.5-A.10.9) evaluated a block of query rows at
-    a time, so the reference for ``tiled agrees with the naive engine`` needs O(block_q x n_k) memory:
-    (O, G_Q, G_K, G_V). With ``faults`` it is the naive engine with the same bugs, so the agreement
-    check measures the tiling alone and finite differences must catch the faults by themselves."""
-    out = np.empty(q.shape[:-1] + (v.shape[-1],), dtype=np.result_type(q, v))
-    g_q = np.empty(q.shape, dtype=out.dtype)
-    g_k, g_v = np.zeros(k.shape, dtype=out.dtype), np.zeros(v.shape, dtype=out.dtype)
-    for rows in _spans(q.shape[-2], block_q):
-        vis = _block(visible, rows, slice(None))
-        out[..., rows, :] = formulas.forward(q[..., rows, :], k, v, vis, scale, kv_map, faults, stages=stages,
-                                             rows=rows)
-        grads = formulas.backward(q[..., rows, :], k, v, vis, scale, kv_map, grad_o[..., rows, :], faults, stages,
-                                  rows)
-        g_q[..., rows, :] = grads.q
-        g_k += grads.k
-        g_v += grads.v
-    return out, g_q, g_k, g_v
-
-
-def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None) -> Problem:
-    """The problem of ``engine: tiled``: finite differences, analytic gradients and invariants all
-    through the tiled engine, plus its agreement with the naive engine (a check of its own)."""
-    inputs, g = seeded_inputs(sc)
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    dt = np.dtype(sc.dtype)
-    kv_map = np.asarray(sc.kv_map, dtype=np.intp)
-    visible, scale, bq, bk = sc.visible, sc.scale, sc.block_q, sc.block_k
-    blocks = Blocks(sc, kv_map)
-    right = score_stages.from_scenario(sc)  # a stage fault's wrong stage in place, the softmax's visible set
-    stages, shown = score_stages.inject(right, visible, faults)
-
-    def fwd(q, k, v):
-        return forward(q, k, v, shown, scale, kv_map, faults, bq, bk, stages=stages)
-
-    def backward_kv(q, k, v, grad_o):
-        return backward(q, k, v, shown, scale, kv_map, grad_o, faults, bq, bk, stages=stages)[1:]
-
-    def copies_forward(name: str, x: np.ndarray) -> np.ndarray:
-        return fwd(**{**inputs, name: x})
-
-    o, lse = forward(q, k, v, shown, scale, kv_map, faults, bq, bk, with_lse=True, stages=stages)
-    stats: dict = {}
-    g_q, g_k, g_v = backward(q, k, v, shown, scale, kv_map, g, faults, bq, bk, saved=(o, lse), stats=stats,
-                             stages=stages)
-    def a_rows(span):
-        return formulas.attention_weights(q[..., span, :], k, shown[..., span, :], scale, kv_map, faults, stages,
-                                          span)
-
-    rounding, rounding_total = blocks.rounding(inputs, g, a_rows, scale, kv_map, stages=right)
-    rng_inv = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
-
-    def checks() -> list:
-        ref = dict(zip("oqkv", (np.asarray(r, dtype=np.float64) for r in
-                                naive_by_rows(q, k, v, shown, scale, kv_map, g, bq, faults, stages))))
-        # Both engines round: they may differ by ENGINE_AGREEMENT_ULPS x eps x the (worst-case) size of each
-        # element's terms, never by a fraction of the result (a saturated row's gradient is zero to rounding).
-        sizes = term_sizes(inputs, g, a_rows, scale, kv_map, stages=right)
-        policy = precision.Policy(sc.dtype, 0.0, 0.0, ENGINE_AGREEMENT_ULPS)
-        agree = [precision.agreement("tiled agrees with the naive engine", t, mine, ref[t], sizes[t], policy,
-                                     what="tiled") for t, mine in (("o", o), ("q", g_q), ("k", g_k), ("v", g_v))]
-        if sc.mode == "jvp":  # the JVP too, along a random tangent, the naive one by blocks of query rows
-            draw = np.random.default_rng([sc.seed, SeedStream.FAST_FORWARD])
-            t = {n: draw.standard_normal(x.shape).astype(dt) for n, x in inputs.items()}
-            naive = np.empty(o.shape)
-            for span in _spans(sc.n_q, TERM_ROWS):
-                naive[..., span, :] = formulas.jvp(q[..., span, :], k, v, shown[..., span, :], scale, kv_map,
-                                                   t["q"][..., span, :], t["k"], t["v"], faults, stages, span)
-            agree.append(precision.agreement("tiled JVP agrees with the naive engine", "o_dot", o_dot(t), naive,
-                                             jvp_terms(q, k, v, visible, scale, kv_map, t["q"], t["k"], t["v"], bq,
-                                                       bk, right), policy, what="tiled"))
-        eps = float(np.finfo(dt).eps)
-        terms = output_terms(inputs, a_rows, scale, kv_map, right)
-        # D = rowsum(G_O * O) comes from the forward's O, which carries the rounding of its own terms
-        scale_rows = stats["gs_rowscale"] + np.sum(np.abs(g).astype(np.float64) * terms["o"], axis=-1)
-        rows = invariants.bounded("score-gradient rows sum to 0", "g_s",
-                                  stats["gs_rowsum"] / np.maximum(scale_rows, np.finfo(np.float64).tiny),
-                                  INVARIANT_ULPS * eps,
-                                  "|sum_j G_S_ij| per row over the size of its terms: sum_j P_ij (|dP_ij| + |D_i|) "
-                                  "(1 + |S_ij - LSE_i| + |scale| |q_i|.|k_j|), the rounding P = exp(S - LSE) carries, "
-                                  "plus sum_c |G_O_ic| x the terms of O_ic (D is formed from the forward's O); "
-                                  "accumulated over the blocks of the tiled backward (softmax is shift invariant)")
-        return agree + [rows] + output_invariants(fwd, backward_kv, inputs, visible, kv_map, o, rng_inv, terms,
-                                                  sc.dtype, (g, g_k, g_v))
-
-    lead = sc.batch * sc.heads_q
-    def o_dot(t: dict) -> np.ndarray:
-        """The engine's JVP along tangents t (by input name; missing: zero)."""
-        return jvp(q, k, v, shown, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), faults, bq, bk, stages)
-
-    return Problem(
-        inputs=inputs,
-        loss=lambda name, x: np.sum(copies_forward(name, x) * g, axis=(-4, -3, -2, -1), dtype=np.float64),
-        gradients={"q": g_q, "k": g_k, "v": g_v},
-        rounding=rounding,
-        rounding_total=rounding_total,
-        copy_bytes=(4 * lead * bq * bk + 3 * o.size + lead * sc.n_k * (sc.d_head + sc.d_value)) * dt.itemsize,
-        invariants=checks,
-        arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g, "scale": np.asarray(scale),
-                "kv_map": kv_map, "output": o, "lse": lse, "analytic_q": g_q, "analytic_k": g_k, "analytic_v": g_v},
-        output=o,
-        tangents=Tangents(
-            forward=lambda **moved: fwd(**{**inputs, **moved}),
-            jvp=o_dot,
-            jvp_terms=lambda t: jvp_terms(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), bq,
-                                          bk, right),
-            output_terms=output_term_sizes(inputs, a_rows, scale, kv_map, stages=right),
-            upstream=g,
-            explain=jvp_hints(o_dot, inputs, visible, scale, kv_map, [sc.seed, SeedStream.TANGENT_HINTS])),
-        parts=blocks.parts,
-        loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
-        **diagnosis_fields(sc),
-    )

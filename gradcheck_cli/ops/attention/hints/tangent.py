@@ -10,7 +10,8 @@ from collections.abc import Callable
 import numpy as np
 
 from ....implementation import ImplementationFailure
-from ..formulas import attention_weights, jvp, repeat_kv
+from ..directional import jvp
+from ..formulas import attention_weights, repeat_kv
 
 #: Larger score matrices (B x Hq x n_q x n_k elements) get no JVP hints: the comparison holds them densely.
 LARGEST = 2**24
