@@ -189,14 +189,17 @@ class Param:
     """One op-specific scenario key, read by the loader with its file and line.
 
     kind: ``int`` (>= minimum), ``float`` (> 0 unless ``minimum`` allows 0 or negatives), ``choice``
-    (one of ``choices``), ``bool``, ``floats`` (non-empty list of floats > 0) or ``ints`` (non-empty
-    list of ints >= minimum).
+    (one of ``choices``), ``bool``, ``floats`` (non-empty list of floats > 0), ``ints`` (non-empty
+    list of ints >= minimum), ``choice-or-floats`` (one of ``choices`` or a list of floats > 0) or ``mapping``
+    (a mapping of the keys ``fields``, (name, Param) pairs; read as a tuple of (name, value) pairs, a list as a
+    tuple; the whole mapping None when absent and ``default`` is None).
     """
     kind: str
     default: Any = REQUIRED
     help: str = ""
     minimum: float | None = None
     choices: tuple[str, ...] = ()
+    fields: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

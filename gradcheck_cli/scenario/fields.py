@@ -207,5 +207,39 @@ def _read_param(f: _Fields, key: str, param: Param):
     if kind == "ints":
         return f.int_list(key, int(param.minimum if param.minimum is not None else 1), None, f"each {key} entry",
                           unique=True)
+    if kind == "choice-or-floats":
+        v = f.raw(key)
+        if isinstance(v, list):
+            return tuple(_positive_float(f, key, i, x) for i, x in enumerate(v)) if v else _empty(f, key)
+        return f.choice(key, param.choices, param.choices[0])
+    if kind == "mapping":
+        return _read_mapping(f, key, param)
     raise AssertionError(f"unknown Param kind {kind}")
+
+
+def _positive_float(f: _Fields, key: str, i: int, x) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+        raise f.doc.error(f.where(key) + (i,), f"expected a number > 0, got {_show(x)}")
+    return float(x)
+
+
+def _empty(f: _Fields, key: str):
+    raise f.error(key, "expected a non-empty list")
+
+
+def _read_mapping(f: _Fields, key: str, param: Param) -> tuple:
+    """A ``mapping`` Param: each of its ``fields`` read with its own Param (unknown keys get a did-you-mean)."""
+    v = f.raw(key)
+    names = tuple(name for name, _ in param.fields)
+    if not isinstance(v, dict):
+        raise f.error(key, f"expected a mapping with keys {', '.join(names)}, got {_show(v)}",
+                      hint=f"e.g. '{key}: {{{names[0]}: ...}}'" if names else None)
+    for sub in v:
+        if sub not in names:
+            import difflib
+            close = difflib.get_close_matches(str(sub), names, n=1)
+            raise f.doc.error(f.where(key) + (sub,), f"unknown key '{sub}' (keys of {key}: {', '.join(names)})",
+                              hint=f"did you mean '{close[0]}'?" if close else None)
+    inner = _Fields(f.doc, {sub: (val, f.where(key) + (sub,)) for sub, val in v.items()}, f.where(key))
+    return tuple((name, _read_param(inner, name, sub)) for name, sub in param.fields)
 

@@ -85,11 +85,7 @@ def json_schema() -> dict:
         for key, param in op.keys.items():
             if key in fields:
                 continue
-            low = int(param.minimum if param.minimum is not None else 1)
-            kind = {"int": {"type": "integer", "minimum": low},
-                    "float": number, "bool": {"type": "boolean"}, "choice": {"enum": list(param.choices)},
-                    "ints": {"type": "array", "items": {"type": "integer", "minimum": low}, "minItems": 1,
-                             "uniqueItems": True}}[param.kind]
+            kind = _param_schema(param, number)
             if param.kind == "int" and param.default is None:
                 kind = {"oneOf": [{"type": "null"}, kind]}
             helps = {o.name: o.keys[key].help for o in OPS.values() if key in o.keys}
@@ -114,3 +110,18 @@ def json_schema() -> dict:
                 "type": "object", "additionalProperties": False, "required": ["name"], "properties": fields}},
         },
     }
+
+
+def _param_schema(param, number: dict) -> dict:
+    """The JSON Schema of one op key (``ops.registry.Param``)."""
+    low = int(param.minimum if param.minimum is not None else 1)
+    floats = {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0}, "minItems": 1}
+    if param.kind == "mapping":
+        return {"type": "object", "additionalProperties": False,
+                "properties": {name: {**_param_schema(sub, number), "description": sub.help}
+                               for name, sub in param.fields}}
+    return {"int": {"type": "integer", "minimum": low},
+            "float": number, "bool": {"type": "boolean"}, "choice": {"enum": list(param.choices)},
+            "ints": {"type": "array", "items": {"type": "integer", "minimum": low}, "minItems": 1,
+                     "uniqueItems": True},
+            "choice-or-floats": {"oneOf": [{"enum": list(param.choices)}, floats]}}[param.kind]

@@ -11,6 +11,7 @@ from gradcheck_cli import checker
 from gradcheck_cli.errors import ScenarioError
 from gradcheck_cli.ops.attention import copies, directional, formulas, tiled
 from gradcheck_cli.ops.attention import stages as score_stages
+from gradcheck_cli.ops.attention.stages import softcap
 from gradcheck_cli.ops.attention.stages.softcap import Softcap
 
 from helpers import make, with_examples
@@ -99,7 +100,7 @@ def test_tiled_and_fast_forward_compute_the_naive_engine():
 def test_scenarios_check_it_and_its_faults_only_where_it_is():
     capped = make(n_q=4, n_k=6, d_head=4, heads_q=2, softcap=2.0, mask={"causal": "lower-right"})
     plain = make(n_q=4, n_k=6, d_head=4, heads_q=2, mask={"causal": "lower-right"})
-    ours = set(score_stages.FAULTS)
+    ours = set(softcap.REGISTRATION.faults)
     assert ours <= set(checker.applicable_faults(capped))
     assert not ours & set(checker.applicable_faults(plain))
     assert checker.run_scenario(capped).passed

@@ -31,14 +31,14 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     # the score stages, a stage fault's wrong one in place of the right one (with the visible set the softmax
     # then sees: ``shown``); the invariants keep the scenario's visible set
     right = score_stages.from_scenario(sc)
-    stages, shown = score_stages.inject(right, visible, faults)
+    stages, back, shown = score_stages.inject(right, visible, faults)  # the forward's and the backward's
 
     def fwd(q, k, v):
         return (forward(q, k, v, shown, scale, kv_map, faults, stages=stages),
                 attention_weights(q, k, shown, scale, kv_map, faults, stages))
 
     def bwd(q, k, v, grad_o):
-        return backward(q, k, v, shown, scale, kv_map, grad_o, faults, stages)
+        return backward(q, k, v, shown, scale, kv_map, grad_o, faults, back)
 
     def reference(q, k, v):
         return forward(q, k, v, shown, scale, kv_map, faults, stages=stages)
@@ -64,7 +64,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         second = SecondOrder(
             gradients=moved_gradients,
             hvp=lambda u: dict(zip("qkv", hvp(q, k, v, shown, scale, kv_map, g, u.get("q"), u.get("k"), u.get("v"),
-                                              faults, stages))),
+                                              faults, back))),
             hvp_terms=lambda u: dict(zip("qkv", hvp_terms(q, k, v, visible, scale, kv_map, g, u.get("q"), u.get("k"),
                                                           u.get("v"), right))),
             gradient_terms=term_sizes(inputs, g, lambda span: a[..., span, :], scale, kv_map, stages=right))

@@ -60,8 +60,10 @@ class Interface:
     def __init__(self, faults: Collection[str], sizes: dict[str, float] | None, visible, scale, kv_map, stages=()):
         self.faults, self.sizes, self.scale, self.kv_map = tuple(faults), dict(sizes or {}), scale, kv_map
         self.stages = tuple(stages)
-        stage_faults = [f for f in self.faults if f in score_stages.FAULTS]
-        self.wrong_stages = score_stages.inject(self.stages, visible, stage_faults)[0]
+        # a stage fault of the backward adds its change to the gradients; one of the forward changes the arguments
+        # the implementation is passed instead (``stages.shown``)
+        stage_faults = [f for f in self.faults if f in score_stages.FAULTS and not score_stages.FAULTS[f].forward]
+        self.wrong_stages = score_stages.inject(self.stages, visible, stage_faults)[1]  # the backward's
         self.true_visible = visible
         self.visible = visible
         if "mask" in self.faults:

@@ -22,7 +22,7 @@ from .tiled import _block, _spans, backward, forward, jvp, jvp_terms
 
 
 def naive_by_rows(q, k, v, visible, scale, kv_map, grad_o, block_q: int = DEFAULT_BLOCK,
-                  faults: Collection[str] = (), stages=()) -> tuple:
+                  faults: Collection[str] = (), stages=(), backward_stages=None) -> tuple:
     """The naive engine's formulas (full softmax rows, A.10.5-A.10.9) evaluated a block of query rows at
     a time, so the reference for ``tiled agrees with the naive engine`` needs O(block_q x n_k) memory:
     (O, G_Q, G_K, G_V). With ``faults`` it is the naive engine with the same bugs, so the agreement
@@ -34,8 +34,8 @@ def naive_by_rows(q, k, v, visible, scale, kv_map, grad_o, block_q: int = DEFAUL
         vis = _block(visible, rows, slice(None))
         out[..., rows, :] = formulas.forward(q[..., rows, :], k, v, vis, scale, kv_map, faults, stages=stages,
                                              rows=rows)
-        grads = formulas.backward(q[..., rows, :], k, v, vis, scale, kv_map, grad_o[..., rows, :], faults, stages,
-                                  rows)
+        grads = formulas.backward(q[..., rows, :], k, v, vis, scale, kv_map, grad_o[..., rows, :], faults,
+                                  stages if backward_stages is None else backward_stages, rows)
         g_q[..., rows, :] = grads.q
         g_k += grads.k
         g_v += grads.v
@@ -52,13 +52,13 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     visible, scale, bq, bk = sc.visible, sc.scale, sc.block_q, sc.block_k
     blocks = Blocks(sc, kv_map)
     right = score_stages.from_scenario(sc)  # a stage fault's wrong stage in place, the softmax's visible set
-    stages, shown = score_stages.inject(right, visible, faults)
+    stages, back, shown = score_stages.inject(right, visible, faults)  # the forward's and the backward's
 
     def fwd(q, k, v):
         return forward(q, k, v, shown, scale, kv_map, faults, bq, bk, stages=stages)
 
     def backward_kv(q, k, v, grad_o):
-        return backward(q, k, v, shown, scale, kv_map, grad_o, faults, bq, bk, stages=stages)[1:]
+        return backward(q, k, v, shown, scale, kv_map, grad_o, faults, bq, bk, stages=back)[1:]
 
     def copies_forward(name: str, x: np.ndarray) -> np.ndarray:
         return fwd(**{**inputs, name: x})
@@ -66,7 +66,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     o, lse = forward(q, k, v, shown, scale, kv_map, faults, bq, bk, with_lse=True, stages=stages)
     stats: dict = {}
     g_q, g_k, g_v = backward(q, k, v, shown, scale, kv_map, g, faults, bq, bk, saved=(o, lse), stats=stats,
-                             stages=stages)
+                             stages=back)
     def a_rows(span):
         return formulas.attention_weights(q[..., span, :], k, shown[..., span, :], scale, kv_map, faults, stages,
                                           span)
@@ -76,7 +76,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
 
     def checks() -> list:
         ref = dict(zip("oqkv", (np.asarray(r, dtype=np.float64) for r in
-                                naive_by_rows(q, k, v, shown, scale, kv_map, g, bq, faults, stages))))
+                                naive_by_rows(q, k, v, shown, scale, kv_map, g, bq, faults, stages, back))))
         # Both engines round: they may differ by ENGINE_AGREEMENT_ULPS x eps x the (worst-case) size of each
         # element's terms, never by a fraction of the result (a saturated row's gradient is zero to rounding).
         sizes = term_sizes(inputs, g, a_rows, scale, kv_map, stages=right)

@@ -40,7 +40,10 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     In float16/bfloat16 (JAX only: the loader refuses a NumPy implementation there) that agreement, judged
     against a plain JAX computation in the same precision, replaces the finite differences (``_low``)."""
     stages = score_stages.from_scenario(sc)
-    impl = score_stages.bind(sc.implementation_object, stages)  # softcap=... passed when the scenario has it
+    # softcap=, alibi_slopes=, ... passed when the scenario has them (arrays in the precision computed in)
+    given = np.float64 if sc.dtype == "float64" else np.float32
+    impl = score_stages.bind(sc.implementation_object, score_stages.shown(stages, sc.visible, faults),
+                             lambda a: a.astype(given), str(np.dtype(given)))
     if sc.mode == "jvp" and sc.backend == "numpy" and not callable(getattr(impl, "jvp", None)):
         raise ScenarioError(f"{sc.implementation} has no callable jvp: mode jvp needs jvp(q, k, v, visible, scale, "
                             "kv_map, dq, dk, dv) -> do beside forward and backward (docs/jvp-and-hvp.md "

@@ -66,12 +66,15 @@ def why_not(sc, fault: str) -> str | None:
         return f"the scenario has no {reg.key} (key {reg.key}:)"
     if fault in reg.needs_mask and sc.visible.all():
         return "every key is visible to every query: there is no mask for the stage to see"
-    return None
+    return reg.applies(sc, fault) if reg.applies else None
 
 
 def inject(stages: tuple[Stage, ...], visible, faults: Collection[str]):
-    """(stages, visible) with the active stage faults' wrong stages in place of the right ones, and the visible
-    set the softmax then uses (a fault that applies the mask before its stage hands the softmax every key)."""
+    """(the forward's stages, the backward's, visible) with the active stage faults' wrong stages in place of the
+    right ones (a fault of ``Registration.backward_only`` in the backward's alone: the backward recomputes the
+    scores), and the visible set the softmax then uses (a fault that applies the mask before its stage hands the
+    softmax every key)."""
+    forward, backward = stages, stages
     for name in faults:
         reg = owner(name)
         if reg is None:
@@ -79,8 +82,16 @@ def inject(stages: tuple[Stage, ...], visible, faults: Collection[str]):
         for i, st in enumerate(stages):
             if st.name == reg.key:
                 wrong, visible = reg.wrong[name](st, visible)
-                stages = stages[:i] + (wrong,) + stages[i + 1:]
-    return stages, visible
+                backward = backward[:i] + (wrong,) + backward[i + 1:]
+                if name not in reg.backward_only:
+                    forward = forward[:i] + (wrong,) + forward[i + 1:]
+    return forward, backward, visible
+
+
+def shown(stages: tuple[Stage, ...], visible, faults: Collection[str]) -> tuple[Stage, ...]:
+    """The stages whose arguments a user's implementation is passed: with the active stage faults that change the
+    forward in place (``alibi-slopes-pow2`` passes the wrong slopes); the others act on its gradients."""
+    return inject(stages, visible, [f for f in faults if f in FAULTS and FAULTS[f].forward])[0]
 
 
 def apply(stages, s, rows=ALL, cols=ALL, xp=np):
@@ -144,11 +155,19 @@ def bound(stages, b: float) -> float:
     return b
 
 
-def kwargs(stages) -> dict:
-    """What a user's implementation is passed for the stages (none for plain attention)."""
+def validate(params: dict, attention: dict) -> list:
+    """(key, message, hint) of the stages' values wrong together with the attention keys (``Op.validate``)."""
+    return [problem for r in REGISTERED if r.validate for problem in r.validate(params, attention)]
+
+
+def kwargs(stages, to=None) -> dict:
+    """What a user's implementation is passed for the stages (none for plain attention); ``to`` converts each
+    array (slopes, biases) to the flavour's own (a torch tensor on the inputs' device, in their precision)."""
     out: dict = {}
     for st in stages:
         out.update(st.kwargs)
+    if to is not None:
+        out = {k: to(v) if isinstance(v, np.ndarray) else v for k, v in out.items()}
     return out
 
 
@@ -161,14 +180,15 @@ def labels(stages) -> str:
 _BOUND: dict[tuple, tuple] = {}
 
 
-def bind(impl, stages):
+def bind(impl, stages, to=None, tag: str = ""):
     """A user's implementation with the stages' keyword arguments (``softcap=``, ...) bound: a callable (torch,
     JAX) as ``functools.partial``, a NumPy object's forward/backward/jvp/hvp likewise. Unchanged without stages:
-    an implementation is passed a variant's argument only when the scenario uses the variant."""
-    given = kwargs(stages)
+    an implementation is passed a variant's argument only when the scenario uses the variant. ``to`` converts the
+    arrays (``kwargs``); ``tag`` names that conversion (device, dtype) in the cache key."""
+    given = kwargs(stages, to)
     if impl is None or not given:
         return impl
-    key = (id(impl), tuple(sorted(given.items())))
+    key = (id(impl), labels(stages), tag)
     if key not in _BOUND:
         if callable(impl) and not hasattr(impl, "backward"):
             bound = functools.partial(impl, **given)

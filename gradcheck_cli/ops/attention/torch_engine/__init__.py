@@ -61,10 +61,14 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     kv_map = torch.as_tensor(sc.kv_map, dtype=torch.long, device=device)
     scale = sc.scale
     stages = score_stages.from_scenario(sc)
-    user = score_stages.bind(sc.implementation_object, stages)  # softcap=... passed when the scenario has it
+    # softcap=, alibi_slopes=, ... passed when the scenario has them (tensors on the device, in float64 or float32)
+    given = torch.float64 if sc.dtype == "float64" else torch.float32
+    user = score_stages.bind(sc.implementation_object, score_stages.shown(stages, sc.visible, faults),
+                             lambda a: torch.as_tensor(a, dtype=given, device=device), f"{device}/{given}")
     interface = Interface(faults, sizes, sc.visible, scale, kv_np, stages) if user is not None else None
     # the closed forms' stages, a stage fault's wrong one in place (and the visible set their softmax then sees)
-    wrong, shown = score_stages.inject(stages, sc.visible, faults) if user is None else (stages, sc.visible)
+    wrong, wrong_back, shown = (score_stages.inject(stages, sc.visible, faults) if user is None
+                                else (stages, stages, sc.visible))
     vis = torch.from_numpy(shown if interface is None else interface.visible).to(device)
     rounded = {t: np_(x) for t, x in zip("qkv", (q, k, v))}  # the inputs as the dtype holds them
     g_rounded = np_(g)
@@ -82,7 +86,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
 
     def bwd(q_, k_, v_, grad_o):
         if user is None:
-            return backward(q_, k_, v_, vis, scale, kv_map, grad_o, faults, wrong)
+            return backward(q_, k_, v_, vis, scale, kv_map, grad_o, faults, wrong_back)
         conv = sc.convention
         args = conv.arguments(q_, k_, v_, vis, scale, kv_map, dt, lowest)
         grads = user_gradients(user, args[:3], args[3:], conv.tensor(grad_o).clone(), conv.shape(g.shape), dt,
