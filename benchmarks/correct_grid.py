@@ -5,7 +5,7 @@ benchmarks/correct_impls.py), runs each through the Python API and counts verdic
 
     python benchmarks/correct_grid.py [--count 1000] [--seed 0] [--jobs 2] [--json out.json] [--only PREFIX]
     python benchmarks/correct_grid.py --derivatives [...]   # modes jvp and hvp instead (their own categories)
-    python benchmarks/correct_grid.py --variants [...]      # the score stages (softcap) on every engine and flavour
+    python benchmarks/correct_grid.py --variants [...]      # the score stages (softcap, ALiBi, both) everywhere
 
 Exit 1 when any scenario FAILs. Without torch the torch categories are skipped. The counts of a full run
 are in docs/verdicts.md ("How verdicts, power and precision work").
@@ -155,14 +155,18 @@ def draw_derivative(rng, category: str) -> dict:
     return sc
 
 
+VARIANTS = ("softcap", "alibi", "softcap+alibi")
+
+
 def variant_categories(with_torch: bool) -> list[tuple[str, float]]:
-    """``--variants``: soft-capped attention on every engine, flavour, dtype and derivative."""
-    cats = [("softcap/naive", 0.16), ("softcap/tiled", 0.12), ("softcap/jvp/naive", 0.08), ("softcap/jvp/tiled", 0.06),
-            ("softcap/hvp/naive", 0.08), ("softcap/impl/numpy", 0.1)]
+    """``--variants``: the score stages (soft-capping, ALiBi, both) on every engine, flavour, dtype, derivative."""
+    where = [("naive", 0.16), ("tiled", 0.12), ("jvp/naive", 0.08), ("jvp/tiled", 0.06), ("hvp/naive", 0.08),
+             ("impl/numpy", 0.1)]
     if with_torch:
-        cats += [("softcap/torch", 0.14), ("softcap/impl/torch", 0.12), ("softcap/hvp/impl/torch", 0.04)]
+        where += [("torch", 0.14), ("impl/torch", 0.12), ("hvp/impl/torch", 0.04)]
     if _has("jax"):
-        cats += [("softcap/impl/jax", 0.06), ("softcap/jvp/impl/jax", 0.02)]
+        where += [("impl/jax", 0.06), ("jvp/impl/jax", 0.02)]
+    cats = [(f"{variant}/{w}", p) for variant in VARIANTS for w, p in where]
     total = sum(w for _, w in cats)
     return [(c, w / total) for c, w in cats]
 
@@ -173,21 +177,31 @@ def _has(module: str) -> bool:
 
 
 def draw_variant(rng, category: str) -> dict:
-    parts = category.split("/")[1:]
+    variant, *parts = category.split("/")
     mode = parts[0] if parts[0] in ("jvp", "hvp") else None
     rest = "/".join(parts[1:] if mode else parts)
     torch = rest in ("torch", "impl/torch")
     half = not mode and (torch or rest == "impl/jax")
     dtype = str(rng.choice(["float64", "float32", "float16", "bfloat16"] if half else ["float64", "float32"]))
     sc = _attention(rng, dtype, small=mode is not None)
-    sc["softcap"] = float(np.round(math.exp(rng.uniform(math.log(0.3), math.log(60.0))), 3))
+    if "softcap" in variant:
+        sc["softcap"] = float(np.round(math.exp(rng.uniform(math.log(0.3), math.log(60.0))), 3))
+    if "alibi" in variant:
+        if rng.random() < 0.5:  # head counts that are not a power of two, where the slopes' rule differs
+            heads_kv = int(rng.choice([1, 3]))
+            sc.update(heads_q=int(rng.choice([3, 6, 12] if heads_kv == 3 else [3, 5, 6, 12])), heads_kv=heads_kv)
+            sc.pop("kv_map", None)
+        alibi = {"form": str(rng.choice(["distance", "column"]))}
+        if rng.random() < 0.25:
+            alibi["slopes"] = [float(np.round(x, 4)) for x in rng.uniform(0.01, 1.0, sc["heads_q"])]
+        sc["alibi"] = alibi
     if mode:
         sc["check"] = {"mode": mode}
     if rest == "tiled":
         sc.update(engine="tiled", block_q=int(rng.choice([1, 4, 8, 64])), block_k=int(rng.choice([1, 3, 8, 64])))
     if rest.startswith("impl/"):
         flavour = rest[5:]
-        sc["implementation"] = f"correct_impls:{flavour}_softcap"
+        sc["implementation"] = f"correct_impls:{flavour}_variants"
         if flavour != "numpy":
             sc["backend"] = flavour
     elif torch:

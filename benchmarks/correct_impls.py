@@ -199,3 +199,67 @@ def jax_softcap(q, k, v, visible, scale, kv_map, *, softcap):
     import jax.numpy as jnp
     s = softcap * jnp.tanh(scale * (q @ jnp.swapaxes(k[:, kv_map], -1, -2)) / softcap)
     return jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1) @ v[:, kv_map]
+
+
+# ALiBi (``alibi:`` scenarios, and with softcap too): the slopes as the keyword argument alibi_slopes, the form as
+# alibi_form when it is not the distance form; softcap when given.
+
+def _alibi_d(n_q, n_k, form):
+    i, j = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
+    return (-np.abs(i + n_k - n_q - j) if form == "distance" else np.broadcast_to(j, (n_q, n_k))).astype(np.float64)
+
+
+class _NumpyVariants:
+    @staticmethod
+    def _p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form):
+        raw = scale * np.einsum("bhid,bhjd->bhij", q, k_rep)
+        t = np.tanh(raw / softcap) if softcap else None
+        s = softcap * t if softcap else raw
+        if alibi_slopes is not None:
+            s = s + (alibi_slopes[:, None, None] * _alibi_d(q.shape[2], k_rep.shape[2], alibi_form)).astype(s.dtype)
+        s = np.where(visible, s, -np.inf)
+        e = np.exp(s - s.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True), t
+
+    def forward(self, q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance"):
+        p, _ = self._p(q, k[:, kv_map], visible, scale, softcap, alibi_slopes, alibi_form)
+        return np.einsum("bhij,bhjd->bhid", p, v[:, kv_map])
+
+    def backward(self, q, k, v, visible, scale, kv_map, grad_o, softcap=None, alibi_slopes=None,
+                 alibi_form="distance"):
+        k_rep, v_rep = k[:, kv_map], v[:, kv_map]
+        p, t = self._p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form)
+        dp = np.einsum("bhid,bhjd->bhij", grad_o, v_rep)
+        ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+        if softcap:
+            ds = ds * (1 - t * t)
+        dk, dv = np.zeros_like(k), np.zeros_like(v)
+        np.add.at(dk, (slice(None), kv_map), scale * np.einsum("bhij,bhid->bhjd", ds, q))
+        np.add.at(dv, (slice(None), kv_map), np.einsum("bhij,bhid->bhjd", p, grad_o))
+        return scale * np.einsum("bhij,bhjd->bhid", ds, k_rep), dk, dv
+
+
+numpy_variants = _NumpyVariants()
+
+
+def torch_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance"):
+    import torch
+    s = scale * (q @ k[:, kv_map].transpose(-1, -2))
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        d = torch.as_tensor(_alibi_d(q.shape[2], k.shape[2], alibi_form), dtype=q.dtype, device=q.device)
+        s = s + alibi_slopes.to(q.dtype)[:, None, None] * d
+    return torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1) @ v[:, kv_map]
+
+
+def jax_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance"):
+    import jax
+    import jax.numpy as jnp
+    s = scale * (q @ jnp.swapaxes(k[:, kv_map], -1, -2))
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    if alibi_slopes is not None:
+        bias = jnp.asarray(alibi_slopes)[:, None, None] * _alibi_d(q.shape[2], k.shape[2], alibi_form)
+        s = s + bias.astype(s.dtype)
+    return jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1) @ v[:, kv_map]
