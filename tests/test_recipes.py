@@ -167,3 +167,27 @@ def test_rotary_embedding_torch_passes_interleaved_and_a_dropped_offset_fails_th
     failed = _failed(scenarios[1], "rotary_torch:rotary_offset_dropped")
     assert {"forward agrees with the reference", "backward agrees with the reference"} <= failed, failed
     assert not {c for c in failed if c.startswith("gradient") or c.startswith("rotation")}, failed
+
+
+@pytest.fixture(scope="module")
+def variants():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    return {sc.name: sc for sc in scenario.load(RECIPES / "hf_variants.yaml")}
+
+
+@pytest.mark.parametrize("name", [n for n in _names(RECIPES / "hf_variants.yaml") if not n.startswith("broken")])
+def test_each_variant_recipe_passes_with_every_fault_caught(variants, name):
+    """Gemma 2's soft-capped eager attention and BLOOM's ALiBi, as the library computes them."""
+    result = checker.run_scenario(variants[name])
+    assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
+    cells = checker.negative_controls([variants[name]])
+    # not applicable where the variant cannot show the fault (tanh' ~ 1 at cap 50, no offset in the column form)
+    assert cells and {c.status for c in cells} <= {"detected", "not applicable"}, [(c.fault, c.status) for c in cells]
+    assert {c.fault for c in cells if c.status == "detected"} >= {"softmax-term", "mask", "gqa-sum", "swap-dk-dv"}
+
+
+@pytest.mark.parametrize("name", [n for n in _names(RECIPES / "hf_variants.yaml") if n.startswith("broken")])
+def test_each_broken_variant_recipe_fails_the_reference(variants, name):
+    failed = {c.name for c in checker.run_scenario(variants[name]).checks if c.verdict == "fail"}
+    assert "forward agrees with the reference" in failed, failed
