@@ -39,6 +39,7 @@ class SeedStream(enum.IntEnum):
     BATCH_MIXING = 11   # the moved batch elements of the hints' batch-mixing test
     TANGENT_HINTS = 12  # the tangent the JVP hints compare an output tangent with the closed form's mistakes on
     PRECISION = 13      # the direction the precision diagnosis moves the inputs along (``precision.nearby``)
+    STAGES = 14         # the score stages' seeded parameters (an additive bias's values)
 
 
 def quiet_numpy_arithmetic() -> None:

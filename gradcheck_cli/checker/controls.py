@@ -23,7 +23,8 @@ def applicable_faults(sc: Scenario) -> tuple[str, ...]:
     soft-capping's) applies only to scenarios that use it."""
     derivatives, params = sc.derivatives, dict(sc.params)
     faults = {name: f for name, f in OPS[sc.op].faults.items() if (f.forward or f.derivative in derivatives)
-              and all(params.get(key) is not None for key, _ in f.scenario)}
+              and all(params.get(key) is not None for key, _ in f.scenario)
+              and (not f.backends or sc.backend in f.backends)}
     if sc.implementation is None:
         return tuple(name for name, f in faults.items() if f.engine)
     return tuple(name for name, f in faults.items() if f.user is not None)

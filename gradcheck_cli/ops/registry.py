@@ -27,6 +27,7 @@ class Fault:
     sized: bool = False
     derivative: str = "vjp"     # what it breaks: vjp (the gradients), jvp (the output's tangent), hvp (Hessian x vec)
     scenario: tuple = ()        # (key, value) pairs a scenario needs for it to apply (a score stage's key)
+    backends: tuple[str, ...] = ()  # the backends it applies on (empty: every one the op has)
 
 
 @dataclass(frozen=True)
@@ -190,9 +191,10 @@ class Param:
 
     kind: ``int`` (>= minimum), ``float`` (> 0 unless ``minimum`` allows 0 or negatives), ``choice``
     (one of ``choices``), ``bool``, ``floats`` (non-empty list of floats > 0), ``ints`` (non-empty
-    list of ints >= minimum), ``choice-or-floats`` (one of ``choices`` or a list of floats > 0) or ``mapping``
-    (a mapping of the keys ``fields``, (name, Param) pairs; read as a tuple of (name, value) pairs, a list as a
-    tuple; the whole mapping None when absent and ``default`` is None).
+    list of ints >= minimum), ``sizes`` (a non-empty list of ints >= minimum, repeats allowed),
+    ``choice-or-floats`` (one of ``choices`` or a list of floats > 0) or ``mapping`` (a mapping of the keys
+    ``fields``, (name, Param) pairs; read as a tuple of (name, value) pairs, a list as a tuple; the whole mapping
+    None when absent and ``default`` is None).
     """
     kind: str
     default: Any = REQUIRED

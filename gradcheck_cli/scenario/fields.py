@@ -207,6 +207,8 @@ def _read_param(f: _Fields, key: str, param: Param):
     if kind == "ints":
         return f.int_list(key, int(param.minimum if param.minimum is not None else 1), None, f"each {key} entry",
                           unique=True)
+    if kind == "sizes":
+        return f.int_list(key, int(param.minimum if param.minimum is not None else 1), None, f"each {key} entry")
     if kind == "choice-or-floats":
         v = f.raw(key)
         if isinstance(v, list):

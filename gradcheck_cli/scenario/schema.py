@@ -124,4 +124,5 @@ def _param_schema(param, number: dict) -> dict:
             "float": number, "bool": {"type": "boolean"}, "choice": {"enum": list(param.choices)},
             "ints": {"type": "array", "items": {"type": "integer", "minimum": low}, "minItems": 1,
                      "uniqueItems": True},
+            "sizes": {"type": "array", "items": {"type": "integer", "minimum": low}, "minItems": 1},
             "choice-or-floats": {"oneOf": [{"enum": list(param.choices)}, floats]}}[param.kind]

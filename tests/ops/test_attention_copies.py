@@ -82,8 +82,8 @@ def test_a_fast_path_that_drifts_from_the_reference_fails_the_run(monkeypatch, d
     bias of 1e-9 (invisible to finite differences, which difference it away) must fail it."""
     blocks = copies.Forward._blocks
 
-    def biased(self, q, k_t, v_rep, shift, out):
-        blocks(self, q, k_t, v_rep, shift, out)
+    def biased(self, q, k_t, v_rep, shift, out, *stages):
+        blocks(self, q, k_t, v_rep, shift, out, *stages)
         out += drift
 
     monkeypatch.setattr(copies.Forward, "_blocks", biased)

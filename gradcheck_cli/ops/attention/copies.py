@@ -64,9 +64,11 @@ class Forward:
             hidden = ~shown  # zeroed after the exponential
             self.blocks.append((span, keys, shown, hidden, _pieces(shown)))
 
-    def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, stages=None) -> np.ndarray:
+        """O; ``stages`` replaces the score stages for this call (a bias's perturbed copies)."""
+        stages = self.stages if stages is None else tuple(stages)
         dt = np.result_type(q, k, v)
-        shift = self._needs_shift(q, k, dt)
+        shift = self._needs_shift(q, k, dt, stages)
         k_rep, scale = self._repeat(k), np.asarray(self.scale, dtype=dt)
         if q.size <= k_rep.size or len(self.blocks) == 1:
             # the scale on Q, K^T read in place by the products (BLAS takes the transpose): with copies of K
@@ -76,9 +78,9 @@ class Forward:
             k_t = np.empty(k_rep.shape[:-2] + k_rep.shape[:-3:-1], dtype=dt)
             np.multiply(np.swapaxes(k_rep, -1, -2), scale, out=k_t)
         v_rep = self._repeat(v)
-        lead = np.broadcast_shapes(q.shape[:-2], k_t.shape[:-2], v_rep.shape[:-2])
+        lead = np.broadcast_shapes(q.shape[:-2], k_t.shape[:-2], v_rep.shape[:-2], score_stages.lead(stages))
         out = np.empty(lead + (q.shape[-2], v.shape[-1]), dtype=dt)
-        self._blocks(q, k_t, v_rep, shift, out)
+        self._blocks(q, k_t, v_rep, shift, out, stages)
         return out
 
     def _repeat(self, x: np.ndarray) -> np.ndarray:
@@ -86,21 +88,23 @@ class Forward:
         identity = x.shape[-3] == len(self.kv_map) and (self.kv_map == np.arange(len(self.kv_map))).all()
         return x if identity else repeat_kv(x, self.kv_map)
 
-    def _needs_shift(self, q, k, dt) -> bool:
+    def _needs_shift(self, q, k, dt, stages=None) -> bool:
         """False when |S_ij| <= |scale| max ||q_i|| max ||k_j|| < shift_free_limit (NaN or inf: True), the
         bound taken through the score stages (``Stage.bound``)."""
+        stages = self.stages if stages is None else stages
         q_norm = np.sqrt(np.max(np.einsum("...d,...d->...", q, q), initial=0.0))
         k_norm = np.sqrt(np.max(np.einsum("...d,...d->...", k, k), initial=0.0))
         b = abs(self.scale) * q_norm * k_norm
-        if self.stages and np.isfinite(b):
-            b = score_stages.bound(self.stages, float(b))
+        if stages and np.isfinite(b):
+            b = score_stages.bound(stages, float(b))
         return not bool(b < shift_free_limit(dt))
 
-    def _blocks(self, q, k_t, v_rep, shift: bool, out: np.ndarray) -> None:
+    def _blocks(self, q, k_t, v_rep, shift: bool, out: np.ndarray, stages=None) -> None:
+        stages = self.stages if stages is None else stages
         for span, keys, shown, hidden, pieces in self.blocks:
             s = np.matmul(q[..., span, :], k_t[..., keys])
-            if self.stages:
-                s = score_stages.apply(self.stages, s, span, keys)
+            if stages:
+                s = score_stages.apply(stages, s, span, keys)
             with np.errstate(over="ignore", under="ignore", invalid="ignore"):
                 if shift:
                     s -= np.max(s, axis=-1, keepdims=True, where=True if shown is None else shown, initial=-np.inf)

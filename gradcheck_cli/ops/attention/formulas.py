@@ -14,7 +14,7 @@ The JVP and the HVP are in ``directional``.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -174,6 +174,7 @@ class Gradients:
     s: np.ndarray  # G_S [B, Hq, n_q, n_k], the gradient at the softmax's input (for the row-sum invariant)
     a: np.ndarray  # A and G_A [B, Hq, n_q, n_k], to bound the rounding of G_S's row sums
     ga: np.ndarray
+    params: dict = field(default_factory=dict)  # the score stages' parameters' gradients (an additive bias's)
 
 
 def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = (), stages=(),
@@ -190,12 +191,11 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     else:
         g_s = a * (g_a - (a * g_a).sum(axis=-1, keepdims=True))
     s = 1.0 if "scale" in faults else scale
-    g_raw = g_s
+    g_raw, params = g_s, {}
     if stages:
-        slope = score_stages.with_slope(stages, raw_scores(q, k, scale, kv_map), rows)[1]
-        g_raw = g_s if slope is None else g_s * slope
+        g_raw, params = score_stages.pull_back(stages, raw_scores(q, k, scale, kv_map), g_s, rows)
     g_q = (g_raw @ k_rep) * s
     g_k = (np.swapaxes(g_raw, -1, -2) @ q) * s
     heads_kv, overwrite = k.shape[-3], "gqa-sum" in faults
     return Gradients(q=g_q, k=sum_groups(g_k, kv_map, heads_kv, overwrite=overwrite),
-                     v=sum_groups(g_v, kv_map, heads_kv, overwrite=overwrite), s=g_s, a=a, ga=g_a)
+                     v=sum_groups(g_v, kv_map, heads_kv, overwrite=overwrite), s=g_s, a=a, ga=g_a, params=params)

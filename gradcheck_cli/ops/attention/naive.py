@@ -22,16 +22,19 @@ from .rounding import Blocks, output_term_sizes, output_terms, term_sizes
 def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None) -> Problem:
     """Inputs for scenario ``sc``, the loss L = sum(O * G), analytic gradients and invariants of the
     built-in engine with ``faults`` injected (``sizes`` is unused: no built-in fault is sized)."""
-    inputs, g = seeded_inputs(sc)
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    qkv, g = seeded_inputs(sc)
+    q, k, v = qkv["q"], qkv["k"], qkv["v"]
     dt = np.dtype(sc.dtype)
     kv_map = np.asarray(sc.kv_map, dtype=np.intp)
     visible, scale = sc.visible, sc.scale
-    blocks = Blocks(sc, kv_map)
     # the score stages, a stage fault's wrong one in place of the right one (with the visible set the softmax
-    # then sees: ``shown``); the invariants keep the scenario's visible set
+    # then sees: ``shown``); the invariants keep the scenario's visible set. A stage's parameter whose gradient
+    # is checked (an additive bias) is an input beside q, k, v.
     right = score_stages.from_scenario(sc)
     stages, back, shown = score_stages.inject(right, visible, faults)  # the forward's and the backward's
+    extra = score_stages.params(right)
+    inputs = {**qkv, **extra}
+    blocks = Blocks(sc, kv_map, {name: x.shape for name, x in extra.items()})
 
     def fwd(q, k, v):
         return (forward(q, k, v, shown, scale, kv_map, faults, stages=stages),
@@ -48,7 +51,9 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     fast = copies.Forward(None if "mask" in faults else shown, scale, kv_map, sc.n_q, sc.n_k, stages=stages)
 
     def copies_forward(name: str, x: np.ndarray) -> np.ndarray:
-        return fast(**{**inputs, name: x})
+        if name in extra:  # a stage's parameter moved: its perturbed copies in the stages
+            return fast(**qkv, stages=score_stages.moved(stages, name, x))
+        return fast(**{**qkv, name: x})
 
     o, a = fwd(q, k, v)
     grads = bwd(q, k, v, g)
@@ -57,7 +62,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     second = None
     if sc.mode == "hvp":  # the double backward: H u against differences of these very gradients
         def moved_gradients(**moved) -> dict:
-            at = {**inputs, **moved}
+            at = {**qkv, **moved}
             grads = bwd(at["q"], at["k"], at["v"], g)
             return {"q": grads.q, "k": grads.k, "v": grads.v}
 
@@ -67,7 +72,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                                               faults, back))),
             hvp_terms=lambda u: dict(zip("qkv", hvp_terms(q, k, v, visible, scale, kv_map, g, u.get("q"), u.get("k"),
                                                           u.get("v"), right))),
-            gradient_terms=term_sizes(inputs, g, lambda span: a[..., span, :], scale, kv_map, stages=right))
+            gradient_terms=term_sizes(qkv, g, lambda span: a[..., span, :], scale, kv_map, stages=right))
 
     def o_dot(t: dict) -> np.ndarray:
         """The engine's JVP along tangents t (by input name; missing: zero)."""
@@ -76,25 +81,26 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     return Problem(
         inputs=inputs,
         loss=lambda name, x: np.sum(copies_forward(name, x) * g, axis=(-4, -3, -2, -1), dtype=np.float64),
-        gradients={"q": grads.q, "k": grads.k, "v": grads.v},
+        gradients={"q": grads.q, "k": grads.k, "v": grads.v, **{t: grads.params[t] for t in extra}},
         rounding=rounding,
         rounding_total=rounding_total,
         copy_bytes=3 * a.size * dt.itemsize + o.size * dt.itemsize,
-        invariants=lambda: [copies.agreement(fast, reference, inputs, shown, scale, kv_map, faults,
+        invariants=lambda: [copies.agreement(fast, reference, qkv, shown, scale, kv_map, faults,
                                              np.random.default_rng([sc.seed, SeedStream.FAST_FORWARD]), stages)]
-        + engine_invariants(fwd, bwd, inputs, visible, kv_map, grads, rng_inv,
-                            output_terms(inputs, a, scale, kv_map, right), g),
+        + engine_invariants(fwd, bwd, qkv, visible, kv_map, grads, rng_inv,
+                            output_terms(qkv, a, scale, kv_map, right), g),
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
                 "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
-                "analytic_q": grads.q, "analytic_k": grads.k, "analytic_v": grads.v},
+                "analytic_q": grads.q, "analytic_k": grads.k, "analytic_v": grads.v,
+                **extra, **{f"analytic_{t}": grads.params[t] for t in extra}},
         output=o,
         tangents=Tangents(
-            forward=lambda **moved: fast(**{**inputs, **moved}),
+            forward=lambda **moved: fast(**{**qkv, **moved}),
             jvp=o_dot,
             jvp_terms=lambda t: jvp_terms(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), right),
-            output_terms=output_term_sizes(inputs, lambda span: a[..., span, :], scale, kv_map, stages=right),
+            output_terms=output_term_sizes(qkv, lambda span: a[..., span, :], scale, kv_map, stages=right),
             upstream=g,
-            explain=jvp_hints(o_dot, inputs, visible, scale, kv_map, [sc.seed, SeedStream.TANGENT_HINTS])),
+            explain=jvp_hints(o_dot, qkv, visible, scale, kv_map, [sc.seed, SeedStream.TANGENT_HINTS])),
         second=second,
         parts=blocks.parts,
         loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),

@@ -120,7 +120,7 @@ def every_tangent(inputs: dict, t: dict) -> list:
     return [t[n] if t.get(n) is not None else np.zeros_like(inputs[n]) for n in "qkv"]
 
 
-#: Names of the reference checks of each result.
+#: Names of the reference checks of each result (a score stage's parameter's gradient takes q's).
 REFERENCE_CHECKS = {"o": "forward agrees with the reference", "q": "backward agrees with the reference",
                     "k": "backward agrees with the reference", "v": "backward agrees with the reference"}
 
@@ -139,15 +139,17 @@ def reference(inputs: dict, g: np.ndarray, visible, scale, kv_map, stages=()) ->
     g64 = np.asarray(g, dtype=np.float64)
     o = forward(x["q"], x["k"], x["v"], visible, scale, kv_map, stages=stages)
     grads = backward(x["q"], x["k"], x["v"], visible, scale, kv_map, g64, stages=stages)
-    terms = term_sizes(x, g64, lambda span: grads.a[..., span, :], scale, kv_map, rss=True, stages=stages)
-    return {"o": o, "q": grads.q, "k": grads.k, "v": grads.v}, terms, grads.a
+    terms = term_sizes(x, g64, lambda span: grads.a[..., span, :], scale, kv_map, rss=True, stages=stages,
+                       params={t: p.shape for t, p in grads.params.items()})
+    return {"o": o, "q": grads.q, "k": grads.k, "v": grads.v, **grads.params}, terms, grads.a
 
 
 def results64(inputs: dict, g, visible, scale, kv_map, stages=()) -> dict:
     """The float64 reference's O, G_Q, G_K and G_V on the given inputs (q, k, v) and upstream gradient."""
     x = [np.asarray(inputs[t], dtype=np.float64) for t in "qkv"]
     grads = backward(*x, visible, scale, kv_map, np.asarray(g, dtype=np.float64), stages=stages)
-    return {"o": forward(*x, visible, scale, kv_map, stages=stages), "q": grads.q, "k": grads.k, "v": grads.v}
+    return {"o": forward(*x, visible, scale, kv_map, stages=stages), "q": grads.q, "k": grads.k, "v": grads.v,
+            **grads.params}
 
 
 def plain(inputs: dict, g: np.ndarray, visible, scale, kv_map, dtype: str, stages=()) -> dict:
@@ -156,7 +158,7 @@ def plain(inputs: dict, g: np.ndarray, visible, scale, kv_map, dtype: str, stage
     x = {t: val.astype(dtype) for t, val in inputs.items()}
     o = forward(x["q"], x["k"], x["v"], visible, scale, kv_map, stages=stages)
     grads = backward(x["q"], x["k"], x["v"], visible, scale, kv_map, np.asarray(g).astype(dtype), stages=stages)
-    return {"o": o, "q": grads.q, "k": grads.k, "v": grads.v}
+    return {"o": o, "q": grads.q, "k": grads.k, "v": grads.v, **grads.params}
 
 
 def varies(first: np.ndarray, second: np.ndarray, tolerance: float) -> bool:

@@ -63,7 +63,7 @@ def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), block
     masked = "mask" not in faults
     k_rep = repeat_kv(k, kv_map) * np.asarray(scale, dtype=q.dtype)
     v_rep = repeat_kv(v, kv_map)
-    lead = np.broadcast_shapes(q.shape[:-2], k_rep.shape[:-2], v_rep.shape[:-2])
+    lead = np.broadcast_shapes(q.shape[:-2], k_rep.shape[:-2], v_rep.shape[:-2], score_stages.lead(stages))
     n_q, n_k = q.shape[-2], k.shape[-2]
     out = np.empty(lead + (n_q, v.shape[-1]), dtype=np.result_type(q, v))
     lse = np.empty(lead + (n_q,), dtype=out.dtype) if with_lse else None
@@ -214,7 +214,8 @@ def jvp_terms(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, block_
 
 
 def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = (), block_q: int = DEFAULT_BLOCK,
-             block_k: int = DEFAULT_BLOCK, saved: tuple | None = None, stats: dict | None = None, stages=()):
+             block_k: int = DEFAULT_BLOCK, saved: tuple | None = None, stats: dict | None = None, stages=(),
+             params: dict | None = None):
     """(G_Q, G_K, G_V) by blocks, recomputing P from the saved LSE (``saved`` = (O, LSE), else the
     forward is run to get them). No leading copy axes here. ``stats``, when given, receives the row
     sums of G_S and the sizes of their terms (``gs_rowsum``, ``gs_rowscale``: sum_j P_ij (|dP_ij| + |D_i|)
@@ -223,7 +224,8 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
 
     ``mask-backward`` recomputes A without the mask as the naive engine's fault does: P from the
     log-sum-exp of an unmasked forward, and D from its output. Score ``stages``: each block's G_S goes back to
-    the raw scores times their derivative (the row sums are G_S's, at the softmax's input)."""
+    the raw scores times their derivative (the row sums are G_S's, at the softmax's input); ``params``, when
+    given, receives the gradients of the stages' parameters (an additive bias's), accumulated block by block."""
     o, lse = saved if saved is not None else forward(q, k, v, visible, scale, kv_map, faults, block_q, block_k, True,
                                                      stages)
     masked = "mask" not in faults and "mask-backward" not in faults
@@ -238,6 +240,8 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     g_v = np.zeros(v_rep.shape, dtype=o.dtype)
     rowsum, rowscale = np.zeros(o.shape[:-1]), np.zeros(o.shape[:-1])
     n_q, n_k = q.shape[-2], k.shape[-2]
+    owners = {st.param: st for st in stages if st.param is not None}
+    totals = {name: np.zeros(st.values().shape, dtype=o.dtype) for name, st in owners.items()}
     for cols in _spans(n_k, block_k):
         k_blk, v_blk = k_rep[..., cols, :], v_rep[..., cols, :]
         for rows in _spans(n_q, block_q):
@@ -245,7 +249,7 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
             if vis is not None and not vis.any():
                 continue
             raw = q[..., rows, :] @ np.swapaxes(k_scaled[..., cols, :], -1, -2)
-            s, slope = score_stages.with_slope(stages, raw, rows, cols) if stages else (raw, None)
+            s = score_stages.apply(stages, raw, rows, cols) if stages else raw
             with np.errstate(over="ignore", under="ignore"):
                 p = np.exp(s - lse[..., rows, None])
             if vis is not None:
@@ -263,12 +267,16 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
                     spread = np.where(p > 0, np.abs(s - lse[..., rows, None]), 0.0)
                 rowscale[..., rows] += (p * (np.abs(g_p) + np.abs(d_row[..., rows, None]))
                                         * (1.0 + spread + logit)).sum(axis=-1)
-            if slope is not None:
-                g_s = g_s * slope
+            if stages:  # back through the stages to the raw scores, the parameters' block gradients on the way
+                g_s, blocks = score_stages.pull_back(stages, raw, g_s, rows, cols)
+                for name, grad in blocks.items():
+                    owners[name].param_add(totals[name], grad, rows, cols)
             g_q[..., rows, :] += (g_s @ k_blk) * s_grad
             g_k[..., cols, :] += (np.swapaxes(g_s, -1, -2) @ q[..., rows, :]) * s_grad
     if stats is not None:
         stats.update(gs_rowsum=rowsum, gs_rowscale=rowscale)
+    if params is not None:
+        params.update(totals)
     heads_kv, overwrite = k.shape[-3], "gqa-sum" in faults
     return (g_q, sum_groups(g_k, kv_map, heads_kv, overwrite=overwrite),
             sum_groups(g_v, kv_map, heads_kv, overwrite=overwrite))

@@ -22,11 +22,12 @@ from .tiled import _block, _spans, backward, forward, jvp, jvp_terms
 
 
 def naive_by_rows(q, k, v, visible, scale, kv_map, grad_o, block_q: int = DEFAULT_BLOCK,
-                  faults: Collection[str] = (), stages=(), backward_stages=None) -> tuple:
+                  faults: Collection[str] = (), stages=(), backward_stages=None, params: dict | None = None) -> tuple:
     """The naive engine's formulas (full softmax rows, A.10.5-A.10.9) evaluated a block of query rows at
     a time, so the reference for ``tiled agrees with the naive engine`` needs O(block_q x n_k) memory:
     (O, G_Q, G_K, G_V). With ``faults`` it is the naive engine with the same bugs, so the agreement
-    check measures the tiling alone and finite differences must catch the faults by themselves."""
+    check measures the tiling alone and finite differences must catch the faults by themselves. ``params``, when
+    given, receives the gradients of the stages' parameters (a bias's), row block by row block."""
     out = np.empty(q.shape[:-1] + (v.shape[-1],), dtype=np.result_type(q, v))
     g_q = np.empty(q.shape, dtype=out.dtype)
     g_k, g_v = np.zeros(k.shape, dtype=out.dtype), np.zeros(v.shape, dtype=out.dtype)
@@ -39,20 +40,27 @@ def naive_by_rows(q, k, v, visible, scale, kv_map, grad_o, block_q: int = DEFAUL
         g_q[..., rows, :] = grads.q
         g_k += grads.k
         g_v += grads.v
+        if params is not None:
+            for name, grad in grads.params.items():
+                params.setdefault(name, np.zeros(grad.shape[:-2] + (q.shape[-2], k.shape[-2]), dtype=grad.dtype))
+                params[name][..., rows, :] += grad
     return out, g_q, g_k, g_v
 
 
 def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None) -> Problem:
     """The problem of ``engine: tiled``: finite differences, analytic gradients and invariants all
     through the tiled engine, plus its agreement with the naive engine (a check of its own)."""
-    inputs, g = seeded_inputs(sc)
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    qkv, g = seeded_inputs(sc)
+    q, k, v = qkv["q"], qkv["k"], qkv["v"]
     dt = np.dtype(sc.dtype)
     kv_map = np.asarray(sc.kv_map, dtype=np.intp)
     visible, scale, bq, bk = sc.visible, sc.scale, sc.block_q, sc.block_k
-    blocks = Blocks(sc, kv_map)
     right = score_stages.from_scenario(sc)  # a stage fault's wrong stage in place, the softmax's visible set
     stages, back, shown = score_stages.inject(right, visible, faults)  # the forward's and the backward's
+    extra = score_stages.params(right)  # a stage's parameter whose gradient is checked: an input (a bias)
+    inputs = {**qkv, **extra}
+    shapes = {name: x.shape for name, x in extra.items()}
+    blocks = Blocks(sc, kv_map, shapes)
 
     def fwd(q, k, v):
         return forward(q, k, v, shown, scale, kv_map, faults, bq, bk, stages=stages)
@@ -61,12 +69,15 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         return backward(q, k, v, shown, scale, kv_map, grad_o, faults, bq, bk, stages=back)[1:]
 
     def copies_forward(name: str, x: np.ndarray) -> np.ndarray:
-        return fwd(**{**inputs, name: x})
+        if name in extra:  # a stage's parameter moved: its perturbed copies in the stages
+            return forward(q, k, v, shown, scale, kv_map, faults, bq, bk, stages=score_stages.moved(stages, name, x))
+        return fwd(**{**qkv, name: x})
 
     o, lse = forward(q, k, v, shown, scale, kv_map, faults, bq, bk, with_lse=True, stages=stages)
     stats: dict = {}
+    param_grads: dict = {}
     g_q, g_k, g_v = backward(q, k, v, shown, scale, kv_map, g, faults, bq, bk, saved=(o, lse), stats=stats,
-                             stages=back)
+                             stages=back, params=param_grads)
     def a_rows(span):
         return formulas.attention_weights(q[..., span, :], k, shown[..., span, :], scale, kv_map, faults, stages,
                                           span)
@@ -75,17 +86,21 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     rng_inv = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
 
     def checks() -> list:
+        naive_params: dict = {}
         ref = dict(zip("oqkv", (np.asarray(r, dtype=np.float64) for r in
-                                naive_by_rows(q, k, v, shown, scale, kv_map, g, bq, faults, stages, back))))
+                                naive_by_rows(q, k, v, shown, scale, kv_map, g, bq, faults, stages, back,
+                                              naive_params))))
+        ref.update(naive_params)
         # Both engines round: they may differ by ENGINE_AGREEMENT_ULPS x eps x the (worst-case) size of each
         # element's terms, never by a fraction of the result (a saturated row's gradient is zero to rounding).
-        sizes = term_sizes(inputs, g, a_rows, scale, kv_map, stages=right)
+        sizes = term_sizes(qkv, g, a_rows, scale, kv_map, stages=right, params=shapes)
         policy = precision.Policy(sc.dtype, 0.0, 0.0, ENGINE_AGREEMENT_ULPS)
         agree = [precision.agreement("tiled agrees with the naive engine", t, mine, ref[t], sizes[t], policy,
-                                     what="tiled") for t, mine in (("o", o), ("q", g_q), ("k", g_k), ("v", g_v))]
+                                     what="tiled") for t, mine in (("o", o), ("q", g_q), ("k", g_k), ("v", g_v),
+                                                                   *param_grads.items())]
         if sc.mode == "jvp":  # the JVP too, along a random tangent, the naive one by blocks of query rows
             draw = np.random.default_rng([sc.seed, SeedStream.FAST_FORWARD])
-            t = {n: draw.standard_normal(x.shape).astype(dt) for n, x in inputs.items()}
+            t = {n: draw.standard_normal(x.shape).astype(dt) for n, x in qkv.items()}
             naive = np.empty(o.shape)
             for span in _spans(sc.n_q, TERM_ROWS):
                 naive[..., span, :] = directional.jvp(q[..., span, :], k, v, shown[..., span, :], scale, kv_map,
@@ -94,7 +109,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                                              jvp_terms(q, k, v, visible, scale, kv_map, t["q"], t["k"], t["v"], bq,
                                                        bk, right), policy, what="tiled"))
         eps = float(np.finfo(dt).eps)
-        terms = output_terms(inputs, a_rows, scale, kv_map, right)
+        terms = output_terms(qkv, a_rows, scale, kv_map, right)
         # D = rowsum(G_O * O) comes from the forward's O, which carries the rounding of its own terms
         scale_rows = stats["gs_rowscale"] + np.sum(np.abs(g).astype(np.float64) * terms["o"], axis=-1)
         rows = invariants.bounded("score-gradient rows sum to 0", "g_s",
@@ -104,7 +119,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                                   "(1 + |S_ij - LSE_i| + |scale| |q_i|.|k_j|), the rounding P = exp(S - LSE) carries, "
                                   "plus sum_c |G_O_ic| x the terms of O_ic (D is formed from the forward's O); "
                                   "accumulated over the blocks of the tiled backward (softmax is shift invariant)")
-        return agree + [rows] + output_invariants(fwd, backward_kv, inputs, visible, kv_map, o, rng_inv, terms,
+        return agree + [rows] + output_invariants(fwd, backward_kv, qkv, visible, kv_map, o, rng_inv, terms,
                                                   sc.dtype, (g, g_k, g_v))
 
     lead = sc.batch * sc.heads_q
@@ -115,22 +130,23 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     return Problem(
         inputs=inputs,
         loss=lambda name, x: np.sum(copies_forward(name, x) * g, axis=(-4, -3, -2, -1), dtype=np.float64),
-        gradients={"q": g_q, "k": g_k, "v": g_v},
+        gradients={"q": g_q, "k": g_k, "v": g_v, **param_grads},
         rounding=rounding,
         rounding_total=rounding_total,
         copy_bytes=(4 * lead * bq * bk + 3 * o.size + lead * sc.n_k * (sc.d_head + sc.d_value)) * dt.itemsize,
         invariants=checks,
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g, "scale": np.asarray(scale),
-                "kv_map": kv_map, "output": o, "lse": lse, "analytic_q": g_q, "analytic_k": g_k, "analytic_v": g_v},
+                "kv_map": kv_map, "output": o, "lse": lse, "analytic_q": g_q, "analytic_k": g_k, "analytic_v": g_v,
+                **extra, **{f"analytic_{t}": x for t, x in param_grads.items()}},
         output=o,
         tangents=Tangents(
-            forward=lambda **moved: fwd(**{**inputs, **moved}),
+            forward=lambda **moved: fwd(**{**qkv, **moved}),
             jvp=o_dot,
             jvp_terms=lambda t: jvp_terms(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), bq,
                                           bk, right),
-            output_terms=output_term_sizes(inputs, a_rows, scale, kv_map, stages=right),
+            output_terms=output_term_sizes(qkv, a_rows, scale, kv_map, stages=right),
             upstream=g,
-            explain=jvp_hints(o_dot, inputs, visible, scale, kv_map, [sc.seed, SeedStream.TANGENT_HINTS])),
+            explain=jvp_hints(o_dot, qkv, visible, scale, kv_map, [sc.seed, SeedStream.TANGENT_HINTS])),
         parts=blocks.parts,
         loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
         **diagnosis_fields(sc),

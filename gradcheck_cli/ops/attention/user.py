@@ -2,6 +2,7 @@
 (docs/your-code.md "Checking your own implementation")."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 
 import numpy as np
@@ -40,18 +41,19 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     In float16/bfloat16 (JAX only: the loader refuses a NumPy implementation there) that agreement, judged
     against a plain JAX computation in the same precision, replaces the finite differences (``_low``)."""
     stages = score_stages.from_scenario(sc)
+    if sc.backend == "jax":
+        from .. import jax_flavour  # imports JAX, whose ml_dtypes gives NumPy a bfloat16
     # softcap=, alibi_slopes=, ... passed when the scenario has them (arrays in the precision computed in)
     given = np.float64 if sc.dtype == "float64" else np.float32
     impl = score_stages.bind(sc.implementation_object, score_stages.shown(stages, sc.visible, faults),
-                             lambda a: a.astype(given), str(np.dtype(given)))
+                             lambda a, same: a.astype(sc.dtype if same else given), str(np.dtype(given)))
     if sc.mode == "jvp" and sc.backend == "numpy" and not callable(getattr(impl, "jvp", None)):
         raise ScenarioError(f"{sc.implementation} has no callable jvp: mode jvp needs jvp(q, k, v, visible, scale, "
                             "kv_map, dq, dk, dv) -> do beside forward and backward (docs/jvp-and-hvp.md "
                             "\"JVP of your own code\")", file=sc.file, line=sc.implementation_line or sc.line,
                             key=f"scenarios[{sc.index}].implementation")
     if sc.backend == "jax":  # one JAX function, differentiated by jax.vjp, compiled once per shape
-        from .. import jax_flavour
-        impl = jax_flavour.wrap(impl, 3, sc.dtype)  # imports JAX, whose ml_dtypes gives NumPy a bfloat16
+        impl = jax_flavour.wrap(impl, 3, sc.dtype)
     low = sc.dtype in LOW_PRECISION
     dt = np.dtype(sc.dtype)
     if low:  # the same draws as float64, rounded to the dtype (as the torch engine does)
@@ -62,24 +64,30 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     kv_map = np.asarray(sc.kv_map, dtype=np.intp)
     visible, scale, batch = sc.visible, sc.scale, sc.batch
-    blocks = Blocks(sc, kv_map)
+    extra = score_stages.params(stages)  # a bias whose gradient is checked: an input, returned by backward as dbias
+    keywords = score_stages.param_kwargs(stages)
+    blocks = Blocks(sc, kv_map, {t: x.shape for t, x in extra.items()})
     interface = Interface(faults, sizes, visible, scale, kv_map, stages)
 
-    def user_forward(q, k, v, visible, conv=sc.convention):
-        """The implementation's O, called in convention ``conv`` (its layout, mask and scale), in the tool's."""
+    def user_forward(q, k, v, visible, conv=sc.convention, **given):
+        """The implementation's O, called in convention ``conv`` (its layout, mask and scale), in the tool's;
+        ``given``: stage arguments for this call (a bias's perturbed copies, ``attn_bias=``)."""
         shape = conv.shape((q.shape[0], sc.heads_q, sc.n_q, sc.d_value))
-        return conv.tensor(implementation.call(impl.forward, "forward",
-                                               conv.arguments(q, k, v, visible, scale, kv_map, dt),
+        fn = functools.partial(impl.forward, **given) if given else impl.forward
+        return conv.tensor(implementation.call(fn, "forward", conv.arguments(q, k, v, visible, scale, kv_map, dt),
                                                {"o": (shape, dt)}, conv.names())["o"])
 
     def user_backward(q, k, v, grad_o):
+        """(dq, dk, dv), and the gradient of each checked stage parameter after them (dbias)."""
         conv = sc.convention
         out = implementation.call(impl.backward, "backward",
                                   conv.arguments(q, k, v, interface.visible, scale, kv_map, dt)
                                   + (conv.tensor(grad_o),),
-                                  {f"d{t}": (conv.shape(x.shape), dt) for t, x in zip("qkv", (q, k, v))},
+                                  {**{f"d{t}": (conv.shape(x.shape), dt) for t, x in zip("qkv", (q, k, v))},
+                                   **{f"d{t}": (x.shape, dt) for t, x in extra.items()}},
                                   conv.names() + ("grad_o",))
-        return interface.gradients(q, k, v, grad_o, *(conv.tensor(out[f"d{t}"]) for t in "qkv"))
+        return (interface.gradients(q, k, v, grad_o, *(conv.tensor(out[f"d{t}"]) for t in "qkv"))
+                + tuple(out[f"d{t}"] for t in extra))
 
     stacked_bytes = sum(x.nbytes for x in inputs.values()) + visible.size + g.nbytes  # one copy's arguments and O
     stack = impl.stack if sc.backend == "jax" else None  # the flavour's own object; a NumPy one is the user's
@@ -96,8 +104,18 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         args = {t: (moved[t] if t in moved else np.broadcast_to(val, (total,) + val.shape)).reshape(
             (total * batch,) + val.shape[1:]) for t, val in inputs.items()}
         vis = np.broadcast_to(interface.visible, (total,) + visible.shape).reshape((total * batch,) + visible.shape[1:])
+        given = {}
+        # a stage parameter moved, or one per batch element (a bias [B, H|1, n_q, n_k]), goes with the copies
+        # along the batch axis: [C * B, H|1, n_q, n_k]
+        for name, kwarg in keywords.items():
+            if name in moved or extra[name].shape[0] > 1:
+                x = moved.get(name, np.broadcast_to(extra[name], (c,) + extra[name].shape))
+                if total > c:
+                    x = np.concatenate([x, np.broadcast_to(extra[name], (total - c,) + x.shape[1:])])
+                x = np.broadcast_to(x, (total, batch) + x.shape[2:])
+                given[kwarg] = x.reshape((total * batch,) + x.shape[2:])
         try:
-            return user_forward(args["q"], args["k"], args["v"], vis).reshape((total,) + g.shape)[:c]
+            return user_forward(args["q"], args["k"], args["v"], vis, **given).reshape((total,) + g.shape)[:c]
         except implementation.ImplementationFailure as exc:
             raise implementation.in_copies(exc, batch, " and ".join(moved)) from None
 
@@ -130,9 +148,10 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             conv.names() + ("dq", "dk", "dv"))["o_dot"])
 
     o = called_as(sc, lambda conv: user_forward(q, k, v, interface.visible, conv), inputs)
-    dq, dk, dv = user_backward(q, k, v, g)
-    again = {"o": user_forward(q, k, v, interface.visible), **dict(zip("qkv", user_backward(q, k, v, g)))}
-    results = {"o": o, "q": dq, "k": dk, "v": dv}
+    dq, dk, dv, *dparams = user_backward(q, k, v, g)
+    names = ("q", "k", "v", *extra)
+    again = {"o": user_forward(q, k, v, interface.visible), **dict(zip(names, user_backward(q, k, v, g)))}
+    results = {"o": o, "q": dq, "k": dk, "v": dv, **dict(zip(extra, dparams))}
     deterministic = implementation.determinism("forward and backward", results, again, sc.nondet_tol)
     if low:
         return _low(sc, impl, inputs, g, interface, results, deterministic, user_forward, user_backward)
@@ -148,9 +167,9 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                               [sc.seed, SeedStream.PRECISION])
     agree, computes_in = precision.judge(results, ref, terms, sc.dtype,
                                          lambda p: plain(inputs, g, visible, scale, kv_map, p, stages),
-                                         REFERENCE_CHECKS,
+                                         {**REFERENCE_CHECKS, **dict.fromkeys(extra, REFERENCE_CHECKS["q"])},
                                          sc.factor, sc.slack, nearby_difference=nearby)
-    rounding, rounding_total = blocks.rounding(inputs, g, a64, scale, kv_map, stages=stages)
+    rounding, rounding_total = blocks.rounding({**inputs, **extra}, g, a64, scale, kv_map, stages=stages)
     rule = precision.Policy.for_dtype(computes_in)
     rng_inv = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
 
@@ -158,7 +177,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         try:
             out = [deterministic] + agree + output_invariants(
                 lambda q, k, v: user_forward(q, k, v, interface.visible),
-                lambda q, k, v, go: user_backward(q, k, v, go)[1:],
+                lambda q, k, v, go: user_backward(q, k, v, go)[1:3],
                 inputs, visible, kv_map, o, rng_inv, output_terms(inputs, a64, scale, kv_map, stages), computes_in,
                 (g, dk, dv))
         except implementation.ImplementationFailure as exc:
@@ -167,21 +186,22 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
 
     copy_bytes = 3 * a64.size * dt.itemsize + o.size * dt.itemsize + (k.size + v.size + q.size) * dt.itemsize
     return Problem(
-        inputs=inputs,
+        inputs={**inputs, **extra},
         loss=lambda name, x: np.sum(copies_forward(name, x) * g, axis=(-4, -3, -2, -1), dtype=np.float64),
-        gradients={"q": dq, "k": dk, "v": dv},
+        gradients={"q": dq, "k": dk, "v": dv, **dict(zip(extra, dparams))},
         rounding=rounding,
         rounding_total=rounding_total,
         copy_bytes=copy_bytes + visible.size,
         invariants=checks,
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
                 "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
-                "analytic_q": dq, "analytic_k": dk, "analytic_v": dv, "reference_output": ref["o"]},
+                "analytic_q": dq, "analytic_k": dk, "analytic_v": dv, "reference_output": ref["o"],
+                **extra, **{f"analytic_{t}": x for t, x in zip(extra, dparams)}},
         output=o,
         parts=blocks.parts,
         loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
         compute_dtype=None if computes_in == sc.dtype else computes_in,
-        analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in "qkv"},
+        analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in names},
         nondeterministic=varies(o, again["o"], sc.nondet_tol),
         compile_s=compile_time(impl),
         tangents=None if sc.mode != "jvp" else implementation_tangents(

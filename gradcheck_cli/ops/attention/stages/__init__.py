@@ -13,16 +13,17 @@ FlashAttention 2's and Gemma 2's: soft-capping first). Each stage is one module 
   G_in_dot = f'' S_dot_in G_out + f' G_out_dot);
 - ``error(size, s, ...)``: the rounding of f(s) when s carries an error of ``size`` (units of eps), and
   ``slope_size``: the size of the terms of f'(s) with its rounding; ``bound(b)``: a bound on |f(s)| given |s| <= b;
-- ``kwargs``: what a user's implementation is passed (FlashAttention's keyword names), and its ``label``.
+- ``kwargs``: what a user's implementation is passed (FlashAttention's keyword names), and its ``label``;
+- a parameter whose gradient is checked (an additive bias's, ``param``): an input beside q, k and v, its
+  gradient from the gradient at the stage's output (``param_grad``, gathered by :func:`pull_back`).
 
-The generic machinery here composes them (:func:`apply`, :func:`with_slope`, :func:`jet`, :func:`error`,
-:func:`slope_size`); the engines call it only when a scenario has stages, so plain attention's numbers and
-speed are untouched. A stage's faults are registered wrong stages (:func:`inject`), not flags in formulas.
+The generic machinery here composes them (:func:`apply`, :func:`with_slope`, :func:`jet`, :func:`pull_back`,
+:func:`error`, :func:`slope_size`); the engines call it only when a scenario has stages, so plain attention's
+numbers and speed are untouched. A stage's faults are registered wrong stages (:func:`inject`), not flags in formulas.
 The mask is applied after every stage, by the engines (hidden scores never reach a stage).
 """
 from __future__ import annotations
 
-import functools
 import types
 from collections.abc import Collection
 
@@ -128,6 +129,46 @@ def jet(stages, s, rows=ALL, cols=ALL):
     return s, d1, d2
 
 
+def params(stages) -> dict:
+    """The stages' parameters whose gradients are checked, by input name (none for plain attention)."""
+    return {st.param: st.values() for st in stages if st.param is not None}
+
+
+def param_kwargs(stages) -> dict:
+    """{parameter: the keyword a user's code is passed it as} of the parameters whose gradients are checked."""
+    return {st.param: st.param_kwarg for st in stages if st.param is not None}
+
+
+def lead(stages) -> tuple:
+    """The leading axes the stages' parameters carry beyond [B|1, H|1] (perturbed copies of a bias), for the
+    shape of the output."""
+    shapes = [st.values().shape[:-2] for st in stages if st.param is not None]
+    return np.broadcast_shapes(*shapes) if shapes else ()
+
+
+def moved(stages, name: str, x):
+    """The stages with parameter ``name`` replaced by ``x`` (perturbed copies: extra leading axes)."""
+    return tuple(st.moved(x) if st.param == name else st for st in stages)
+
+
+def pull_back(stages, s, g_out, rows=ALL, cols=ALL, xp=np):
+    """(the gradient at the raw scores ``s``, {parameter: the gradient of its block}) from ``g_out``, the gradient
+    at the last stage's output (the softmax's input): back through each stage, its parameter's gradient taken
+    from the gradient at its own output."""
+    inputs = []
+    for st in stages:
+        inputs.append(s)
+        s = st.value(s, rows, cols, xp)
+    grads, g = {}, g_out
+    for st, s_in in zip(reversed(stages), reversed(inputs)):
+        if st.param is not None:
+            grads[st.param] = st.param_grad(g, s_in, rows, cols)
+        slope = st.slope(s_in, rows, cols, xp)
+        if slope is not None:
+            g = g * slope
+    return g, grads
+
+
 def error(stages, size, s, rows=ALL, cols=ALL):
     """The error of the final scores (units of eps) when the first stage's input ``s`` carries ``size``."""
     for st in stages:
@@ -161,18 +202,34 @@ def validate(params: dict, attention: dict) -> list:
 
 
 def kwargs(stages, to=None) -> dict:
-    """What a user's implementation is passed for the stages (none for plain attention); ``to`` converts each
-    array (slopes, biases) to the flavour's own (a torch tensor on the inputs' device, in their precision)."""
+    """What a user's implementation is passed for the stages (none for plain attention); ``to(array, same)``
+    converts each array (slopes, biases) to the flavour's own (a torch tensor on the inputs' device), ``same``
+    when it goes in the inputs' dtype (``Stage.input_dtype_kwargs``)."""
     out: dict = {}
     for st in stages:
-        out.update(st.kwargs)
-    if to is not None:
-        out = {k: to(v) if isinstance(v, np.ndarray) else v for k, v in out.items()}
+        given = st.kwargs
+        if to is not None:
+            given = {k: to(v, k in st.input_dtype_kwargs) if isinstance(v, np.ndarray) else v for k, v in given.items()}
+        out.update(given)
     return out
 
 
 def labels(stages) -> str:
     return ", ".join(st.label for st in stages)
+
+
+class _Fresh:
+    """``fn`` with keyword arguments bound, each array among them handed over as a fresh copy on every call (an
+    implementation that changes one in place cannot change the next call's); a call's own keywords (a bias's
+    perturbed copies) replace the bound ones."""
+
+    def __init__(self, fn, given: dict):
+        self.fn, self.given = fn, given
+
+    def __call__(self, *args, **kw):
+        fresh = {k: (v.copy() if isinstance(v, np.ndarray) else v.clone() if hasattr(v, "clone") else v)
+                 for k, v in self.given.items() if k not in kw}
+        return self.fn(*args, **fresh, **kw)
 
 
 #: The implementations bound to stage arguments, by (id of the implementation, its arguments): one object per
@@ -191,9 +248,9 @@ def bind(impl, stages, to=None, tag: str = ""):
     key = (id(impl), labels(stages), tag)
     if key not in _BOUND:
         if callable(impl) and not hasattr(impl, "backward"):
-            bound = functools.partial(impl, **given)
+            bound = _Fresh(impl, given)
         else:
-            bound = types.SimpleNamespace(**{name: functools.partial(getattr(impl, name), **given)
+            bound = types.SimpleNamespace(**{name: _Fresh(getattr(impl, name), given)
                                              for name in ("forward", "backward", "jvp", "hvp")
                                              if callable(getattr(impl, name, None))})
         _BOUND[key] = (impl, bound)  # the implementation kept: its id stays its own

@@ -14,8 +14,28 @@ ALL = slice(None)
 
 
 class Stage:
-    """An elementwise map of the scores (module docstring). Subclasses override what differs from the identity."""
+    """An elementwise map of the scores (module docstring). Subclasses override what differs from the identity.
+    A stage with a parameter whose gradient is checked (an additive bias) names it ``param`` (the input's name)
+    and gives its ``values``, the same stage with them replaced (``moved``: perturbed copies carry extra leading
+    axes), the gradient of a block of them from the gradient at its output (``param_grad``) and how block
+    gradients add up (``param_add``)."""
     name = "identity"
+    param: str | None = None
+    param_kwarg: str | None = None  # the keyword a user's code is passed the parameter's values as
+    #: the keyword arguments passed in the inputs' dtype (a bias); the others' arrays in float64 or float32
+    input_dtype_kwargs: tuple[str, ...] = ()
+
+    def values(self):
+        return None
+
+    def moved(self, x):
+        return self
+
+    def param_grad(self, g_out, s, rows=ALL, cols=ALL):
+        return None
+
+    def param_add(self, total, block, rows=ALL, cols=ALL):
+        total[..., rows, cols] += block
 
     def value(self, s, rows=ALL, cols=ALL, xp=np):
         return s

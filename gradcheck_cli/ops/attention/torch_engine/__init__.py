@@ -64,7 +64,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     # softcap=, alibi_slopes=, ... passed when the scenario has them (tensors on the device, in float64 or float32)
     given = torch.float64 if sc.dtype == "float64" else torch.float32
     user = score_stages.bind(sc.implementation_object, score_stages.shown(stages, sc.visible, faults),
-                             lambda a: torch.as_tensor(a, dtype=given, device=device), f"{device}/{given}")
+                             lambda a, same: torch.as_tensor(a, dtype=dt if same else given, device=device),
+                             f"{device}/{given}")
     interface = Interface(faults, sizes, sc.visible, scale, kv_np, stages) if user is not None else None
     # the closed forms' stages, a stage fault's wrong one in place (and the visible set their softmax then sees)
     wrong, wrong_back, shown = (score_stages.inject(stages, sc.visible, faults) if user is None
