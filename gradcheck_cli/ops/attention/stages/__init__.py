@@ -30,14 +30,14 @@ from collections.abc import Collection
 import numpy as np
 
 from ...registry import Fault, Param
-from . import alibi, softcap
+from . import alibi, bias, softcap
 from .base import ALL, Registration, Stage
 
 __all__ = ["ALL", "FAULTS", "KEYS", "REGISTERED", "Stage", "apply", "from_scenario", "inject", "jet", "with_slope"]
 
 
 #: The stage modules, in the default order of the score path.
-REGISTERED: tuple[Registration, ...] = (softcap.REGISTRATION, alibi.REGISTRATION)
+REGISTERED: tuple[Registration, ...] = (softcap.REGISTRATION, bias.REGISTRATION, alibi.REGISTRATION)
 
 #: The scenario keys of the stages (``Op.keys`` of attention).
 KEYS: dict[str, Param] = {r.key: r.param for r in REGISTERED}

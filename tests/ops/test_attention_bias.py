@@ -1,0 +1,121 @@
+"""An additive bias (``bias: {shape, grad}``): dBias against torch autograd of an independent forward for every
+broadcast shape, the tiled engine block by block against the naive one, user code given ``attn_bias=`` and
+returning dbias, its faults where they apply, and the loader's messages."""
+import numpy as np
+import pytest
+
+from gradcheck_cli import checker, masks
+from gradcheck_cli.errors import ScenarioError
+from gradcheck_cli.ops.attention import formulas, tiled
+from gradcheck_cli.ops.attention import stages as score_stages
+from gradcheck_cli.ops.attention.stages.bias import Bias, sum_broadcast
+from gradcheck_cli.ops.attention.stages.softcap import Softcap
+
+from helpers import make, with_examples
+
+
+def _inputs(seed=0, b=2, h=4, n=5, m=9, d=4):
+    rng = np.random.default_rng(seed)
+    q, k, v, g = (rng.standard_normal(s) for s in [(b, h, n, d), (b, h, m, d), (b, h, m, d), (b, h, n, d)])
+    return q, k, v, g, np.arange(h), masks.build_visible(b, h, n, m, causal="lower-right", key_lengths=(m, m - 2))
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 5, 9), (1, 4, 5, 9), (2, 1, 5, 9), (1, 1, 5, 9)])
+def test_dbias_equals_torch_autograd_of_the_definition(shape):
+    torch = pytest.importorskip("torch")
+    q, k, v, g, kv_map, visible = _inputs()
+    bias = np.random.default_rng(1).standard_normal(shape)
+    leaves = [torch.tensor(x, requires_grad=True) for x in (q, k, v, bias)]
+
+    def f(q, k, v, b):  # capped, then the bias, then the mask
+        s = 1.5 * torch.tanh(0.6 * (q @ k.transpose(-1, -2)) / 1.5) + b
+        return torch.softmax(s.masked_fill(~torch.from_numpy(visible), float("-inf")), -1) @ v
+
+    o = f(*leaves)
+    want = torch.autograd.grad(o, leaves, torch.tensor(g))
+    stages = (Softcap(1.5), Bias(bias, True))
+    np.testing.assert_allclose(formulas.forward(q, k, v, visible, 0.6, kv_map, stages=stages), o.detach(),
+                               rtol=1e-12, atol=1e-13)
+    got = formulas.backward(q, k, v, visible, 0.6, kv_map, g, stages=stages)
+    for a, b in zip((got.q, got.k, got.v, got.params["bias"]), want):
+        np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-12)
+    hidden = ~visible.any(axis=tuple(i for i in (0, 1) if shape[i] == 1), keepdims=True)
+    assert np.all(got.params["bias"][np.broadcast_to(hidden, shape)] == 0)  # the mask comes after the bias
+
+
+def test_sum_broadcast_is_the_one_reduction():
+    g = np.arange(2 * 3 * 2 * 2, dtype=float).reshape(2, 3, 2, 2)
+    np.testing.assert_array_equal(sum_broadcast(g, (2, 3)), g)
+    np.testing.assert_array_equal(sum_broadcast(g, (1, 3)), g.sum(0, keepdims=True))
+    np.testing.assert_array_equal(sum_broadcast(g, (1, 1)), g.sum((0, 1), keepdims=True))
+    np.testing.assert_array_equal(sum_broadcast(np.stack([g, g]), (2, 3)), 2 * g)  # copies summed too
+
+
+def test_tiled_blocks_give_the_naive_gradients():
+    q, k, v, g, kv_map, visible = _inputs(n=7, m=11)
+    stages = (Bias(np.random.default_rng(2).standard_normal((1, 4, 7, 11)), True),)
+    params: dict = {}
+    t = tiled.backward(q, k, v, visible, 0.5, kv_map, g, block_q=2, block_k=3, stages=stages, params=params)
+    n = formulas.backward(q, k, v, visible, 0.5, kv_map, g, stages=stages)
+    for a, b in zip((*t, params["bias"]), (n.q, n.k, n.v, n.params["bias"])):
+        np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("engine", [{}, {"engine": "tiled", "block_q": 2, "block_k": 4}])
+@pytest.mark.parametrize("shape", [[1, 2, 4, 7], [2, 1, 4, 7]])
+def test_scenarios_check_dbias_like_q_k_v(engine, shape):
+    sc = make(batch=2, heads_q=2, n_q=4, n_k=7, d_head=4, bias={"shape": shape}, mask={"causal": "lower-right"},
+              **engine)
+    result = checker.run_scenario(sc)
+    assert result.passed
+    assert {"q", "k", "v", "bias"} <= {c.tensor for c in result.checks if c.name.startswith("gradient ")}
+    for fault in ("bias-broadcast-sum", "bias-hidden-gradient", "bias-scaled"):
+        assert fault in checker.applicable_faults(sc)
+        failed = {c.name for c in checker.run_scenario(sc, (fault,)).checks if c.verdict == "fail"}
+        assert "gradient bias" in failed and failed <= {"gradient bias", "backward agrees with the reference"}
+
+
+def test_a_fixed_bias_is_no_input_and_its_faults_do_not_apply():
+    sc = make(heads_q=2, n_q=4, n_k=7, d_head=4, bias={"grad": False})
+    result = checker.run_scenario(sc)
+    assert result.passed and "bias" not in {c.tensor for c in result.checks}
+    assert all("not checked" in score_stages.why_not(sc, f) for f in checker.applicable_faults(sc)
+               if f.startswith("bias-"))
+    assert "bias" not in score_stages.params(score_stages.from_scenario(sc))
+
+
+def test_user_code_gets_attn_bias_and_returns_dbias():
+    ok = with_examples(implementation="bias_attention:numpy_bias", heads_q=2, n_q=4, n_k=7, d_head=4,
+                       bias={"shape": [1, 2, 4, 7]}, mask={"causal": "lower-right"})
+    result = checker.run_scenario(ok)
+    assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
+    assert any(c.tensor == "bias" and c.name == "backward agrees with the reference" for c in result.checks)
+    broken = with_examples(implementation="bias_attention:numpy_bias_not_summed", batch=2, heads_q=2, n_q=4, n_k=7,
+                           d_head=4, bias={"shape": [1, 2, 4, 7]})
+    failed = {(c.name, c.tensor) for c in checker.run_scenario(broken).checks if c.verdict == "fail"}
+    assert ("gradient bias", "bias") in failed
+
+
+@pytest.mark.parametrize("name, backend", [("torch_bias", "torch"), ("jax_bias", "jax")])
+def test_sdpa_and_jax_with_a_fixed_bias_pass(name, backend):
+    pytest.importorskip(backend)
+    sc = with_examples(implementation=f"bias_attention:{name}", backend=backend, dtype="float32", heads_q=2, n_q=4,
+                       n_k=7, d_head=4, bias={"grad": False}, mask={"causal": "lower-right"})
+    result = checker.run_scenario(sc)
+    assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
+
+
+@pytest.mark.parametrize("bias, extra, message", [
+    ({"shape": [3, 2, 4, 4]}, {}, "expected [B|1, H|1, n_q, n_k]"),
+    ({"shape": [1, 2, 4]}, {}, "expected [B|1, H|1, n_q, n_k]"),
+    ({"grad": "yes"}, {}, "expected true or false"),
+    ({}, {"check": {"mode": "jvp"}}, "not built"),
+    ({}, {"backend": "torch"}, "NumPy engines"),
+    ({"size": 3}, {}, "unknown key 'size'"),
+])
+def test_bad_bias_is_refused_with_its_key(bias, extra, message):
+    if extra.get("backend") == "torch":
+        pytest.importorskip("torch")
+    with pytest.raises(ScenarioError) as err:
+        make(heads_q=2, n_q=4, d_head=4, bias=bias, **extra)
+    assert message in str(err.value) and "bias" in str(err.value)
