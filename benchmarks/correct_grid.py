@@ -155,7 +155,7 @@ def draw_derivative(rng, category: str) -> dict:
     return sc
 
 
-VARIANTS = ("softcap", "alibi", "softcap+alibi")
+VARIANTS = ("softcap", "alibi", "softcap+alibi", "bias", "softcap+bias+alibi")
 
 
 def variant_categories(with_torch: bool) -> list[tuple[str, float]]:
@@ -166,6 +166,7 @@ def variant_categories(with_torch: bool) -> list[tuple[str, float]]:
         where += [("torch", 0.14), ("impl/torch", 0.12), ("hvp/impl/torch", 0.04)]
     if _has("jax"):
         where += [("impl/jax", 0.06), ("jvp/impl/jax", 0.02)]
+    # a bias's gradient: the NumPy engines and implementations, modes full/sample/directional (a fixed one elsewhere)
     cats = [(f"{variant}/{w}", p) for variant in VARIANTS for w, p in where]
     total = sum(w for _, w in cats)
     return [(c, w / total) for c, w in cats]
@@ -195,6 +196,11 @@ def draw_variant(rng, category: str) -> dict:
         if rng.random() < 0.25:
             alibi["slopes"] = [float(np.round(x, 4)) for x in rng.uniform(0.01, 1.0, sc["heads_q"])]
         sc["alibi"] = alibi
+    if "bias" in variant:
+        per_batch, per_head = bool(rng.random() < 0.5), bool(rng.random() < 0.7)
+        fixed = mode is not None or torch or rest == "impl/jax"
+        sc["bias"] = {"shape": [sc["batch"] if per_batch else 1, sc["heads_q"] if per_head else 1,
+                                sc["n_q"], sc["n_k"]], "grad": not fixed}
     if mode:
         sc["check"] = {"mode": mode}
     if rest == "tiled":

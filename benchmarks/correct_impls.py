@@ -211,54 +211,68 @@ def _alibi_d(n_q, n_k, form):
 
 class _NumpyVariants:
     @staticmethod
-    def _p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form):
+    def _p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form, attn_bias=None):
         raw = scale * np.einsum("bhid,bhjd->bhij", q, k_rep)
         t = np.tanh(raw / softcap) if softcap else None
         s = softcap * t if softcap else raw
+        if attn_bias is not None:
+            s = s + attn_bias
         if alibi_slopes is not None:
             s = s + (alibi_slopes[:, None, None] * _alibi_d(q.shape[2], k_rep.shape[2], alibi_form)).astype(s.dtype)
         s = np.where(visible, s, -np.inf)
         e = np.exp(s - s.max(-1, keepdims=True))
         return e / e.sum(-1, keepdims=True), t
 
-    def forward(self, q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance"):
-        p, _ = self._p(q, k[:, kv_map], visible, scale, softcap, alibi_slopes, alibi_form)
+    def forward(self, q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
+                attn_bias=None):
+        p, _ = self._p(q, k[:, kv_map], visible, scale, softcap, alibi_slopes, alibi_form, attn_bias)
         return np.einsum("bhij,bhjd->bhid", p, v[:, kv_map])
 
     def backward(self, q, k, v, visible, scale, kv_map, grad_o, softcap=None, alibi_slopes=None,
-                 alibi_form="distance"):
+                 alibi_form="distance", attn_bias=None):
         k_rep, v_rep = k[:, kv_map], v[:, kv_map]
-        p, t = self._p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form)
+        p, t = self._p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form, attn_bias)
         dp = np.einsum("bhid,bhjd->bhij", grad_o, v_rep)
         ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+        dbias = None
+        if attn_bias is not None:  # the gradient at the bias (after the cap), summed where it is broadcast
+            axes = tuple(i for i in (0, 1) if attn_bias.shape[i] == 1 and ds.shape[i] != 1)
+            dbias = ds.sum(axis=axes, keepdims=True) if axes else ds
         if softcap:
             ds = ds * (1 - t * t)
         dk, dv = np.zeros_like(k), np.zeros_like(v)
         np.add.at(dk, (slice(None), kv_map), scale * np.einsum("bhij,bhid->bhjd", ds, q))
         np.add.at(dv, (slice(None), kv_map), np.einsum("bhij,bhid->bhjd", p, grad_o))
-        return scale * np.einsum("bhij,bhjd->bhid", ds, k_rep), dk, dv
+        out = (scale * np.einsum("bhij,bhjd->bhid", ds, k_rep), dk, dv)
+        return out if dbias is None else out + (dbias,)
 
 
 numpy_variants = _NumpyVariants()
 
 
-def torch_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance"):
+def torch_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
+                   attn_bias=None):
     import torch
     s = scale * (q @ k[:, kv_map].transpose(-1, -2))
     if softcap:
         s = softcap * torch.tanh(s / softcap)
+    if attn_bias is not None:
+        s = s + attn_bias
     if alibi_slopes is not None:
         d = torch.as_tensor(_alibi_d(q.shape[2], k.shape[2], alibi_form), dtype=q.dtype, device=q.device)
         s = s + alibi_slopes.to(q.dtype)[:, None, None] * d
     return torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1) @ v[:, kv_map]
 
 
-def jax_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance"):
+def jax_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
+                 attn_bias=None):
     import jax
     import jax.numpy as jnp
     s = scale * (q @ jnp.swapaxes(k[:, kv_map], -1, -2))
     if softcap:
         s = softcap * jnp.tanh(s / softcap)
+    if attn_bias is not None:
+        s = s + attn_bias
     if alibi_slopes is not None:
         bias = jnp.asarray(alibi_slopes)[:, None, None] * _alibi_d(q.shape[2], k.shape[2], alibi_form)
         s = s + bias.astype(s.dtype)

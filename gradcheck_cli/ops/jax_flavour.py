@@ -41,7 +41,8 @@ def _compiled_functions(user) -> tuple:
                 _, pull = jax.vjp(lambda *ys: user(*ys, *rest), *xs)
                 return sum(jax.numpy.sum(g * d) for g, d in zip(pull(grad_y), directions))
             return jax.grad(along, argnums=tuple(range(len(inputs))))(*inputs)
-        _COMPILED[id(user)] = (user, jax.jit(lambda *args: user(*args)), vjp, jvp, hvp)  # user kept: its id stays
+        # keyword arguments (a bias per batch element, stacked with the copies) are traced like the others
+        _COMPILED[id(user)] = (user, jax.jit(lambda *args, **kw: user(*args, **kw)), vjp, jvp, hvp)  # id kept
     return _COMPILED[id(user)][1:]
 
 
@@ -135,9 +136,10 @@ def wrap(user, count: int, dtype: str) -> SimpleNamespace:
             state.shapes.add(key)
         return out
 
-    def forward(*args):
-        key = ("forward",) + tuple(np.shape(a) for a in args)
-        return plain("y", timed(key, forward_jit, *(as_jax(a) for a in args)))
+    def forward(*args, **kw):
+        key = ("forward",) + tuple(np.shape(a) for a in args) + tuple((k, np.shape(a)) for k, a in sorted(kw.items()))
+        return plain("y", timed(key, lambda *a: forward_jit(*a, **{k: as_jax(x) for k, x in kw.items()}),
+                                *(as_jax(a) for a in args)))
 
     def backward(*args):
         *given, grad_y = args

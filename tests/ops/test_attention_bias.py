@@ -97,10 +97,13 @@ def test_user_code_gets_attn_bias_and_returns_dbias():
 
 
 @pytest.mark.parametrize("name, backend", [("torch_bias", "torch"), ("jax_bias", "jax")])
-def test_sdpa_and_jax_with_a_fixed_bias_pass(name, backend):
+@pytest.mark.parametrize("shape", [[1, 2, 4, 7], [2, 1, 4, 7]])
+def test_sdpa_and_jax_with_a_fixed_bias_pass(name, backend, shape):
+    """A bias per batch element goes with the perturbed copies stacked along the batch axis (found by the
+    variants grid: a JAX forward was handed the unstacked bias)."""
     pytest.importorskip(backend)
-    sc = with_examples(implementation=f"bias_attention:{name}", backend=backend, dtype="float32", heads_q=2, n_q=4,
-                       n_k=7, d_head=4, bias={"grad": False}, mask={"causal": "lower-right"})
+    sc = with_examples(implementation=f"bias_attention:{name}", backend=backend, dtype="float32", batch=2, heads_q=2,
+                       n_q=4, n_k=7, d_head=4, bias={"grad": False, "shape": shape}, mask={"causal": "lower-right"})
     result = checker.run_scenario(sc)
     assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
 

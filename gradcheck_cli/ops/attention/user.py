@@ -65,7 +65,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     kv_map = np.asarray(sc.kv_map, dtype=np.intp)
     visible, scale, batch = sc.visible, sc.scale, sc.batch
     extra = score_stages.params(stages)  # a bias whose gradient is checked: an input, returned by backward as dbias
-    keywords = score_stages.param_kwargs(stages)
+    batched = score_stages.batched(score_stages.shown(stages, sc.visible, faults))
     blocks = Blocks(sc, kv_map, {t: x.shape for t, x in extra.items()})
     interface = Interface(faults, sizes, visible, scale, kv_map, stages)
 
@@ -107,12 +107,12 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         given = {}
         # a stage parameter moved, or one per batch element (a bias [B, H|1, n_q, n_k]), goes with the copies
         # along the batch axis: [C * B, H|1, n_q, n_k]
-        for name, kwarg in keywords.items():
-            if name in moved or extra[name].shape[0] > 1:
-                x = moved.get(name, np.broadcast_to(extra[name], (c,) + extra[name].shape))
+        for kwarg, (name, value) in batched.items():
+            if name in moved or value.shape[0] > 1:
+                x = moved.get(name, np.broadcast_to(value, (c,) + value.shape))
                 if total > c:
-                    x = np.concatenate([x, np.broadcast_to(extra[name], (total - c,) + x.shape[1:])])
-                x = np.broadcast_to(x, (total, batch) + x.shape[2:])
+                    x = np.concatenate([x, np.broadcast_to(value, (total - c,) + x.shape[1:])])
+                x = np.broadcast_to(x, (total, batch) + x.shape[2:]).astype(sc.dtype)
                 given[kwarg] = x.reshape((total * batch,) + x.shape[2:])
         try:
             return user_forward(args["q"], args["k"], args["v"], vis, **given).reshape((total,) + g.shape)[:c]

@@ -134,9 +134,10 @@ def params(stages) -> dict:
     return {st.param: st.values() for st in stages if st.param is not None}
 
 
-def param_kwargs(stages) -> dict:
-    """{parameter: the keyword a user's code is passed it as} of the parameters whose gradients are checked."""
-    return {st.param: st.param_kwarg for st in stages if st.param is not None}
+def batched(stages) -> dict:
+    """{keyword: (the parameter it carries or None, its values)} of the arguments whose first axis is the batch's
+    (a bias): a user's code called on copies stacked along the batch axis gets them stacked likewise."""
+    return {kw: (st.param, st.kwargs[kw]) for st in stages for kw in st.batched_kwargs}
 
 
 def lead(stages) -> tuple:

@@ -22,6 +22,8 @@ class Stage:
     name = "identity"
     param: str | None = None
     param_kwarg: str | None = None  # the keyword a user's code is passed the parameter's values as
+    #: keyword arguments whose first axis is the batch's (a bias [B|1, ...]): stacked with the inputs' copies
+    batched_kwargs: tuple[str, ...] = ()
     #: the keyword arguments passed in the inputs' dtype (a bias); the others' arrays in float64 or float32
     input_dtype_kwargs: tuple[str, ...] = ()
 

@@ -31,6 +31,7 @@ class Bias(Stage):
     name = KEY
     input_dtype_kwargs = ("attn_bias",)
     param_kwarg = "attn_bias"
+    batched_kwargs = ("attn_bias",)
 
     def __init__(self, values: np.ndarray, grad: bool, scale: float = 1.0):
         self.bias, self.grad, self.scale = values, grad, scale  # the scale: for the fault that applies it

@@ -9,6 +9,7 @@ closed forms, SDPA and autograd on torch tensors) and ``calls`` (a user's implem
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 
 import numpy as np
@@ -71,16 +72,18 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     wrong, wrong_back, shown = (score_stages.inject(stages, sc.visible, faults) if user is None
                                 else (stages, stages, sc.visible))
     vis = torch.from_numpy(shown if interface is None else interface.visible).to(device)
+    batched = score_stages.batched(score_stages.shown(stages, sc.visible, faults))
     rounded = {t: np_(x) for t, x in zip("qkv", (q, k, v))}  # the inputs as the dtype holds them
     g_rounded = np_(g)
 
     lowest = float(torch.finfo(dt).min)
 
-    def fwd(q_, k_, v_, vis_=vis, conv=sc.convention, sources=None):
+    def fwd(q_, k_, v_, vis_=vis, conv=sc.convention, sources=None, given=None):
         if user is not None:  # called in its convention (layout, mask, scale), O back in the tool's layout
             plain = conv == Convention()  # the arguments are the tensors given: stacked ones need no clone
+            call = functools.partial(user, **given) if given else user  # a per-batch bias stacked with the copies
             with torch.no_grad():
-                return conv.tensor(call_user(user, conv.arguments(q_, k_, v_, vis_, scale, kv_map, dt, lowest),
+                return conv.tensor(call_user(call, conv.arguments(q_, k_, v_, vis_, scale, kv_map, dt, lowest),
                                              conv.shape((q_.shape[0],) + tuple(g.shape[1:])), dt, conv.names(),
                                              sources if plain else None))
         return forward(q_, k_, v_, vis_, scale, kv_map, faults, wrong)
@@ -187,8 +190,11 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
 
         # the unmoved inputs and the mask are stacked afresh for this call: they need no clone (call_user)
         sources = {i: t for i, t in enumerate((*(args[u] for u in "qkv"), vis)) if t.dim() == 4}
+        given = {kw: stack(torch.as_tensor(value, dtype=dt, device=device)) for kw, (_, value) in batched.items()
+                 if value.shape[0] > 1}  # a bias per batch element goes with the copies
         try:
-            return fwd(*(stack(args[t]) for t in "qkv"), stack(vis), sources=sources).reshape((c,) + tuple(g.shape))
+            return fwd(*(stack(args[t]) for t in "qkv"), stack(vis), sources=sources, given=given).reshape(
+                (c,) + tuple(g.shape))
         except ImplementationFailure as exc:
             raise in_copies(exc, sc.batch, " and ".join(moved)) from None
 
