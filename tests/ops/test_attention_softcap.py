@@ -160,3 +160,10 @@ def test_bad_softcap_is_refused_with_its_key(keys, message):
     with pytest.raises(ScenarioError) as err:
         make(**{**base, **keys})
     assert message in str(err.value)
+
+
+def test_code_that_refuses_the_keyword_is_told_which_key_passes_it():
+    sc = with_examples(implementation="my_attention:attention", n_q=4, d_head=4, softcap=2.0)
+    result = checker.run_scenario(sc)
+    assert not result.passed
+    assert any("the scenario sets softcap" in h and "softcap=" in h for h in result.hints), result.hints

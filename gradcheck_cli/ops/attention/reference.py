@@ -40,14 +40,23 @@ def hint_context(inputs: dict, g, visible, scale, kv_map, results: dict, referen
 def called_as(sc, call, inputs: dict):
     """``call(sc.convention)``: the implementation's first call. When it fails and, called in another
     convention (``convention:`` keys), its forward agrees with the reference, the failure says so
-    (``ImplementationFailure.hint``)."""
+    (``ImplementationFailure.hint``); when it refuses a variant's keyword argument (``softcap=``), the hint
+    says which scenario key passes it."""
     from ...implementation import ImplementationFailure
+    stages = score_stages.from_scenario(sc)
     try:
         return call(sc.convention)
     except ImplementationFailure as exc:
+        refused = [st for st in stages for kw in st.kwargs if f"unexpected keyword argument '{kw}'" in str(exc)]
+        if refused:
+            st = refused[0]
+            exc.hint = (f"the scenario sets {st.name}: your code is passed {', '.join(f'{kw}=' for kw in st.kwargs)} "
+                        "(keyword arguments): accept them (docs/variants.md), or remove the key to check it as plain "
+                        "attention")
+            raise
         x = {t: val.astype(np.float64) for t, val in inputs.items()}
         ref = forward(x["q"], x["k"], x["v"], sc.visible, sc.scale, np.asarray(sc.kv_map, dtype=np.intp),
-                      stages=score_stages.from_scenario(sc))
+                      stages=stages)
         exc.hint = _convention(sc, call, ref)
         raise
 
