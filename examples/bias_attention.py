@@ -4,6 +4,9 @@ dbias after (dq, dk, dv): the gradient at the softmax's input, summed over the a
 
     numpy_bias                 right
     numpy_bias_not_summed      dbias of a broadcast axis taken from its first element (a real bug class)
+    torch_bias                 PyTorch SDPA with a float attn_mask (a learned mask: its gradient by autograd)
+    torch_bias_detached        the mask detached before use: its gradient never reaches it
+    jax_bias                   jax.nn.dot_product_attention with bias= (a fixed bias)
 """
 import numpy as np
 
@@ -45,7 +48,8 @@ numpy_bias_not_summed = _NotSummed()
 
 
 def torch_bias(q, k, v, visible, scale, kv_map, *, attn_bias):
-    """PyTorch SDPA with a float mask: the bias with the hidden keys at -inf (a fixed bias: grad false)."""
+    """PyTorch SDPA with a float mask: the bias with the hidden keys at -inf (a learned mask when the scenario checks
+    its gradient: autograd reaches attn_bias through SDPA)."""
     import torch.nn.functional as F
     mask = attn_bias.masked_fill(~visible, float("-inf"))
     return F.scaled_dot_product_attention(q, k[:, kv_map], v[:, kv_map], attn_mask=mask, scale=scale)
@@ -58,3 +62,8 @@ def jax_bias(q, k, v, visible, scale, kv_map, *, attn_bias):
     out = jax.nn.dot_product_attention(jnp.swapaxes(q, 1, 2), jnp.swapaxes(k[:, kv_map], 1, 2),
                                        jnp.swapaxes(v[:, kv_map], 1, 2), bias=attn_bias, mask=visible, scale=scale)
     return jnp.swapaxes(out, 1, 2)
+
+
+def torch_bias_detached(q, k, v, visible, scale, kv_map, *, attn_bias):
+    """Broken: the bias detached before use (a cached mask), so its gradient never reaches it."""
+    return torch_bias(q, k, v, visible, scale, kv_map, attn_bias=attn_bias.detach())

@@ -108,12 +108,29 @@ def test_sdpa_and_jax_with_a_fixed_bias_pass(name, backend, shape):
     assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
 
 
+@pytest.mark.parametrize("shape", [[2, 2, 4, 7], [1, 1, 4, 7]])
+def test_sdpa_with_a_learned_mask_checks_its_gradient_and_a_detached_one_fails(shape):
+    pytest.importorskip("torch")
+    keys = dict(backend="torch", batch=2, heads_q=2, n_q=4, n_k=7, d_head=4, bias={"shape": shape},
+                mask={"causal": "lower-right"})
+    result = checker.run_scenario(with_examples(implementation="bias_attention:torch_bias", **keys))
+    assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
+    assert {"gradient bias"} <= {c.name for c in result.checks if c.tensor == "bias"}
+    cells = checker.negative_controls([with_examples(implementation="bias_attention:torch_bias", **keys)])
+    assert cells and {c.status for c in cells if c.fault != "gqa-sum"} == {"detected"}  # one KV head per query head
+    failed = {c.name for c in checker.run_scenario(with_examples(implementation="bias_attention:torch_bias_detached",
+                                                                 **keys)).checks if c.verdict == "fail"}
+    assert "gradient bias" in failed
+
+
 @pytest.mark.parametrize("bias, extra, message", [
     ({"shape": [3, 2, 4, 4]}, {}, "expected [B|1, H|1, n_q, n_k]"),
     ({"shape": [1, 2, 4]}, {}, "expected [B|1, H|1, n_q, n_k]"),
     ({"grad": "yes"}, {}, "expected true or false"),
     ({}, {"check": {"mode": "jvp"}}, "not built"),
-    ({}, {"backend": "torch"}, "NumPy engines"),
+    ({}, {"backend": "torch"}, "not the torch closed forms"),
+    ({}, {"backend": "torch", "implementation": "bias_attention:torch_bias", "dtype": "bfloat16"},
+     "float64 and float32"),
     ({"size": 3}, {}, "unknown key 'size'"),
 ])
 def test_bad_bias_is_refused_with_its_key(bias, extra, message):
@@ -122,3 +139,19 @@ def test_bad_bias_is_refused_with_its_key(bias, extra, message):
     with pytest.raises(ScenarioError) as err:
         make(heads_q=2, n_q=4, d_head=4, bias=bias, **extra)
     assert message in str(err.value) and "bias" in str(err.value)
+
+
+def test_scenarios_with_biases_of_one_shape_get_their_own_values():
+    """The binding of user code and the JAX peer's compiled programs are cached per stage *values* (two seeds give
+    two biases of one shape: a cache by label handed the second scenario the first one's bias)."""
+    one, two = (score_stages.from_scenario(make(seed=s, heads_q=2, n_q=4, n_k=7, d_head=4, bias={})) for s in (1, 2))
+    assert score_stages.labels(one) == score_stages.labels(two) and score_stages.keys(one) != score_stages.keys(two)
+
+    class Probe:
+        def forward(self, *args, attn_bias):
+            return attn_bias
+
+    probe = Probe()
+    got = [score_stages.bind(probe, st, lambda a, same: a, "t").forward() for st in (one, two)]
+    assert not np.array_equal(got[0], got[1])
+    np.testing.assert_array_equal(got[1], two[0].bias)

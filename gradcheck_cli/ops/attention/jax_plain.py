@@ -22,6 +22,16 @@ def forward(q, k, v, visible, scale: float, kv_map, stages=()):
     return (e / e.sum(axis=-1, keepdims=True)) @ v
 
 
+def forward_softmax(q, k, v, visible, scale: float, kv_map, stages=()):
+    """The same through ``jax.nn.softmax`` (JAX's own, with its own backward): the library way a JAX attention is
+    most often written, whose half-precision rounding differs from the explicit exponentials'."""
+    k, v = k[:, kv_map], v[:, kv_map]
+    s = (q @ jnp.swapaxes(k, -1, -2)) * scale
+    if stages:
+        s = score_stages.apply(stages, s, xp=jnp)
+    return jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1) @ v
+
+
 def backward(q, k, v, visible, scale: float, kv_map, grad_o, stages=()):
     """(G_Q, G_K, G_V): the closed forms (``formulas.backward``), every step in the inputs' dtype, K/V
     gradients summed over the query heads of each KV head; G_S back through the score ``stages``' derivative."""
@@ -53,7 +63,8 @@ ROUNDED = {"xla_allow_excess_precision": False, "xla_backend_optimization_level"
 def _plain_ways(scale: float, stages=()):
     def run(q, k, v, g, visible, kv_map):
         o, pull = jax.vjp(lambda q, k, v: forward(q, k, v, visible, scale, kv_map, stages), q, k, v)
-        return (o, *pull(g), *backward(q, k, v, visible, scale, kv_map, g, stages))
+        o_sm, pull_sm = jax.vjp(lambda q, k, v: forward_softmax(q, k, v, visible, scale, kv_map, stages), q, k, v)
+        return (o, *pull(g), *backward(q, k, v, visible, scale, kv_map, g, stages), o_sm, *pull_sm(g))
     return jax.jit(run)
 
 
@@ -62,15 +73,16 @@ _COMPILED: dict[tuple, object] = {}
 
 
 def plain(inputs: dict, g, visible, scale: float, kv_map, dtype: str, stages=()) -> list[dict]:
-    """Two plain computations in ``dtype`` on ``inputs`` (rounded to it), each {o, q, k, v} as float64 NumPy
-    arrays: the plain forward with its ``jax.vjp`` gradients, and the closed forms (so that no one plain way
-    is lucky)."""
+    """Three plain computations in ``dtype`` on ``inputs`` (rounded to it), each {o, q, k, v} as float64 NumPy
+    arrays: the plain forward with its ``jax.vjp`` gradients, the closed forms, and the forward through
+    ``jax.nn.softmax`` with its ``jax.vjp`` gradients (so that no one plain way is lucky: as the torch engine
+    takes autograd, the closed forms and SDPA)."""
     dt = jnp.dtype(dtype)  # a NumPy dtype (ml_dtypes' for bfloat16)
     to = lambda a: jnp.asarray(np.asarray(a).astype(dt))  # noqa: E731 (rounded in NumPy: no float64 in JAX)
     args = (*(to(inputs[t]) for t in "qkv"), to(g), jnp.asarray(visible),
             jnp.asarray(np.asarray(kv_map, dtype=np.int32)))
-    key = (float(scale), score_stages.labels(stages)) + tuple((a.shape, str(a.dtype)) for a in args)
+    key = (float(scale), score_stages.keys(stages)) + tuple((a.shape, str(a.dtype)) for a in args)
     if key not in _COMPILED:
         _COMPILED[key] = _plain_ways(float(scale), stages).lower(*args).compile(compiler_options=ROUNDED)
     o, *grads = (np.asarray(x).astype(np.float64) for x in _COMPILED[key](*args))
-    return [dict(zip("oqkv", (o, *grads[:3]))), dict(zip("oqkv", (o, *grads[3:])))]
+    return [dict(zip("oqkv", (o, *grads[:3]))), dict(zip("oqkv", (o, *grads[3:6]))), dict(zip("oqkv", grads[6:]))]

@@ -134,6 +134,11 @@ def params(stages) -> dict:
     return {st.param: st.values() for st in stages if st.param is not None}
 
 
+def param_kwargs(stages) -> dict:
+    """{parameter: the keyword a user's code is passed it as} of the parameters whose gradients are checked."""
+    return {st.param: st.param_kwarg for st in stages if st.param is not None}
+
+
 def batched(stages) -> dict:
     """{keyword: (the parameter it carries or None, its values)} of the arguments whose first axis is the batch's
     (a bias): a user's code called on copies stacked along the batch axis gets them stacked likewise."""
@@ -215,6 +220,11 @@ def kwargs(stages, to=None) -> dict:
     return out
 
 
+def keys(stages) -> tuple:
+    """The stages' exact keys (``Stage.key``), for caches of compiled programs."""
+    return tuple(st.key for st in stages)
+
+
 def labels(stages) -> str:
     return ", ".join(st.label for st in stages)
 
@@ -246,7 +256,7 @@ def bind(impl, stages, to=None, tag: str = ""):
     given = kwargs(stages, to)
     if impl is None or not given:
         return impl
-    key = (id(impl), labels(stages), tag)
+    key = (id(impl), keys(stages), tag)
     if key not in _BOUND:
         if callable(impl) and not hasattr(impl, "backward"):
             bound = _Fresh(impl, given)

@@ -85,6 +85,10 @@ class Alibi(Stage):
         return {"alibi_slopes": self.slopes, **({"alibi_form": self.form} if self.form != "distance" else {})}
 
     @property
+    def key(self) -> tuple:
+        return (type(self).__name__, self.form, self.n_q, self.n_k, self.offset, self.slopes.tobytes())
+
+    @property
     def label(self) -> str:
         return f"alibi {self.form} [{', '.join(f'{m:.4g}' for m in self.slopes)}]"
 

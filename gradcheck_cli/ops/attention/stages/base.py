@@ -65,6 +65,12 @@ class Stage:
     def label(self) -> str:
         return self.name
 
+    @property
+    def key(self) -> tuple:
+        """What tells this stage from another of its kind exactly (its values, not a rounded label): the key of a
+        compiled program that holds it."""
+        return (type(self).__name__, self.label)
+
 
 @dataclass(frozen=True)
 class Registration:

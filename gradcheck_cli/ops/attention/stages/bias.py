@@ -11,6 +11,8 @@ gradient takes the first batch element / head of a broadcast axis instead of the
 ``bias-scaled`` (dBias = scale dS, the chain rule taken as if the bias were inside the scale)."""
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 from ...registry import Fault, Param
@@ -50,8 +52,8 @@ class Bias(Stage):
         b = self._block(rows, cols)
         if xp is np:
             return s + b.astype(s.dtype, copy=False)
-        if xp.__name__ == "torch":
-            return s + xp.as_tensor(np.asarray(b), dtype=s.dtype, device=s.device)
+        if xp.__name__ == "torch":  # values may be a tensor themselves (a leaf of autograd, the plain peer's)
+            return s + (b.to(s.dtype) if isinstance(b, xp.Tensor) else xp.as_tensor(b, dtype=s.dtype, device=s.device))
         return s + xp.asarray(b, dtype=s.dtype)
 
     def param_grad(self, g_out, s, rows=ALL, cols=ALL):
@@ -66,6 +68,11 @@ class Bias(Stage):
     @property
     def kwargs(self) -> dict:
         return {"attn_bias": self.bias}
+
+    @property
+    def key(self) -> tuple:
+        b = np.asarray(self.bias)
+        return (type(self).__name__, b.shape, str(b.dtype), hashlib.sha256(b.tobytes()).hexdigest())
 
     @property
     def label(self) -> str:
@@ -133,10 +140,14 @@ def validate(sc_params: dict, attention: dict) -> list:
             return [(f"{KEY}.grad", f"the {attention['mode'].upper()} along a bias is not built: check.mode "
                                     f"{attention['mode']} takes a bias without its gradient",
                      "set bias.grad: false for this scenario")]
-        if attention["backend"] != "numpy":
-            return [(f"{KEY}.grad", f"a bias with its gradient runs on the NumPy engines (naive, tiled) and NumPy "
-                                    f"implementations for now, not backend {attention['backend']}",
+        if attention["backend"] == "jax" or (attention["backend"] == "torch" and not attention["implementation"]):
+            return [(f"{KEY}.grad", "a bias with its gradient runs on the NumPy engines (naive, tiled) and NumPy and "
+                                    "torch implementations for now, not "
+                                    + ("backend jax" if attention["backend"] == "jax" else "the torch closed forms"),
                      "set bias.grad: false (the bias is then fixed), or backend: numpy")]
+        if attention["dtype"] in ("float16", "bfloat16"):
+            return [(f"{KEY}.grad", f"a bias's gradient is checked in float64 and float32, not {attention['dtype']} "
+                                    "yet", "set bias.grad: false, or dtype: float32")]
     return []
 
 

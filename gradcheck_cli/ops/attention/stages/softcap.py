@@ -59,6 +59,10 @@ class Softcap(Stage):
     def label(self) -> str:
         return f"softcap {self.cap:g}"
 
+    @property
+    def key(self) -> tuple:
+        return (type(self).__name__, self.cap)
+
 
 class _DroppedSlope(Softcap):
     """softcap-derivative: the backward's tanh' factor dropped (dS_raw = dS)."""

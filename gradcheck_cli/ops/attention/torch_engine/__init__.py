@@ -73,6 +73,10 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                                 else (stages, stages, sc.visible))
     vis = torch.from_numpy(shown if interface is None else interface.visible).to(device)
     batched = score_stages.batched(score_stages.shown(stages, sc.visible, faults))
+    # a bias whose gradient is checked (a torch implementation's): an input, its gradient by autograd after dv
+    extra = score_stages.params(stages) if user is not None else {}
+    extra_t = {t: to(x) for t, x in extra.items()}
+    kw_leaves = {kw: (f"d{t}", extra_t[t]) for t, kw in score_stages.param_kwargs(stages).items() if t in extra}
     rounded = {t: np_(x) for t, x in zip("qkv", (q, k, v))}  # the inputs as the dtype holds them
     g_rounded = np_(g)
 
@@ -94,20 +98,21 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         conv = sc.convention
         args = conv.arguments(q_, k_, v_, vis, scale, kv_map, dt, lowest)
         grads = user_gradients(user, args[:3], args[3:], conv.tensor(grad_o).clone(), conv.shape(g.shape), dt,
-                               conv.names())
-        grads = tuple(conv.tensor(x) for x in grads)
+                               conv.names(), kw_leaves)
+        grads, params = tuple(conv.tensor(x) for x in grads[:3]), tuple(grads[3:])
         if not interface.faults:
-            return grads
+            return grads + params
         changed = interface.gradients(*(np_(x) for x in (q_, k_, v_, grad_o)), *(np_(x) for x in grads))
-        return tuple(to(x) for x in changed)
+        return tuple(to(x) for x in changed) + params
 
     o = fwd(q, k, v) if user is None else called_as(sc, lambda conv: fwd(q, k, v, conv=conv), rounded)
-    dq, dk, dv = bwd(q, k, v, g)
-    grads = {"q": dq, "k": dk, "v": dv}
+    dq, dk, dv, *dparams = bwd(q, k, v, g)
+    names_all = ("q", "k", "v", *extra)
+    grads = {"q": dq, "k": dk, "v": dv, **dict(zip(extra, dparams))}
     results = {"o": np_(o), **{t: np_(x) for t, x in grads.items()}}
     checks_first, again = [], None
     if user is not None:
-        again = {"o": np_(fwd(q, k, v)), **{t: np_(x) for t, x in zip("qkv", bwd(q, k, v, g))}}
+        again = {"o": np_(fwd(q, k, v)), **{t: np_(x) for t, x in zip(names_all, bwd(q, k, v, g))}}
         checks_first.append(implementation_determinism(results, again, sc.nondet_tol))
     ref, terms, a64 = reference(rounded, g_rounded, sc.visible, scale, kv_np, stages)
 
@@ -116,10 +121,18 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         the closed forms without faults and SDPA, so that no one plain way is lucky (torch's softmax backward
         rounds less than the closed forms' steps: either alone would judge the other; SDPA has no score stages)."""
         pdt = DTYPES[precision]
-        args = [to(rounded[t], pdt) for t in "qkv"]
+        args = [to(rounded[t], pdt) for t in "qkv"] + [to(extra[t], pdt) for t in extra]
         mask, gp = vis if user is None else torch.from_numpy(sc.visible).to(device), to(g_rounded, pdt)
-        out, gr = by_autograd(lambda q_, k_, v_: forward(q_, k_, v_, mask, scale, kv_map, stages=stages), args, gp)
-        ways = [{"o": np_(out), **{t: np_(x) for t, x in zip("qkv", gr)}}]
+
+        def plain_forward(q_, k_, v_, *ps):  # a bias's values as a leaf of autograd too
+            at = stages
+            for t, p in zip(extra, ps):
+                at = score_stages.moved(at, t, p)
+            return forward(q_, k_, v_, mask, scale, kv_map, stages=at)
+
+        out, gr = by_autograd(plain_forward, args, gp)
+        args = args[:3]
+        ways = [{"o": np_(out), **{t: np_(x) for t, x in zip(names_all, gr)}}]
         if precision not in LOW_PRECISION:
             return ways[0]
         closed = backward(*args, mask, scale, kv_map, gp, stages=stages)
@@ -131,12 +144,12 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         return ways + [{"o": np_(sd_o), **{t: np_(x) for t, x in zip("qkv", sd)}}]
 
     if user is not None:
-        names = LOW_PRECISION_CHECKS if low else REFERENCE_CHECKS
+        names = LOW_PRECISION_CHECKS if low else {**REFERENCE_CHECKS, **dict.fromkeys(extra, REFERENCE_CHECKS["q"])}
 
         def results_at(xs: dict) -> dict | None:
             try:
                 moved = [to(xs[t]) for t in "qkv"]
-                return {"o": np_(fwd(*moved)), **{t: np_(x) for t, x in zip("qkv", bwd(*moved, g))}}
+                return {"o": np_(fwd(*moved)), **{t: np_(x) for t, x in zip(names_all, bwd(*moved, g))}}
             except ImplementationFailure:
                 return None
 
@@ -172,12 +185,12 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                        **diagnosis_fields(sc, context))
 
     inputs = {t: rounded[t].astype(sc.dtype) for t in "qkv"}
-    blocks = Blocks(sc, kv_np)
-    rounding, total = blocks.rounding(inputs, g64, a64, scale, kv_np, stages=stages)
+    blocks = Blocks(sc, kv_np, {t: x.shape for t, x in extra.items()})
+    rounding, total = blocks.rounding({**inputs, **extra}, g64, a64, scale, kv_np, stages=stages)
 
     def moved_forward(**moved):
         """O of C copies of the inputs, the ``moved`` ones replaced by [C, B, ...] arrays, as a tensor."""
-        args = {"q": q, "k": k, "v": v}
+        args = {"q": q, "k": k, "v": v, **extra_t}
         for name, x in moved.items():
             args[name] = torch.from_numpy(np.ascontiguousarray(x)).to(device=device, dtype=dt)
         if user is None:
@@ -192,6 +205,10 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         sources = {i: t for i, t in enumerate((*(args[u] for u in "qkv"), vis)) if t.dim() == 4}
         given = {kw: stack(torch.as_tensor(value, dtype=dt, device=device)) for kw, (_, value) in batched.items()
                  if value.shape[0] > 1}  # a bias per batch element goes with the copies
+        for kw, (name, _) in batched.items():
+            if name in moved:  # its perturbed copies [C, B|1, ...], stacked with the copies of the inputs
+                x = args[name]
+                given[kw] = x.expand((c, sc.batch) + tuple(x.shape[2:])).reshape((c * sc.batch,) + tuple(x.shape[2:]))
         try:
             return fwd(*(stack(args[t]) for t in "qkv"), stack(vis), sources=sources, given=given).reshape(
                 (c,) + tuple(g.shape))
@@ -246,15 +263,15 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     itemsize = torch.finfo(dt).bits // 8
     rule = precision.Policy.for_dtype(computes_in)
     return Problem(
-        inputs=inputs, loss=loss, gradients={t: np_(grads[t]) for t in "qkv"},
+        inputs={**inputs, **extra}, loss=loss, gradients={t: np_(grads[t]) for t in names_all},
         rounding=rounding, rounding_total=total,
         copy_bytes=3 * a64.size * itemsize + int(o.numel()) * itemsize,
         invariants=checks,
         arrays={**inputs, "visible": sc.visible, "grad_output": g64, "scale": np.asarray(scale),
-                "kv_map": kv_np, "output": np_(o), **{f"analytic_{t}": np_(grads[t]) for t in "qkv"}},
+                "kv_map": kv_np, "output": np_(o), **extra, **{f"analytic_{t}": np_(grads[t]) for t in names_all}},
         output=np_(o), parts=blocks.parts, loss_parts=loss_parts,
         compute_dtype=None if computes_in == sc.dtype else computes_in,
-        analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in "qkv"} if user is not None else None,
+        analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in names_all} if user is not None else None,
         nondeterministic=user is not None and varies(results["o"], again["o"], sc.nondet_tol),
         tangents=tangents, second=second,
         **diagnosis_fields(sc, context),
@@ -269,7 +286,7 @@ def implementation_determinism(first: dict, second: dict, tolerance: float) -> C
 def _output_invariants(sc, fwd, bwd, inputs, o, to, np_, terms: dict, precision: str, checked) -> list[Check]:
     """The output-only invariants on the implementation under test, in the precision it computes in
     (``checked``: the scenario's upstream gradient and the K/V gradients under test at it)."""
-    backward_kv = lambda q_, k_, v_, go: [np_(t) for t in bwd(to(q_), to(k_), to(v_), to(go))[1:]]  # noqa: E731
+    backward_kv = lambda q_, k_, v_, go: [np_(t) for t in bwd(to(q_), to(k_), to(v_), to(go))[1:3]]  # noqa: E731
     try:
         return output_invariants(lambda q_, k_, v_: np_(fwd(to(q_), to(k_), to(v_))), backward_kv,
                                  inputs, sc.visible, np.asarray(sc.kv_map), np_(o),

@@ -3,6 +3,8 @@ something other than a dense finite tensor of the right shape, dtype and device)
 ImplementationFailure naming the tensor: its forward on clones, its gradients by autograd."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -111,17 +113,21 @@ def _finite(what, name, t):
                                     f"[{', '.join(map(str, index))}]", name, index)
 
 
-def user_gradients(user, qkv, rest, grad_o, shape, dtype, names=NAMES):
+def user_gradients(user, qkv, rest, grad_o, shape, dtype, names=NAMES, kw_leaves=None):
     """dq, dk, dv of the user's forward by autograd (so a custom autograd.Function's backward is what
     gets checked). ``grad_o`` is the implementation's own copy: a backward that changes it in place is
-    reported, and cannot change the checker's upstream gradient."""
+    reported, and cannot change the checker's upstream gradient. ``kw_leaves``: keyword -> (its gradient's
+    name, tensor) of keyword arguments whose gradients are wanted too (a bias, ``attn_bias=``), after dv."""
     leaves = [t.detach().clone().requires_grad_(True) for t in qkv]
+    kw = {key: t.detach().clone().requires_grad_(True) for key, (_, t) in (kw_leaves or {}).items()}
     kept = grad_o.clone()
     with torch.enable_grad():
-        o = call_user(user, (*leaves, *rest), shape, dtype, names)
+        o = call_user(functools.partial(user, **kw) if kw else user, (*leaves, *rest), shape, dtype, names)
         if not o.requires_grad:
             raise ImplementationFailure("forward's output does not require grad: autograd cannot reach q, k, v", "o")
-        grads = guarded("backward", lambda: torch.autograd.grad(o, leaves, grad_o, allow_unused=True))
+        grads = guarded("backward", lambda: torch.autograd.grad(o, leaves + list(kw.values()), grad_o,
+                                                                allow_unused=True))
+    leaves = leaves + list(kw.values())
     if not same(grad_o, kept):
         raise ImplementationFailure("backward changed grad_output in place: an implementation must not modify "
                                     "its inputs", "grad_o")
@@ -130,7 +136,7 @@ def user_gradients(user, qkv, rest, grad_o, shape, dtype, names=NAMES):
             raise ImplementationFailure(f"the implementation changed its argument {name} in place: it must not "
                                         "modify its inputs", name)
     out = []
-    for name, leaf, grad in zip(("dq", "dk", "dv"), leaves, grads):
+    for name, leaf, grad in zip(("dq", "dk", "dv", *(n for n, _ in (kw_leaves or {}).values())), leaves, grads):
         if grad is not None:
             _dense("backward", name, grad, leaf.device)
         grad = torch.zeros_like(leaf) if grad is None else grad.detach().clone()
