@@ -166,7 +166,6 @@ def variant_categories(with_torch: bool) -> list[tuple[str, float]]:
         where += [("torch", 0.14), ("impl/torch", 0.12), ("hvp/impl/torch", 0.04)]
     if _has("jax"):
         where += [("impl/jax", 0.06), ("jvp/impl/jax", 0.02)]
-    # a bias's gradient: the NumPy engines and implementations, modes full/sample/directional (a fixed one elsewhere)
     cats = [(f"{variant}/{w}", p) for variant in VARIANTS for w, p in where]
     total = sum(w for _, w in cats)
     return [(c, w / total) for c, w in cats]
@@ -198,7 +197,8 @@ def draw_variant(rng, category: str) -> dict:
         sc["alibi"] = alibi
     if "bias" in variant:
         per_batch, per_head = bool(rng.random() < 0.5), bool(rng.random() < 0.7)
-        fixed = mode is not None or torch or rest == "impl/jax"
+        # a bias's gradient: the NumPy engines, NumPy and torch code, float64/float32, modes full/sample/directional
+        fixed = mode is not None or rest in ("torch", "impl/jax") or dtype in ("float16", "bfloat16")
         sc["bias"] = {"shape": [sc["batch"] if per_batch else 1, sc["heads_q"] if per_head else 1,
                                 sc["n_q"], sc["n_k"]], "grad": not fixed}
     if mode:

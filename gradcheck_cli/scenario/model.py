@@ -10,6 +10,7 @@ from .. import implementation
 from ..errors import ScenarioError
 from ..implementation.modules import ModuleSpec
 from ..ops import OPS
+from ..ops.attention import stages as score_stages
 from ..ops.attention.formulas import DEFAULT_BLOCK
 from ..ops.convention import Convention
 from ..tolerance import DEFAULT_FACTOR
@@ -99,8 +100,9 @@ class Scenario:
         where = f" torch/{self.device}" if self.backend == "torch" else ""
         if self.engine == "tiled":
             where += f" tiled {self.block_q}x{self.block_k}"
+        variants = score_stages.labels(score_stages.from_scenario(self)) if self.params else ""
         return (f"B={self.batch} Hq={self.heads_q} Hkv={kv} n_q={self.n_q} n_k={self.n_k} "
-                f"d={self.d_head}/{self.d_value} {self.dtype}{where} {how}")
+                f"d={self.d_head}/{self.d_value} {self.dtype}{where} {how}" + (f", {variants}" if variants else ""))
 
 
 def default_kv_map(heads_q: int, heads_kv: int) -> tuple[int, ...]:

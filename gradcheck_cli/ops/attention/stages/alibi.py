@@ -90,7 +90,7 @@ class Alibi(Stage):
 
     @property
     def label(self) -> str:
-        return f"alibi {self.form} [{', '.join(f'{m:.4g}' for m in self.slopes)}]"
+        return f"alibi {self.form}"
 
 
 def make(sc) -> Alibi | None:

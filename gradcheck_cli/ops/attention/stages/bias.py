@@ -76,7 +76,7 @@ class Bias(Stage):
 
     @property
     def label(self) -> str:
-        return f"bias {list(self.bias.shape[-4:])}{' with its gradient' if self.grad else ''}"
+        return f"bias {'x'.join(map(str, self.bias.shape[-4:]))}{' +grad' if self.grad else ''}"
 
 
 class _FirstOfBroadcast(Bias):
