@@ -147,7 +147,8 @@ REGISTRATION = Registration(
         Fault("alibi-offset-backward", "ALiBi: the backward recomputes the bias without the lower-right offset "
                                        "(-m |i - j| where n_q != n_k)",
               ("gradient q", "gradient k", "gradient v", "backward agrees with the reference",
-               "score-gradient rows sum to 0"),  # the tiled backward's P from the forward's log-sum-exp
+               "score-gradient rows sum to 0",  # the tiled backward's P from the forward's log-sum-exp
+               "gradient bias"),  # a bias's gradient (dS) where one is checked
               user="adds to the implementation's gradients the change this bug makes to the float64 reference's",
               scenario=((KEY, {"slopes": "geometric"}),)),
     )},
