@@ -121,6 +121,7 @@ class ScenarioResult:
     index: int = 0  # the scenario's position in its file (reports keep file order; merge restores it)
     engine: str = "naive"
     compile_s: float = 0.0  # of elapsed_s, the time jax.jit spent compiling a user's JAX code (0: none)
+    variants: tuple[str, ...] = ()  # the attention variants (score stages) the scenario checks, e.g. "softcap 30"
 
     @property
     def passed(self) -> bool:
@@ -156,6 +157,7 @@ class ScenarioResult:
             "verdict": self.verdict,
             "elapsed_s": round(self.elapsed_s, 6),
             **({"compile_s": round(self.compile_s, 6)} if self.compile_s else {}),
+            **({"variants": list(self.variants)} if self.variants else {}),
             "checks": [c.to_json() for c in self.checks],
             "hints": list(self.hints),
             "detectable": self.detectable,

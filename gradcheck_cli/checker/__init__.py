@@ -80,7 +80,7 @@ def _run(sc: Scenario, faults: Sequence[str], memory_budget: int, progress: Prog
     def result(checks, **extra) -> ScenarioResult:
         return ScenarioResult(name=sc.name, op=sc.op, dtype=sc.dtype, epsilon=sc.epsilon, tolerance=sc.tolerance,
                               mode=sc.mode, faults=active, checks=tuple(checks), elapsed_s=time.perf_counter() - start,
-                              index=sc.index, engine=sc.engine, **extra)
+                              index=sc.index, engine=sc.engine, variants=_variants(sc), **extra)
 
     try:
         problem = build(sc, active, sizes)
@@ -239,3 +239,9 @@ def negative_controls(scenarios: Sequence[Scenario], *, memory_budget: int = DEF
             failed = tuple(dict.fromkeys(c.name for c in res.checks if c.verdict == "fail"))
             cells.append(ControlCell(fault, sc.name, "detected" if failed else "missed", effect, failed))
     return cells
+
+
+def _variants(sc) -> tuple[str, ...]:
+    """The variants a scenario checks (``Op.variant_labels``: attention's score stages), for its report."""
+    labels = OPS[sc.op].variant_labels
+    return labels(sc) if labels and sc.params else ()

@@ -65,6 +65,9 @@ _SCENARIO = {
         "elapsed_s": {"type": "number", "minimum": 0},
         "compile_s": {"type": "number", "minimum": 0,
                       "description": "of elapsed_s, jax.jit's compile time for a JAX implementation (absent: none)"},
+        "variants": {**_STRINGS, "description": "the attention variants (score stages) checked, in order, e.g. "
+                                                "'softcap 30', 'bias 1x4x10x16 +grad', 'alibi distance' (absent: "
+                                                "plain attention)"},
         "checks": {"type": "array", "items": _CHECK, "minItems": 1}, "hints": _STRINGS,
         "detectable": {"type": "object", "additionalProperties": _NUMBER}, "config": {"type": "string"},
         "reproduce": {"type": "string"},

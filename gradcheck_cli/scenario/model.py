@@ -10,7 +10,6 @@ from .. import implementation
 from ..errors import ScenarioError
 from ..implementation.modules import ModuleSpec
 from ..ops import OPS
-from ..ops.attention import stages as score_stages
 from ..ops.attention.formulas import DEFAULT_BLOCK
 from ..ops.convention import Convention
 from ..tolerance import DEFAULT_FACTOR
@@ -100,7 +99,7 @@ class Scenario:
         where = f" torch/{self.device}" if self.backend == "torch" else ""
         if self.engine == "tiled":
             where += f" tiled {self.block_q}x{self.block_k}"
-        variants = score_stages.labels(score_stages.from_scenario(self)) if self.params else ""
+        variants = ", ".join(spec.variant_labels(self)) if spec.variant_labels and self.params else ""
         return (f"B={self.batch} Hq={self.heads_q} Hkv={kv} n_q={self.n_q} n_k={self.n_k} "
                 f"d={self.d_head}/{self.d_value} {self.dtype}{where} {how}" + (f", {variants}" if variants else ""))
 

@@ -167,3 +167,10 @@ def test_code_that_refuses_the_keyword_is_told_which_key_passes_it():
     result = checker.run_scenario(sc)
     assert not result.passed
     assert any("the scenario sets softcap" in h and "softcap=" in h for h in result.hints), result.hints
+
+
+def test_reports_name_the_variants_and_plain_ones_do_not():
+    capped = checker.run_scenario(make(n_q=4, d_head=4, softcap=2.0, alibi={})).to_json()
+    plain = checker.run_scenario(make(n_q=4, d_head=4)).to_json()
+    assert capped["variants"] == ["softcap 2", "alibi distance"] and "variants" not in plain
+    assert "softcap 2, alibi distance" in make(n_q=4, d_head=4, softcap=2.0, alibi={}).describe()
