@@ -8,8 +8,9 @@ naive engine's estimate for the same scenario (target: under 5 %).
 from __future__ import annotations
 
 import argparse
-import time
+import sys
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import yaml
@@ -18,18 +19,12 @@ from gradcheck_cli import checker, masks, scenario
 from gradcheck_cli.ops.attention import memory, tiled
 from gradcheck_cli.ops.attention.stages.alibi import Alibi, geometric
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_full_mode import best_of  # noqa: E402 (the same timing as the full-mode benchmark)
+
 BASE = {"name": "b", "n_q": 128, "d_head": 64, "mask": {"causal": "lower-right"}}
 VARIANTS = {"plain": {}, "softcap": {"softcap": 30.0}, "alibi": {"alibi": {}},
             "softcap+alibi": {"softcap": 30.0, "alibi": {}}}
-
-
-def best(repeat, fn):
-    out = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return min(out)
 
 
 def main():
@@ -41,7 +36,7 @@ def main():
     for name, keys in VARIANTS.items():
         (sc,) = scenario.loads(yaml.safe_dump({"scenarios": [{**BASE, **keys}]}))
         assert checker.run_scenario(sc).passed
-        times[name] = best(args.repeat, lambda sc=sc: checker.run_scenario(sc))
+        times[name] = best_of(args.repeat, lambda sc=sc: checker.run_scenario(sc))
     print(f"full mode, causal, B=1 H=1 n=128 d=64 float64, best of {args.repeat}:")
     for name, t in times.items():
         print(f"  {name:14s} {t:7.3f} s   {t / times['plain']:5.2f}x plain   (target <= 1.30x)")
