@@ -220,6 +220,11 @@ def _read_param(f: _Fields, key: str, param: Param):
 
 
 def _positive_float(f: _Fields, key: str, i: int, x) -> float:
+    if isinstance(x, str):  # YAML 1.1 reads 1e300 (no dot) as a string, as the scalar keys accept it
+        try:
+            x = float(x)
+        except ValueError:
+            pass
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
         raise f.doc.error(f.where(key) + (i,), f"expected a number > 0, got {_show(x)}")
     return float(x)

@@ -143,6 +143,11 @@ def test_user_code_is_given_the_slopes_and_the_form_only_when_not_the_default():
     assert status["alibi-slopes-pow2"] == "detected" and status["alibi-offset-backward"] == "detected"
 
 
+def test_slopes_written_1e3_are_numbers():
+    """YAML 1.1 reads 1e3 (no dot) as a string; the slopes accept it as the scalar keys do."""
+    assert score_stages.from_scenario(make(heads_q=1, n_q=4, d_head=4, alibi={"slopes": ["1e3"]}))[0].slopes[0] == 1000
+
+
 @pytest.mark.parametrize("alibi, message", [
     ({"slopes": [0.5, 0.25]}, "has 2 slopes but heads_q is 4"),
     ({"slopes": "geometrik"}, "did you mean 'geometric'"),
