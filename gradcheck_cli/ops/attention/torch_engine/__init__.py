@@ -16,14 +16,13 @@ import numpy as np
 import torch
 
 from .... import invariants
-from ....implementation import ImplementationFailure, failure_check, in_copies
+from ....implementation import ImplementationFailure, in_copies
 from ....numeric import SeedStream
 from ....result import Check
 from ...convention import Convention
 from ...registry import Problem
 from .. import stages as score_stages
 from ..inputs import seeded_inputs
-from ..invariants import output_invariants
 from ..reference import (
     LOW_PRECISION,
     LOW_PRECISION_CHECKS,
@@ -40,6 +39,7 @@ from ..reference import (
 )
 from ..rounding import Blocks, output_terms
 from .calls import call_user, user_gradients, user_hvp, user_jvp
+from .checks import implementation_determinism, opinions, output_invariants_of
 from .formulas import DTYPES, backward, by_autograd, forward, probabilities, sdpa
 
 __all__ = ["DTYPES", "LOW_PRECISION", "LOW_PRECISION_CHECKS", "backward", "build", "forward", "probabilities", "sdpa"]
@@ -163,11 +163,11 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         agree, computes_in = precision.judge(results, ref, terms, sc.dtype, plain, LOW_PRECISION_CHECKS,
                                              sc.factor, sc.slack, what="closed forms")
     else:
-        agree, computes_in = _opinions(sc, q, k, v, g, vis, kv_map, results, ref, terms, plain, np_, stages), sc.dtype
+        agree, computes_in = opinions(sc, q, k, v, g, vis, kv_map, results, ref, terms, plain, np_, stages), sc.dtype
 
     def invariants_of_output() -> list[Check]:
         terms = output_terms(rounded, a64, scale, kv_np, stages)
-        return _output_invariants(sc, fwd, bwd, rounded, o, to, np_, terms, computes_in,
+        return output_invariants_of(sc, fwd, bwd, rounded, o, to, np_, terms, computes_in,
                                   (g_rounded, results["k"], results["v"]))
 
     context = None
@@ -276,41 +276,3 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         tangents=tangents, second=second,
         **diagnosis_fields(sc, context),
     )
-
-
-def implementation_determinism(first: dict, second: dict, tolerance: float) -> Check:
-    from ....implementation import determinism
-    return determinism("forward and backward", first, second, tolerance)
-
-
-def _output_invariants(sc, fwd, bwd, inputs, o, to, np_, terms: dict, precision: str, checked) -> list[Check]:
-    """The output-only invariants on the implementation under test, in the precision it computes in
-    (``checked``: the scenario's upstream gradient and the K/V gradients under test at it)."""
-    backward_kv = lambda q_, k_, v_, go: [np_(t) for t in bwd(to(q_), to(k_), to(v_), to(go))[1:3]]  # noqa: E731
-    try:
-        return output_invariants(lambda q_, k_, v_: np_(fwd(to(q_), to(k_), to(v_))), backward_kv,
-                                 inputs, sc.visible, np.asarray(sc.kv_map), np_(o),
-                                 np.random.default_rng([sc.seed, SeedStream.INVARIANTS]), terms, precision,
-                                 checked)
-    except ImplementationFailure as exc:
-        return [failure_check("invariants", exc)]
-
-def _opinions(sc, q, k, v, g, vis, kv_map, results, ref, terms, plain, np_, stages=()) -> list[Check]:
-    """The built-in closed forms against the float64 reference with autograd of the plain forward as the
-    plain computation (``autograd agrees``: as accurate as autograd), and torch's SDPA likewise (not with score
-    stages, which SDPA does not have)."""
-    from .... import precision
-    policy = precision.Policy.for_dtype(sc.dtype, sc.factor, sc.slack)
-    auto = plain(sc.dtype)
-    checks = []
-    for t in "qkv":
-        e = float(np.abs(auto[t] - ref[t]).max(initial=0.0))
-        checks.append(precision.agreement("autograd agrees", t, results[t], ref[t], terms[t], policy, e,
-                                          "closed forms"))
-    if stages:
-        return checks
-    sd_o, sd = by_autograd(lambda q_, k_, v_: sdpa(q_, k_, v_, vis, sc.scale, kv_map, sc.heads_q), (q, k, v), g)
-    for t, got in zip("oqkv", (sd_o, *sd)):
-        e = float(np.abs(auto[t] - ref[t]).max(initial=0.0))
-        checks.append(precision.agreement("SDPA agrees", t, np_(got), ref[t], terms[t], policy, e, "SDPA"))
-    return checks
