@@ -209,6 +209,19 @@ def _read_param(f: _Fields, key: str, param: Param):
                           unique=True)
     if kind == "sizes":
         return f.int_list(key, int(param.minimum if param.minimum is not None else 1), None, f"each {key} entry")
+    if kind == "choice-list":
+        v = f.raw(key)
+        if not isinstance(v, list) or not v:
+            raise f.error(key, f"expected a non-empty list of {', '.join(param.choices)}, got {_show(v)}")
+        for i, x in enumerate(v):
+            if x not in param.choices:
+                import difflib
+                close = difflib.get_close_matches(str(x), param.choices, n=1)
+                raise f.doc.error(f.where(key) + (i,), f"expected one of {', '.join(param.choices)}; got {_show(x)}",
+                                  hint=f"did you mean '{close[0]}'?" if close else None)
+            if x in v[:i]:
+                raise f.doc.error(f.where(key) + (i,), f"{x} is listed twice", hint="list each once")
+        return tuple(v)
     if kind == "choice-or-floats":
         v = f.raw(key)
         if isinstance(v, list):

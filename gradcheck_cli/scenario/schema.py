@@ -125,4 +125,6 @@ def _param_schema(param, number: dict) -> dict:
             "ints": {"type": "array", "items": {"type": "integer", "minimum": low}, "minItems": 1,
                      "uniqueItems": True},
             "sizes": {"type": "array", "items": {"type": "integer", "minimum": low}, "minItems": 1},
+            "choice-list": {"type": "array", "items": {"enum": list(param.choices)}, "minItems": 1,
+                            "uniqueItems": True},
             "choice-or-floats": {"oneOf": [{"enum": list(param.choices)}, floats]}}[param.kind]

@@ -155,3 +155,35 @@ def test_scenarios_with_biases_of_one_shape_get_their_own_values():
     got = [score_stages.bind(probe, st, lambda a, same: a, "t").forward() for st in (one, two)]
     assert not np.array_equal(got[0], got[1])
     np.testing.assert_array_equal(got[1], two[0].bias)
+
+
+def test_the_order_in_force_is_the_scenarios():
+    """``stages: [bias, softcap]`` caps the biased scores: the closed forms follow it (against torch autograd of
+    c tanh((S + B) / c)), and differ from the default order's."""
+    torch = pytest.importorskip("torch")
+    keys = dict(batch=2, heads_q=2, n_q=4, n_k=7, d_head=4, softcap=1.5, bias={"shape": [1, 2, 4, 7]},
+                mask={"causal": "lower-right"})
+    sc = make(stages=["bias", "softcap"], **keys)
+    stages = score_stages.from_scenario(sc)
+    assert [st.name for st in stages] == ["bias", "softcap"]
+    assert [st.name for st in score_stages.from_scenario(make(**keys))] == ["softcap", "bias"]
+    q, k, v, g, kv_map, visible = _inputs(h=2, n=4, m=7)
+    b = stages[0].bias
+    leaves = [torch.tensor(x, requires_grad=True) for x in (q, k, v, b)]
+    s = 1.5 * torch.tanh((0.6 * (leaves[0] @ leaves[1].transpose(-1, -2)) + leaves[3]) / 1.5)
+    o = torch.softmax(s.masked_fill(~torch.from_numpy(visible), float("-inf")), -1) @ leaves[2]
+    want = torch.autograd.grad(o, leaves, torch.tensor(g))
+    got = formulas.backward(q, k, v, visible, 0.6, kv_map, g, stages=stages)
+    for a, w in zip((got.q, got.k, got.v, got.params["bias"]), want):
+        np.testing.assert_allclose(a, w, rtol=1e-11, atol=1e-12)
+    assert checker.run_scenario(sc).passed
+    default = formulas.forward(q, k, v, visible, 0.6, kv_map, stages=(Softcap(1.5), Bias(b, True)))
+    assert np.abs(default - o.detach().numpy()).max() > 1e-2  # the order matters: code in the other one fails
+
+
+@pytest.mark.parametrize("order, message", [(["bias"], "lists bias but the scenario sets softcap, bias"),
+                                            (["bias", "bias"], "listed twice"), (["bais"], "did you mean 'bias'")])
+def test_a_wrong_order_is_refused(order, message):
+    with pytest.raises(ScenarioError) as err:
+        make(n_q=4, d_head=4, softcap=1.5, bias={}, stages=order)
+    assert message in str(err.value) and "stages" in str(err.value)

@@ -39,19 +39,28 @@ __all__ = ["ALL", "FAULTS", "KEYS", "REGISTERED", "Stage", "apply", "from_scenar
 #: The stage modules, in the default order of the score path.
 REGISTERED: tuple[Registration, ...] = (softcap.REGISTRATION, bias.REGISTRATION, alibi.REGISTRATION)
 
-#: The scenario keys of the stages (``Op.keys`` of attention).
-KEYS: dict[str, Param] = {r.key: r.param for r in REGISTERED}
+#: The key that orders the stages where a library differs from the default order (``stages: [bias, softcap]``).
+ORDER_KEY = "stages"
+
+#: The scenario keys of the stages (``Op.keys`` of attention), and the order key.
+KEYS: dict[str, Param] = {**{r.key: r.param for r in REGISTERED},
+                          ORDER_KEY: Param("choice-list", None, "the order of the score stages where it is not the "
+                                           "default (" + ", ".join(r.key for r in REGISTERED) + "), e.g. "
+                                           "[bias, softcap] to cap a biased score; every stage used, once",
+                                           choices=tuple(r.key for r in REGISTERED))}
 
 #: Every stage fault, by name.
 FAULTS: dict[str, Fault] = {name: f for r in REGISTERED for name, f in r.faults.items()}
 
 
 def from_scenario(sc) -> tuple[Stage, ...]:
-    """The scenario's stages, in order (empty for plain attention)."""
+    """The scenario's stages, in the order in force (``stages:``, else the default; empty for plain attention)."""
     params = dict(sc.params)
     if not any(params.get(r.key) is not None for r in REGISTERED):
         return ()
-    return tuple(st for st in (r.make(sc) for r in REGISTERED) if st is not None)
+    made = {st.name: st for st in (r.make(sc) for r in REGISTERED) if st is not None}
+    order = params.get(ORDER_KEY) or tuple(made)
+    return tuple(made[name] for name in order)
 
 
 def owner(fault: str) -> Registration | None:
@@ -203,7 +212,15 @@ def bound(stages, b: float) -> float:
 
 
 def validate(params: dict, attention: dict) -> list:
-    """(key, message, hint) of the stages' values wrong together with the attention keys (``Op.validate``)."""
+    """(key, message, hint) of the stages' values wrong together with the attention keys (``Op.validate``), and of
+    an order that does not list exactly the stages used."""
+    order = params.get(ORDER_KEY)
+    if order is not None:
+        used = [r.key for r in REGISTERED if params.get(r.key) is not None]
+        if set(order) != set(used):
+            return [(ORDER_KEY, f"lists {', '.join(order)} but the scenario sets "
+                                + (", ".join(used) if used else "no stage"),
+                     "list every stage the scenario sets, once, in the order to apply them")]
     return [problem for r in REGISTERED if r.validate for problem in r.validate(params, attention)]
 
 
