@@ -20,13 +20,12 @@ APPLICABLE_FACTOR = 10.0
 def applicable_faults(sc: Scenario) -> tuple[str, ...]:
     """The faults of the scenario's op that apply to what it checks: the built-in engine's, or their
     interface variants on a user's implementation (``Fault.user``). A fault of a variant (``Fault.scenario``:
-    soft-capping's) applies only to scenarios that use it."""
+    soft-capping's) applies only to scenarios that use it; ``Fault.backends`` limits the built-in engines'."""
     derivatives, params = sc.derivatives, dict(sc.params)
     faults = {name: f for name, f in OPS[sc.op].faults.items() if (f.forward or f.derivative in derivatives)
-              and all(params.get(key) is not None for key, _ in f.scenario)
-              and (not f.backends or sc.backend in f.backends)}
+              and all(params.get(key) is not None for key, _ in f.scenario)}
     if sc.implementation is None:
-        return tuple(name for name, f in faults.items() if f.engine)
+        return tuple(name for name, f in faults.items() if f.engine and (not f.backends or sc.backend in f.backends))
     return tuple(name for name, f in faults.items() if f.user is not None)
 
 def build(sc: Scenario, active: Sequence[str], sizes: dict[str, float] | None):

@@ -27,7 +27,7 @@ class Fault:
     sized: bool = False
     derivative: str = "vjp"     # what it breaks: vjp (the gradients), jvp (the output's tangent), hvp (Hessian x vec)
     scenario: tuple = ()        # (key, value) pairs a scenario needs for it to apply (a score stage's key)
-    backends: tuple[str, ...] = ()  # the backends it applies on (empty: every one the op has)
+    backends: tuple[str, ...] = ()  # the backends its built-in engines apply it on (empty: every one the op has)
 
 
 @dataclass(frozen=True)

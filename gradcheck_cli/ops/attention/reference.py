@@ -84,8 +84,11 @@ class Interface:
                 self.visible[tuple(hidden[0])] = True
         self.added = tuple(f for f in self.faults if f in DIFFERENCE_FAULTS or f in stage_faults)
 
-    def gradients(self, q, k, v, grad_o, dq, dk, dv):
+    def gradients(self, q, k, v, grad_o, dq, dk, dv, *params):
+        """The implementation's gradients as the active faults make them: (dq, dk, dv, then ``params``, the gradients
+        of the stages' checked parameters, a bias's)."""
         out = {"q": dq, "k": dk, "v": dv}
+        extra = dict(zip(score_stages.params(self.stages), params))
         if self.added:
             args = [x.astype(np.float64) for x in (q, k, v, grad_o)]
             right = backward(*args[:3], self.true_visible, self.scale, self.kv_map, args[3], stages=self.stages)
@@ -93,12 +96,15 @@ class Interface:
                              self.wrong_stages)
             for t in out:
                 out[t] = (out[t].astype(np.float64) + getattr(wrong, t) - getattr(right, t)).astype(out[t].dtype)
+            for t in extra:
+                extra[t] = (np.asarray(extra[t], np.float64) + wrong.params[t] - right.params[t]).astype(
+                    extra[t].dtype)
         for t in out:
             if f"scale-d{t}" in self.faults:
                 out[t] = (out[t] * (1.0 + self.sizes.get(f"scale-d{t}", 0.0))).astype(out[t].dtype)
         if "swap-dk-dv" in self.faults and out["k"].shape == out["v"].shape:
             out["k"], out["v"] = out["v"], out["k"]
-        return out["q"], out["k"], out["v"]
+        return (out["q"], out["k"], out["v"], *extra.values())
 
     def _added(self, closed_form, kinds, arrays: tuple, values: tuple) -> tuple:
         """``values`` with the change the active faults of ``kinds`` make to ``closed_form(*arrays, faults)`` (a

@@ -86,8 +86,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                                   {**{f"d{t}": (conv.shape(x.shape), dt) for t, x in zip("qkv", (q, k, v))},
                                    **{f"d{t}": (x.shape, dt) for t, x in extra.items()}},
                                   conv.names() + ("grad_o",))
-        return (interface.gradients(q, k, v, grad_o, *(conv.tensor(out[f"d{t}"]) for t in "qkv"))
-                + tuple(out[f"d{t}"] for t in extra))
+        return interface.gradients(q, k, v, grad_o, *(conv.tensor(out[f"d{t}"]) for t in "qkv"),
+                                   *(out[f"d{t}"] for t in extra))
 
     stacked_bytes = sum(x.nbytes for x in inputs.values()) + visible.size + g.nbytes  # one copy's arguments and O
     stack = impl.stack if sc.backend == "jax" else None  # the flavour's own object; a NumPy one is the user's

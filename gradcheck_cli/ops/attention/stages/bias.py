@@ -164,6 +164,7 @@ def _applies(sc, fault: str) -> str | None:
 
 
 _CAUGHT = ("gradient bias", "backward agrees with the reference")
+_ADDED = "adds to the implementation's dbias the change this bug makes to the float64 reference's"
 _SCENARIO = ((KEY, {"grad": True}),)
 
 REGISTRATION = Registration(
@@ -176,11 +177,12 @@ REGISTRATION = Registration(
     make=make,
     faults={f.name: f for f in (
         Fault("bias-broadcast-sum", "bias: the gradient of a broadcast axis is its first element's, not the sum over "
-                                    "it", _CAUGHT, scenario=((KEY, {"shape": [1, 1, 3, 10]}),), backends=("numpy",)),
+                                    "it", _CAUGHT, scenario=((KEY, {"shape": [1, 1, 3, 10]}),), backends=("numpy",),
+              user=_ADDED),
         Fault("bias-hidden-gradient", "bias: hidden entries' gradient keeps what the buffer held (the bias), not 0",
-              _CAUGHT, scenario=_SCENARIO, backends=("numpy",)),
+              _CAUGHT, scenario=_SCENARIO, backends=("numpy",), user=_ADDED),
         Fault("bias-scaled", "bias: dBias = scale dS, as if the bias were inside the softmax scale", _CAUGHT,
-              scenario=_SCENARIO, backends=("numpy",)),
+              scenario=_SCENARIO, backends=("numpy",), user=_ADDED),
     )},
     wrong={"bias-broadcast-sum": lambda st, visible: (_FirstOfBroadcast(st.bias, st.grad, st.scale), visible),
            "bias-hidden-gradient": lambda st, visible: (_HiddenNotZeroed(st.bias, st.grad, st.scale, visible),

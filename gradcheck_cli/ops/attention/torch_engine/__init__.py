@@ -102,8 +102,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         grads, params = tuple(conv.tensor(x) for x in grads[:3]), tuple(grads[3:])
         if not interface.faults:
             return grads + params
-        changed = interface.gradients(*(np_(x) for x in (q_, k_, v_, grad_o)), *(np_(x) for x in grads))
-        return tuple(to(x) for x in changed) + params
+        changed = interface.gradients(*(np_(x) for x in (q_, k_, v_, grad_o)), *(np_(x) for x in grads + params))
+        return tuple(to(x) for x in changed)
 
     o = fwd(q, k, v) if user is None else called_as(sc, lambda conv: fwd(q, k, v, conv=conv), rounded)
     dq, dk, dv, *dparams = bwd(q, k, v, g)
