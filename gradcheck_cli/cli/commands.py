@@ -278,7 +278,7 @@ def ops():
                       f"{', '.join(op.tensors)}}}, call: [...]}} with backend torch or jax (call may pass "
                       f"{', '.join(op.implementation.args) or 'no arguments'} too)", highlight=False)
         for key, what in op.variants:  # attention's score stages: a user's code is passed the key as a keyword
-            out.print(f"    variant:   {key}: {what} (your code is passed {key}=)", highlight=False)
+            out.print(f"    variant:   {key}: {what}", highlight=False)
         for mode, what in (("jvp", "the JVP"), ("hvp", "the double backward")):
             engines, flavours = op.directional_derivative(mode)
             if engines or flavours:

@@ -105,5 +105,6 @@ OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradient
         dtypes=("float64", "float32", "float16", "bfloat16"), low_precision_backends=("torch", "jax"),
         implementation=INTERFACE, colouring=True, example=EXAMPLE, tangent_engines=("naive", "tiled"),
         tangent_flavours=("numpy", "torch", "jax"), second_engines=("naive",), second_flavours=("torch", "jax"),
-        variants=tuple((r.key, r.param.help) for r in score_stages.REGISTERED), validate=score_stages.validate,
+        variants=tuple((r.key, f"{r.param.help} (your code is passed {r.passes})") for r in score_stages.REGISTERED),
+        validate=score_stages.validate,
         variant_labels=lambda sc: tuple(st.label for st in score_stages.from_scenario(sc)))

@@ -159,4 +159,5 @@ REGISTRATION = Registration(
     backward_only=("alibi-offset-backward",),
     applies=_applies,
     validate=validate,
+    passes="alibi_slopes= [Hq], and alibi_form=column for the column form",
 )

@@ -85,6 +85,7 @@ class Registration:
     backward_only: tuple[str, ...] = ()  # faults whose wrong stage only the backward uses (it recomputes the scores)
     applies: Callable[[Any, str], str | None] | None = None  # why a fault cannot apply to a scenario (None: it can)
     validate: Callable[[dict, dict], list] | None = None  # (key, message, hint) for values wrong together (Op.validate)
+    passes: str = ""  # what a user's code is passed, for ``attn-gradcheck ops`` (``softcap=``)
 
 
 def block(visible, rows, cols, like, xp=np):

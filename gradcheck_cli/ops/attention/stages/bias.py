@@ -191,4 +191,5 @@ REGISTRATION = Registration(
     backward_only=("bias-broadcast-sum", "bias-hidden-gradient", "bias-scaled"),
     applies=_applies,
     validate=validate,
+    passes="attn_bias= [B|1, H|1, n_q, n_k]; a NumPy backward returns dbias last",
 )

@@ -134,4 +134,5 @@ REGISTRATION = Registration(
            "softcap-masked": lambda st, visible: (_AfterMask(st.cap, visible), _every_key(visible)),
            "softcap-tanh-s": lambda st, visible: (_TanhTimesS(st.cap), visible)},
     needs_mask=("softcap-masked",),
+    passes="softcap=c",
 )
