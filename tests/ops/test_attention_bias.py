@@ -188,3 +188,12 @@ def test_a_wrong_order_is_refused(order, message):
     with pytest.raises(ScenarioError) as err:
         make(n_q=4, d_head=4, softcap=1.5, bias={}, stages=order)
     assert message in str(err.value) and "stages" in str(err.value)
+
+
+def test_the_memory_estimate_counts_a_bias():
+    """The loader's estimate (checked before anything of size n_q x n_k exists) includes the bias's copies: the
+    tiled engine's O(n) memory ends where a score-sized bias begins."""
+    from gradcheck_cli.ops.attention import memory
+    plain = make(n_q=8, d_head=4, heads_q=2, engine="tiled")
+    biased = make(n_q=8, d_head=4, heads_q=2, engine="tiled", bias={"shape": [1, 2, 8, 8]})
+    assert memory.need(biased) - memory.need(plain) == 2 * 8 * 8 * 8 * memory.BIAS_COPIES

@@ -32,7 +32,21 @@ def attention_need(batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, dtype, e
     return scores * (SCORE_ARRAYS * itemsize + MASK_BYTES) + tensors * TENSOR_COPIES * 8
 
 
+#: Copies of an additive bias held in float64 (its values, its gradients analytic and numeric, the reference's,
+#: the perturbed copies of a block of it).
+BIAS_COPIES = 8
+
+
 def need(sc) -> int:
-    """``Op.memory`` of attention: :func:`attention_need` of a scenario (or a probe with its keys)."""
-    return attention_need(sc.batch, sc.heads_q, sc.heads_kv, sc.n_q, sc.n_k, sc.d_head, sc.d_value, sc.dtype,
+    """``Op.memory`` of attention: :func:`attention_need` of a scenario (or a probe with its keys), and an additive
+    bias's copies (score-sized where it is not broadcast: the tiled engine's O(n) ends there)."""
+    base = attention_need(sc.batch, sc.heads_q, sc.heads_kv, sc.n_q, sc.n_k, sc.d_head, sc.d_value, sc.dtype,
                           sc.engine, sc.block_q, sc.block_k)
+    try:
+        bias = sc.p("bias")
+    except KeyError:  # an op composed of attention (projections, block): no variants
+        return base
+    if bias is None:
+        return base
+    shape = dict(bias)["shape"] or (1, sc.heads_q, sc.n_q, sc.n_k)
+    return base + int(np.prod(shape)) * 8 * BIAS_COPIES
