@@ -107,4 +107,4 @@ OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradient
         tangent_flavours=("numpy", "torch", "jax"), second_engines=("naive",), second_flavours=("torch", "jax"),
         variants=tuple((r.key, f"{r.param.help} (your code is passed {r.passes})") for r in score_stages.REGISTERED),
         validate=score_stages.validate,
-        variant_labels=lambda sc: tuple(st.label for st in score_stages.from_scenario(sc)))
+        variant_labels=lambda sc: score_stages.labels(score_stages.from_scenario(sc)))

@@ -106,24 +106,17 @@ def output_term_sizes(inputs, a_rows, scale, kv_map, rows: int = TERM_ROWS, logi
     return out
 
 
-def _logit_error(inputs, qa, ka, scale, kv_map, span, stages=()):
+def _logit_error(inputs, qa, ka, scale, kv_map, span, stages=(), with_slope: bool = False):
     """L_ij = |scale| sum_c |q_ic| |k_jc| for the query rows ``span`` (qa, ka: |q| and |repeat_kv(k)| in float64),
-    the size of a raw score's rounding; after score ``stages``, the error they pass on and add."""
+    the size of a raw score's rounding; after score ``stages``, the error they pass on and add. ``with_slope``:
+    (that, the size of the terms of the stages' derivative or None), the raw scores formed once for both."""
     logit = abs(scale) * (qa[..., span, :] @ np.swapaxes(ka, -1, -2))
     if not stages:
-        return logit
+        return (logit, None) if with_slope else logit
     r = raw_scores(np.asarray(inputs["q"][..., span, :], np.float64), np.asarray(inputs["k"], np.float64), scale,
                    kv_map)
-    return score_stages.error(stages, logit, r, span)
-
-
-def _slope_size(inputs, q1, k1, scale, kv_map, span, stages):
-    """The size of the terms of the score stages' derivative for the query rows ``span`` (None: none)."""
-    if not stages:
-        return None
-    r = raw_scores(np.asarray(inputs["q"][..., span, :], np.float64), np.asarray(inputs["k"], np.float64), scale,
-                   kv_map)
-    return score_stages.slope_size(stages, r, abs(scale) * (q1[..., span, :] @ np.swapaxes(k1, -1, -2)), span)
+    error = score_stages.error(stages, logit, r, span)
+    return (error, score_stages.slope_size(stages, r, logit, span)) if with_slope else error
 
 
 def _broadcast_sum(x, lead):
@@ -168,12 +161,12 @@ def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: boo
     for start in range(0, qa.shape[-2], rows):
         span = slice(start, min(start + rows, qa.shape[-2]))
         a = a_rows(span).astype(np.float64)
-        a_err = a * (1.0 + _logit_error(inputs, q1, k1, scale, kv_map, span, stages))
+        error, slope = _logit_error(inputs, q1, k1, scale, kv_map, span, stages, with_slope=True)
+        a_err = a * (1.0 + error)
         g_a = g1[..., span, :] @ np.swapaxes(v1, -1, -2)
         t_s = a_err * (g_a + np.sum(a * g_a, axis=-1, keepdims=True))
         for total in t_p.values():  # the gradient at the softmax's input, summed where it is broadcast
             total[..., span, :] += _broadcast_sum(t_s ** power, total.shape[:2])
-        slope = _slope_size(inputs, q1, k1, scale, kv_map, span, stages)
         if slope is not None:
             t_s = t_s * slope
         a_err, t_s = a_err ** power, t_s ** power

@@ -74,8 +74,6 @@ def why_not(sc, fault: str) -> str | None:
         return None
     if dict(sc.params).get(reg.key) is None:
         return f"the scenario has no {reg.key} (key {reg.key}:)"
-    if fault in reg.needs_mask and sc.visible.all():
-        return "every key is visible to every query: there is no mask for the stage to see"
     return reg.applies(sc, fault) if reg.applies else None
 
 
@@ -242,8 +240,9 @@ def keys(stages) -> tuple:
     return tuple(st.key for st in stages)
 
 
-def labels(stages) -> str:
-    return ", ".join(st.label for st in stages)
+def labels(stages) -> tuple[str, ...]:
+    """The stages' labels, in order (``softcap 2``, ``alibi distance``): what reports name them by."""
+    return tuple(st.label for st in stages)
 
 
 class _Fresh:

@@ -81,7 +81,6 @@ class Registration:
     make: Callable[[Any], Stage | None]
     faults: Mapping[str, Fault]
     wrong: Mapping[str, Callable]
-    needs_mask: tuple[str, ...] = ()  # faults that change nothing when every key is visible
     backward_only: tuple[str, ...] = ()  # faults whose wrong stage only the backward uses (it recomputes the scores)
     applies: Callable[[Any, str], str | None] | None = None  # why a fault cannot apply to a scenario (None: it can)
     validate: Callable[[dict, dict], list] | None = None  # (key, message, hint) for values wrong together (Op.validate)

@@ -133,6 +133,7 @@ REGISTRATION = Registration(
     wrong={"softcap-derivative": lambda st, visible: (_DroppedSlope(st.cap), visible),
            "softcap-masked": lambda st, visible: (_AfterMask(st.cap, visible), _every_key(visible)),
            "softcap-tanh-s": lambda st, visible: (_TanhTimesS(st.cap), visible)},
-    needs_mask=("softcap-masked",),
+    applies=lambda sc, fault: ("every key is visible to every query: there is no mask for the cap to follow"
+                               if fault == "softcap-masked" and sc.visible.all() else None),
     passes="softcap=c",
 )
