@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from gradcheck_cli import checker, numeric
 from gradcheck_cli.ops import attention
 from gradcheck_cli.ops.attention import copies, naive
+from gradcheck_cli.ops.attention.args import Args
 
 from helpers import examples, make
 from strategies import problems
@@ -153,8 +154,8 @@ def _agreement_args(sc):
     inputs, _ = attention.seeded_inputs(sc)
     kv_map = np.asarray(sc.kv_map)
     fast = copies.Forward(sc.visible, sc.scale, kv_map, sc.n_q, sc.n_k)
-    return (fast, lambda q, k, v: attention.forward(q, k, v, sc.visible, sc.scale, kv_map), inputs, sc.visible,
-            sc.scale, kv_map, (), np.random.default_rng(0))
+    return (fast, lambda q, k, v: attention.forward(q, k, v, sc.visible, sc.scale, kv_map), inputs,
+            Args(sc.visible, sc.scale, kv_map), (), np.random.default_rng(0))
 
 
 def test_visible_may_be_any_shape_that_broadcasts():

@@ -81,14 +81,15 @@ def test_negative_controls_detect_every_applicable_fault_on_a_bfloat16_jax_scena
                                               pytest.param("float16", 1e-5, 0.02, marks=pytest.mark.slow),
                                               pytest.param("float32", 1e-9, 1e-5, marks=pytest.mark.slow)])
 def test_the_plain_peer_computes_in_the_dtype_and_matches_the_reference_to_its_rounding(dtype, low, high):
+    from gradcheck_cli.ops.attention.args import Args
     from gradcheck_cli.ops.attention.jax_plain import plain
     from gradcheck_cli.ops.attention.reference import reference
     sc = _load(implementation="jax_attention:attention", dtype="bfloat16", **GQA_CAUSAL)
     rng = np.random.default_rng(0)
     x = {t: rng.standard_normal(s) for t, s in (("q", (2, 4, 5, 8)), ("k", (2, 2, 8, 8)), ("v", (2, 2, 8, 8)))}
     g = rng.standard_normal((2, 4, 5, 8))
-    ref, _, _ = reference(x, g, sc.visible, sc.scale, np.asarray(sc.kv_map))
-    for got in plain(x, g, sc.visible, sc.scale, sc.kv_map, dtype):  # the vjp of the forward, the closed forms
+    ref, _, _ = reference(x, g, Args.of(sc))
+    for got in plain(x, g, Args.of(sc), dtype):  # the vjp of the forward, the closed forms
         errors = [float(np.abs(got[t] - ref[t]).max()) / float(np.abs(ref[t]).max()) for t in "oqkv"]
         assert low < max(errors) < high, (dtype, errors)
 
@@ -102,13 +103,14 @@ def test_the_compiled_plain_peer_has_the_error_of_jax_run_one_operation_at_a_tim
     import jax
     import jax.numpy as jnp
 
+    from gradcheck_cli.ops.attention.args import Args
     from gradcheck_cli.ops.attention.jax_plain import backward, forward, plain
     from gradcheck_cli.ops.attention.reference import reference
     sc = _load(implementation="jax_attention:attention", dtype=dtype, **GQA_CAUSAL)
     rng = np.random.default_rng(1)
     x = {t: rng.standard_normal(s) for t, s in (("q", (2, 4, 5, 8)), ("k", (2, 2, 8, 8)), ("v", (2, 2, 8, 8)))}
     g = rng.standard_normal((2, 4, 5, 8))
-    ref, _, _ = reference(x, g, sc.visible, sc.scale, np.asarray(sc.kv_map))
+    ref, _, _ = reference(x, g, Args.of(sc))
     to = lambda a: jnp.asarray(a.astype(jnp.dtype(dtype)))  # noqa: E731
     kv_map = jnp.asarray(np.asarray(sc.kv_map, dtype=np.int32))
     with jax.disable_jit():
@@ -118,7 +120,7 @@ def test_the_compiled_plain_peer_has_the_error_of_jax_run_one_operation_at_a_tim
         closed = dict(zip("oqkv", (o, *backward(*(to(x[t]) for t in "qkv"), jnp.asarray(sc.visible), float(sc.scale),
                                                 kv_map, to(g)))))
     error = lambda got, t: float(np.abs(np.asarray(got[t]).astype(np.float64) - ref[t]).max())  # noqa: E731
-    for got, want in zip(plain(x, g, sc.visible, sc.scale, sc.kv_map, dtype), (eager, closed)):
+    for got, want in zip(plain(x, g, Args.of(sc), dtype), (eager, closed)):
         for t in "oqkv":
             assert error(want, t) / 1.5 <= error(got, t) <= 1.5 * error(want, t), (t, error(got, t), error(want, t))
 

@@ -147,8 +147,7 @@ def _pieces(shown: np.ndarray) -> tuple:
     return tuple(pieces)
 
 
-def agreement(fast: Forward, reference, inputs: dict, visible, scale, kv_map, faults, rng: np.random.Generator,
-              stages=()):
+def agreement(fast: Forward, reference, inputs: dict, args, faults, rng: np.random.Generator):
     """The check that the fast path computes the reference forward, on O stacked [7, B, Hq, n_q, d_value]:
     copy 0 from the unperturbed inputs, then two copies each of q, k and v moved as finite differences
     stack them (every element by up to 1% of max(1, |x|)), each evaluated as the differences of its tensor
@@ -156,20 +155,21 @@ def agreement(fast: Forward, reference, inputs: dict, visible, scale, kv_map, fa
     the differences take is the one checked), one copy at a time (the memory of one forward). Each element of O
     may differ by ENGINE_AGREEMENT_ULPS x eps x the size of its terms (``rounding.output_term_sizes``)."""
     dt = np.result_type(*inputs.values())
-    visible = np.broadcast_to(visible, visible.shape[:-2] + inputs["q"].shape[-2:-1] + inputs["k"].shape[-2:-1])
+    scale, kv_map, stages = args.scale, args.kv_map, args.stages  # args: ``args.Args``, the reference's
+    visible = np.broadcast_to(args.visible,
+                              args.visible.shape[:-2] + inputs["q"].shape[-2:-1] + inputs["k"].shape[-2:-1])
     moved = [(inputs, {t: x[None] for t, x in inputs.items()})]
     for name, x in inputs.items():
         for _ in range(2):
             step = (rng.uniform(-0.01, 0.01, x.shape) * np.maximum(1.0, np.abs(x))).astype(x.dtype)
             moved.append(({**inputs, name: x + step}, {**inputs, name: (x + step)[None]}))
     relative = []
-    for args, stacked in moved:
-        ref = np.asarray(reference(**args), dtype=np.float64)
+    for at, stacked in moved:
+        ref = np.asarray(reference(**at), dtype=np.float64)
         gap = np.abs(np.asarray(fast(**stacked)[0], dtype=np.float64) - ref)
         sizes = output_term_sizes(
-            args, lambda span, args=args: attention_weights(args["q"][..., span, :], args["k"],
-                                                            visible[..., span, :], scale, kv_map, faults, stages,
-                                                            span),
+            at, lambda span, at=at: attention_weights(at["q"][..., span, :], at["k"], visible[..., span, :], scale,
+                                                      kv_map, faults, stages, span),
             scale, kv_map, stages=stages)
         relative.append(gap / np.maximum(sizes, np.finfo(np.float64).tiny))
     return invariants.bounded(

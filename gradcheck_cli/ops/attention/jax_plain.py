@@ -72,17 +72,19 @@ def _plain_ways(scale: float, stages=()):
 _COMPILED: dict[tuple, object] = {}
 
 
-def plain(inputs: dict, g, visible, scale: float, kv_map, dtype: str, stages=()) -> list[dict]:
-    """Three plain computations in ``dtype`` on ``inputs`` (rounded to it), each {o, q, k, v} as float64 NumPy
+def plain(inputs: dict, g, args, dtype: str) -> list[dict]:
+    """Three plain computations in ``dtype`` on ``inputs`` (rounded to it) under attention's ``args``
+    (``args.Args``: visible set, scale, kv_map, stages), each {o, q, k, v} as float64 NumPy
     arrays: the plain forward with its ``jax.vjp`` gradients, the closed forms, and the forward through
     ``jax.nn.softmax`` with its ``jax.vjp`` gradients (so that no one plain way is lucky: as the torch engine
     takes autograd, the closed forms and SDPA)."""
     dt = jnp.dtype(dtype)  # a NumPy dtype (ml_dtypes' for bfloat16)
     to = lambda a: jnp.asarray(np.asarray(a).astype(dt))  # noqa: E731 (rounded in NumPy: no float64 in JAX)
-    args = (*(to(inputs[t]) for t in "qkv"), to(g), jnp.asarray(visible),
-            jnp.asarray(np.asarray(kv_map, dtype=np.int32)))
-    key = (float(scale), score_stages.keys(stages)) + tuple((a.shape, str(a.dtype)) for a in args)
+    scale, stages = float(args.scale), args.stages
+    arrays = (*(to(inputs[t]) for t in "qkv"), to(g), jnp.asarray(args.visible),
+              jnp.asarray(np.asarray(args.kv_map, dtype=np.int32)))
+    key = (scale, score_stages.keys(stages)) + tuple((a.shape, str(a.dtype)) for a in arrays)
     if key not in _COMPILED:
-        _COMPILED[key] = _plain_ways(float(scale), stages).lower(*args).compile(compiler_options=ROUNDED)
-    o, *grads = (np.asarray(x).astype(np.float64) for x in _COMPILED[key](*args))
+        _COMPILED[key] = _plain_ways(scale, stages).lower(*arrays).compile(compiler_options=ROUNDED)
+    o, *grads = (np.asarray(x).astype(np.float64) for x in _COMPILED[key](*arrays))
     return [dict(zip("oqkv", (o, *grads[:3]))), dict(zip("oqkv", (o, *grads[3:6]))), dict(zip("oqkv", grads[6:]))]

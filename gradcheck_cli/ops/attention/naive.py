@@ -10,6 +10,7 @@ from ...numeric import SeedStream
 from ..registry import Problem, SecondOrder, Tangents
 from . import copies
 from . import stages as score_stages
+from .args import Args
 from .directional import hvp, hvp_terms, jvp, jvp_terms
 from .formulas import attention_weights, backward, forward
 from .hints.tangent import jvp_hints
@@ -34,17 +35,18 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     stages, back, shown = score_stages.inject(right, visible, faults)  # the forward's and the backward's
     extra = score_stages.params(right)
     inputs = {**qkv, **extra}
+    seen, true = Args(shown, scale, kv_map, stages), Args(visible, scale, kv_map, right)
+    back = seen.but(stages=back)
     blocks = Blocks(sc, kv_map, {name: x.shape for name, x in extra.items()})
 
     def fwd(q, k, v):
-        return (forward(q, k, v, shown, scale, kv_map, faults, stages=stages),
-                attention_weights(q, k, shown, scale, kv_map, faults, stages))
+        return forward(q, k, v, faults=faults, **seen.kw), attention_weights(q, k, faults=faults, **seen.kw)
 
     def bwd(q, k, v, grad_o):
-        return backward(q, k, v, shown, scale, kv_map, grad_o, faults, back)
+        return backward(q, k, v, grad_o=grad_o, faults=faults, **back.kw)
 
     def reference(q, k, v):
-        return forward(q, k, v, shown, scale, kv_map, faults, stages=stages)
+        return forward(q, k, v, faults=faults, **seen.kw)
 
     # Finite differences evaluate the same forward by blocks of query rows (copies.py), checked
     # against the reference in every run.
@@ -68,15 +70,15 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
 
         second = SecondOrder(
             gradients=moved_gradients,
-            hvp=lambda u: dict(zip("qkv", hvp(q, k, v, shown, scale, kv_map, g, u.get("q"), u.get("k"), u.get("v"),
-                                              faults, back))),
-            hvp_terms=lambda u: dict(zip("qkv", hvp_terms(q, k, v, visible, scale, kv_map, g, u.get("q"), u.get("k"),
-                                                          u.get("v"), right))),
+            hvp=lambda u: dict(zip("qkv", hvp(q, k, v, grad_o=g, dq=u.get("q"), dk=u.get("k"), dv=u.get("v"),
+                                              faults=faults, **back.kw))),
+            hvp_terms=lambda u: dict(zip("qkv", hvp_terms(q, k, v, grad_o=g, dq=u.get("q"), dk=u.get("k"),
+                                                          dv=u.get("v"), **true.kw))),
             gradient_terms=term_sizes(qkv, g, lambda span: a[..., span, :], scale, kv_map, stages=right))
 
     def o_dot(t: dict) -> np.ndarray:
         """The engine's JVP along tangents t (by input name; missing: zero)."""
-        return jvp(q, k, v, shown, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), faults, stages)
+        return jvp(q, k, v, dq=t.get("q"), dk=t.get("k"), dv=t.get("v"), faults=faults, **seen.kw)
 
     return Problem(
         inputs=inputs,
@@ -85,8 +87,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         rounding=rounding,
         rounding_total=rounding_total,
         copy_bytes=3 * a.size * dt.itemsize + o.size * dt.itemsize,
-        invariants=lambda: [copies.agreement(fast, reference, qkv, shown, scale, kv_map, faults,
-                                             np.random.default_rng([sc.seed, SeedStream.FAST_FORWARD]), stages)]
+        invariants=lambda: [copies.agreement(fast, reference, qkv, seen, faults,
+                                             np.random.default_rng([sc.seed, SeedStream.FAST_FORWARD]))]
         + engine_invariants(fwd, bwd, qkv, visible, kv_map, grads, rng_inv,
                             output_terms(qkv, a, scale, kv_map, right), g),
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
@@ -97,10 +99,10 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         tangents=Tangents(
             forward=lambda **moved: fast(**{**qkv, **moved}),
             jvp=o_dot,
-            jvp_terms=lambda t: jvp_terms(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), right),
+            jvp_terms=lambda t: jvp_terms(q, k, v, dq=t.get("q"), dk=t.get("k"), dv=t.get("v"), **true.kw),
             output_terms=output_term_sizes(qkv, lambda span: a[..., span, :], scale, kv_map, stages=right),
             upstream=g,
-            explain=jvp_hints(o_dot, qkv, visible, scale, kv_map, [sc.seed, SeedStream.TANGENT_HINTS])),
+            explain=jvp_hints(o_dot, qkv, true, [sc.seed, SeedStream.TANGENT_HINTS])),
         second=second,
         parts=blocks.parts,
         loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),

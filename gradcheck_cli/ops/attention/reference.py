@@ -9,6 +9,7 @@ import numpy as np
 
 from ..registry import SecondOrder, Tangents
 from . import stages as score_stages
+from .args import Args
 from .directional import hvp, hvp_terms, jvp, jvp_terms
 from .formulas import DIFFERENCE_FAULTS, HVP_FAULTS, JVP_FAULTS, backward, forward
 from .hints import Context, diagnosis
@@ -23,13 +24,13 @@ def diagnosis_fields(sc, context=None) -> dict:
     return {"structure": structure, "hints": hints}
 
 
-def hint_context(inputs: dict, g, visible, scale, kv_map, results: dict, reference_results: dict, impl_forward=None,
-                 stages=()):
+def hint_context(inputs: dict, g, args: Args, results: dict, reference_results: dict, impl_forward=None):
     """What the hints may consult about an implementation (``hints.Context``)."""
     x = {t: val.astype(np.float64) for t, val in inputs.items()}
 
-    def reference_output(visible=visible, kv_map=kv_map):
-        return forward(x["q"], x["k"], x["v"], visible, scale, np.asarray(kv_map, dtype=np.intp), stages=stages)
+    def reference_output(visible=args.visible, kv_map=args.kv_map):
+        return forward(x["q"], x["k"], x["v"], **args.but(visible=visible,
+                                                          kv_map=np.asarray(kv_map, dtype=np.intp)).kw)
 
     return Context(output=np.asarray(results["o"], dtype=np.float64), reference=reference_output,
                    reference_gradients={t: reference_results[t] for t in "qkv"},
@@ -55,20 +56,20 @@ def called_as(sc, call, inputs: dict):
                         "attention")
             raise
         x = {t: val.astype(np.float64) for t, val in inputs.items()}
-        ref = forward(x["q"], x["k"], x["v"], sc.visible, sc.scale, np.asarray(sc.kv_map, dtype=np.intp),
-                      stages=stages)
+        ref = forward(x["q"], x["k"], x["v"], **Args.of(sc, stages).kw)
         exc.hint = _convention(sc, call, ref)
         raise
 
 
 class Interface:
     """The interface-level faults for a user's implementation (``Fault.user``): what it is shown
-    (``visible``) and what its gradients become (``gradients``). No fault: both unchanged. ``stages``: the
+    (``visible``) and what its gradients become (``gradients``). No fault: both unchanged. ``args.stages``: the
     scenario's score stages (a stage fault's change to the reference's gradients is added like the others')."""
 
-    def __init__(self, faults: Collection[str], sizes: dict[str, float] | None, visible, scale, kv_map, stages=()):
-        self.faults, self.sizes, self.scale, self.kv_map = tuple(faults), dict(sizes or {}), scale, kv_map
-        self.stages = tuple(stages)
+    def __init__(self, faults: Collection[str], sizes: dict[str, float] | None, args: Args):
+        self.faults, self.sizes, self.args = tuple(faults), dict(sizes or {}), args
+        self.stages = args.stages
+        visible = args.visible
         # a stage fault of the backward adds its change to the gradients; one of the forward changes the arguments
         # the implementation is passed instead (``stages.shown``)
         stage_faults = [f for f in self.faults if f in score_stages.FAULTS and not score_stages.FAULTS[f].forward]
@@ -91,9 +92,9 @@ class Interface:
         extra = dict(zip(score_stages.params(self.stages), params))
         if self.added:
             args = [x.astype(np.float64) for x in (q, k, v, grad_o)]
-            right = backward(*args[:3], self.true_visible, self.scale, self.kv_map, args[3], stages=self.stages)
-            wrong = backward(*args[:3], self.true_visible, self.scale, self.kv_map, args[3], self.added,
-                             self.wrong_stages)
+            right = backward(*args[:3], grad_o=args[3], **self.args.kw)
+            wrong = backward(*args[:3], grad_o=args[3], faults=self.added,
+                             **self.args.but(stages=self.wrong_stages).kw)
             for t in out:
                 out[t] = (out[t].astype(np.float64) + getattr(wrong, t) - getattr(right, t)).astype(out[t].dtype)
             for t in extra:
@@ -113,8 +114,9 @@ class Interface:
         if not faults:
             return tuple(values)
         x = [np.asarray(a, dtype=np.float64) for a in arrays]
-        args = (*x[:3], self.true_visible, self.scale, self.kv_map, *x[3:])
-        right, wrong = closed_form(*args, stages=self.stages), closed_form(*args, faults=faults, stages=self.stages)
+        a = self.args
+        args = (*x[:3], a.visible, a.scale, a.kv_map, *x[3:])
+        right, wrong = closed_form(*args, stages=a.stages), closed_form(*args, faults=faults, stages=a.stages)
         return tuple((val.astype(np.float64) + b - a).astype(val.dtype) for val, a, b in zip(values, right, wrong))
 
     def hvp(self, q, k, v, grad_o, dq, dk, dv, h):
@@ -147,32 +149,31 @@ LOW_PRECISION = ("float16", "bfloat16")
 LOW_PRECISION_CHECKS = dict.fromkeys("oqkv", "low-precision error within factor of plain")
 
 
-def reference(inputs: dict, g: np.ndarray, visible, scale, kv_map, stages=()) -> tuple[dict, dict, np.ndarray]:
+def reference(inputs: dict, g: np.ndarray, args: Args) -> tuple[dict, dict, np.ndarray]:
     """The float64 reference on the given inputs: ({o, q, k, v}, term sizes (root sum of squares) of
     each, A)."""
     x = {t: val.astype(np.float64) for t, val in inputs.items()}
     g64 = np.asarray(g, dtype=np.float64)
-    o = forward(x["q"], x["k"], x["v"], visible, scale, kv_map, stages=stages)
-    grads = backward(x["q"], x["k"], x["v"], visible, scale, kv_map, g64, stages=stages)
-    terms = term_sizes(x, g64, lambda span: grads.a[..., span, :], scale, kv_map, rss=True, stages=stages,
-                       params={t: p.shape for t, p in grads.params.items()})
+    o = forward(x["q"], x["k"], x["v"], **args.kw)
+    grads = backward(x["q"], x["k"], x["v"], grad_o=g64, **args.kw)
+    terms = term_sizes(x, g64, lambda span: grads.a[..., span, :], args.scale, args.kv_map, rss=True,
+                       stages=args.stages, params={t: p.shape for t, p in grads.params.items()})
     return {"o": o, "q": grads.q, "k": grads.k, "v": grads.v, **grads.params}, terms, grads.a
 
 
-def results64(inputs: dict, g, visible, scale, kv_map, stages=()) -> dict:
+def results64(inputs: dict, g, args: Args) -> dict:
     """The float64 reference's O, G_Q, G_K and G_V on the given inputs (q, k, v) and upstream gradient."""
     x = [np.asarray(inputs[t], dtype=np.float64) for t in "qkv"]
-    grads = backward(*x, visible, scale, kv_map, np.asarray(g, dtype=np.float64), stages=stages)
-    return {"o": forward(*x, visible, scale, kv_map, stages=stages), "q": grads.q, "k": grads.k, "v": grads.v,
-            **grads.params}
+    grads = backward(*x, grad_o=np.asarray(g, dtype=np.float64), **args.kw)
+    return {"o": forward(*x, **args.kw), "q": grads.q, "k": grads.k, "v": grads.v, **grads.params}
 
 
-def plain(inputs: dict, g: np.ndarray, visible, scale, kv_map, dtype: str, stages=()) -> dict:
+def plain(inputs: dict, g: np.ndarray, args: Args, dtype: str) -> dict:
     """The built-in engine computed in ``dtype`` (float64 or float32) on the inputs: a plain
     implementation's rounding, for the agreement rule."""
     x = {t: val.astype(dtype) for t, val in inputs.items()}
-    o = forward(x["q"], x["k"], x["v"], visible, scale, kv_map, stages=stages)
-    grads = backward(x["q"], x["k"], x["v"], visible, scale, kv_map, np.asarray(g).astype(dtype), stages=stages)
+    o = forward(x["q"], x["k"], x["v"], **args.kw)
+    grads = backward(x["q"], x["k"], x["v"], grad_o=np.asarray(g).astype(dtype), **args.kw)
     return {"o": o, "q": grads.q, "k": grads.k, "v": grads.v, **grads.params}
 
 
@@ -186,8 +187,8 @@ def varies(first: np.ndarray, second: np.ndarray, tolerance: float) -> bool:
 JVP_REFERENCE = "JVP agrees with the reference"
 
 
-def implementation_tangents(inputs: dict, g, visible, scale, kv_map, a64, moved_forward, user_jvp, interface,
-                            seed, policy) -> Tangents:
+def implementation_tangents(inputs: dict, g, a64, moved_forward, user_jvp, interface: Interface, seed,
+                            policy) -> Tangents:
     """What the JVP checks need of an implementation (``registry.Tangents``): ``moved_forward(**moved)`` its
     forward with inputs replaced by stacked copies [C, ...], ``user_jvp(dq, dk, dv)`` its output tangent (every
     tangent given: a missing one is zero), the faults' change added (``Interface.jvp``); the rounding of both
@@ -196,17 +197,18 @@ def implementation_tangents(inputs: dict, g, visible, scale, kv_map, a64, moved_
     form in that precision (``JVP_REFERENCE``)."""
     from ... import precision
     x64 = {t: val.astype(np.float64) for t, val in inputs.items()}
-    stages = interface.stages
+    args = interface.args
 
     def agreement(tangent: dict, o_dot: np.ndarray):
-        t64 = [np.asarray(tangent[n], dtype=np.float64) for n in "qkv"]
-        ref = jvp(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, *t64, stages=stages)
-        terms = jvp_terms(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, *t64, stages=stages)
+        t64 = dict(zip(("dq", "dk", "dv"), (np.asarray(tangent[n], dtype=np.float64) for n in "qkv")))
+        ref = jvp(x64["q"], x64["k"], x64["v"], **t64, **args.kw)
+        terms = jvp_terms(x64["q"], x64["k"], x64["v"], **t64, **args.kw)
         def plain_error(dtype: str) -> float | None:  # of the closed form computed in dtype (none in float64)
             if dtype == "float64":
                 return None
-            low = [x.astype(dtype) for x in (x64["q"], x64["k"], x64["v"], *t64)]
-            return float(np.abs(jvp(*low[:3], visible, scale, kv_map, *low[3:], stages=stages) - ref).max(initial=0.0))
+            low = [x.astype(dtype) for x in (x64["q"], x64["k"], x64["v"])]
+            dlow = {n: t.astype(dtype) for n, t in t64.items()}
+            return float(np.abs(jvp(*low, **dlow, **args.kw) - ref).max(initial=0.0))
 
         check = precision.agreement(JVP_REFERENCE, "o_dot", o_dot, ref, terms, policy, plain_error(policy.dtype))
         lower = None if check.passed or policy.dtype != "float64" else precision.lower_precision(
@@ -222,10 +224,11 @@ def implementation_tangents(inputs: dict, g, visible, scale, kv_map, a64, moved_
 
     return Tangents(
         forward=moved_forward, jvp=o_dot,
-        jvp_terms=lambda t: jvp_terms(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, t.get("q"), t.get("k"),
-                                      t.get("v"), stages),
-        output_terms=output_term_sizes(x64, lambda span: a64[..., span, :], scale, kv_map, stages=stages), upstream=g,
-        explain=jvp_hints(o_dot, inputs, visible, scale, kv_map, seed), agreement=agreement)
+        jvp_terms=lambda t: jvp_terms(x64["q"], x64["k"], x64["v"], dq=t.get("q"), dk=t.get("k"), dv=t.get("v"),
+                                      **args.kw),
+        output_terms=output_term_sizes(x64, lambda span: a64[..., span, :], args.scale, args.kv_map,
+                                       stages=args.stages), upstream=g,
+        explain=jvp_hints(o_dot, inputs, args, seed), agreement=agreement)
 
 
 #: The name of the reference checks of an implementation's double backward.
@@ -242,8 +245,7 @@ CONSTANTS_HINT = (
     "once_differentiable, so that double backward refuses instead of answering wrong")
 
 
-def implementation_second(inputs: dict, g, visible, scale, kv_map, gradients, user_hvp, interface,
-                          policy) -> SecondOrder:
+def implementation_second(inputs: dict, g, gradients, user_hvp, interface: Interface, policy) -> SecondOrder:
     """What the double-backward checks need of an implementation (``registry.SecondOrder``): ``gradients(**moved)``
     its gradients with inputs replaced, ``user_hvp(dq, dk, dv)`` its Hessian-vector product (hq, hk, hv), the
     HVP faults' change added (``Interface.hvp``); the rounding of both sides from the float64 closed form's
@@ -252,17 +254,17 @@ def implementation_second(inputs: dict, g, visible, scale, kv_map, gradients, us
     from ... import precision
     x64 = {t: val.astype(np.float64) for t, val in inputs.items()}
     g64 = np.asarray(g, dtype=np.float64)
-    stages = interface.stages
-    grads = backward(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, g64, stages=stages)
+    args = interface.args
+    grads = backward(x64["q"], x64["k"], x64["v"], grad_o=g64, **args.kw)
 
     def agreement(u: dict, hu: dict) -> list:
-        u64 = [np.asarray(u[n], dtype=np.float64) for n in "qkv"]
-        ref = hvp(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, g64, *u64, stages=stages)
-        terms = hvp_terms(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, g64, *u64, stages=stages)
+        u64 = dict(zip(("dq", "dk", "dv"), (np.asarray(u[n], dtype=np.float64) for n in "qkv")))
+        ref = hvp(x64["q"], x64["k"], x64["v"], grad_o=g64, **u64, **args.kw)
+        terms = hvp_terms(x64["q"], x64["k"], x64["v"], grad_o=g64, **u64, **args.kw)
         plain = [np.zeros_like(r) for r in ref]
         if policy.dtype != "float64":
-            low = [x.astype(policy.dtype) for x in (x64["q"], x64["k"], x64["v"], g64, *u64)]
-            plain = hvp(*low[:3], visible, scale, kv_map, *low[3:], stages=stages)
+            low = [x.astype(policy.dtype) for x in (x64["q"], x64["k"], x64["v"], g64)]
+            plain = hvp(*low[:3], grad_o=low[3], **{n: t.astype(policy.dtype) for n, t in u64.items()}, **args.kw)
         return [precision.agreement(HVP_REFERENCE, f"h{n}", hu[n], r, t, policy,
                                     float(np.abs(np.asarray(p, dtype=np.float64) - r).max(initial=0.0))
                                     if policy.dtype != "float64" else 0.0)
@@ -278,7 +280,8 @@ def implementation_second(inputs: dict, g, visible, scale, kv_map, gradients, us
 
     return SecondOrder(
         gradients=gradients, hvp=h,
-        hvp_terms=lambda u: dict(zip("qkv", hvp_terms(x64["q"], x64["k"], x64["v"], visible, scale, kv_map, g64,
-                                                       u.get("q"), u.get("k"), u.get("v"), stages))),
-        gradient_terms=term_sizes(x64, g64, lambda span: grads.a[..., span, :], scale, kv_map, stages=stages),
+        hvp_terms=lambda u: dict(zip("qkv", hvp_terms(x64["q"], x64["k"], x64["v"], grad_o=g64, dq=u.get("q"),
+                                                       dk=u.get("k"), dv=u.get("v"), **args.kw))),
+        gradient_terms=term_sizes(x64, g64, lambda span: grads.a[..., span, :], args.scale, args.kv_map,
+                                  stages=args.stages),
         agreement=agreement, explain=explain)

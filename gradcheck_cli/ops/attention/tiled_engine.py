@@ -12,6 +12,7 @@ from ...tolerance import ENGINE_AGREEMENT_ULPS, INVARIANT_ULPS
 from ..registry import Problem, Tangents
 from . import directional, formulas
 from . import stages as score_stages
+from .args import Args
 from .formulas import DEFAULT_BLOCK
 from .hints.tangent import jvp_hints
 from .inputs import seeded_inputs
@@ -59,28 +60,30 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     stages, back, shown = score_stages.inject(right, visible, faults)  # the forward's and the backward's
     extra = score_stages.params(right)  # a stage's parameter whose gradient is checked: an input (a bias)
     inputs = {**qkv, **extra}
+    seen, true = Args(shown, scale, kv_map, stages), Args(visible, scale, kv_map, right)
     shapes = {name: x.shape for name, x in extra.items()}
     blocks = Blocks(sc, kv_map, shapes)
 
     def fwd(q, k, v):
-        return forward(q, k, v, shown, scale, kv_map, faults, bq, bk, stages=stages)
+        return forward(q, k, v, faults=faults, block_q=bq, block_k=bk, **seen.kw)
 
     def backward_kv(q, k, v, grad_o):
-        return backward(q, k, v, shown, scale, kv_map, grad_o, faults, bq, bk, stages=back)[1:]
+        return backward(q, k, v, grad_o=grad_o, faults=faults, block_q=bq, block_k=bk, **seen.but(stages=back).kw)[1:]
 
     def copies_forward(name: str, x: np.ndarray) -> np.ndarray:
         if name in extra:  # a stage's parameter moved: its perturbed copies in the stages
-            return forward(q, k, v, shown, scale, kv_map, faults, bq, bk, stages=score_stages.moved(stages, name, x))
+            return forward(q, k, v, faults=faults, block_q=bq, block_k=bk,
+                           **seen.but(stages=score_stages.moved(stages, name, x)).kw)
         return fwd(**{**qkv, name: x})
 
-    o, lse = forward(q, k, v, shown, scale, kv_map, faults, bq, bk, with_lse=True, stages=stages)
+    o, lse = forward(q, k, v, faults=faults, block_q=bq, block_k=bk, with_lse=True, **seen.kw)
     stats: dict = {}
     param_grads: dict = {}
-    g_q, g_k, g_v = backward(q, k, v, shown, scale, kv_map, g, faults, bq, bk, saved=(o, lse), stats=stats,
-                             stages=back, params=param_grads)
+    g_q, g_k, g_v = backward(q, k, v, grad_o=g, faults=faults, block_q=bq, block_k=bk, saved=(o, lse), stats=stats,
+                             params=param_grads, **seen.but(stages=back).kw)
     def a_rows(span):
-        return formulas.attention_weights(q[..., span, :], k, shown[..., span, :], scale, kv_map, faults, stages,
-                                          span)
+        return formulas.attention_weights(q[..., span, :], k, faults=faults, rows=span,
+                                          **seen.but(visible=shown[..., span, :]).kw)
 
     rounding, rounding_total = blocks.rounding(inputs, g, a_rows, scale, kv_map, stages=right)
     rng_inv = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
@@ -103,11 +106,12 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             t = {n: draw.standard_normal(x.shape).astype(dt) for n, x in qkv.items()}
             naive = np.empty(o.shape)
             for span in _spans(sc.n_q, TERM_ROWS):
-                naive[..., span, :] = directional.jvp(q[..., span, :], k, v, shown[..., span, :], scale, kv_map,
-                                                   t["q"][..., span, :], t["k"], t["v"], faults, stages, span)
+                naive[..., span, :] = directional.jvp(q[..., span, :], k, v, dq=t["q"][..., span, :], dk=t["k"],
+                                                      dv=t["v"], faults=faults, rows=span,
+                                                      **seen.but(visible=shown[..., span, :]).kw)
             agree.append(precision.agreement("tiled JVP agrees with the naive engine", "o_dot", o_dot(t), naive,
-                                             jvp_terms(q, k, v, visible, scale, kv_map, t["q"], t["k"], t["v"], bq,
-                                                       bk, right), policy, what="tiled"))
+                                             jvp_terms(q, k, v, dq=t["q"], dk=t["k"], dv=t["v"], block_q=bq,
+                                                       block_k=bk, **true.kw), policy, what="tiled"))
         eps = float(np.finfo(dt).eps)
         terms = output_terms(qkv, a_rows, scale, kv_map, right)
         # D = rowsum(G_O * O) comes from the forward's O, which carries the rounding of its own terms
@@ -125,7 +129,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     lead = sc.batch * sc.heads_q
     def o_dot(t: dict) -> np.ndarray:
         """The engine's JVP along tangents t (by input name; missing: zero)."""
-        return jvp(q, k, v, shown, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), faults, bq, bk, stages)
+        return jvp(q, k, v, dq=t.get("q"), dk=t.get("k"), dv=t.get("v"), faults=faults, block_q=bq, block_k=bk,
+                   **seen.kw)
 
     return Problem(
         inputs=inputs,
@@ -142,11 +147,11 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         tangents=Tangents(
             forward=lambda **moved: fwd(**{**qkv, **moved}),
             jvp=o_dot,
-            jvp_terms=lambda t: jvp_terms(q, k, v, visible, scale, kv_map, t.get("q"), t.get("k"), t.get("v"), bq,
-                                          bk, right),
+            jvp_terms=lambda t: jvp_terms(q, k, v, dq=t.get("q"), dk=t.get("k"), dv=t.get("v"), block_q=bq,
+                                          block_k=bk, **true.kw),
             output_terms=output_term_sizes(qkv, a_rows, scale, kv_map, stages=right),
             upstream=g,
-            explain=jvp_hints(o_dot, qkv, visible, scale, kv_map, [sc.seed, SeedStream.TANGENT_HINTS])),
+            explain=jvp_hints(o_dot, qkv, true, [sc.seed, SeedStream.TANGENT_HINTS])),
         parts=blocks.parts,
         loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
         **diagnosis_fields(sc),

@@ -13,6 +13,7 @@ from ...numeric import SeedStream
 from ..registry import Problem
 from ..user_engine import compile_time, compiled_rows
 from . import stages as score_stages
+from .args import Args
 from .inputs import seeded_inputs
 from .invariants import output_invariants
 from .reference import (
@@ -62,12 +63,12 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     else:
         inputs, g = seeded_inputs(sc)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    kv_map = np.asarray(sc.kv_map, dtype=np.intp)
-    visible, scale, batch = sc.visible, sc.scale, sc.batch
+    args = Args.of(sc, stages)
+    kv_map, visible, scale, batch = args.kv_map, sc.visible, sc.scale, sc.batch
     extra = score_stages.params(stages)  # a bias whose gradient is checked: an input, returned by backward as dbias
     batched = score_stages.batched(score_stages.shown(stages, sc.visible, faults))
     blocks = Blocks(sc, kv_map, {t: x.shape for t, x in extra.items()})
-    interface = Interface(faults, sizes, visible, scale, kv_map, stages)
+    interface = Interface(faults, sizes, args)
 
     def user_forward(q, k, v, visible, conv=sc.convention, **given):
         """The implementation's O, called in convention ``conv`` (its layout, mask and scale), in the tool's;
@@ -155,7 +156,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     deterministic = implementation.determinism("forward and backward", results, again, sc.nondet_tol)
     if low:
         return _low(sc, impl, inputs, g, interface, results, deterministic, user_forward, user_backward)
-    ref, terms, a64 = reference(inputs, g, visible, scale, kv_map, stages)
+    ref, terms, a64 = reference(inputs, g, args)
+
     def results_at(xs: dict) -> dict | None:
         try:
             grads = user_backward(xs["q"], xs["k"], xs["v"], g)
@@ -163,10 +165,9 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         except implementation.ImplementationFailure:
             return None
 
-    nearby = precision.nearby(inputs, results_at, lambda xs: results64(xs, g, visible, scale, kv_map, stages),
-                              [sc.seed, SeedStream.PRECISION])
+    nearby = precision.nearby(inputs, results_at, lambda xs: results64(xs, g, args), [sc.seed, SeedStream.PRECISION])
     agree, computes_in = precision.judge(results, ref, terms, sc.dtype,
-                                         lambda p: plain(inputs, g, visible, scale, kv_map, p, stages),
+                                         lambda p: plain(inputs, g, args, p),
                                          {**REFERENCE_CHECKS, **dict.fromkeys(extra, REFERENCE_CHECKS["q"])},
                                          sc.factor, sc.slack, nearby_difference=nearby)
     rounding, rounding_total = blocks.rounding({**inputs, **extra}, g, a64, scale, kv_map, stages=stages)
@@ -205,13 +206,12 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         nondeterministic=varies(o, again["o"], sc.nondet_tol),
         compile_s=compile_time(impl),
         tangents=None if sc.mode != "jvp" else implementation_tangents(
-            inputs, g, visible, scale, kv_map, a64, moved_forward, user_jvp, interface,
-            [sc.seed, SeedStream.TANGENT_HINTS], precision.Policy.for_dtype(computes_in, sc.factor, sc.slack)),
-        second=None if sc.mode != "hvp" else implementation_second(inputs, g, visible, scale, kv_map,
-                                                                   moved_gradients, user_hvp, interface,
-                                                                   precision.Policy.for_dtype(computes_in, sc.factor,
-                                                                                              sc.slack)),
-        **diagnosis_fields(sc, hint_context(inputs, g, visible, scale, kv_map, results, ref, user_forward, stages)),
+            inputs, g, a64, moved_forward, user_jvp, interface, [sc.seed, SeedStream.TANGENT_HINTS],
+            precision.Policy.for_dtype(computes_in, sc.factor, sc.slack)),
+        second=None if sc.mode != "hvp" else implementation_second(
+            inputs, g, moved_gradients, user_hvp, interface, precision.Policy.for_dtype(computes_in, sc.factor,
+                                                                                        sc.slack)),
+        **diagnosis_fields(sc, hint_context(inputs, g, args, results, ref, user_forward)),
     )
 
 
@@ -223,15 +223,13 @@ def _low(sc, impl, inputs: dict, g, interface: Interface, results: dict, determi
     + slack + ulps of its terms; then the determinism check and the output invariants."""
     from . import jax_plain
     dt = np.dtype(sc.dtype)
-    visible, scale = sc.visible, sc.scale
-    kv_map = np.asarray(sc.kv_map, dtype=np.intp)
+    args = interface.args
     rounded = {t: x.astype(np.float64) for t, x in inputs.items()}  # the inputs as the dtype holds them
     g64 = g.astype(np.float64)
     r64 = {t: x.astype(np.float64) for t, x in results.items()}
-    stages = interface.stages
-    ref, terms, a64 = reference(rounded, g64, visible, scale, kv_map, stages)
+    ref, terms, a64 = reference(rounded, g64, args)
     agree, computes_in = precision.judge(
-        r64, ref, terms, sc.dtype, lambda p: jax_plain.plain(rounded, g64, visible, scale, kv_map, p, stages),
+        r64, ref, terms, sc.dtype, lambda p: jax_plain.plain(rounded, g64, args, p),
         LOW_PRECISION_CHECKS, sc.factor, sc.slack)
 
     def forward64(q, k, v, vis=interface.visible, conv=sc.convention):
@@ -244,20 +242,21 @@ def _low(sc, impl, inputs: dict, g, interface: Interface, results: dict, determi
     def checks() -> list:
         try:
             out = [deterministic] + agree + output_invariants(
-                forward64, backward_kv64, rounded, visible, kv_map, r64["o"],
+                forward64, backward_kv64, rounded, args.visible, args.kv_map, r64["o"],
                 np.random.default_rng([sc.seed, SeedStream.INVARIANTS]),
-                output_terms(rounded, a64, scale, kv_map, stages),
+                output_terms(rounded, a64, args.scale, args.kv_map, args.stages),
                 computes_in, (g64, r64["k"], r64["v"]))
         except implementation.ImplementationFailure as exc:
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
         return out + compiled_rows(impl)
 
-    context = hint_context(rounded, g64, visible, scale, kv_map, r64, ref,
-                           lambda q, k, v, vis, conv=sc.convention: forward64(q, k, v, vis, conv), stages)
+    context = hint_context(rounded, g64, args, r64, ref,
+                           lambda q, k, v, vis, conv=sc.convention: forward64(q, k, v, vis, conv))
     return Problem(
         inputs={}, loss=None, gradients={t: r64[t] for t in "qkv"}, rounding={}, rounding_total=0.0, copy_bytes=0,
         invariants=checks, output=r64["o"],
-        arrays={**rounded, "visible": visible, "grad_output": g64, "scale": np.asarray(scale), "kv_map": kv_map,
+        arrays={**rounded, "visible": args.visible, "grad_output": g64, "scale": np.asarray(args.scale),
+                "kv_map": args.kv_map,
                 "output": r64["o"], "reference_output": ref["o"], **{f"analytic_{t}": r64[t] for t in "qkv"}},
         **diagnosis_fields(sc, context),
     )

@@ -69,13 +69,13 @@ def _variants(q, k, v, visible, scale, kv_map, dq, dk, dv) -> dict[str, np.ndarr
     }
 
 
-def jvp_hints(jvp: Callable[[dict], np.ndarray], inputs: dict, visible, scale, kv_map,
-              seed) -> Callable[[list], list[str]]:
+def jvp_hints(jvp: Callable[[dict], np.ndarray], inputs: dict, args, seed) -> Callable[[list], list[str]]:
     """``explain(checks)`` for ``registry.Tangents``: the hint naming the mistake the JVP ``jvp`` (tangents by input
     name, in the inputs' dtype -> dO) matches; failing that, when only some of the per-input directions failed,
-    the hint naming those paths."""
+    the hint naming those paths. ``args``: attention's ``args.Args`` (the textbook closed forms' mistakes are
+    tried, so a scenario with score stages gets the per-path hint only)."""
     def mistake() -> str | None:
-        if np.size(visible) > LARGEST:
+        if np.size(args.visible) > LARGEST or args.stages:
             return None
         rng = np.random.default_rng(seed)
         tangent = {n: rng.standard_normal(x.shape).astype(x.dtype) for n, x in inputs.items()}
@@ -84,8 +84,8 @@ def jvp_hints(jvp: Callable[[dict], np.ndarray], inputs: dict, visible, scale, k
         except ImplementationFailure:
             return None
         f64 = {n: x.astype(np.float64) for n, x in {**inputs, **{f"d{n}": t for n, t in tangent.items()}}.items()}
-        found = _variants(f64["q"], f64["k"], f64["v"], visible, scale, np.asarray(kv_map), f64["dq"], f64["dk"],
-                          f64["dv"])
+        found = _variants(f64["q"], f64["k"], f64["v"], args.visible, args.scale, np.asarray(args.kv_map), f64["dq"],
+                          f64["dk"], f64["dv"])
         right = found.pop("")
         off = float(np.abs(got - right).max(initial=0.0))
         if not np.isfinite(off) or off == 0.0:

@@ -22,6 +22,7 @@ from ....result import Check
 from ...convention import Convention
 from ...registry import Problem
 from .. import stages as score_stages
+from ..args import Args
 from ..inputs import seeded_inputs
 from ..reference import (
     LOW_PRECISION,
@@ -67,11 +68,13 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     user = score_stages.bind(sc.implementation_object, score_stages.shown(stages, sc.visible, faults),
                              lambda a, same: torch.as_tensor(a, dtype=dt if same else given, device=device),
                              f"{device}/{given}")
-    interface = Interface(faults, sizes, sc.visible, scale, kv_np, stages) if user is not None else None
+    args64 = Args(sc.visible, scale, kv_np, stages)  # the float64 reference's (NumPy arrays)
+    interface = Interface(faults, sizes, args64) if user is not None else None
     # the closed forms' stages, a stage fault's wrong one in place (and the visible set their softmax then sees)
     wrong, wrong_back, shown = (score_stages.inject(stages, sc.visible, faults) if user is None
                                 else (stages, stages, sc.visible))
     vis = torch.from_numpy(shown if interface is None else interface.visible).to(device)
+    closed = Args(vis, scale, kv_map, wrong)  # the closed forms' (torch tensors), a fault's stages in place
     batched = score_stages.batched(score_stages.shown(stages, sc.visible, faults))
     # a bias whose gradient is checked (a torch implementation's): an input, its gradient by autograd after dv
     extra = score_stages.params(stages) if user is not None else {}
@@ -90,11 +93,11 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                 return conv.tensor(call_user(call, conv.arguments(q_, k_, v_, vis_, scale, kv_map, dt, lowest),
                                              conv.shape((q_.shape[0],) + tuple(g.shape[1:])), dt, conv.names(),
                                              sources if plain else None))
-        return forward(q_, k_, v_, vis_, scale, kv_map, faults, wrong)
+        return forward(q_, k_, v_, faults=faults, **closed.but(visible=vis_).kw)
 
     def bwd(q_, k_, v_, grad_o):
         if user is None:
-            return backward(q_, k_, v_, vis, scale, kv_map, grad_o, faults, wrong_back)
+            return backward(q_, k_, v_, grad_o=grad_o, faults=faults, **closed.but(stages=wrong_back).kw)
         conv = sc.convention
         args = conv.arguments(q_, k_, v_, vis, scale, kv_map, dt, lowest)
         grads = user_gradients(user, args[:3], args[3:], conv.tensor(grad_o).clone(), conv.shape(g.shape), dt,
@@ -114,7 +117,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     if user is not None:
         again = {"o": np_(fwd(q, k, v)), **{t: np_(x) for t, x in zip(names_all, bwd(q, k, v, g))}}
         checks_first.append(implementation_determinism(results, again, sc.nondet_tol))
-    ref, terms, a64 = reference(rounded, g_rounded, sc.visible, scale, kv_np, stages)
+    ref, terms, a64 = reference(rounded, g_rounded, args64)
 
     def plain(precision: str) -> dict | list[dict]:
         """torch autograd of the plain forward in ``precision``, on the same inputs; in half precision also
@@ -123,21 +126,21 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         pdt = DTYPES[precision]
         args = [to(rounded[t], pdt) for t in "qkv"] + [to(extra[t], pdt) for t in extra]
         mask, gp = vis if user is None else torch.from_numpy(sc.visible).to(device), to(g_rounded, pdt)
+        right = Args(mask, scale, kv_map, stages)
 
         def plain_forward(q_, k_, v_, *ps):  # a bias's values as a leaf of autograd too
             at = stages
             for t, p in zip(extra, ps):
                 at = score_stages.moved(at, t, p)
-            return forward(q_, k_, v_, mask, scale, kv_map, stages=at)
+            return forward(q_, k_, v_, **right.but(stages=at).kw)
 
         out, gr = by_autograd(plain_forward, args, gp)
         args = args[:3]
         ways = [{"o": np_(out), **{t: np_(x) for t, x in zip(names_all, gr)}}]
         if precision not in LOW_PRECISION:
             return ways[0]
-        closed = backward(*args, mask, scale, kv_map, gp, stages=stages)
-        ways.append({"o": np_(forward(*args, mask, scale, kv_map, stages=stages)),
-                     **{t: np_(x) for t, x in zip("qkv", closed)}})
+        closed_grads = backward(*args, grad_o=gp, **right.kw)
+        ways.append({"o": np_(forward(*args, **right.kw)), **{t: np_(x) for t, x in zip("qkv", closed_grads)}})
         if stages:
             return ways
         sd_o, sd = by_autograd(lambda q_, k_, v_: sdpa(q_, k_, v_, mask, scale, kv_map, sc.heads_q), args, gp)
@@ -154,8 +157,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                 return None
 
         nearby = None if low else precision.nearby(rounded, results_at,
-                                                   lambda xs: results64(xs, g_rounded, sc.visible, scale, kv_np,
-                                                                        stages),
+                                                   lambda xs: results64(xs, g_rounded, args64),
                                                    [sc.seed, SeedStream.PRECISION])
         agree, computes_in = precision.judge(results, ref, terms, sc.dtype, plain, names, sc.factor, sc.slack,
                                              nearby_difference=nearby)
@@ -174,7 +176,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     if user is not None:
         def impl_forward(q_, k_, v_, visible, conv=sc.convention):
             return np_(fwd(to(q_), to(k_), to(v_), torch.from_numpy(visible).to(device), conv))
-        context = hint_context(rounded, g_rounded, sc.visible, scale, kv_np, results, ref, impl_forward, stages)
+        context = hint_context(rounded, g_rounded, args64, results, ref, impl_forward)
     if low:
         return Problem(inputs={}, loss=None, gradients={t: np_(grads[t]) for t in "qkv"}, rounding={},
                        rounding_total=0.0, copy_bytes=0,
@@ -240,8 +242,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             return np_(conv.tensor(user_jvp(user, args[:3], [conv.tensor(to(t)) for t in (dq, dk, dv)], args[3:],
                                             conv.shape(g.shape), dt)))
 
-        tangents = implementation_tangents(inputs, g64, sc.visible, scale, kv_np, a64,
-                                           lambda **moved: np_(moved_forward(**moved)), impl_jvp, interface,
+        tangents = implementation_tangents(inputs, g64, a64, lambda **moved: np_(moved_forward(**moved)), impl_jvp,
+                                           interface,
                                            [sc.seed, SeedStream.TANGENT_HINTS],
                                            precision.Policy.for_dtype(computes_in, sc.factor, sc.slack))
     second = None
@@ -258,7 +260,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                            conv.shape(g.shape), dt, conv.names())
             return tuple(np_(conv.tensor(x)) for x in out)
 
-        second = implementation_second(inputs, g64, sc.visible, scale, kv_np, impl_gradients, impl_hvp, interface,
+        second = implementation_second(inputs, g64, impl_gradients, impl_hvp, interface,
                                        precision.Policy.for_dtype(computes_in, sc.factor, sc.slack))
     itemsize = torch.finfo(dt).bits // 8
     rule = precision.Policy.for_dtype(computes_in)
