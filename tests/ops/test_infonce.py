@@ -1,4 +1,4 @@
-"""InfoNCE (ops/infonce.py): the backward against a loop forward differentiated by the complex step, for
+"""InfoNCE (ops/infonce/): the backward against a loop forward differentiated by the complex step, for
 each similarity, negative source and a learned temperature; a user's implementation (examples/my_infonce.py)
 checked with its black-box invariants, and the interface's argument order."""
 import numpy as np
