@@ -63,7 +63,7 @@ def _flavours(repeat: int) -> None:
     import numpy as np
 
     from gradcheck_cli import implementation
-    from gradcheck_cli.ops import jax_flavour
+    from gradcheck_cli.flavours import jax as jax_flavour
     calls: list[int] = []
     replay = {}
     states = []

@@ -28,8 +28,8 @@ POLL_S = 0.05
 #: torch's first backward through SDPA's math path imports torch.fx's symbolic shapes, and with them sympy
 #: (about 1 s in every fresh worker); JAX's own import takes 2-4 s.
 BACKEND_PRELOAD = {
-    "torch": ("torch", "torch.fx.experimental.symbolic_shapes", "gradcheck_cli.ops.torch_flavour"),
-    "jax": ("jax", "jax.numpy", "gradcheck_cli.ops.jax_flavour"),
+    "torch": ("torch", "torch.fx.experimental.symbolic_shapes", "gradcheck_cli.flavours.torch"),
+    "jax": ("jax", "jax.numpy", "gradcheck_cli.flavours.jax"),
 }
 
 

@@ -46,6 +46,6 @@ def test_torch_is_imported_only_where_a_scenario_asks_for_it():
     scenario, and the loader checking that torch is installed; by nothing else."""
     ext = grimp.build_graph("gradcheck_cli", include_external_packages=True, cache_dir=None)
     allowed = ("gradcheck_cli.ops.attention.torch_engine", "gradcheck_cli.ops.attention.overflow",
-               "gradcheck_cli.ops.torch_flavour", "gradcheck_cli.scenario")
+               "gradcheck_cli.flavours.torch", "gradcheck_cli.scenario")
     importers = {m for m in ext.find_modules_that_directly_import("torch") if not m.startswith(allowed)}
     assert not importers

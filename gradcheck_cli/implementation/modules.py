@@ -19,7 +19,7 @@ Every op tensor must reach the module, through a weight or through ``call``; the
 parameters keep the values the factory gave them, are not differentiated and are listed in the report.
 
 This module parses and validates the form (the loader, without importing anything) and calls the
-factory; the flavours (``ops.torch_flavour``, ``ops.jax_flavour``) turn the module into the one callable
+factory; the flavours (``flavours.torch``, ``flavours.jax``) turn the module into the one callable
 f(*inputs, *args) their interface takes.
 """
 from __future__ import annotations

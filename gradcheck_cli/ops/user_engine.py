@@ -1,5 +1,5 @@
 """A user's implementation of an op without attention's block structure, as an engine: NumPy (forward and
-backward), or torch (one callable, gradients by autograd: ``torch_flavour``).
+backward), or torch (one callable, gradients by autograd: ``flavours.torch``).
 
 The op describes itself in a :class:`UserOp`: its differentiable inputs (in the order its interface
 passes them), the arguments that follow them (eps, angles, ...), its built-in forward and backward, the
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import implementation, precision
+from .. import flavours, implementation, precision
 from ..numeric import SeedStream
 from ..result import Check, Kind
 from . import dense
@@ -107,14 +107,8 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
         impl, module_rows, module_hints, transposed, fixed = _from_module(sc, impl, order, tuple(op.args),
                                                                           {t: v.shape for t, v in op.inputs.items()})
 
-    def flavoured(user):
-        if sc.backend == "torch":  # one callable, differentiated by autograd
-            from . import torch_flavour
-            return torch_flavour.wrap(user, len(order), sc.dtype, sc.device)
-        if sc.backend == "jax":  # one function, differentiated by jax.vjp, compiled once per shape
-            from . import jax_flavour
-            return jax_flavour.wrap(user, len(order), sc.dtype)
-        return user
+    def flavoured(user):  # torch: one callable, by autograd; JAX: one function, by jax.vjp, compiled per shape
+        return flavours.wrap(user, len(order), sc.backend, sc.dtype, sc.device)
     impl = flavoured(impl)
     dt = np.dtype(sc.dtype)
     names = order + tuple(op.args) + ("grad_y",)
@@ -268,7 +262,7 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
             out = [deterministic] + agree + op.invariants(Calls(call_forward, gradients, grads, fixed), computes_in, y)
         except implementation.ImplementationFailure as exc:
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
-        return out + module_rows + compiled_rows(impl)
+        return out + module_rows + flavours.compiled_rows(impl)
 
     rule = precision.Policy.for_dtype(computes_in)
     problem = dense.problem(sc, dict(op.inputs), user_forward, grads, op.g, invariants=checks, rounding=op.rounding,
@@ -276,7 +270,7 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
                             analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in order},
                             rounding_forward=lambda **xs: op.forward(*(xs[t] for t in order), *op.args.values()))
     problem.compute_dtype = None if computes_in == sc.dtype else computes_in
-    problem.compile_s = compile_time(impl)
+    problem.compile_s = flavours.compile_time(impl)
     def hints(evidence, checks) -> list[str]:
         if not any(c.name == FORWARD_CHECK and c.verdict == "fail" for c in checks):
             return []
@@ -309,7 +303,7 @@ def _from_module(sc, factory, order: tuple[str, ...], arg_names: tuple[str, ...]
     available = modules.sizes(sc, sc.n_q > 0)  # n_q is 0 outside the attention family
     key = (id(factory), sc.module, repr(sorted(available.items())), sc.backend)
     if key not in _MODULES:
-        _MODULES[key] = (factory,) + _module(sc, factory, available, sc.module, order, arg_names, shapes)
+        _MODULES[key] = (factory,) + flavours.from_module(sc, factory, available, sc.module, order, arg_names, shapes)
         # the factory kept: its id stays its own
     f, frozen, nonzero = _MODULES[key][1:]
 
@@ -328,7 +322,7 @@ def _from_module(sc, factory, order: tuple[str, ...], arg_names: tuple[str, ...]
                            expr.transpose) for j, p in enumerate(expr.parts) if square(p)]
             for flipped in flips:
                 weights = sc.module.weights[:i] + ((path, flipped),) + sc.module.weights[i + 1:]
-                out.append((f"{path}: {flipped}", _module(sc, factory, available,
+                out.append((f"{path}: {flipped}", flavours.from_module(sc, factory, available,
                                                           dataclasses.replace(sc.module, weights=weights),
                                                           order, arg_names, shapes)[0]))
         return out
@@ -356,18 +350,6 @@ def _from_module(sc, factory, order: tuple[str, ...], arg_names: tuple[str, ...]
                      detail=detail)], hints, transposed, fixed
 
 
-def _module(sc, factory, available: dict, spec, order, arg_names, shapes) -> tuple:
-    """(f, frozen, nonzero) of a fresh build of the scenario's factory with weights ``spec``, in its flavour."""
-    from ..implementation import modules
-    if sc.backend == "torch":
-        from . import torch_flavour
-        built = modules.build(factory, available, sc.implementation)
-        return torch_flavour.from_module(built, spec, order, arg_names, shapes, sc.dtype, sc.device)
-    from . import jax_flavour
-    jax_flavour.enable(sc.dtype)
-    built = modules.build(factory, available, sc.implementation)
-    return jax_flavour.from_module(built, spec, order, arg_names, shapes)
-
 
 def convention_hints(checks, y: np.ndarray, reference: np.ndarray, alternatives: Mapping) -> list[str]:
     """When ``forward agrees with the reference`` failed: the alternative convention whose output ``y``
@@ -382,22 +364,3 @@ def convention_hints(checks, y: np.ndarray, reference: np.ndarray, alternatives:
             return [f"the forward agrees with the reference computed with {key} (not with the scenario's "
                     f"convention): set {key} in the scenario, or change the code"]
     return []
-
-
-def compile_time(impl):
-    """For a compiled flavour (JAX), the seconds it has spent compiling so far (``Problem.compile_s``)."""
-    state = getattr(impl, "state", None)
-    return None if state is None else (lambda: state.compile_s)
-
-
-def compiled_rows(impl) -> list:
-    """For a compiled flavour (JAX), how many shapes it compiled: a passing ``implementation`` row (the
-    invariants run last, so every shape the run needed is counted)."""
-    state = getattr(impl, "state", None)
-    if state is None:
-        return []
-    return [Check(kind=Kind.IMPLEMENTATION, name="compiled once per shape", tensor="-", shape=None,
-                  max_abs_error=0.0, relative_error=0.0, tolerance=0.0, noise_floor=0.0, worst_index=None,
-                  passed=True, detail=f"jax.jit compiled the forward and the VJP once for each of "
-                                      f"{len(state.shapes)} shape(s) (its time is reported apart: compile_s, a part of "
-                                      "elapsed_s, both left out of run_id)")]

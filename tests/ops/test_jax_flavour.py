@@ -1,4 +1,4 @@
-"""A user's JAX function for the ops without attention's block structure (ops/jax_flavour.py): gradients by
+"""A user's JAX function for the ops without attention's block structure (flavours/jax.py): gradients by
 jax.vjp, weight gradients included, compiled once per shape, checked like a NumPy implementation's."""
 from pathlib import Path
 
@@ -96,7 +96,7 @@ def test_small_stacks_of_copies_share_one_compiled_shape():
 
 
 def test_stack_size_pads_small_stacks_to_one_size_and_leaves_large_ones_as_they_are():
-    from gradcheck_cli.ops.jax_flavour import MAX_STACK, PAD_BYTES, stack_size
+    from gradcheck_cli.flavours.jax import MAX_STACK, PAD_BYTES, stack_size
     assert {stack_size(c, 1000) for c in (1, 5, 80, MAX_STACK)} == {MAX_STACK}
     assert stack_size(MAX_STACK + 1, 1000) == MAX_STACK + 1
     assert (stack_size(3, PAD_BYTES // 4), stack_size(5, PAD_BYTES // 4)) == (4, 5)
@@ -104,7 +104,7 @@ def test_stack_size_pads_small_stacks_to_one_size_and_leaves_large_ones_as_they_
 
 
 def test_the_persistent_cache_is_off_on_request_and_never_in_a_folder_others_can_write(tmp_path, monkeypatch):
-    from gradcheck_cli.ops import jax_flavour
+    from gradcheck_cli.flavours import jax as jax_flavour
     monkeypatch.setenv(jax_flavour.CACHE_ENV, "0")
     assert jax_flavour.persistent_cache.__wrapped__() is None
     shared = tmp_path / "shared"

@@ -1,4 +1,4 @@
-"""A user's torch callable for the ops without attention's block structure (ops/torch_flavour.py): its
+"""A user's torch callable for the ops without attention's block structure (flavours/torch.py): its
 gradients by autograd, weight gradients included, checked like a NumPy implementation's."""
 from pathlib import Path
 

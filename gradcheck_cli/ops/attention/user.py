@@ -1,4 +1,4 @@
-"""A user's NumPy implementation, or JAX function (wrapped by ``ops.jax_flavour``), as an engine
+"""A user's NumPy implementation, or JAX function (wrapped by ``flavours.jax``), as an engine
 (docs/your-code.md "Checking your own implementation")."""
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ from collections.abc import Collection
 
 import numpy as np
 
-from ... import implementation, precision
+from ... import flavours, implementation, precision
 from ...errors import ScenarioError
 from ...numeric import SeedStream
 from ..registry import Problem
-from ..user_engine import compile_time, compiled_rows
 from . import stages as score_stages
 from .args import Args
 from .inputs import seeded_inputs
@@ -42,8 +41,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     In float16/bfloat16 (JAX only: the loader refuses a NumPy implementation there) that agreement, judged
     against a plain JAX computation in the same precision, replaces the finite differences (``_low``)."""
     stages = score_stages.from_scenario(sc)
-    if sc.backend == "jax":
-        from .. import jax_flavour  # imports JAX, whose ml_dtypes gives NumPy a bfloat16
+    if sc.backend == "jax":  # JAX imported first: its ml_dtypes gives NumPy a bfloat16
+        from ...flavours import jax as _  # noqa: F401
     # softcap=, alibi_slopes=, ... passed when the scenario has them (arrays in the precision computed in)
     given = np.float64 if sc.dtype == "float64" else np.float32
     impl = score_stages.bind(sc.implementation_object, score_stages.shown(stages, sc.visible, faults),
@@ -54,7 +53,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                             "\"JVP of your own code\")", file=sc.file, line=sc.implementation_line or sc.line,
                             key=f"scenarios[{sc.index}].implementation")
     if sc.backend == "jax":  # one JAX function, differentiated by jax.vjp, compiled once per shape
-        impl = jax_flavour.wrap(impl, 3, sc.dtype)
+        impl = flavours.wrap(impl, 3, "jax", sc.dtype)
     low = sc.dtype in LOW_PRECISION
     dt = np.dtype(sc.dtype)
     if low:  # the same draws as float64, rounded to the dtype (as the torch engine does)
@@ -183,7 +182,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                 (g, dk, dv))
         except implementation.ImplementationFailure as exc:
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
-        return out + compiled_rows(impl)
+        return out + flavours.compiled_rows(impl)
 
     copy_bytes = 3 * a64.size * dt.itemsize + o.size * dt.itemsize + (k.size + v.size + q.size) * dt.itemsize
     return Problem(
@@ -204,7 +203,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         compute_dtype=None if computes_in == sc.dtype else computes_in,
         analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in names},
         nondeterministic=varies(o, again["o"], sc.nondet_tol),
-        compile_s=compile_time(impl),
+        compile_s=flavours.compile_time(impl),
         tangents=None if sc.mode != "jvp" else implementation_tangents(
             inputs, g, a64, moved_forward, user_jvp, interface, [sc.seed, SeedStream.TANGENT_HINTS],
             precision.Policy.for_dtype(computes_in, sc.factor, sc.slack)),
@@ -248,7 +247,7 @@ def _low(sc, impl, inputs: dict, g, interface: Interface, results: dict, determi
                 computes_in, (g64, r64["k"], r64["v"]))
         except implementation.ImplementationFailure as exc:
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
-        return out + compiled_rows(impl)
+        return out + flavours.compiled_rows(impl)
 
     context = hint_context(rounded, g64, args, r64, ref,
                            lambda q, k, v, vis, conv=sc.convention: forward64(q, k, v, vis, conv))
