@@ -6,7 +6,7 @@ dbias after (dq, dk, dv): the gradient at the softmax's input, summed over the a
     numpy_bias_not_summed      dbias of a broadcast axis taken from its first element (a real bug class)
     torch_bias                 PyTorch SDPA with a float attn_mask (a learned mask: its gradient by autograd)
     torch_bias_detached        the mask detached before use: its gradient never reaches it
-    jax_bias                   jax.nn.dot_product_attention with bias= (a fixed bias)
+    jax_bias                   jax.nn.dot_product_attention with bias= (its gradient by jax.vjp)
 """
 import numpy as np
 

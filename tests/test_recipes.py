@@ -191,3 +191,33 @@ def test_each_variant_recipe_passes_with_every_fault_caught(variants, name):
 def test_each_broken_variant_recipe_fails_the_reference(variants, name):
     failed = {c.name for c in checker.run_scenario(variants[name]).checks if c.verdict == "fail"}
     assert "forward agrees with the reference" in failed, failed
+
+
+@pytest.fixture(scope="module")
+def learned_bias():
+    pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    return {sc.name: sc for sc in scenario.load(RECIPES / "learned_bias.yaml")}
+
+
+@pytest.mark.parametrize("name", [n for n in _names(RECIPES / "learned_bias.yaml") if not n.startswith("broken")])
+def test_each_learned_bias_recipe_passes_with_its_gradient_checked_and_every_fault_caught(learned_bias, name):
+    """PyTorch SDPA with a learned float attn_mask, jax.nn.dot_product_attention with bias=: dbias is checked by
+    finite differences and against the reference, and the bias's faults are caught on them."""
+    result = checker.run_scenario(learned_bias[name])
+    assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
+    assert {"gradient bias", "backward agrees with the reference"} <= {c.name for c in result.checks
+                                                                       if c.tensor == "bias"}
+    cells = checker.negative_controls([learned_bias[name]])
+    assert cells and {c.status for c in cells} <= {"detected", "not applicable"}, [(c.fault, c.status) for c in cells]
+    assert {"bias-hidden-gradient", "bias-scaled", "softmax-term"} <= {c.fault for c in cells if c.status == "detected"}
+
+
+@pytest.mark.parametrize("name, check", [("broken-sdpa-bias-scaled", "forward agrees with the reference"),
+                                         ("broken-sdpa-mask-under-no-grad", "gradient bias"),
+                                         ("broken-jax-bias-stop-gradient", "gradient bias")])
+def test_each_broken_learned_bias_recipe_fails_the_right_check(learned_bias, name, check):
+    failed = {(c.name, c.tensor) for c in checker.run_scenario(learned_bias[name]).checks if c.verdict == "fail"}
+    assert (check, "o" if check.startswith("forward") else "bias") in failed, failed
+    if check == "gradient bias":  # the gradient of q, k and v is right: only the bias's fails
+        assert {t for _, t in failed} == {"bias"}, failed

@@ -17,16 +17,17 @@ from __future__ import annotations
 from ..result import Check, Kind
 
 
-def wrap(user, count: int, backend: str, dtype: str, device: str = "cpu"):
+def wrap(user, count: int, backend: str, dtype: str, device: str = "cpu", grad_kw: dict | None = None):
     """The user's implementation as the engines call it: ``forward(*inputs, *args)`` and
     ``backward(*inputs, *args, grad)`` on NumPy arrays (``count``: how many leading arguments are
-    differentiated). A NumPy implementation is already that."""
+    differentiated; ``grad_kw``, JAX's: keyword arguments differentiated too, their gradients returned after the
+    inputs'). A NumPy implementation is already that (its backward returns those gradients itself)."""
     if backend == "torch":
         from . import torch as torch_flavour
         return torch_flavour.wrap(user, count, dtype, device)
     if backend == "jax":
         from . import jax as jax_flavour
-        return jax_flavour.wrap(user, count, dtype)
+        return jax_flavour.wrap(user, count, dtype, grad_kw)
     return user
 
 

@@ -32,6 +32,11 @@ def _compiled_functions(user) -> tuple:
             return pull(grad_y)
 
         @jax.jit
+        def vjp_kw(inputs, rest, kw, grad_y):  # keyword arguments differentiated too (a bias, attn_bias=)
+            _, pull = jax.vjp(lambda xs, ks: user(*xs, *rest, **ks), inputs, kw)
+            return pull(grad_y)
+
+        @jax.jit
         def jvp(inputs, rest, tangents):
             return jax.jvp(lambda *xs: user(*xs, *rest), inputs, tangents)[1]
 
@@ -42,7 +47,8 @@ def _compiled_functions(user) -> tuple:
                 return sum(jax.numpy.sum(g * d) for g, d in zip(pull(grad_y), directions))
             return jax.grad(along, argnums=tuple(range(len(inputs))))(*inputs)
         # keyword arguments (a bias per batch element, stacked with the copies) are traced like the others
-        _COMPILED[id(user)] = (user, jax.jit(lambda *args, **kw: user(*args, **kw)), vjp, jvp, hvp)  # id kept
+        _COMPILED[id(user)] = (user, jax.jit(lambda *args, **kw: user(*args, **kw)), vjp, jvp, hvp,
+                               vjp_kw)  # the user kept: its id stays its own
     return _COMPILED[id(user)][1:]
 
 
@@ -108,9 +114,11 @@ def enable(dtype: str) -> None:
         jax.config.update("jax_enable_x64", True)
 
 
-def wrap(user, count: int, dtype: str) -> SimpleNamespace:
+def wrap(user, count: int, dtype: str, grad_kw: dict | None = None) -> SimpleNamespace:
     """The numpy ``forward``/``backward`` of ``user`` (a JAX function), whose first ``count`` arguments are the
     differentiable inputs; the arguments after them are passed as they are (arrays become JAX arrays).
+    ``grad_kw``: keyword arguments differentiated too, by name -> value (a bias, ``attn_bias=``): ``backward``
+    passes them and returns their gradients after the inputs', in that order.
     ``state.shapes`` are the shapes compiled, ``state.compile_s`` the time the first call of each took."""
     enable(dtype)
     persistent_cache()
@@ -124,7 +132,8 @@ def wrap(user, count: int, dtype: str) -> SimpleNamespace:
             raise ImplementationFailure(f"the implementation must return a JAX array, got {type(t).__name__}", name)
         return np.array(t)  # a fresh, writable copy: JAX may reuse the buffer behind np.asarray's view
 
-    forward_jit, vjp, jvp_jit, hvp_jit = _compiled_functions(user)
+    forward_jit, vjp, jvp_jit, hvp_jit, vjp_kw = _compiled_functions(user)
+    grad_kw = dict(grad_kw or {})
 
     def timed(key, fn, *args):
         first = key not in state.shapes
@@ -146,6 +155,12 @@ def wrap(user, count: int, dtype: str) -> SimpleNamespace:
         inputs = tuple(as_jax(a) for a in given[:count])
         rest = tuple(as_jax(a) for a in given[count:])
         key = ("backward",) + tuple(np.shape(a) for a in args)
+        if grad_kw:
+            key += tuple((k, np.shape(a)) for k, a in grad_kw.items())
+            grads, by_kw = timed(key, vjp_kw, inputs, rest, {k: as_jax(a) for k, a in grad_kw.items()},
+                                 as_jax(grad_y))
+            return tuple(plain(f"d{i}", g) for i, g in enumerate(grads)) + tuple(plain(f"d{k}", by_kw[k])
+                                                                                 for k in grad_kw)
         grads = timed(key, vjp, inputs, rest, as_jax(grad_y))
         out = tuple(plain(f"d{i}", g) for i, g in enumerate(grads))
         return out[0] if count == 1 else out

@@ -109,6 +109,23 @@ def test_sdpa_and_jax_with_a_fixed_bias_pass(name, backend, shape):
 
 
 @pytest.mark.parametrize("shape", [[2, 2, 4, 7], [1, 1, 4, 7]])
+def test_jax_code_with_a_learned_bias_checks_its_gradient_and_a_fault_in_it_is_caught(shape):
+    """jax.vjp along attn_bias too (flavours.jax's grad_kw): dbias checked like dq; a copy stack padded to the
+    compiled size carries the bias's copies padded with it (the pad once looked the bias up among q, k, v)."""
+    pytest.importorskip("jax")
+    keys = dict(backend="jax", dtype="float32", batch=2, heads_q=2, n_q=4, n_k=7, d_head=4, bias={"shape": shape},
+                mask={"causal": "lower-right"})
+    result = checker.run_scenario(with_examples(implementation="bias_attention:jax_bias", **keys))
+    assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
+    assert {"gradient bias", "backward agrees with the reference"} <= {c.name for c in result.checks
+                                                                       if c.tensor == "bias"}
+    if shape[0] == 1:  # the controls once (each fault a JAX run)
+        cells = checker.negative_controls([with_examples(implementation="bias_attention:jax_bias", **keys)])
+        assert {"bias-broadcast-sum", "bias-scaled", "bias-hidden-gradient"} <= {c.fault for c in cells
+                                                                                 if c.status == "detected"}
+
+
+@pytest.mark.parametrize("shape", [[2, 2, 4, 7], [1, 1, 4, 7]])
 def test_sdpa_with_a_learned_mask_checks_its_gradient_and_a_detached_one_fails(shape):
     pytest.importorskip("torch")
     keys = dict(backend="torch", batch=2, heads_q=2, n_q=4, n_k=7, d_head=4, bias={"shape": shape},

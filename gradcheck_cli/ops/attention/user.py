@@ -52,8 +52,10 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                             "kv_map, dq, dk, dv) -> do beside forward and backward (docs/jvp-and-hvp.md "
                             "\"JVP of your own code\")", file=sc.file, line=sc.implementation_line or sc.line,
                             key=f"scenarios[{sc.index}].implementation")
-    if sc.backend == "jax":  # one JAX function, differentiated by jax.vjp, compiled once per shape
-        impl = flavours.wrap(impl, 3, "jax", sc.dtype)
+    if sc.backend == "jax":  # one JAX function, differentiated by jax.vjp (and along a bias), compiled per shape
+        kwarg = score_stages.param_kwargs(stages)
+        impl = flavours.wrap(impl, 3, "jax", sc.dtype, grad_kw={kwarg[t]: x.astype(sc.dtype) for t, x in
+                                                                score_stages.params(stages).items()})
     low = sc.dtype in LOW_PRECISION
     dt = np.dtype(sc.dtype)
     if low:  # the same draws as float64, rounded to the dtype (as the torch engine does)
@@ -100,7 +102,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         total = stack(c, stacked_bytes) if stack else c
         if total > c:
             moved = {t: np.concatenate([m, np.broadcast_to(inputs[t], (total - c,) + inputs[t].shape)])
-                     for t, m in moved.items()}
+                     if t in inputs else m for t, m in moved.items()}  # a stage's parameter: padded below
         args = {t: (moved[t] if t in moved else np.broadcast_to(val, (total,) + val.shape)).reshape(
             (total * batch,) + val.shape[1:]) for t, val in inputs.items()}
         vis = np.broadcast_to(interface.visible, (total,) + visible.shape).reshape((total * batch,) + visible.shape[1:])

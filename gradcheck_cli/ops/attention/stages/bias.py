@@ -140,10 +140,9 @@ def validate(sc_params: dict, attention: dict) -> list:
             return [(f"{KEY}.grad", f"the {attention['mode'].upper()} along a bias is not built: check.mode "
                                     f"{attention['mode']} takes a bias without its gradient",
                      "set bias.grad: false for this scenario")]
-        if attention["backend"] == "jax" or (attention["backend"] == "torch" and not attention["implementation"]):
-            return [(f"{KEY}.grad", "a bias with its gradient runs on the NumPy engines (naive, tiled) and NumPy and "
-                                    "torch implementations for now, not "
-                                    + ("backend jax" if attention["backend"] == "jax" else "the torch closed forms"),
+        if attention["backend"] == "torch" and not attention["implementation"]:
+            return [(f"{KEY}.grad", "a bias with its gradient runs on the NumPy engines (naive, tiled) and NumPy, "
+                                    "torch and JAX implementations for now, not the torch closed forms",
                      "set bias.grad: false (the bias is then fixed), or backend: numpy")]
         if attention["dtype"] in ("float16", "bfloat16"):
             return [(f"{KEY}.grad", f"a bias's gradient is checked in float64 and float32, not {attention['dtype']} "
