@@ -1,16 +1,5 @@
-"""The dense-retriever contrastive loss (chapter 31, section 7): for query i with positive document
-d+_i, l_i = -log softmax(s(q_i, c) / tau over its candidates c)[d+_i].
-
-Shapes: q [B, dim], p [B, dim] (positives), n [B, k, dim] (hard negatives, k = hard_negatives >= 0),
-tau a scalar (a differentiated input when learn_temperature). Candidates of query i: with
-``in_batch`` every positive of the batch and every hard negative (the DPR setup; the positive is
-column i), otherwise its own positive and its own hard negatives (column 0). Similarity ``dot``
-(q . c) or ``cosine`` (q . c / |q| |c|). The op's output is l [B]; as everywhere L = sum(l * G).
-
-Backward: G_z = G_i (softmax(z_i) - onehot(positive)), which sums to zero per query (softmax is
-shift invariant); G_s = G_z / tau; dot: G_q = G_s C, G_C = G_s^T Q; cosine adds the normalisations'
-Jacobians (u - u_hat (u_hat . u)) / |x|; G_tau = -sum(G_z * s) / tau^2.
-"""
+"""InfoNCE's closed forms: the candidates, similarities, forward, backward (the derivation is the package's
+docstring) and the size of the terms of each result."""
 from __future__ import annotations
 
 from collections.abc import Collection
