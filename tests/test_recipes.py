@@ -24,11 +24,16 @@ def _names(path) -> list[str]:
     return [doc["name"] for doc in yaml.safe_load(path.read_text())["scenarios"]]
 
 
+def _recipes(config: str, *libraries: str) -> dict:
+    """A recipe file's scenarios by name, skipped where one of its libraries is not installed."""
+    for library in libraries:
+        pytest.importorskip(library)
+    return {sc.name: sc for sc in scenario.load(RECIPES / config)}
+
+
 @pytest.fixture(scope="module")
 def llama():
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    return {sc.name: sc for sc in scenario.load(RECIPES / "hf_llama.yaml")}
+    return _recipes("hf_llama.yaml", "torch", "transformers")
 
 
 def test_the_llama_recipes_cover_every_op_and_map_four_modules(llama):
@@ -171,9 +176,7 @@ def test_rotary_embedding_torch_passes_interleaved_and_a_dropped_offset_fails_th
 
 @pytest.fixture(scope="module")
 def variants():
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    return {sc.name: sc for sc in scenario.load(RECIPES / "hf_variants.yaml")}
+    return _recipes("hf_variants.yaml", "torch", "transformers")
 
 
 @pytest.mark.parametrize("name", [n for n in _names(RECIPES / "hf_variants.yaml") if not n.startswith("broken")])
@@ -195,9 +198,7 @@ def test_each_broken_variant_recipe_fails_the_reference(variants, name):
 
 @pytest.fixture(scope="module")
 def learned_bias():
-    pytest.importorskip("torch")
-    pytest.importorskip("jax")
-    return {sc.name: sc for sc in scenario.load(RECIPES / "learned_bias.yaml")}
+    return _recipes("learned_bias.yaml", "torch", "jax")
 
 
 @pytest.mark.parametrize("name", [n for n in _names(RECIPES / "learned_bias.yaml") if not n.startswith("broken")])
