@@ -52,7 +52,7 @@ def _torch_impls(dtype):
     import correct_impls as ci
     import torch
 
-    from gradcheck_cli.ops.attention import torch_engine as tb
+    from gradcheck_cli.ops.attention.torch_engine import formulas as tb
     dt = tb.DTYPES[dtype]
 
     def run(fn):

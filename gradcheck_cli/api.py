@@ -18,7 +18,7 @@ from . import checker, report, runner
 from .errors import GradcheckError, Terminated, caused_by_interrupt
 from .exitcodes import ExitCode
 from .ops import OPS
-from .result import ControlCell, ScenarioResult
+from .result import ControlCell, ScenarioResult, run_verdict
 from .scenario import Scenario, load, read_files, select, with_engine
 
 
@@ -129,7 +129,8 @@ def execute(plan: RunPlan, progress: Callable[[int], None] | None = None,
         outcome.interrupted = True
     outcome.report = report.json_report(o.config, o.faults, results, cells, shard=plan.shard_info,
                                         interrupted=outcome.interrupted, engine=o.engine)
-    outcome.exit_code = stop_code if outcome.interrupted else ExitCode.of_verdict(outcome.report["verdict"])
+    verdict = run_verdict((r.verdict for r in results), cells)  # the rule the report's verdict follows too
+    outcome.exit_code = stop_code if outcome.interrupted else ExitCode.of_verdict(verdict)
     return outcome
 
 

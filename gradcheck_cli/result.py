@@ -176,6 +176,18 @@ def controls_verdict(cells) -> tuple[str, list[str]]:
     return (Verdict.INCONCLUSIVE if powerless else Verdict.PASS), powerless
 
 
+def run_verdict(verdicts: Iterable[str], controls: Iterable | None = None, interrupted: bool = False) -> str:
+    """The verdict of a run, the one rule the JSON report, ``merge``, the terminal and the exit code share:
+    ``verdicts`` (its checks' or its scenarios') and, with ``controls`` (its negative-control cells, or None
+    when it ran none), their ``controls_verdict``, combined fail first (``Verdict.combine``). A run stopped
+    before its end that has not failed is ``interrupted`` (what did not run cannot have passed)."""
+    seen = list(verdicts)
+    if controls is not None:
+        seen.append(controls_verdict(controls)[0])
+    combined = Verdict.combine(seen)
+    return "interrupted" if interrupted and combined != Verdict.FAIL else combined
+
+
 @dataclass(frozen=True)
 class ControlCell:
     """One (fault, scenario) cell of the negative-control matrix.

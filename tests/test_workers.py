@@ -21,7 +21,7 @@ def test_the_fork_server_preloads_each_scenarios_engine_and_backend():
     built_in = _scenario(engine="tiled")
     modules = workers.preload([jax_sc, torch_sc, built_in])
     assert modules[:2] == ["gradcheck_cli.worker_process", "gradcheck_cli.ops"]
-    assert {"jax", "jax.numpy", "gradcheck_cli.flavours.jax", "gradcheck_cli.ops.attention.user"} <= set(modules)
+    assert {"jax", "jax.numpy", "gradcheck_cli.flavours.jax", "gradcheck_cli.ops.attention.user_engine"} <= set(modules)
     assert {"torch", "torch.fx.experimental.symbolic_shapes",
             "gradcheck_cli.ops.attention.torch_engine"} <= set(modules)
     assert "gradcheck_cli.ops.attention.tiled_engine" in modules

@@ -10,21 +10,23 @@ every op (attention and the layers alike).
 
 Every call then goes through ``implementation.call`` (fresh copies in, copies out, results checked for shape,
 dtype and finiteness, a failure a failed check, not a crash), which is the one guard contract; a torch
-callable's in-place change of its inputs is reported by the torch flavour, the copies make it harmless in
-every flavour. Torch and JAX are imported here only when a scenario asks for them."""
+callable's tensors share the memory of those copies, so its in-place change of an input is named like a NumPy
+implementation's; JAX arrays are immutable. Torch and JAX are imported here only when a scenario asks for them."""
 from __future__ import annotations
 
 from ..result import Check, Kind
 
 
-def wrap(user, count: int, backend: str, dtype: str, device: str = "cpu", grad_kw: dict | None = None):
+def wrap(user, count: int, backend: str, dtype: str, device: str = "cpu", grad_kw: dict | None = None,
+         output: str = "y"):
     """The user's implementation as the engines call it: ``forward(*inputs, *args)`` and
     ``backward(*inputs, *args, grad)`` on NumPy arrays (``count``: how many leading arguments are
-    differentiated; ``grad_kw``, JAX's: keyword arguments differentiated too, their gradients returned after the
-    inputs'). A NumPy implementation is already that (its backward returns those gradients itself)."""
+    differentiated; ``grad_kw``: keyword arguments differentiated too, their gradients returned after the
+    inputs'; ``output``: the output's name in messages). A NumPy implementation is already that (its backward
+    returns those gradients itself)."""
     if backend == "torch":
         from . import torch as torch_flavour
-        return torch_flavour.wrap(user, count, dtype, device)
+        return torch_flavour.wrap(user, count, dtype, device, grad_kw, output)
     if backend == "jax":
         from . import jax as jax_flavour
         return jax_flavour.wrap(user, count, dtype, grad_kw)

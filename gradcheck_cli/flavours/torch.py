@@ -1,7 +1,11 @@
-"""A user's torch callable as the NumPy interface of ``user_engine``: ``f(*inputs, *args) -> y`` on torch
-tensors becomes ``forward(*inputs, *args) -> y`` and ``backward(*inputs, *args, grad_y) -> (d<input>, ...)``
-on arrays, the gradients by autograd. Imported only when a scenario names a torch implementation (torch is
-imported here, at the top)."""
+"""A user's torch callable as the NumPy interface the engines call (attention's and the layers' alike):
+``f(*inputs, *args, **kw) -> y`` on torch tensors becomes ``forward(*inputs, *args, **kw) -> y``,
+``backward(*inputs, *args, grad_y) -> (d<input>, ...)`` (autograd, so a custom autograd.Function's backward is
+what gets checked), ``jvp`` (``torch.func.jvp``) and ``hvp`` (double backward) on NumPy arrays. Every call then
+goes through ``implementation.call`` (fresh copies in, copies out, shapes, dtypes and finiteness checked, an
+argument changed in place named): the tensors the code gets share the memory of those copies, so an in-place
+change is seen there. Imported only when a scenario names a torch implementation (torch is imported here, at
+the top)."""
 from __future__ import annotations
 
 import warnings
@@ -10,59 +14,170 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..implementation import ImplementationFailure
+from ..implementation import ImplementationFailure, guarded
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def wrap(user, count: int, dtype: str, device: str = "cpu") -> SimpleNamespace:
-    """The numpy ``forward``/``backward`` of ``user`` (a torch callable), whose first ``count`` arguments are
-    the differentiable inputs; array arguments after them become tensors, other values pass as they are."""
+def tensor(a, device, grad: bool = False):
+    """A NumPy array as a tensor on ``device`` in its own dtype (bfloat16, ml_dtypes', through its bits); on the
+    CPU it shares the array's memory. Anything else passes as it is."""
+    if not isinstance(a, np.ndarray):
+        return a
+    contiguous = np.ascontiguousarray(a).reshape(a.shape)  # ascontiguousarray makes a 0-d array 1-d
+    if contiguous.dtype.name == "bfloat16":
+        t = torch.from_numpy(contiguous.view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(contiguous)
+    return t.to(device=device).requires_grad_(grad)
+
+
+def array(t: torch.Tensor) -> np.ndarray:
+    """A tensor's values as a NumPy array (bfloat16 as ml_dtypes' bfloat16)."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+#: What torch says when a function cannot be differentiated forward, and what to do about it.
+NO_FORWARD_MODE = (
+    ("setup_context", "a custom autograd.Function needs forward(*args) and setup_context(ctx, inputs, output) "
+                      "(not forward(ctx, ...)) for torch.func.jvp"),
+    ("implement the jvp", "a custom autograd.Function needs a jvp(ctx, *tangents) staticmethod for forward mode"),
+    ("forward AD", "an operation in it has no forward-mode derivative in torch"),
+    ("data pointer", "it leaves torch (e.g. through .numpy()), where forward-mode AD cannot follow"),
+)
+
+
+def wrap(user, count: int, dtype: str, device: str = "cpu", grad_kw: dict | None = None,
+         output: str = "y") -> SimpleNamespace:
+    """The numpy ``forward``/``backward``/``jvp``/``hvp`` of ``user`` (a torch callable), whose first ``count``
+    arguments are the differentiable inputs; array arguments after them become tensors (in their own dtype),
+    other values pass as they are. ``grad_kw``: keyword arguments differentiated too, by name -> value (a bias,
+    ``attn_bias=``): ``backward`` passes them as leaves of autograd and returns their gradients after the
+    inputs', in that order. What the code returns (``output``: its name in messages) must be a dense tensor of
+    the scenario's ``dtype`` on ``device``."""
     tdtype, dev = DTYPES[dtype], torch.device(device)
+    grad_kw = dict(grad_kw or {})
 
-    def tensor(a, grad: bool = False):
-        if not isinstance(a, np.ndarray):
-            return a
-        contiguous = np.ascontiguousarray(a).reshape(a.shape)  # ascontiguousarray makes a 0-d array 1-d
-        t = torch.from_numpy(contiguous).to(device=dev, dtype=tdtype if a.dtype.kind == "f" else None)
-        return t.requires_grad_(grad)
-
-    def plain(name: str, t) -> np.ndarray:
+    def plain(name: str, t, what: str = "forward") -> np.ndarray:
         if not isinstance(t, torch.Tensor):
-            raise ImplementationFailure(f"the implementation must return a torch.Tensor, got {type(t).__name__}",
-                                        name)
-        if t.layout != torch.strided or t.is_meta or t.device != dev:
-            raise ImplementationFailure(f"the implementation returned a {t.layout} tensor on {t.device} "
-                                        f"({'meta' if t.is_meta else 'data'}); expected a dense tensor on {dev}", name)
-        return t.detach().cpu().numpy()
+            raise ImplementationFailure(f"{what} must return a torch.Tensor, got {type(t).__name__}", name)
+        try:
+            dense = t.layout == torch.strided and not t.is_meta and t.device == dev
+        except Exception as exc:  # noqa: BLE001 -- a tensor subclass may raise anything
+            raise ImplementationFailure(f"{what} returned a {name} that cannot be read: {type(exc).__name__}: {exc}",
+                                        name) from None
+        if not dense:
+            raise ImplementationFailure(f"{what} returned {name} as a {t.layout} tensor on {t.device}; expected a "
+                                        f"dense (strided) tensor on {dev}", name)
+        if t.is_floating_point() and t.dtype != tdtype:
+            raise ImplementationFailure(f"{what} returned {name} of dtype {t.dtype}, expected {tdtype}", name)
+        return array(t)
 
-    def forward(*args):
+    def given(args, kw):
+        return [tensor(a, dev) for a in args], {k: tensor(a, dev) for k, a in kw.items()}
+
+    def written_back(arrays, tensors) -> None:
+        """Off the CPU a tensor is a copy of its array: what the code changed in place is written back, so that
+        ``implementation.call`` sees the change and names the argument."""
+        if dev.type == "cpu":
+            return
+        for a, t in zip(arrays, tensors):
+            if isinstance(a, np.ndarray) and isinstance(t, torch.Tensor) and a.flags.writeable:
+                a[...] = array(t).reshape(a.shape)
+
+    def forward(*args, **kw):
+        ts, kws = given(args, kw)
         with torch.no_grad():
-            return plain("y", user(*(tensor(a) for a in args)))
+            y = user(*ts, **kws)
+        written_back(args, ts)
+        return plain(output, y)
 
     def forward_copies(index: int, *args):
         """The forward of each of the copies args[index] [C, ...] (the others as they are), in one call
         vectorised by torch.vmap: the copies of a weight, which no batch axis can hold."""
-        given = [tensor(a) for a in args]
+        ts, _ = given(args, {})
 
         def one(w):
-            return user(*given[:index], w, *given[index + 1:])
+            return user(*ts[:index], w, *ts[index + 1:])
         with torch.no_grad(), warnings.catch_warnings():  # an op without a batching rule is only slower
             warnings.filterwarnings("ignore", message=".*batching rule.*")
-            return plain("y", torch.vmap(one)(given[index]))
+            return plain(output, torch.vmap(one)(ts[index]))
 
-    def backward(*args):
-        *given, grad_y = args
-        inputs = [tensor(a, grad=True) for a in given[:count]]
-        y = user(*inputs, *(tensor(a) for a in given[count:]))
-        if not isinstance(y, torch.Tensor) or not y.requires_grad:
-            raise ImplementationFailure("the implementation's output does not depend on its inputs through "
-                                        "autograd (detached, or computed without torch operations)", "y")
-        grads = torch.autograd.grad(y, inputs, grad_outputs=tensor(grad_y), allow_unused=True)
-        out = tuple(np.zeros_like(given[i]) if g is None else plain(f"d{i}", g) for i, g in enumerate(grads))
-        return out[0] if count == 1 else out
+    def traced(args, kw):
+        """(leaves, keyword leaves, y) of one call under autograd."""
+        ts, kws = given(args, kw)
+        leaves = [t.requires_grad_(True) if isinstance(t, torch.Tensor) else t for t in ts[:count]]
+        kw_leaves = {k: tensor(a, dev, grad=True) for k, a in grad_kw.items()}
+        with torch.enable_grad():
+            y = user(*leaves, *ts[count:], **kws, **kw_leaves)
+        written_back(args[count:], ts[count:])
+        if not isinstance(y, torch.Tensor):
+            raise ImplementationFailure(f"forward must return a torch.Tensor, got {type(y).__name__}", output)
+        if not y.requires_grad:
+            raise ImplementationFailure("the implementation's output does not require grad: it does not depend on "
+                                        "its inputs through autograd (detached, or computed without torch "
+                                        "operations)", output)
+        return leaves, kw_leaves, y
 
-    return SimpleNamespace(forward=forward, backward=backward, forward_copies=forward_copies)
+    def backward(*args, **kw):
+        *args, grad_y = args
+        leaves, kw_leaves, y = traced(args, kw)
+        g = tensor(grad_y, dev)
+        wanted = leaves + list(kw_leaves.values())
+        grads = guarded("backward", lambda: torch.autograd.grad(y, wanted, grad_outputs=g, allow_unused=True))
+        written_back((grad_y,), (g,))
+        names = [f"d{i}" for i in range(count)] + [f"d{k}" for k in kw_leaves]
+        out = tuple(torch.zeros_like(w) if gr is None else gr for w, gr in zip(wanted, grads))
+        out = tuple(plain(n, gr, "backward") for n, gr in zip(names, out))
+        return out[0] if len(out) == 1 else out
+
+    def jvp(*args):
+        """(*inputs, *rest, *tangents) -> the output's tangent, by torch.func.jvp on the code as it is (a custom
+        autograd.Function's ``jvp`` is what gets checked; it needs ``setup_context``, as torch.func requires)."""
+        ts, _ = given(args, {})
+        primals, rest, tangents = ts[:count], ts[count:-count], ts[-count:]
+        try:
+            out = guarded("torch.func.jvp of forward", torch.func.jvp, lambda *xs: user(*xs, *rest), tuple(primals),
+                          tuple(tangents))
+        except ImplementationFailure as exc:
+            need = next((need for marker, need in NO_FORWARD_MODE if marker in exc.message), None)
+            if need is None:
+                raise
+            raise ImplementationFailure(f"{exc.message}; it has no forward-mode derivative: {need}", "o_dot") from None
+        o_dot = out[1] if isinstance(out, tuple) and len(out) == 2 else None
+        return plain("o_dot", o_dot, "jvp")
+
+    def hvp(*args):
+        """(*inputs, *rest, grad_y, *directions) -> the Hessian-vector product of sum(y * grad_y) by input, by
+        double backward: the gradients with ``create_graph=True``, then the gradient of <gradients, directions>,
+        so a custom autograd.Function's backward is differentiated as it is written."""
+        inputs, grad_y, directions = args[:-count - 1], args[-count - 1], args[-count:]
+        leaves, _, y = traced(inputs, {})
+        g, dirs = tensor(grad_y, dev), [tensor(d, dev) for d in directions]
+        with torch.enable_grad():
+            grads = guarded("backward (with create_graph=True)",
+                            lambda: torch.autograd.grad(y, leaves, g, create_graph=True, allow_unused=True))
+            terms = [(gr * d).sum() for gr, d in zip(grads, dirs) if gr is not None and gr.requires_grad]
+            if not terms:
+                raise ImplementationFailure(
+                    "the gradients do not depend on the inputs through autograd, so they cannot be differentiated "
+                    "again: a custom autograd.Function's backward must itself be differentiable torch code (not "
+                    "@once_differentiable, not NumPy) for double backward", output)
+            try:
+                second = guarded("double backward", lambda: torch.autograd.grad(sum(terms), leaves, allow_unused=True))
+            except ImplementationFailure as exc:
+                if "once_differentiable" not in exc.message and "does not require grad" not in exc.message:
+                    raise
+                raise ImplementationFailure(f"{exc.message}; the backward cannot be differentiated again: write it "
+                                            "in differentiable torch operations for double backward", output) from None
+        return tuple(plain(f"h{i}", torch.zeros_like(w) if h is None else h, "double backward")
+                     for i, (w, h) in enumerate(zip(leaves, second)))
+
+    return SimpleNamespace(forward=forward, backward=backward, jvp=jvp, hvp=hvp, forward_copies=forward_copies)
 
 
 def from_module(module, spec, order: tuple[str, ...], arg_names: tuple[str, ...], shapes: dict, dtype: str,

@@ -206,7 +206,7 @@ def guarded_call(fn, what: str, args: tuple, expected: dict[str, tuple[tuple[int
         if not isinstance(before, np.ndarray):
             continue
         same_kind = (isinstance(after, np.ndarray) and after.shape == before.shape and after.dtype == before.dtype)
-        if not same_kind or not np.array_equal(before, after, equal_nan=before.dtype.kind == "f"):
+        if not same_kind or not _equal(before, after):
             name = names[i] if i < len(names) else f"argument {i + 1}"
             changed = np.argwhere(before != after) if same_kind else []
             index = tuple(int(x) for x in changed[0]) if len(changed) else None
@@ -237,6 +237,13 @@ def guarded_call(fn, what: str, args: tuple, expected: dict[str, tuple[tuple[int
                                         f"[{', '.join(map(str, index))}]", name, index)
         result[name] = arr
     return result
+
+
+def _equal(before: np.ndarray, after: np.ndarray) -> bool:
+    """Whether an argument is unchanged (NaN where it was NaN): a plain comparison first, which is about ten
+    times faster than equal_nan's and settles every argument without a NaN (it runs on every call)."""
+    return np.array_equal(before, after) or (before.dtype.kind in "fc" and np.array_equal(before, after,
+                                                                                          equal_nan=True))
 
 
 #: Import names whose package on PyPI is named otherwise (pip's name, or the extra of this tool that

@@ -24,12 +24,6 @@ def counted(s: dict) -> str:
             + (f", {s['not_applicable']} not applicable" if s.get("not_applicable") else ""))
 
 
-def verdict(results: Sequence[ScenarioResult]) -> str:
-    """fail if any check fails; else inconclusive if any is; else pass."""
-    s = summary(results)
-    return "fail" if s["failed"] else ("inconclusive" if s["inconclusive"] else "pass")
-
-
 def reproduce_command(config: str, name: str, faults: Sequence[str] = (), engine: str | None = None) -> str:
     """One line that re-runs just this scenario (with the same faults, and the --engine given); a path or name
     that holds a character that is not printable is quoted as ``$'...'``, visible and exact."""

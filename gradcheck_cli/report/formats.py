@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 
 from .. import __version__
-from ..result import ControlCell, ScenarioResult, controls_verdict
+from ..result import ControlCell, ScenarioResult, controls_verdict, run_verdict
 from ..text import text_only, visible_all
 from . import schema as report_schema
-from .common import diagnosis_lines, failure_message, labelled_numbers, reproduce_command, summary, verdict
+from .common import diagnosis_lines, failure_message, labelled_numbers, reproduce_command, summary
 
 #: Version of the JSON report layout (docs/reports.md "JSON report"). Bumped on any incompatible change.
 JSON_SCHEMA_VERSION = report_schema.SCHEMA_VERSION
@@ -24,15 +24,15 @@ def json_report(config: str, faults: Sequence[str], results: Sequence[ScenarioRe
                 interrupted: bool = False, engine: str | None = None) -> dict:
     """The ``--json`` report (documented in docs/reports.md "JSON report"; keys are stable within a schema version)."""
     s = summary(results)
-    passed = s["failed"] == 0 and s["inconclusive"] == 0
+    verdict = run_verdict((r.verdict for r in results), controls, interrupted)
     out = {
         "tool": "attn-gradcheck",
         "version": __version__,
         "schema_version": JSON_SCHEMA_VERSION,
         "config": config,
         "faults": list(faults),
-        "passed": passed,
-        "verdict": verdict(results),
+        "passed": verdict == "pass",
+        "verdict": verdict,
         "summary": s,
         "engine": engine,
         "scenarios": [{**r.to_json(), "config": config, "reproduce": reproduce_command(config, r.name, faults, engine)}
@@ -41,12 +41,8 @@ def json_report(config: str, faults: Sequence[str], results: Sequence[ScenarioRe
         "shard": dict(shard) if shard else None,
         "interrupted": interrupted,
     }
-    if interrupted:  # what did not run cannot have passed
-        out["passed"] = False
-        if out["verdict"] != "fail":
-            out["verdict"] = "interrupted"
     if controls is not None:
-        _controls_into(out, [c.to_json() for c in controls])
+        out["negative_controls"] = _controls(controls)
     return _with_id(_json_safe(out))
 
 
@@ -69,17 +65,12 @@ def _with_id(report: dict) -> dict:
     return report
 
 
-def _controls_into(report: dict, cells: list[dict]) -> None:
-    """Add the negative controls to a report and fold their verdict into the report's."""
+def _controls(cells: Sequence) -> dict:
+    """A report's ``negative_controls``: the cells (``ControlCell`` or their JSON) and their verdict (which the
+    report's own verdict already holds: ``run_verdict``)."""
     outcome, powerless = controls_verdict(cells)
-    report["negative_controls"] = {"passed": outcome == "pass", "verdict": outcome, "powerless": powerless,
-                                   "cells": cells}
-    if outcome != "pass":
-        report["passed"] = False
-    if outcome == "fail":
-        report["verdict"] = "fail"
-    elif outcome == "inconclusive" and report["verdict"] == "pass":
-        report["verdict"] = "inconclusive"
+    return {"passed": outcome == "pass", "verdict": outcome, "powerless": powerless,
+            "cells": [c.to_json() if isinstance(c, ControlCell) else c for c in cells]}
 
 
 def _json_safe(value):

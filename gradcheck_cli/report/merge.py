@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from .. import __version__
 from .. import files as _files
 from ..errors import GradcheckError
-from ..result import COUNTS, Verdict, counts, passes
+from ..result import COUNTS, Verdict, counts, passes, run_verdict
 from . import schema as report_schema
-from .formats import JSON_SCHEMA_VERSION, _controls_into, _with_id
+from .formats import JSON_SCHEMA_VERSION, _controls, _with_id
 
 #: The deepest nesting of objects and arrays a report may have (one the tool writes nests 9 deep:
 #: scenarios[i].checks[j].diagnosis.heat.levels[r][c]); checked before anything walks it recursively.
@@ -198,7 +198,8 @@ def merge_reports(reports: Sequence[tuple[str, dict]]) -> dict:
     cells.sort(key=lambda cc: order.get((cc[0], cc[1]["scenario"]), len(order)))
     checks = [c for sc in scenarios for c in sc["checks"]]
     summary_ = {"scenarios": len(scenarios), "checks": len(checks), **counts(c["verdict"] for c in checks)}
-    verdict_ = Verdict.combine(c["verdict"] for c in checks)
+    controls = [c for _, c in cells] if with_controls == {True} else None
+    verdict_ = run_verdict((c["verdict"] for c in checks), controls)
     merged = {
         "tool": "attn-gradcheck",
         "version": __version__,
@@ -210,13 +211,11 @@ def merge_reports(reports: Sequence[tuple[str, dict]]) -> dict:
         "verdict": verdict_,
         "summary": summary_,
         "scenarios": scenarios,
-        "negative_controls": None,
+        "negative_controls": None if controls is None else _controls(controls),
         "shard": None,
         "interrupted": False,
         "merged_from": [path for path, _ in reports],
     }
-    if with_controls == {True}:
-        _controls_into(merged, [c for _, c in cells])
     return _with_id(merged)
 
 

@@ -1,4 +1,4 @@
-"""A user's JAX attention in bfloat16 and float16 (ops/attention/user.py ``_low``): no finite differences; its
+"""A user's JAX attention in bfloat16 and float16 (ops/attention/user_engine.py ``_low``): no finite differences; its
 output and jax.vjp gradients against the float64 reference, within factor x the error of the plain attention in
 jax.numpy differentiated by jax.vjp in the same precision (ops/attention/jax_plain.py), as torch's are."""
 import importlib.util

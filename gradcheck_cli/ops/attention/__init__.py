@@ -9,7 +9,8 @@ package but the shared machinery below ``ops``):
   reference  seeded inputs, the float64 reference, the faults' interface variants
   invariants semantic checks of attention       hints  likely causes of a failure
   copies     the fast forward of the finite differences
-  naive, tiled_engine (over tiled), user, torch_engine   the engines, resolved by name from ``OP.engines``
+  user_engine  a user's implementation (NumPy, torch or JAX, through ``flavours``), above the engines
+  naive, tiled_engine (over tiled), torch_engine   the built-in engines, resolved by name from ``OP.engines``
 """
 from __future__ import annotations
 
@@ -67,19 +68,21 @@ ENGINES = {e.name: e for e in (
     Engine("naive", "gradcheck_cli.ops.attention.naive:build", "the closed forms in NumPy, dense n_q x n_k"),
     Engine("tiled", "gradcheck_cli.ops.attention.tiled_engine:build",
            "FlashAttention-style blocks with an online softmax; no n_q x n_k array", keys=("block_q", "block_k")),
-    Engine("numpy-implementation", "gradcheck_cli.ops.attention.user:build", "a user's NumPy forward and backward",
+    Engine("implementation", "gradcheck_cli.ops.attention.user_engine:build",
+           "a user's implementation: NumPy forward and backward, or a torch or JAX function through its flavour",
            choice=False),
     Engine("torch", "gradcheck_cli.ops.attention.torch_engine:build",
-           "torch autograd, SDPA, or a user's torch callable (torch imported only here)", choice=False),
+           "the closed forms in torch, with autograd and SDPA as second opinions (torch imported only here)",
+           choice=False),
 )}
 
 
 def engine_for(sc) -> str:
     """The engine that checks scenario ``sc``."""
+    if sc.implementation is not None:
+        return "implementation"
     if sc.backend == "torch":
         return "torch"
-    if sc.implementation is not None:
-        return "numpy-implementation"
     return sc.engine
 
 

@@ -1,5 +1,5 @@
-"""The torch engine's cross-checks: the determinism of a user's implementation, the output invariants in the
-precision it computes in, and the built-in closed forms against autograd and SDPA (``opinions``)."""
+"""The torch engine's cross-checks: the output invariants in the precision the closed forms compute in, and
+the closed forms against autograd and SDPA (``opinions``)."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,13 +11,8 @@ from ..invariants import output_invariants
 from .formulas import by_autograd, sdpa
 
 
-def implementation_determinism(first: dict, second: dict, tolerance: float) -> Check:
-    from ....implementation import determinism
-    return determinism("forward and backward", first, second, tolerance)
-
-
 def output_invariants_of(sc, fwd, bwd, inputs, o, to, np_, terms: dict, precision: str, checked) -> list[Check]:
-    """The output-only invariants on the implementation under test, in the precision it computes in
+    """The output-only invariants on the closed forms, in the precision they compute in
     (``checked``: the scenario's upstream gradient and the K/V gradients under test at it)."""
     backward_kv = lambda q_, k_, v_, go: [np_(t) for t in bwd(to(q_), to(k_), to(v_), to(go))[1:3]]  # noqa: E731
     try:

@@ -1,5 +1,8 @@
-"""A user's NumPy implementation, or JAX function (wrapped by ``flavours.jax``), as an engine
-(docs/your-code.md "Checking your own implementation")."""
+"""A user's attention, in any flavour, as an engine (docs/your-code.md "Checking your own implementation"): a
+NumPy object's forward and backward as they are, a torch callable or a JAX function through its flavour
+(``flavours.torch``, ``flavours.jax``: autograd or jax.vjp, presented on NumPy arrays), every call through
+``implementation.call`` (the one guard contract: fresh copies in, copies out, in-place changes named, results
+checked), its determinism and its isolation (each scenario in a fresh worker) as for every op's code."""
 from __future__ import annotations
 
 import functools
@@ -37,25 +40,33 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     """The same problem for the user's implementation (docs/your-code.md "Checking your own implementation"):
     its forward and backward are called through ``implementation.call`` (fresh copies in, copies out;
     misbehaviour is a failed check), perturbed copies are stacked along the batch axis, and the built-in
-    engine in float64 is the reference its output and gradients must agree with (``precision``).
-    In float16/bfloat16 (JAX only: the loader refuses a NumPy implementation there) that agreement, judged
-    against a plain JAX computation in the same precision, replaces the finite differences (``_low``)."""
+    engine in float64 is the reference its output and gradients must agree with (``precision``), judged
+    against a plain computation in the flavour's own framework (``_peer``).
+    In float16/bfloat16 (torch and JAX: the loader refuses a NumPy implementation there) that agreement
+    replaces the finite differences (``_low``)."""
     stages = score_stages.from_scenario(sc)
     if sc.backend == "jax":  # JAX imported first: its ml_dtypes gives NumPy a bfloat16
         from ...flavours import jax as _  # noqa: F401
-    # softcap=, alibi_slopes=, ... passed when the scenario has them (arrays in the precision computed in)
+    elif sc.dtype == "bfloat16":
+        _bfloat16(sc)
+    # softcap=, alibi_slopes=, ... passed when the scenario has them (arrays in the precision computed in; a
+    # torch implementation's as tensors on the scenario's device)
     given = np.float64 if sc.dtype == "float64" else np.float32
-    impl = score_stages.bind(sc.implementation_object, score_stages.shown(stages, sc.visible, faults),
-                             lambda a, same: a.astype(sc.dtype if same else given), str(np.dtype(given)))
+    convert = lambda a, same: a.astype(sc.dtype if same else given)  # noqa: E731
+    if sc.backend == "torch":
+        from ...flavours import torch as torch_flavour
+        convert = lambda a, same: torch_flavour.tensor(a.astype(sc.dtype if same else given), sc.device)  # noqa: E731
+    impl = score_stages.bind(sc.implementation_object, score_stages.shown(stages, sc.visible, faults), convert,
+                             f"{sc.backend}/{sc.device}/{np.dtype(given)}")
     if sc.mode == "jvp" and sc.backend == "numpy" and not callable(getattr(impl, "jvp", None)):
         raise ScenarioError(f"{sc.implementation} has no callable jvp: mode jvp needs jvp(q, k, v, visible, scale, "
                             "kv_map, dq, dk, dv) -> do beside forward and backward (docs/jvp-and-hvp.md "
                             "\"JVP of your own code\")", file=sc.file, line=sc.implementation_line or sc.line,
                             key=f"scenarios[{sc.index}].implementation")
-    if sc.backend == "jax":  # one JAX function, differentiated by jax.vjp (and along a bias), compiled per shape
+    if sc.backend in ("torch", "jax"):  # one function, differentiated by autograd or jax.vjp (and along a bias)
         kwarg = score_stages.param_kwargs(stages)
-        impl = flavours.wrap(impl, 3, "jax", sc.dtype, grad_kw={kwarg[t]: x.astype(sc.dtype) for t, x in
-                                                                score_stages.params(stages).items()})
+        impl = flavours.wrap(impl, 3, sc.backend, sc.dtype, sc.device, output="o",
+                             grad_kw={kwarg[t]: x.astype(sc.dtype) for t, x in score_stages.params(stages).items()})
     low = sc.dtype in LOW_PRECISION
     dt = np.dtype(sc.dtype)
     if low:  # the same draws as float64, rounded to the dtype (as the torch engine does)
@@ -168,7 +179,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
 
     nearby = precision.nearby(inputs, results_at, lambda xs: results64(xs, g, args), [sc.seed, SeedStream.PRECISION])
     agree, computes_in = precision.judge(results, ref, terms, sc.dtype,
-                                         lambda p: plain(inputs, g, args, p),
+                                         lambda p: _peer(sc, {**inputs, **extra}, g, args, p),
                                          {**REFERENCE_CHECKS, **dict.fromkeys(extra, REFERENCE_CHECKS["q"])},
                                          sc.factor, sc.slack, nearby_difference=nearby)
     rounding, rounding_total = blocks.rounding({**inputs, **extra}, g, a64, scale, kv_map, stages=stages)
@@ -220,9 +231,8 @@ def _low(sc, impl, inputs: dict, g, interface: Interface, results: dict, determi
          user_backward) -> Problem:
     """The problem in float16/bfloat16 (as the torch engine's there): no finite differences; the output and
     gradients against the float64 reference on the same (rounded) inputs, each element within factor x the
-    error of the plain forward in jax.numpy, differentiated by jax.vjp in the same precision (``jax_plain``),
-    + slack + ulps of its terms; then the determinism check and the output invariants."""
-    from . import jax_plain
+    error of the plain computation in the same precision in the flavour's framework (``_peer``), + slack + ulps
+    of its terms; then the determinism check and the output invariants."""
     dt = np.dtype(sc.dtype)
     args = interface.args
     rounded = {t: x.astype(np.float64) for t, x in inputs.items()}  # the inputs as the dtype holds them
@@ -230,7 +240,7 @@ def _low(sc, impl, inputs: dict, g, interface: Interface, results: dict, determi
     r64 = {t: x.astype(np.float64) for t, x in results.items()}
     ref, terms, a64 = reference(rounded, g64, args)
     agree, computes_in = precision.judge(
-        r64, ref, terms, sc.dtype, lambda p: jax_plain.plain(rounded, g64, args, p),
+        r64, ref, terms, sc.dtype, lambda p: _peer(sc, rounded, g64, args, p),
         LOW_PRECISION_CHECKS, sc.factor, sc.slack)
 
     def forward64(q, k, v, vis=interface.visible, conv=sc.convention):
@@ -261,3 +271,27 @@ def _low(sc, impl, inputs: dict, g, interface: Interface, results: dict, determi
                 "output": r64["o"], "reference_output": ref["o"], **{f"analytic_{t}": r64[t] for t in "qkv"}},
         **diagnosis_fields(sc, context),
     )
+
+
+def _peer(sc, inputs: dict, g, args: Args, precision: str):
+    """The plain computation in ``precision`` that the implementation's rounding is judged against, in its own
+    framework: torch autograd (in half precision also the torch closed forms and SDPA) for torch code, the
+    plain forward in jax.numpy differentiated by jax.vjp for JAX code in half precision, the built-in closed
+    forms in NumPy otherwise."""
+    if sc.backend == "torch":
+        from .torch_engine import peers
+        return peers.plain(inputs, g, args, sc.heads_q, sc.device, precision)
+    if precision in LOW_PRECISION:
+        from . import jax_plain
+        return jax_plain.plain(inputs, g, args, precision)
+    return plain(inputs, g, args, precision)
+
+
+def _bfloat16(sc) -> None:
+    """NumPy's bfloat16 (ml_dtypes', which JAX brings and the torch extra installs), or a one-line refusal."""
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        raise ScenarioError("dtype bfloat16 with a torch implementation needs the ml_dtypes package: "
+                            "pip install ml_dtypes (or pip install 'attn-gradcheck[torch]')", file=sc.file,
+                            line=sc.line, key=f"scenarios[{sc.index}].dtype") from None
