@@ -37,7 +37,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     inputs = {**qkv, **extra}
     seen, true = Args(shown, scale, kv_map, stages), Args(visible, scale, kv_map, right)
     back = seen.but(stages=back)
-    blocks = Blocks(sc, kv_map, {name: x.shape for name, x in extra.items()})
+    blocks = Blocks(sc, kv_map, score_stages.owners(right))
 
     def fwd(q, k, v):
         return forward(q, k, v, faults=faults, **seen.kw), attention_weights(q, k, faults=faults, **seen.kw)

@@ -157,7 +157,7 @@ def reference(inputs: dict, g: np.ndarray, args: Args) -> tuple[dict, dict, np.n
     o = forward(x["q"], x["k"], x["v"], **args.kw)
     grads = backward(x["q"], x["k"], x["v"], grad_o=g64, **args.kw)
     terms = term_sizes(x, g64, lambda span: grads.a[..., span, :], args.scale, args.kv_map, rss=True,
-                       stages=args.stages, params={t: p.shape for t, p in grads.params.items()})
+                       stages=args.stages, params=True)
     return {"o": o, "q": grads.q, "k": grads.k, "v": grads.v, **grads.params}, terms, grads.a
 
 

@@ -17,9 +17,9 @@ TERM_ROWS = 256
 class Blocks:
     """Independent blocks of the output: a query row (b, r, i) feeds only row i of O[b, r]; K of KV
     head (b, g) feeds only the query heads of group g in batch b; column c of V[b, g] feeds only
-    column c of O in those heads (O = A V column by column). A score stage's parameter shaped like the
-    scores ([B|1, H|1, n_q, n_k], an additive bias: ``params`` name -> shape) feeds row i of O in the batch
-    elements and heads it is broadcast over: its entries of one (b, h, i) form a block."""
+    column c of O in those heads (O = A V column by column). A score stage's parameter (``params``: name -> the
+    stage owning it; an additive bias, a relative-bias table) has the blocks its stage says
+    (``Stage.block_index``, ``Stage.block_sums``)."""
 
     def __init__(self, sc, kv_map, params: dict | None = None):
         self.group = np.eye(sc.heads_kv)[kv_map]  # [Hq, Hkv] one-hot of g(r)
@@ -31,19 +31,15 @@ class Blocks:
                                  (b, hkv, sc.n_k, sc.d_value)),
         }
         self.params = dict(params or {})
-        for name, shape in self.params.items():
-            rows = int(np.prod(shape[:-1]))
-            self.parts[name] = np.broadcast_to(np.arange(rows).reshape(shape[:-1] + (1,)), shape)
+        for name, st in self.params.items():
+            self.parts[name] = st.block_index()
 
     def sums(self, name: str, terms: np.ndarray) -> np.ndarray:
         """Sum terms [..., B, Hq, n_q, d_v] of L by the blocks of input ``name`` -> [..., P], in float64."""
         if name == "q":
             return terms.sum(axis=-1, dtype=np.float64).reshape(terms.shape[:-4] + (-1,))
-        if name in self.params:  # summed over the batch elements and heads the parameter is broadcast over
-            rows = terms.sum(axis=-1, dtype=np.float64)                                  # [..., B, Hq, n_q]
-            shape, first = self.params[name], rows.ndim - 3
-            axes = tuple(first + i for i in range(2) if shape[i] == 1 and rows.shape[first + i] != 1)
-            return (rows.sum(axis=axes, keepdims=True) if axes else rows).reshape(terms.shape[:-4] + (-1,))
+        if name in self.params:  # by the parameter's own blocks (a bias: summed where it is broadcast)
+            return self.params[name].block_sums(terms.sum(axis=-1, dtype=np.float64))
         if name == "k":
             per_group = terms.sum(axis=(-2, -1), dtype=np.float64) @ self.group             # [..., B, Hkv]
         else:
@@ -119,12 +115,6 @@ def _logit_error(inputs, qa, ka, scale, kv_map, span, stages=(), with_slope: boo
     return (error, score_stages.slope_size(stages, r, logit, span)) if with_slope else error
 
 
-def _broadcast_sum(x, lead):
-    """[B, H, r, c] summed over the axes where ``lead`` (a parameter's first two sizes) is 1."""
-    axes = tuple(i for i in range(2) if lead[i] == 1 and x.shape[i] != 1)
-    return x.sum(axis=axes, keepdims=True) if axes else x
-
-
 def output_terms(inputs, a, scale, kv_map, stages=()) -> dict[str, np.ndarray]:
     """The size of the terms of each element of O, for the invariants: ``o`` with the logits' rounding,
     ``o_convex`` without it (sum_j A_ij |V_jc|). ``a``: A, or ``a_rows(span)``."""
@@ -134,7 +124,7 @@ def output_terms(inputs, a, scale, kv_map, stages=()) -> dict[str, np.ndarray]:
 
 
 def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: bool = False,
-               stages=(), params: dict | None = None) -> dict[str, np.ndarray]:
+               stages=(), params: bool = False) -> dict[str, np.ndarray]:
     """The size of the terms each element of O, G_Q, G_K and G_V is made of (float64, by blocks of
     ``rows`` query rows): rounding in a precision with unit roundoff u puts an error of about
     u x these in each element, whatever order the implementation sums in.
@@ -146,7 +136,8 @@ def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: boo
     add in quadrature: the statistical size of the error, where the sum is its worst case).
     ``a_rows(span)`` gives A's rows for a slice of query rows. Score ``stages``: L is the error of the scores
     after them, and G_S goes back to the raw scores times the size of their derivative's terms; ``params``
-    (name -> shape [B|1, H|1, n_q, n_k], a bias's) adds each one's: G_S's terms summed over its broadcast axes."""
+    (True) adds those of the stages' checked parameters: G_S's terms gathered as each stage gathers its
+    parameter's gradient (``Stage.param_grad``: a bias's summed over its broadcast axes)."""
     power = 2 if rss else 1
     qa, ka, va = (np.abs(t).astype(np.float64) ** power for t in
                   (inputs["q"], repeat_kv(inputs["k"], kv_map), repeat_kv(inputs["v"], kv_map)))
@@ -157,7 +148,8 @@ def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: boo
     t_o = np.empty(ga.shape)
     t_q = np.empty(qa.shape)
     t_k, t_v = np.zeros(ka.shape), np.zeros(va.shape)
-    t_p = {name: np.zeros(shape) for name, shape in (params or {}).items()}
+    owners = score_stages.owners(stages) if params else {}
+    t_p = {name: np.zeros(st.values().shape) for name, st in owners.items()}
     for start in range(0, qa.shape[-2], rows):
         span = slice(start, min(start + rows, qa.shape[-2]))
         a = a_rows(span).astype(np.float64)
@@ -165,8 +157,8 @@ def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: boo
         a_err = a * (1.0 + error)
         g_a = g1[..., span, :] @ np.swapaxes(v1, -1, -2)
         t_s = a_err * (g_a + np.sum(a * g_a, axis=-1, keepdims=True))
-        for total in t_p.values():  # the gradient at the softmax's input, summed where it is broadcast
-            total[..., span, :] += _broadcast_sum(t_s ** power, total.shape[:2])
+        for name, total in t_p.items():  # the gradient at the softmax's input, gathered as the stage does
+            owners[name].param_add(total, owners[name].param_grad(t_s ** power, None, span), span)
         if slope is not None:
             t_s = t_s * slope
         a_err, t_s = a_err ** power, t_s ** power

@@ -42,9 +42,10 @@ def naive_by_rows(q, k, v, visible, scale, kv_map, grad_o, block_q: int = DEFAUL
         g_k += grads.k
         g_v += grads.v
         if params is not None:
+            owners = score_stages.owners(stages if backward_stages is None else backward_stages)
             for name, grad in grads.params.items():
-                params.setdefault(name, np.zeros(grad.shape[:-2] + (q.shape[-2], k.shape[-2]), dtype=grad.dtype))
-                params[name][..., rows, :] += grad
+                params.setdefault(name, np.zeros(owners[name].values().shape, dtype=grad.dtype))
+                owners[name].param_add(params[name], grad, rows)
     return out, g_q, g_k, g_v
 
 
@@ -61,8 +62,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     extra = score_stages.params(right)  # a stage's parameter whose gradient is checked: an input (a bias)
     inputs = {**qkv, **extra}
     seen, true = Args(shown, scale, kv_map, stages), Args(visible, scale, kv_map, right)
-    shapes = {name: x.shape for name, x in extra.items()}
-    blocks = Blocks(sc, kv_map, shapes)
+    blocks = Blocks(sc, kv_map, score_stages.owners(right))
 
     def fwd(q, k, v):
         return forward(q, k, v, faults=faults, block_q=bq, block_k=bk, **seen.kw)
@@ -96,7 +96,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         ref.update(naive_params)
         # Both engines round: they may differ by ENGINE_AGREEMENT_ULPS x eps x the (worst-case) size of each
         # element's terms, never by a fraction of the result (a saturated row's gradient is zero to rounding).
-        sizes = term_sizes(qkv, g, a_rows, scale, kv_map, stages=right, params=shapes)
+        sizes = term_sizes(qkv, g, a_rows, scale, kv_map, stages=right, params=True)
         policy = precision.Policy(sc.dtype, 0.0, 0.0, ENGINE_AGREEMENT_ULPS)
         agree = [precision.agreement("tiled agrees with the naive engine", t, mine, ref[t], sizes[t], policy,
                                      what="tiled") for t, mine in (("o", o), ("q", g_q), ("k", g_k), ("v", g_v),

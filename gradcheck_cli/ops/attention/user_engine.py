@@ -79,7 +79,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     kv_map, visible, scale, batch = args.kv_map, sc.visible, sc.scale, sc.batch
     extra = score_stages.params(stages)  # a bias whose gradient is checked: an input, returned by backward as dbias
     batched = score_stages.batched(score_stages.shown(stages, sc.visible, faults))
-    blocks = Blocks(sc, kv_map, {t: x.shape for t, x in extra.items()})
+    carried = {name for name, _ in batched.values()}  # the parameters whose copies go along the batch axis
+    blocks = Blocks(sc, kv_map, score_stages.owners(stages))
     interface = Interface(faults, sizes, args)
 
     def user_forward(q, k, v, visible, conv=sc.convention, **given):
@@ -110,6 +111,15 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         axis for one call: [C, B, Hq, n_q, d_value]. A compiled flavour (JAX) pads a small stack with unmoved
         copies to one fixed size (``stack``), so that one compiled program serves every small stack."""
         c = next(iter(moved.values())).shape[0]
+        alone = [t for t in moved if t in extra and t not in carried]
+        if alone:  # a parameter without a batch axis (a relative-bias table): one call per copy
+            kwarg = score_stages.param_kwargs(stages)
+            try:
+                return np.stack([user_forward(q, k, v, interface.visible,
+                                              **{kwarg[t]: moved[t][i].astype(sc.dtype) for t in alone})
+                                 for i in range(c)])
+            except implementation.ImplementationFailure as exc:
+                raise implementation.in_copies(exc, batch, " and ".join(moved)) from None
         total = stack(c, stacked_bytes) if stack else c
         if total > c:
             moved = {t: np.concatenate([m, np.broadcast_to(inputs[t], (total - c,) + inputs[t].shape)])

@@ -141,6 +141,11 @@ def params(stages) -> dict:
     return {st.param: st.values() for st in stages if st.param is not None}
 
 
+def owners(stages) -> dict:
+    """{parameter: its stage} of the parameters whose gradients are checked."""
+    return {st.param: st for st in stages if st.param is not None}
+
+
 def param_kwargs(stages) -> dict:
     """{parameter: the keyword a user's code is passed it as} of the parameters whose gradients are checked."""
     return {st.param: st.param_kwarg for st in stages if st.param is not None}
@@ -153,9 +158,9 @@ def batched(stages) -> dict:
 
 
 def lead(stages) -> tuple:
-    """The leading axes the stages' parameters carry beyond [B|1, H|1] (perturbed copies of a bias), for the
-    shape of the output."""
-    shapes = [st.values().shape[:-2] for st in stages if st.param is not None]
+    """The leading axes the stages' parameters broadcast the scores to ([C, B|1, H|1] for perturbed copies of a
+    bias), for the shape of the output."""
+    shapes = [st.lead() for st in stages if st.param is not None]
     return np.broadcast_shapes(*shapes) if shapes else ()
 
 

@@ -39,6 +39,25 @@ class Stage:
     def param_add(self, total, block, rows=ALL, cols=ALL):
         total[..., rows, cols] += block
 
+    def lead(self) -> tuple:
+        """The leading axes of the parameter's values before the query rows and keys (perturbed copies, then its
+        [B|1, H|1]): what a block of its values broadcasts the scores to."""
+        return self.values().shape[:-2]
+
+    def block_index(self) -> np.ndarray:
+        """The block of the output each entry of the parameter moves alone, as an index per entry (the rounding
+        model's ``Blocks``): a score-shaped parameter's entries of one (b, h, i) move row i of O in the batch
+        elements and heads it is broadcast over."""
+        shape = self.values().shape
+        return np.broadcast_to(np.arange(int(np.prod(shape[:-1]))).reshape(shape[:-1] + (1,)), shape)
+
+    def block_sums(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` [..., B, Hq, n_q] (terms of L summed over each row of O) summed by :meth:`block_index`'s
+        blocks -> [..., P]."""
+        shape, first = self.values().shape, rows.ndim - 3
+        axes = tuple(first + i for i in range(2) if shape[-4 + i] == 1 and rows.shape[first + i] != 1)
+        return (rows.sum(axis=axes, keepdims=True) if axes else rows).reshape(rows.shape[:-3] + (-1,))
+
     def value(self, s, rows=ALL, cols=ALL, xp=np):
         return s
 
