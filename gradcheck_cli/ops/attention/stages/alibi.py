@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from ...registry import Fault, Param
-from .base import ALL, Registration, Stage
+from .base import ALL, Registration, Stage, added
 
 KEY = "alibi"
 FORMS = ("distance", "column")
@@ -66,12 +66,7 @@ class Alibi(Stage):
         return b
 
     def value(self, s, rows=ALL, cols=ALL, xp=np):
-        b = self.bias(rows, cols)
-        if xp is np:
-            return s + b.astype(s.dtype, copy=False)
-        if xp.__name__ == "torch":
-            return s + xp.as_tensor(b, dtype=s.dtype, device=s.device)
-        return s + xp.asarray(b, dtype=s.dtype)
+        return added(s, self.bias(rows, cols), xp)
 
     def error(self, size, s, rows=ALL, cols=ALL):
         # the product m d and the sum round: |m d| and |s + m d| <= |s| + |m d|

@@ -106,6 +106,16 @@ class Registration:
     passes: str = ""  # what a user's code is passed, for ``attn-gradcheck ops`` (``softcap=``)
 
 
+def added(s, b, xp=np):
+    """s + b, b a block of a stage's values (NumPy, or a torch tensor: a leaf of autograd, the plain peer's) in
+    ``xp`` beside s, in s's dtype (on its device)."""
+    if xp is np:
+        return s + b.astype(s.dtype, copy=False)
+    if xp.__name__ == "torch":
+        return s + (b.to(s.dtype) if isinstance(b, xp.Tensor) else xp.as_tensor(b, dtype=s.dtype, device=s.device))
+    return s + xp.asarray(b, dtype=s.dtype)
+
+
 def block(visible, rows, cols, like, xp=np):
     """The visible set's block (``visible`` an array [B, Hq, n_q, n_k] or a callable ``visible(rows, cols)``), as
     an array of ``xp`` beside ``like`` (a torch tensor goes to its device)."""

@@ -16,7 +16,7 @@ import hashlib
 import numpy as np
 
 from ...registry import Fault, Param
-from .base import ALL, Registration, Stage, block
+from .base import ALL, Registration, Stage, added, block
 
 KEY = "bias"
 
@@ -49,12 +49,7 @@ class Bias(Stage):
         return self.bias[..., rows, cols]
 
     def value(self, s, rows=ALL, cols=ALL, xp=np):
-        b = self._block(rows, cols)
-        if xp is np:
-            return s + b.astype(s.dtype, copy=False)
-        if xp.__name__ == "torch":  # values may be a tensor themselves (a leaf of autograd, the plain peer's)
-            return s + (b.to(s.dtype) if isinstance(b, xp.Tensor) else xp.as_tensor(b, dtype=s.dtype, device=s.device))
-        return s + xp.asarray(b, dtype=s.dtype)
+        return added(s, self._block(rows, cols), xp)
 
     def param_grad(self, g_out, s, rows=ALL, cols=ALL):
         return sum_broadcast(g_out, self.bias.shape[-4:-2])
