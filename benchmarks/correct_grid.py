@@ -5,7 +5,7 @@ benchmarks/correct_impls.py), runs each through the Python API and counts verdic
 
     python benchmarks/correct_grid.py [--count 1000] [--seed 0] [--jobs 2] [--json out.json] [--only PREFIX]
     python benchmarks/correct_grid.py --derivatives [...]   # modes jvp and hvp instead (their own categories)
-    python benchmarks/correct_grid.py --variants [...]      # the score stages (softcap, ALiBi, both) everywhere
+    python benchmarks/correct_grid.py --variants [...]      # the score stages (softcap, bias, T5's, ALiBi) everywhere
 
 Exit 1 when any scenario FAILs. Without torch the torch categories are skipped. The counts of a full run
 are in docs/verdicts.md ("How verdicts, power and precision work").
@@ -155,7 +155,8 @@ def draw_derivative(rng, category: str) -> dict:
     return sc
 
 
-VARIANTS = ("softcap", "alibi", "softcap+alibi", "bias", "softcap+bias+alibi")
+VARIANTS = ("softcap", "alibi", "softcap+alibi", "bias", "softcap+bias+alibi", "relative_bias",
+            "softcap+bias+relative_bias+alibi")
 
 
 def variant_categories(with_torch: bool) -> list[tuple[str, float]]:
@@ -195,7 +196,13 @@ def draw_variant(rng, category: str) -> dict:
         if rng.random() < 0.25:
             alibi["slopes"] = [float(np.round(x, 4)) for x in rng.uniform(0.01, 1.0, sc["heads_q"])]
         sc["alibi"] = alibi
-    if "bias" in variant:
+    if "relative_bias" in variant:
+        # the settings follow from the bucket count (correct_impls._relative): even -> bidirectional
+        buckets = int(rng.choice([4, 8, 16, 32, 3, 5, 7]))
+        fixed = mode is not None or rest in ("torch",) or dtype in ("float16", "bfloat16")
+        sc["relative_bias"] = {"buckets": buckets, "max_distance": 3 * buckets, "bidirectional": buckets % 2 == 0,
+                               "grad": not fixed}
+    if "bias" in variant.replace("relative_bias", ""):
         per_batch, per_head = bool(rng.random() < 0.5), bool(rng.random() < 0.7)
         # a bias's gradient: the NumPy engines, NumPy and torch code, float64/float32, modes full/sample/directional
         fixed = mode is not None or rest in ("torch", "impl/jax") or dtype in ("float16", "bfloat16")

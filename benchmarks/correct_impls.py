@@ -209,14 +209,25 @@ def _alibi_d(n_q, n_k, form):
     return (-np.abs(i + n_k - n_q - j) if form == "distance" else np.broadcast_to(j, (n_q, n_k))).astype(np.float64)
 
 
+# T5's relative bias (``relative_bias:``): the table as relative_attention_bias; its settings follow from its bucket
+# count, as benchmarks/correct_grid.py draws them: bidirectional for an even count, max_distance 3 x the count.
+
+def _relative(n_q, n_k, table_rows):
+    from gradcheck_cli.ops.attention.stages.relative_bias import bucket  # T5's rule (tested against transformers')
+    rel = np.arange(n_k)[None, :] - (np.arange(n_q)[:, None] + n_k - n_q)
+    return bucket(rel, table_rows, 3 * table_rows, table_rows % 2 == 0)
+
+
 class _NumpyVariants:
     @staticmethod
-    def _p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form, attn_bias=None):
+    def _p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form, attn_bias=None, table=None):
         raw = scale * np.einsum("bhid,bhjd->bhij", q, k_rep)
         t = np.tanh(raw / softcap) if softcap else None
         s = softcap * t if softcap else raw
         if attn_bias is not None:
             s = s + attn_bias
+        if table is not None:
+            s = s + np.moveaxis(table[_relative(q.shape[2], k_rep.shape[2], table.shape[0])], -1, 0)
         if alibi_slopes is not None:
             s = s + (alibi_slopes[:, None, None] * _alibi_d(q.shape[2], k_rep.shape[2], alibi_form)).astype(s.dtype)
         s = np.where(visible, s, -np.inf)
@@ -224,40 +235,50 @@ class _NumpyVariants:
         return e / e.sum(-1, keepdims=True), t
 
     def forward(self, q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
-                attn_bias=None):
-        p, _ = self._p(q, k[:, kv_map], visible, scale, softcap, alibi_slopes, alibi_form, attn_bias)
+                attn_bias=None, relative_attention_bias=None):
+        p, _ = self._p(q, k[:, kv_map], visible, scale, softcap, alibi_slopes, alibi_form, attn_bias,
+                       relative_attention_bias)
         return np.einsum("bhij,bhjd->bhid", p, v[:, kv_map])
 
     def backward(self, q, k, v, visible, scale, kv_map, grad_o, softcap=None, alibi_slopes=None,
-                 alibi_form="distance", attn_bias=None):
+                 alibi_form="distance", attn_bias=None, relative_attention_bias=None):
         k_rep, v_rep = k[:, kv_map], v[:, kv_map]
-        p, t = self._p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form, attn_bias)
+        table = relative_attention_bias
+        p, t = self._p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form, attn_bias, table)
         dp = np.einsum("bhid,bhjd->bhij", grad_o, v_rep)
         ds = p * (dp - (p * dp).sum(-1, keepdims=True))
         dbias = None
         if attn_bias is not None:  # the gradient at the bias (after the cap), summed where it is broadcast
             axes = tuple(i for i in (0, 1) if attn_bias.shape[i] == 1 and ds.shape[i] != 1)
             dbias = ds.sum(axis=axes, keepdims=True) if axes else ds
+        dtable = None
+        if table is not None:  # the embedding's backward: each pair's gradient added into its bucket
+            dtable = np.zeros_like(table)
+            np.add.at(dtable, _relative(q.shape[2], k.shape[2], table.shape[0]), np.moveaxis(ds.sum(0), 0, -1))
         if softcap:
             ds = ds * (1 - t * t)
         dk, dv = np.zeros_like(k), np.zeros_like(v)
         np.add.at(dk, (slice(None), kv_map), scale * np.einsum("bhij,bhid->bhjd", ds, q))
         np.add.at(dv, (slice(None), kv_map), np.einsum("bhij,bhid->bhjd", p, grad_o))
         out = (scale * np.einsum("bhij,bhjd->bhid", ds, k_rep), dk, dv)
-        return out if dbias is None else out + (dbias,)
+        return out + tuple(x for x in (dbias, dtable) if x is not None)
 
 
 numpy_variants = _NumpyVariants()
 
 
 def torch_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
-                   attn_bias=None):
+                   attn_bias=None, relative_attention_bias=None):
     import torch
     s = scale * (q @ k[:, kv_map].transpose(-1, -2))
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     if attn_bias is not None:
         s = s + attn_bias
+    if relative_attention_bias is not None:
+        t = relative_attention_bias
+        idx = torch.as_tensor(_relative(q.shape[2], k.shape[2], t.shape[0]), device=t.device)
+        s = s + t[idx].permute(2, 0, 1).to(s.dtype)
     if alibi_slopes is not None:
         d = torch.as_tensor(_alibi_d(q.shape[2], k.shape[2], alibi_form), dtype=q.dtype, device=q.device)
         s = s + alibi_slopes.to(q.dtype)[:, None, None] * d
@@ -265,7 +286,7 @@ def torch_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=N
 
 
 def jax_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
-                 attn_bias=None):
+                 attn_bias=None, relative_attention_bias=None):
     import jax
     import jax.numpy as jnp
     s = scale * (q @ jnp.swapaxes(k[:, kv_map], -1, -2))
@@ -273,6 +294,9 @@ def jax_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=Non
         s = softcap * jnp.tanh(s / softcap)
     if attn_bias is not None:
         s = s + attn_bias
+    if relative_attention_bias is not None:
+        t = relative_attention_bias
+        s = s + jnp.moveaxis(t[_relative(q.shape[2], k.shape[2], t.shape[0])], -1, 0).astype(s.dtype)
     if alibi_slopes is not None:
         bias = jnp.asarray(alibi_slopes)[:, None, None] * _alibi_d(q.shape[2], k.shape[2], alibi_form)
         s = s + bias.astype(s.dtype)

@@ -222,3 +222,30 @@ def test_each_broken_learned_bias_recipe_fails_the_right_check(learned_bias, nam
     assert (check, "o" if check.startswith("forward") else "bias") in failed, failed
     if check == "gradient bias":  # the gradient of q, k and v is right: only the bias's fails
         assert {t for _, t in failed} == {"bias"}, failed
+
+
+@pytest.fixture(scope="module")
+def t5_relative():
+    return _recipes("t5_relative.yaml", "torch", "transformers")
+
+
+@pytest.mark.parametrize("name", [n for n in _names(RECIPES / "t5_relative.yaml") if not n.startswith("broken")])
+def test_each_t5_recipe_passes_with_its_table_checked_and_every_fault_caught(t5_relative, name):
+    """transformers' T5 compute_bias and eager attention, the embedding's weight checked end to end."""
+    result = checker.run_scenario(t5_relative[name])
+    assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
+    assert {"gradient relative_bias", "backward agrees with the reference"} <= {
+        c.name for c in result.checks if c.tensor == "relative_bias"}
+    cells = checker.negative_controls([t5_relative[name]])
+    assert cells and {c.status for c in cells} <= {"detected", "not applicable"}, [(c.fault, c.status) for c in cells]
+    assert {"relative-bias-scatter", "relative-bias-offset-backward", "softmax-term"} <= {
+        c.fault for c in cells if c.status == "detected"}
+
+
+@pytest.mark.parametrize("name, check", [("broken-t5-bias-detached", "gradient relative_bias"),
+                                         ("broken-t5-cache-offset-dropped", "forward agrees with the reference")])
+def test_each_broken_t5_recipe_fails_the_right_check(t5_relative, name, check):
+    failed = {(c.name, c.tensor) for c in checker.run_scenario(t5_relative[name]).checks if c.verdict == "fail"}
+    assert (check, "o" if check.startswith("forward") else "relative_bias") in failed, failed
+    if check == "gradient relative_bias":  # q, k and v are right: only the table's checks fail
+        assert {t for _, t in failed} == {"relative_bias"}, failed

@@ -30,14 +30,15 @@ from collections.abc import Collection
 import numpy as np
 
 from ...registry import Fault, Param
-from . import alibi, bias, softcap
+from . import alibi, bias, relative_bias, softcap
 from .base import ALL, Registration, Stage
 
 __all__ = ["ALL", "FAULTS", "KEYS", "REGISTERED", "Stage", "apply", "from_scenario", "inject", "jet", "with_slope"]
 
 
 #: The stage modules, in the default order of the score path.
-REGISTERED: tuple[Registration, ...] = (softcap.REGISTRATION, bias.REGISTRATION, alibi.REGISTRATION)
+REGISTERED: tuple[Registration, ...] = (softcap.REGISTRATION, bias.REGISTRATION, relative_bias.REGISTRATION,
+                                        alibi.REGISTRATION)
 
 #: The key that orders the stages where a library differs from the default order (``stages: [bias, softcap]``).
 ORDER_KEY = "stages"
