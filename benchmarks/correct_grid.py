@@ -195,6 +195,8 @@ def draw_variant(rng, category: str) -> dict:
         alibi = {"form": str(rng.choice(["distance", "column"]))}
         if rng.random() < 0.25:
             alibi["slopes"] = [float(np.round(x, 4)) for x in rng.uniform(0.01, 1.0, sc["heads_q"])]
+        if rng.random() < 0.3 and not (mode or rest == "torch" or dtype in ("float16", "bfloat16")):
+            alibi["grad"] = True  # learned slopes, their gradient checked
         sc["alibi"] = alibi
     if "relative_bias" in variant:
         # the settings follow from the bucket count (correct_impls._relative): even -> bidirectional
@@ -214,7 +216,8 @@ def draw_variant(rng, category: str) -> dict:
         sc.update(engine="tiled", block_q=int(rng.choice([1, 4, 8, 64])), block_k=int(rng.choice([1, 3, 8, 64])))
     if rest.startswith("impl/"):
         flavour = rest[5:]
-        sc["implementation"] = f"correct_impls:{flavour}_variants"
+        learned = flavour == "numpy" and sc.get("alibi", {}).get("grad")
+        sc["implementation"] = f"correct_impls:{flavour}_variants" + ("_learned_slopes" if learned else "")
         if flavour != "numpy":
             sc["backend"] = flavour
     elif torch:

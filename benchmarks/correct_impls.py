@@ -251,6 +251,9 @@ class _NumpyVariants:
         if attn_bias is not None:  # the gradient at the bias (after the cap), summed where it is broadcast
             axes = tuple(i for i in (0, 1) if attn_bias.shape[i] == 1 and ds.shape[i] != 1)
             dbias = ds.sum(axis=axes, keepdims=True) if axes else ds
+        dslopes = None
+        if alibi_slopes is not None and getattr(self, "learned_slopes", False):
+            dslopes = np.einsum("bhij,ij->h", ds, _alibi_d(q.shape[2], k.shape[2], alibi_form)).astype(ds.dtype)
         dtable = None
         if table is not None:  # the embedding's backward: each pair's gradient added into its bucket
             dtable = np.zeros_like(table)
@@ -261,10 +264,15 @@ class _NumpyVariants:
         np.add.at(dk, (slice(None), kv_map), scale * np.einsum("bhij,bhid->bhjd", ds, q))
         np.add.at(dv, (slice(None), kv_map), np.einsum("bhij,bhid->bhjd", p, grad_o))
         out = (scale * np.einsum("bhij,bhjd->bhid", ds, k_rep), dk, dv)
-        return out + tuple(x for x in (dbias, dtable) if x is not None)
+        return out + tuple(x for x in (dbias, dtable, dslopes) if x is not None)
+
+
+class _LearnedSlopes(_NumpyVariants):
+    learned_slopes = True  # alibi: {grad: true}: the backward returns the slopes' gradient last
 
 
 numpy_variants = _NumpyVariants()
+numpy_variants_learned_slopes = _LearnedSlopes()
 
 
 def torch_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",

@@ -3,6 +3,8 @@ head counts, the bias against torch autograd of an independent forward, distance
 lower-right causal mask (and not without it), the tiled engine blockwise without an n_q x n_k array, user code
 given ``alibi_slopes=`` (``alibi_form=`` only for the column form), the faults where they apply, and the
 loader's messages."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -54,6 +56,66 @@ def test_the_closed_forms_equal_torch_autograd_of_the_definition():
         np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-12)
     plain = formulas.forward(q, k, v, visible, 0.7, kv_map)
     assert np.abs(plain - o.detach().numpy()).max() > 1e-2  # the bias matters on these inputs
+
+
+@pytest.mark.parametrize("form", ["distance", "column"])
+def test_the_slopes_gradient_equals_torch_autograd_of_the_definition(form):
+    torch = pytest.importorskip("torch")
+    q, k, v, g, kv_map = _inputs()
+    n, m = q.shape[2], k.shape[2]
+    visible = masks.build_visible(2, 6, n, m, causal="lower-right", key_lengths=(9, 8))
+    i, j = np.arange(n)[:, None], np.arange(m)[None, :]
+    d = torch.tensor(-np.abs(i + m - n - j) if form == "distance" else np.broadcast_to(j, (n, m)), dtype=torch.float64)
+    slopes = np.array(geometric(6))
+    leaves = [torch.tensor(x, requires_grad=True) for x in (q, k, v, slopes)]
+
+    def f(q, k, v, m):
+        s = 0.7 * (q @ k.transpose(-1, -2)) + m[:, None, None] * d
+        return torch.softmax(s.masked_fill(~torch.from_numpy(visible), float("-inf")), -1) @ v
+
+    want = torch.autograd.grad(f(*leaves), leaves, torch.tensor(g))
+    stages = (Alibi(slopes, form, n, m, grad=True),)
+    mine = formulas.backward(q, k, v, visible, 0.7, kv_map, g, stages=stages)
+    for a, b in zip((mine.q, mine.k, mine.v, mine.params["alibi_slopes"]), want):
+        np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-12)
+    params: dict = {}
+    tiled.backward(q, k, v, visible, 0.7, kv_map, g, block_q=2, block_k=4, stages=stages, params=params)
+    np.testing.assert_allclose(params["alibi_slopes"], want[3], rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("keys", [{}, {"engine": "tiled", "block_q": 2, "block_k": 4},
+                                  {"implementation": "correct_impls:numpy_variants_learned_slopes"},
+                                  {"implementation": "correct_impls:torch_variants", "backend": "torch"}])
+def test_learned_slopes_are_checked_like_q_k_v_and_their_faults_fail_them(keys, monkeypatch):
+    if keys.get("backend") == "torch":
+        pytest.importorskip("torch")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))  # correct_impls
+    sc = make(batch=2, heads_q=6, heads_kv=3, n_q=4, n_k=7, d_head=4, alibi={"grad": True},
+              mask={"causal": "lower-right"}, **keys)
+    result = checker.run_scenario(sc)
+    assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
+    assert "gradient alibi_slopes" in {c.name for c in result.checks}
+    for fault in ("alibi-slope-grad-sign", "alibi-slope-grad-batch"):
+        failed = {c.name for c in checker.run_scenario(sc, (fault,)).checks if c.verdict == "fail"}
+        assert "gradient alibi_slopes" in failed, (fault, failed)
+        assert failed <= {"gradient alibi_slopes", "backward agrees with the reference",
+                          "tiled agrees with the naive engine"}, (fault, failed)
+    fixed = make(heads_q=6, n_q=4, n_k=7, d_head=4, alibi={"form": "column", "grad": True})
+    assert "no sign" in score_stages.why_not(fixed, "alibi-slope-grad-sign")
+    assert "not checked" in score_stages.why_not(make(heads_q=6, n_q=4, n_k=7, d_head=4, alibi={}),
+                                                 "alibi-slope-grad-batch")
+
+
+@pytest.mark.parametrize("extra, message", [({"check": {"mode": "jvp"}}, "not built"),
+                                            ({"backend": "torch"}, "not the torch closed forms"),
+                                            ({"dtype": "bfloat16", "backend": "torch",
+                                              "implementation": "alibi_attention:torch_alibi"}, "float64 and float32")])
+def test_learned_slopes_where_not_built_are_refused_with_the_key(extra, message):
+    if extra.get("backend") == "torch":
+        pytest.importorskip("torch")
+    with pytest.raises(ScenarioError) as err:
+        with_examples(heads_q=4, n_q=4, d_head=4, alibi={"grad": True}, **extra)
+    assert message in str(err.value) and "alibi.grad" in str(err.value)
 
 
 def test_distance_and_column_forms_agree_only_under_lower_right_causal_masking():
@@ -153,7 +215,8 @@ def test_slopes_written_1e3_are_numbers():
     ({"slopes": "geometrik"}, "did you mean 'geometric'"),
     ({"slopes": [0.5, -1, 0.1, 0.2]}, "expected a number > 0"),
     ({"form": "row"}, "expected one of distance, column"),
-    ({"grad": True}, "unknown key 'grad'"),
+    ({"grad": "yes"}, "expected true or false"),
+    ({"size": 2}, "unknown key 'size'"),
     ("yes", "expected a mapping with keys slopes, form"),
 ])
 def test_bad_alibi_is_refused_with_its_key(alibi, message):

@@ -137,7 +137,7 @@ def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: boo
     ``a_rows(span)`` gives A's rows for a slice of query rows. Score ``stages``: L is the error of the scores
     after them, and G_S goes back to the raw scores times the size of their derivative's terms; ``params``
     (True) adds those of the stages' checked parameters: G_S's terms gathered as each stage gathers its
-    parameter's gradient (``Stage.param_grad``: a bias's summed over its broadcast axes)."""
+    parameter's gradient (``Stage.param_terms``: a bias's summed over its broadcast axes)."""
     power = 2 if rss else 1
     qa, ka, va = (np.abs(t).astype(np.float64) ** power for t in
                   (inputs["q"], repeat_kv(inputs["k"], kv_map), repeat_kv(inputs["v"], kv_map)))
@@ -158,7 +158,7 @@ def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: boo
         g_a = g1[..., span, :] @ np.swapaxes(v1, -1, -2)
         t_s = a_err * (g_a + np.sum(a * g_a, axis=-1, keepdims=True))
         for name, total in t_p.items():  # the gradient at the softmax's input, gathered as the stage does
-            owners[name].param_add(total, owners[name].param_grad(t_s ** power, None, span), span)
+            owners[name].param_add(total, owners[name].param_terms(t_s ** power, span, power=power), span)
         if slope is not None:
             t_s = t_s * slope
         a_err, t_s = a_err ** power, t_s ** power

@@ -7,9 +7,13 @@ log-sum-exp keeps it). ``slopes: geometric`` are the ALiBi paper's, for any head
 ``2^(-8 i / 2^k)``; otherwise the closest power of two's, then every other slope of twice that many), as
 transformers and FlashAttention's tests compute them; or a list, one slope per query head. f' = 1, f'' = 0: the
 stage changes no derivative; it never builds an n_q x n_k array of its own beyond the block it is asked for
-(the tiled engine stays O(n) in memory). Its faults: ``alibi-slopes-pow2`` (a user's code is given the slopes
+(the tiled engine stays O(n) in memory). With ``grad: true`` the slopes are an input like q, k and v (learned
+slopes): dm_h = the sum over the batch and every (i, j) of dS[., h, i, j] d(i, j), checked by finite differences.
+Its faults: ``alibi-slopes-pow2`` (a user's code is given the slopes
 of the powers-of-two formula for a head count that is not one, transformers #28380) and
-``alibi-offset-backward`` (the backward recomputes the bias without the lower-right offset n_k - n_q)."""
+``alibi-offset-backward`` (the backward recomputes the bias without the lower-right offset n_k - n_q), and for
+learned slopes ``alibi-slope-grad-sign`` (dm sums dS |i' - j|: the distance form's sign dropped) and
+``alibi-slope-grad-batch`` (dm from the first batch element alone)."""
 from __future__ import annotations
 
 import math
@@ -20,6 +24,7 @@ from ...registry import Fault, Param
 from .base import ALL, Registration, Stage, added
 
 KEY = "alibi"
+PARAM = "alibi_slopes"  # the input name of the slopes when their gradient is checked
 FORMS = ("distance", "column")
 #: Bytes of bias blocks kept for reuse (the finite differences ask for the same blocks thousands of times).
 CACHE_BYTES = 32 * 2**20
@@ -41,25 +46,49 @@ def powers_of_two(heads: int) -> list[float]:
 
 class Alibi(Stage):
     name = KEY
+    param_kwarg = "alibi_slopes"
 
-    def __init__(self, slopes, form: str, n_q: int, n_k: int, offset: bool = True):
-        self.slopes = np.asarray(slopes, dtype=np.float64)
-        self.form, self.n_q, self.n_k, self.offset = form, n_q, n_k, offset
+    def __init__(self, slopes, form: str, n_q: int, n_k: int, offset: bool = True, grad: bool = False):
+        self.slopes = np.asarray(slopes, dtype=np.float64) if not hasattr(slopes, "requires_grad") else slopes
+        self.form, self.n_q, self.n_k, self.offset, self.grad = form, n_q, n_k, offset, grad
+        self.param = PARAM if grad else None
         self._cache: dict = {}
         self._cached = 0
 
-    def bias(self, rows=ALL, cols=ALL) -> np.ndarray:
-        """m_h d(i, j) for the block's rows and keys, [Hq, len(rows), len(cols)] in float64."""
-        key = (rows.start, rows.stop, cols.start, cols.stop)
-        if key in self._cache:
-            return self._cache[key]
+    def _same(self, slopes, cls=None, **changes):
+        """This stage with its slopes replaced (and ``changes`` to its settings), as a ``cls`` (a fault's)."""
+        given = dict(form=self.form, n_q=self.n_q, n_k=self.n_k, offset=self.offset, grad=self.grad)
+        return (cls or Alibi)(slopes, **{**given, **changes})
+
+    def values(self):
+        return self.slopes
+
+    def moved(self, x):
+        return self._same(x)
+
+    def lead(self) -> tuple:
+        return tuple(self.slopes.shape[:-1]) + (1, 1)  # perturbed copies' axes, then the batch and heads
+
+    def distance(self, rows=ALL, cols=ALL) -> np.ndarray:
+        """d(i, j) for the block's rows and keys, [len(rows), len(cols)] in float64."""
         i = np.arange(self.n_q)[rows][:, None]
         j = np.arange(self.n_k)[cols][None, :]
         if self.form == "distance":
-            d = -np.abs(i + (self.n_k - self.n_q if self.offset else 0) - j).astype(np.float64)
-        else:
-            d = np.broadcast_to(j.astype(np.float64), (i.shape[0], j.shape[1]))
-        b = self.slopes[:, None, None] * d
+            return -np.abs(i + (self.n_k - self.n_q if self.offset else 0) - j).astype(np.float64)
+        return np.broadcast_to(j.astype(np.float64), (i.shape[0], j.shape[1]))
+
+    def bias(self, rows=ALL, cols=ALL):
+        """m_h d(i, j) for the block's rows and keys, [..., Hq, len(rows), len(cols)] in float64 (perturbed slopes
+        [C, Hq]: [C, 1, Hq, ...], broadcast over the batch)."""
+        if self.slopes.ndim > 1 or not isinstance(self.slopes, np.ndarray):  # copies, or a leaf of autograd
+            d = self.distance(rows, cols)
+            if isinstance(self.slopes, np.ndarray):
+                return self.slopes[..., None, :, None, None] * d
+            return self.slopes[..., :, None, None] * self.slopes.new_tensor(d)
+        key = (rows.start, rows.stop, cols.start, cols.stop)
+        if key in self._cache:
+            return self._cache[key]
+        b = self.slopes[:, None, None] * self.distance(rows, cols)
         if self._cached + b.nbytes <= CACHE_BYTES:
             self._cache[key] = b
             self._cached += b.nbytes
@@ -67,6 +96,22 @@ class Alibi(Stage):
 
     def value(self, s, rows=ALL, cols=ALL, xp=np):
         return added(s, self.bias(rows, cols), xp)
+
+    def param_grad(self, g_out, s, rows=ALL, cols=ALL):
+        """dm_h = sum over the batch and the block of dS[., h, i, j] d(i, j): [Hq]."""
+        return _weighted(g_out, self.distance(rows, cols))
+
+    def param_terms(self, t, rows=ALL, cols=ALL, power: int = 1):
+        return _weighted(t, np.abs(self.distance(rows, cols)) ** power)
+
+    def param_add(self, total, block, rows=ALL, cols=ALL):
+        total += block
+
+    def block_index(self) -> np.ndarray:
+        return np.arange(self.slopes.shape[-1])  # a slope moves every row of its head
+
+    def block_sums(self, rows: np.ndarray) -> np.ndarray:
+        return rows.sum(axis=(-3, -1))  # [..., B, Hq, n_q] -> [..., Hq]
 
     def error(self, size, s, rows=ALL, cols=ALL):
         # the product m d and the sum round: |m d| and |s + m d| <= |s| + |m d|
@@ -81,11 +126,33 @@ class Alibi(Stage):
 
     @property
     def key(self) -> tuple:
-        return (type(self).__name__, self.form, self.n_q, self.n_k, self.offset, self.slopes.tobytes())
+        return (type(self).__name__, self.form, self.n_q, self.n_k, self.offset, self.grad,
+                np.asarray(self.slopes).tobytes())
 
     @property
     def label(self) -> str:
-        return f"alibi {self.form}"
+        return f"alibi {self.form}{' +grad' if self.grad else ''}"
+
+
+def _weighted(g, d):
+    """sum over every axis but the heads of g [..., Hq, r, c] d [r, c] -> [Hq]."""
+    g = np.asarray(g)
+    return np.einsum("bhij,ij->h", g.reshape((-1,) + g.shape[-3:]), d)
+
+
+class _SignDropped(Alibi):
+    """alibi-slope-grad-sign: dm = sum dS |i' - j|, the distance's sign dropped (the forward adds -m |i' - j|)."""
+
+    def param_grad(self, g_out, s, rows=ALL, cols=ALL):
+        return _weighted(g_out, np.abs(self.distance(rows, cols)))
+
+
+class _FirstBatch(Alibi):
+    """alibi-slope-grad-batch: dm from the first batch element alone, not summed over the batch."""
+
+    def param_grad(self, g_out, s, rows=ALL, cols=ALL):
+        g = np.asarray(g_out)
+        return super().param_grad(g[..., :1, :, :, :], s, rows, cols)
 
 
 def make(sc) -> Alibi | None:
@@ -94,7 +161,10 @@ def make(sc) -> Alibi | None:
         return None
     params = dict(given)
     slopes = params["slopes"]
-    return Alibi(geometric(sc.heads_q) if slopes == "geometric" else slopes, params["form"], sc.n_q, sc.n_k)
+    values = np.asarray(geometric(sc.heads_q) if slopes == "geometric" else slopes, dtype=np.float64)
+    if params["grad"] and sc.dtype == "float32":  # an input like q, k and v: in their dtype
+        values = values.astype(np.float32)
+    return Alibi(values, params["form"], sc.n_q, sc.n_k, grad=params["grad"])
 
 
 def validate(sc_params: dict, attention: dict) -> list:
@@ -106,11 +176,28 @@ def validate(sc_params: dict, attention: dict) -> list:
     if slopes != "geometric" and heads is not None and len(slopes) != heads:
         return [(f"{KEY}.slopes", f"has {len(slopes)} slopes but heads_q is {heads}",
                  "give one slope per query head, or slopes: geometric")]
+    if dict(given)["grad"]:
+        if attention["mode"] in ("jvp", "hvp"):
+            return [(f"{KEY}.grad", f"the {attention['mode'].upper()} along the slopes is not built: check.mode "
+                                    f"{attention['mode']} takes fixed slopes", f"set {KEY}.grad: false")]
+        if attention["backend"] == "torch" and not attention["implementation"]:
+            return [(f"{KEY}.grad", "the slopes' gradient runs on the NumPy engines (naive, tiled) and NumPy, torch "
+                                    "and JAX implementations for now, not the torch closed forms",
+                     f"set {KEY}.grad: false, or backend: numpy")]
+        if attention["dtype"] in ("float16", "bfloat16"):
+            return [(f"{KEY}.grad", f"the slopes' gradient is checked in float64 and float32, not "
+                                    f"{attention['dtype']} yet", f"set {KEY}.grad: false, or dtype: float32")]
     return []
 
 
 def _applies(sc, fault: str) -> str | None:
     params = dict(sc.p(KEY))
+    if fault in ("alibi-slope-grad-sign", "alibi-slope-grad-batch") and not params["grad"]:
+        return f"the slopes' gradient is not checked ({KEY}.grad: false)"
+    if fault == "alibi-slope-grad-sign" and params["form"] != "distance":
+        return "the column form's d = j is never negative: no sign to drop"
+    if fault == "alibi-slope-grad-batch" and sc.batch == 1:
+        return "batch 1: the first batch element is the whole batch"
     if fault == "alibi-slopes-pow2":
         if params["slopes"] != "geometric":
             return "the slopes are given, not the geometric ones"
@@ -124,6 +211,9 @@ def _applies(sc, fault: str) -> str | None:
     return None
 
 
+_SLOPE_CAUGHT = ("gradient alibi_slopes", "backward agrees with the reference")
+_ADDED = "adds to the implementation's gradients the change this bug makes to the float64 reference's"
+
 REGISTRATION = Registration(
     key=KEY,
     param=Param("mapping", None, "ALiBi: the scores get m_h d(i, j), slopes m per query head (geometric: the "
@@ -131,7 +221,9 @@ REGISTRATION = Registration(
                                  "FlashAttention's) or column (m j, BLOOM's)",
                 fields=(("slopes", Param("choice-or-floats", "geometric", "geometric, or one slope > 0 per query "
                                                                           "head", choices=("geometric",))),
-                        ("form", Param("choice", "distance", "distance or column", choices=FORMS)))),
+                        ("form", Param("choice", "distance", "distance or column", choices=FORMS)),
+                        ("grad", Param("bool", False, "check the slopes' gradient (learned slopes; default "
+                                                      "false)")))),
     make=make,
     faults={f.name: f for f in (
         Fault("alibi-slopes-pow2", "ALiBi: the slopes of the powers-of-two formula 2^(-8 (i + 1) / H) for a head "
@@ -143,16 +235,24 @@ REGISTRATION = Registration(
                                        "(-m |i - j| where n_q != n_k)",
               ("gradient q", "gradient k", "gradient v", "backward agrees with the reference",
                "score-gradient rows sum to 0",  # the tiled backward's P from the forward's log-sum-exp
-               "gradient bias"),  # a bias's gradient (dS) where one is checked
+               "gradient bias", "gradient alibi_slopes"),  # a bias's or the slopes' gradient where checked
               user="adds to the implementation's gradients the change this bug makes to the float64 reference's",
               scenario=((KEY, {"slopes": "geometric"}),)),
+        Fault("alibi-slope-grad-sign", "ALiBi: the slopes' gradient sums dS |i' - j|, the sign of the distance "
+                                       "form's -|i' - j| dropped", _SLOPE_CAUGHT, user=_ADDED,
+              scenario=((KEY, {"grad": True}),), backends=("numpy",)),
+        Fault("alibi-slope-grad-batch", "ALiBi: the slopes' gradient from the first batch element alone, not "
+                                        "summed over the batch", _SLOPE_CAUGHT, user=_ADDED,
+              scenario=((KEY, {"grad": True}),), backends=("numpy",)),
     )},
-    wrong={"alibi-slopes-pow2": lambda st, visible: (Alibi(powers_of_two(len(st.slopes)), st.form, st.n_q, st.n_k),
-                                                     visible),
-           "alibi-offset-backward": lambda st, visible: (Alibi(st.slopes, st.form, st.n_q, st.n_k, offset=False),
-                                                         visible)},
-    backward_only=("alibi-offset-backward",),
+    wrong={"alibi-slopes-pow2": lambda st, visible: (st._same(np.asarray(powers_of_two(st.slopes.shape[-1]),
+                                                                         dtype=np.asarray(st.slopes).dtype)), visible),
+           "alibi-offset-backward": lambda st, visible: (st._same(st.slopes, offset=False), visible),
+           "alibi-slope-grad-sign": lambda st, visible: (st._same(st.slopes, cls=_SignDropped), visible),
+           "alibi-slope-grad-batch": lambda st, visible: (st._same(st.slopes, cls=_FirstBatch), visible)},
+    backward_only=("alibi-offset-backward", "alibi-slope-grad-sign", "alibi-slope-grad-batch"),
     applies=_applies,
     validate=validate,
-    passes="alibi_slopes= [Hq], and alibi_form=column for the column form",
+    passes="alibi_slopes= [Hq] (with grad: true a NumPy backward returns their gradient last), and "
+           "alibi_form=column for the column form",
 )

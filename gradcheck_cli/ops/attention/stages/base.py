@@ -39,6 +39,11 @@ class Stage:
     def param_add(self, total, block, rows=ALL, cols=ALL):
         total[..., rows, cols] += block
 
+    def param_terms(self, t, rows=ALL, cols=ALL, power: int = 1):
+        """The size of the terms of the parameter's gradient on a block from ``t``, those of the gradient at the
+        stage's output (``power`` 2: their squares): :meth:`param_grad` where it only adds them up."""
+        return self.param_grad(t, None, rows, cols)
+
     def lead(self) -> tuple:
         """The leading axes of the parameter's values before the query rows and keys (perturbed copies, then its
         [B|1, H|1]): what a block of its values broadcasts the scores to."""
