@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from ...registry import Fault, Param
-from .base import ALL, Registration, Stage, added
+from .base import ALL, Registration, Stage, added, gradient_limits
 
 KEY = "alibi"
 PARAM = "alibi_slopes"  # the input name of the slopes when their gradient is checked
@@ -176,18 +176,7 @@ def validate(sc_params: dict, attention: dict) -> list:
     if slopes != "geometric" and heads is not None and len(slopes) != heads:
         return [(f"{KEY}.slopes", f"has {len(slopes)} slopes but heads_q is {heads}",
                  "give one slope per query head, or slopes: geometric")]
-    if dict(given)["grad"]:
-        if attention["mode"] in ("jvp", "hvp"):
-            return [(f"{KEY}.grad", f"the {attention['mode'].upper()} along the slopes is not built: check.mode "
-                                    f"{attention['mode']} takes fixed slopes", f"set {KEY}.grad: false")]
-        if attention["backend"] == "torch" and not attention["implementation"]:
-            return [(f"{KEY}.grad", "the slopes' gradient runs on the NumPy engines (naive, tiled) and NumPy, torch "
-                                    "and JAX implementations for now, not the torch closed forms",
-                     f"set {KEY}.grad: false, or backend: numpy")]
-        if attention["dtype"] in ("float16", "bfloat16"):
-            return [(f"{KEY}.grad", f"the slopes' gradient is checked in float64 and float32, not "
-                                    f"{attention['dtype']} yet", f"set {KEY}.grad: false, or dtype: float32")]
-    return []
+    return gradient_limits(KEY, "the slopes", attention) if dict(given)["grad"] else []
 
 
 def _applies(sc, fault: str) -> str | None:

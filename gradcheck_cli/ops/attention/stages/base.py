@@ -111,6 +111,22 @@ class Registration:
     passes: str = ""  # what a user's code is passed, for ``attn-gradcheck ops`` (``softcap=``)
 
 
+def gradient_limits(key: str, what: str, attention: dict) -> list:
+    """(key, message, hint) where the gradient of a stage's parameter (``what``: "the bias") is not built yet: the
+    JVP/HVP along it, the torch closed forms, half precision (``Registration.validate`` of a stage with one)."""
+    mode, fix = attention["mode"], f"set {key}.grad: false (it is then fixed)"
+    if mode in ("jvp", "hvp"):
+        return [(f"{key}.grad", f"the {mode.upper()} along {what} is not built: check.mode {mode} takes {what} "
+                                "without its gradient", f"{fix} for this scenario")]
+    if attention["backend"] == "torch" and not attention["implementation"]:
+        return [(f"{key}.grad", f"the gradient of {what} runs on the NumPy engines (naive, tiled) and NumPy, torch and "
+                                "JAX implementations for now, not the torch closed forms", f"{fix}, or backend: numpy")]
+    if attention["dtype"] in ("float16", "bfloat16"):
+        return [(f"{key}.grad", f"the gradient of {what} is checked in float64 and float32, not {attention['dtype']} "
+                                "yet", f"{fix}, or dtype: float32")]
+    return []
+
+
 def added(s, b, xp=np):
     """s + b, b a block of a stage's values (NumPy, or a torch tensor: a leaf of autograd, the plain peer's) in
     ``xp`` beside s, in s's dtype (on its device)."""

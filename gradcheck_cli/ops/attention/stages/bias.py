@@ -16,7 +16,7 @@ import hashlib
 import numpy as np
 
 from ...registry import Fault, Param
-from .base import ALL, Registration, Stage, added, block
+from .base import ALL, Registration, Stage, added, block, gradient_limits
 
 KEY = "bias"
 
@@ -130,19 +130,7 @@ def validate(sc_params: dict, attention: dict) -> list:
             return [(f"{KEY}.shape", f"is {list(shape)}; expected [B|1, H|1, n_q, n_k] = "
                                      f"[{want[0]}|1, {want[1]}|1, {want[2]}, {want[3]}]",
                      "one bias per (batch, query head), or 1 where it is shared")]
-    if params["grad"]:
-        if attention["mode"] in ("jvp", "hvp"):
-            return [(f"{KEY}.grad", f"the {attention['mode'].upper()} along a bias is not built: check.mode "
-                                    f"{attention['mode']} takes a bias without its gradient",
-                     "set bias.grad: false for this scenario")]
-        if attention["backend"] == "torch" and not attention["implementation"]:
-            return [(f"{KEY}.grad", "a bias with its gradient runs on the NumPy engines (naive, tiled) and NumPy, "
-                                    "torch and JAX implementations for now, not the torch closed forms",
-                     "set bias.grad: false (the bias is then fixed), or backend: numpy")]
-        if attention["dtype"] in ("float16", "bfloat16"):
-            return [(f"{KEY}.grad", f"a bias's gradient is checked in float64 and float32, not {attention['dtype']} "
-                                    "yet", "set bias.grad: false, or dtype: float32")]
-    return []
+    return gradient_limits(KEY, "a bias", attention) if params["grad"] else []
 
 
 def _applies(sc, fault: str) -> str | None:

@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from ...registry import Fault, Param
-from .base import ALL, Registration, Stage, added
+from .base import ALL, Registration, Stage, added, gradient_limits
 
 KEY = "relative_bias"
 KWARG = "relative_attention_bias"
@@ -171,19 +171,7 @@ def validate(sc_params: dict, attention: dict) -> list:
     if distance <= half // 2:
         return [(f"{KEY}.max_distance", f"is {distance}; it must exceed the exact buckets ({half // 2})",
                  "T5 uses 128")]
-    if params["grad"]:
-        if attention["mode"] in ("jvp", "hvp"):
-            return [(f"{KEY}.grad", f"the {attention['mode'].upper()} along the table is not built: check.mode "
-                                    f"{attention['mode']} takes the table without its gradient",
-                     f"set {KEY}.grad: false for this scenario")]
-        if attention["backend"] == "torch" and not attention["implementation"]:
-            return [(f"{KEY}.grad", "the table's gradient runs on the NumPy engines (naive, tiled) and NumPy, torch "
-                                    "and JAX implementations for now, not the torch closed forms",
-                     f"set {KEY}.grad: false (the table is then fixed), or backend: numpy")]
-        if attention["dtype"] in ("float16", "bfloat16"):
-            return [(f"{KEY}.grad", f"the table's gradient is checked in float64 and float32, not "
-                                    f"{attention['dtype']} yet", f"set {KEY}.grad: false, or dtype: float32")]
-    return []
+    return gradient_limits(KEY, "the table", attention) if params["grad"] else []
 
 
 def _applies(sc, fault: str) -> str | None:
