@@ -68,6 +68,7 @@ class ScenarioError(GradcheckError):
         self.line = line
         self.key = key
         self.hint = hint
+        self.final = False  # no later scenario of the file can load either (the masks held so far fill memory)
         super().__init__(self.__str__())
 
     def __str__(self) -> str:

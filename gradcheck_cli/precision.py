@@ -276,7 +276,8 @@ def judge(results: dict[str, np.ndarray], reference: dict[str, np.ndarray], term
                     detail=(f"computes in about {computes_in}, not {dtype}: its difference from the float64 "
                             f"reference ({c.max_abs_error:.3g}, {effective_ulps(diff, terms[t], computes_in):.3g} "
                             f"ulps of {computes_in} of its terms) is {computes_in} rounding, far above {dtype}'s; "
-                            f"run the scenario with dtype: {computes_in} to check it at that precision; " + c.detail))
+                            f"run the scenario with dtype: {computes_in} to check it at that precision; " + c.detail),
+                    facts={"computes_in": computes_in})
             else:
                 c = dataclasses.replace(lower, detail=f"beyond {computes_in} rounding, the precision its forward "
                                                       f"computes in: " + lower.detail)

@@ -80,6 +80,9 @@ class Check:
     fd_error: float | None = None
     diagnosis: dict | None = field(default=None, compare=False)
     detectable: float | None = None
+    #: what the check found, as data for the hints (``computes_in``, ``differing``, ``non_finite``, ``on_copies``):
+    #: hints read these, never ``detail``'s text. Not in the JSON report (its ``detail`` says the same in words).
+    facts: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         if not self.verdict:

@@ -86,7 +86,7 @@ def _run(sc: Scenario, faults: Sequence[str], memory_budget: int, progress: Prog
         problem = build(sc, active, sizes)
     except ImplementationFailure as exc:
         return result((failure_check("implementation runs", exc),),
-                      hints=(exc.hint,) if exc.hint else ((_range_hint(sc),) if "non-finite" in exc.message else ()))
+                      hints=(exc.hint,) if exc.hint else ((_range_hint(sc),) if exc.non_finite else ()))
     missing = {"jvp": problem.tangents, "hvp": problem.second}.get(sc.mode, True) is None
     if missing:  # the loader refuses such scenarios; one built by hand (dataclasses.replace) lands here
         raise GradcheckError(f"scenario '{sc.name}': engine {sc.engine} of op {sc.op} computes no derivative for "
@@ -136,8 +136,8 @@ def _run(sc: Scenario, faults: Sequence[str], memory_budget: int, progress: Prog
     except ImplementationFailure as exc:
         checks.append(failure_check("invariants", exc))
     checks, hints = _diagnose(sc, problem, checks, evidence)
-    if not hints and any(c.kind == "implementation" and "non-finite" in c.detail and "perturbed cop" in c.detail
-                         for c in checks):  # NaN only on the stacked copies (in_copies says so)
+    # NaN only on the stacked copies (in_copies says so)
+    if not hints and any(c.facts.get("non_finite") and c.facts.get("on_copies") for c in checks):
         hints = [_copies_hint(sc)]
     compiling = problem.compile_s() if problem.compile_s else 0.0
     return result(checks, arrays=arrays, hints=tuple(hints), compile_s=compiling)

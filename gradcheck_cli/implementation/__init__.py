@@ -234,7 +234,7 @@ def guarded_call(fn, what: str, args: tuple, expected: dict[str, tuple[tuple[int
         if bad.any():
             index = tuple(int(i) for i in np.argwhere(bad)[0])
             raise ImplementationFailure(f"{what} returned a non-finite {name}: {arr[index]} at {name}"
-                                        f"[{', '.join(map(str, index))}]", name, index)
+                                        f"[{', '.join(map(str, index))}]", name, index, non_finite=True)
         result[name] = arr
     return result
 

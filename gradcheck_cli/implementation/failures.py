@@ -8,9 +8,11 @@ import numpy as np
 class ImplementationFailure(Exception):
     """The implementation under test misbehaved; ``tensor`` names what it returned (or None)."""
 
-    def __init__(self, message: str, tensor: str | None = None, index: tuple[int, ...] | None = None):
+    def __init__(self, message: str, tensor: str | None = None, index: tuple[int, ...] | None = None,
+                 non_finite: bool = False, on_copies: bool = False):
         super().__init__(message)
         self.message, self.tensor, self.index = message, tensor, index
+        self.non_finite, self.on_copies = non_finite, on_copies  # what happened, for the hints
         self.hint: str | None = None  # a likely cause the report names as a hint, when the engine knows one
 
 
@@ -44,7 +46,8 @@ def determinism(name: str, first: dict[str, np.ndarray], second: dict[str, np.nd
                    "intended")
     return Check(kind=Kind.IMPLEMENTATION, name="deterministic", tensor=worst_t or "-",
                  shape=tuple(first[worst_t].shape) if worst_t else None, max_abs_error=worst, relative_error=worst,
-                 tolerance=tolerance, noise_floor=0.0, worst_index=worst_i, passed=bool(passed), detail=detail)
+                 tolerance=tolerance, noise_floor=0.0, worst_index=worst_i, passed=bool(passed), detail=detail,
+                 facts={"differing": tuple(differing)} if not passed else {})
 
 
 def failure_check(name: str, exc: ImplementationFailure, tensor: str | None = None, prefix: str = ""):
@@ -52,15 +55,17 @@ def failure_check(name: str, exc: ImplementationFailure, tensor: str | None = No
     from ..result import Check, Kind
     return Check(kind=Kind.IMPLEMENTATION, name=name, tensor=exc.tensor or tensor or "-", shape=None,
                  max_abs_error=float("inf"), relative_error=float("inf"), tolerance=0.0, noise_floor=0.0,
-                 worst_index=exc.index, passed=False, detail=prefix + exc.message)
+                 worst_index=exc.index, passed=False, detail=prefix + exc.message,
+                 facts={"non_finite": exc.non_finite, "on_copies": exc.on_copies})
 
 
 def in_copies(exc: ImplementationFailure, batch: int, name: str) -> ImplementationFailure:
     """Re-express a failure on copies stacked along the batch axis in the user's own indices."""
     if exc.index is None:
-        return ImplementationFailure(f"{exc.message} (on perturbed copies of {name})", exc.tensor)
+        return ImplementationFailure(f"{exc.message} (on perturbed copies of {name})", exc.tensor,
+                                     non_finite=exc.non_finite, on_copies=True)
     copy, b = divmod(exc.index[0], batch)
     index = (b,) + tuple(exc.index[1:])
     where = f"{exc.tensor}[{', '.join(map(str, index))}]"
     message = exc.message.split(" at ")[0] + f" at {where} of perturbed copy {copy} of {name}"
-    return ImplementationFailure(message, exc.tensor, index)
+    return ImplementationFailure(message, exc.tensor, index, non_finite=exc.non_finite, on_copies=True)

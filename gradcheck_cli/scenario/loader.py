@@ -69,7 +69,7 @@ def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".
                 if str(problem) not in reported:  # a bad key of defaults: once, not once per scenario
                     reported.add(str(problem))
                     problems.append(problem)
-            if "more than half of the" in exc.message:  # the masks held so far: every later scenario would say so
+            if exc.final:  # the masks held so far: every later scenario would say so
                 break
     if len(problems) == 1:
         raise problems[0]
@@ -95,9 +95,11 @@ def _load_item(doc, defaults: dict, item, i: int, base_dir, limit: int, seen: di
         sc = dataclasses.replace(sc, name=sc.name + suffix, index=len(out))
         held += sc.visible.nbytes if sc.visible is not None else 0
         if held > limit // 2:
-            raise doc.error(("scenarios", i), f"the scenarios up to {sc.name} hold masks of {_size(held)} "
-                            f"together, more than half of the {_size(limit)} available",
-                            hint="sweep fewer cases or smaller shapes, or split the file")
+            full = doc.error(("scenarios", i), f"the scenarios up to {sc.name} hold masks of {_size(held)} "
+                             f"together, more than half of the {_size(limit)} available",
+                             hint="sweep fewer cases or smaller shapes, or split the file")
+            full.final = True
+            raise full
         if suffix:  # two spellings of one value (1e-6 and 1.0e-6) make the same scenario twice
             digest = hashlib.sha256(sc.visible.tobytes()).hexdigest() if sc.visible is not None else ""
             same = (dataclasses.replace(sc, name="", index=0), digest)

@@ -151,6 +151,9 @@ def test_a_backward_that_changes_from_call_to_call_is_reported(bug):
     failed = {c.name for c in result.checks if c.verdict == "fail"}
     assert "deterministic" in failed and result.verdict == "fail"
     assert not any(PHRASES["backward-mask"] in h for h in result.hints)
+    # the hint names what differs from Check.facts (the backward's gradients, not O)
+    (hint,) = [h for h in result.hints if "not deterministic" in h]
+    assert "its d" in hint and "its O" not in hint, hint
 
 
 def test_nondet_tol_admits_a_backward_that_varies_within_it():

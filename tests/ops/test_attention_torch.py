@@ -130,6 +130,8 @@ def test_misbehaving_torch_implementations(root, tmp_path, monkeypatch, body, wo
     result = checker.run_scenario(sc)
     assert result.verdict == "fail" and any(words in c.detail for c in result.checks), \
         [(c.name, c.detail) for c in result.checks if not c.passed]
+    # the hints read what the checks found (Check.facts), not their text: NaN on the stacked copies alone
+    assert any("only on perturbed copies" in h for h in result.hints) == ("o.shape[0] > 2" in body), result.hints
     if "no kernel" in body:  # and once through the command, in its worker process
         cli = CliRunner().invoke(main, ["run", str(cfg)])
         assert "Traceback" not in cli.output and cli.exit_code == 1 and words in cli.stdout, cli.stdout

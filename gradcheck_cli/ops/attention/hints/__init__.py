@@ -66,17 +66,17 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
         failed = {t for t, v in verdicts.items() if v == "fail"}
         broken = {c.name for c in checks if c.verdict == "fail"}
         out = []
-        lower = [c for c in checks if c.verdict == "inconclusive" and c.detail.startswith("computes in about")]
+        lower = [c for c in checks if c.verdict == "inconclusive" and c.facts.get("computes_in")]
         if lower:
-            precision = lower[0].detail.split()[3].rstrip(",")
+            precision = lower[0].facts["computes_in"]
             out.append(f"the implementation computes internally in about {precision}: it agrees with the float64 "
                        f"reference to {precision} rounding only (or its forward differs from attention by no more "
                        f"than that), so a {sc.dtype} scenario cannot check it to {sc.tolerance:g}; run it with "
                        f"dtype: {precision} to check it at that precision")
         nondeterministic = [c for c in checks if c.name == "deterministic" and c.verdict == "fail"]
         if nondeterministic:  # every other test compares separate calls: their failures may be this alone
-            detail = nondeterministic[0].detail
-            which = detail.split("; ")[1].split(" differ")[0] if " differ;" in detail else "results"
+            differing = nondeterministic[0].facts.get("differing") or ()
+            which = ", ".join("O" if t == "o" else "d" + t.upper() for t in differing) or "results"
             out.append(f"the implementation is not deterministic: its {which} differ between two calls on the same "
                        "inputs (dropout or other randomness left on, or a reduction whose order changes, e.g. "
                        "atomics); finite differences, the reference and the invariants compare separate calls, so "
