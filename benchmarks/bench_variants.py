@@ -1,5 +1,6 @@
 """The score stages' cost: the full-mode check of causal attention at n = 128, d = 64 (float64, naive engine)
-plain, soft-capped, with ALiBi and with both, timed in the same run (best of R); the target is each variant
+plain, soft-capped, with ALiBi, with both, and with a bias, T5's table and learned ALiBi slopes whose gradients
+are checked (each one more input), timed in the same run (best of R); the target is each variant
 within 1.3x the plain check. And the tiled engine's peak memory with ALiBi at n (default 16384) against the
 naive engine's estimate for the same scenario (target: under 5 %).
 
@@ -24,7 +25,10 @@ from bench_full_mode import best_of  # noqa: E402 (the same timing as the full-m
 
 BASE = {"name": "b", "n_q": 128, "d_head": 64, "mask": {"causal": "lower-right"}}
 VARIANTS = {"plain": {}, "softcap": {"softcap": 30.0}, "alibi": {"alibi": {}},
-            "softcap+alibi": {"softcap": 30.0, "alibi": {}}}
+            "softcap+alibi": {"softcap": 30.0, "alibi": {}},
+            "bias+grad": {"bias": {}},                                        # its gradient checked: an input
+            "relative_bias+grad": {"relative_bias": {"buckets": 32, "max_distance": 128}},
+            "alibi+grad": {"alibi": {"grad": True}}}
 
 
 def main():

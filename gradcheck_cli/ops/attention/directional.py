@@ -16,16 +16,18 @@ from collections.abc import Collection
 import numpy as np
 
 from . import stages as score_stages
+from .args import Args
 from .formulas import attention_weights, raw_scores, repeat_kv, sum_groups
 
 
-def _tangent_parts(q, k, visible, scale, kv_map, dq, dk, faults: Collection[str], stages=(), rows=slice(None)):
+def _tangent_parts(q, k, args: Args, dq, dk, faults: Collection[str], rows=slice(None)):
     """(A, dS, chain) of the JVP, with the JVP faults applied; dS (the tangent of the softmax's input) is 0 off
     the visible set. ``chain``: None without score stages, else (f', f'', the raw scores' tangent) of the stages
     (f' None for 1, f'' None for 0), dS = f' times that tangent."""
     mask_off = "mask" in faults or "jvp-mask" in faults
-    a = attention_weights(q, k, visible, scale, kv_map, (*faults, "mask") if mask_off else faults, stages, rows)
-    s = 1.0 if "jvp-scale" in faults else scale
+    a = attention_weights(q, k, faults=(*faults, "mask") if mask_off else faults, rows=rows, **args.kw)
+    kv_map, stages = args.kv_map, args.stages
+    s = 1.0 if "jvp-scale" in faults else args.scale
     s_dot = np.zeros(a.shape, dtype=a.dtype)
     if dq is not None:
         s_dot += dq @ np.swapaxes(repeat_kv(k, kv_map), -1, -2)
@@ -33,10 +35,10 @@ def _tangent_parts(q, k, visible, scale, kv_map, dq, dk, faults: Collection[str]
         s_dot += q @ np.swapaxes(repeat_kv(dk, kv_map), -1, -2)
     s_dot *= np.asarray(s, dtype=a.dtype)
     if not mask_off:
-        np.copyto(s_dot, 0, where=~visible)
+        np.copyto(s_dot, 0, where=~args.visible)
     if not stages:
         return a, s_dot, None
-    _, d1, d2 = score_stages.jet(stages, raw_scores(q, k, scale, kv_map), rows)
+    _, d1, d2 = score_stages.jet(stages, raw_scores(q, k, args.scale, kv_map), rows)
     return a, (s_dot if d1 is None else s_dot * d1), (d1, d2, s_dot)
 
 
@@ -45,7 +47,7 @@ def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Coll
     """JVP of :func:`forward` at (q, k, v) along tangents (dq, dk, dv) (None: zero), [..., B, Hq, n_q, d_value]:
     dO = (A * (dS - mu)) V + A dV with dS = scale (dQ K^T + Q dK^T) on the visible set and
     mu_i = sum_j A_ij dS_ij. GQA: K/V tangents are repeated like K/V. In the inputs' dtype."""
-    a, s_dot, _ = _tangent_parts(q, k, visible, scale, kv_map, dq, dk, faults, stages, rows)
+    a, s_dot, _ = _tangent_parts(q, k, Args(visible, scale, kv_map, stages), dq, dk, faults, rows)
     if "jvp-centring" not in faults:
         s_dot -= (a * s_dot).sum(axis=-1, keepdims=True)
     o_dot = (a * s_dot) @ repeat_kv(v, kv_map)
@@ -54,41 +56,41 @@ def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Coll
     return o_dot
 
 
-def _weights_with_logits(q, k, qa, ka, visible, scale, kv_map, stages=()) -> tuple[np.ndarray, np.ndarray]:
+def _weights_with_logits(q, k, qa, ka, args: Args) -> tuple[np.ndarray, np.ndarray]:
     """(A, Ã) with Ã = A (1 + L), L_ij = |scale| sum_c |q_ic| |k_jc|: the attention weights, and the same with the
     share of their logits' rounding (a logit S_ij carries an error of about eps L_ij, which A_ij carries relative
     to itself). As in ``rounding.term_sizes``, Ã is the outer factor of each product and the row sums inside take
     A: the factor enters once (first order in eps), not once per use of A."""
     q64, k64 = np.asarray(q, np.float64), np.asarray(k, np.float64)
-    a = attention_weights(q64, k64, visible, scale, kv_map, stages=stages)
-    logit = abs(scale) * (qa @ np.swapaxes(repeat_kv(ka, kv_map), -1, -2))
-    if stages:
-        logit = score_stages.error(stages, logit, raw_scores(q64, k64, scale, kv_map))
+    a = attention_weights(q64, k64, **args.kw)
+    logit = abs(args.scale) * (qa @ np.swapaxes(repeat_kv(ka, args.kv_map), -1, -2))
+    if args.stages:
+        logit = score_stages.error(args.stages, logit, raw_scores(q64, k64, args.scale, args.kv_map))
     return a, a * (1.0 + logit)
 
 
-def _slope_sizes(q, k, qa, ka, scale, kv_map, stages):
+def _slope_sizes(q, k, qa, ka, args: Args):
     """(the size of the terms of the stages' f' with its rounding, |f''|) on float64 inputs, or (None, None)."""
-    if not stages:
+    if not args.stages:
         return None, None
-    r = raw_scores(np.asarray(q, np.float64), np.asarray(k, np.float64), scale, kv_map)
-    logit = abs(scale) * (qa @ np.swapaxes(repeat_kv(ka, kv_map), -1, -2))
-    d2 = score_stages.jet(stages, r)[2]
-    return score_stages.slope_size(stages, r, logit), None if d2 is None else np.abs(d2)
+    r = raw_scores(np.asarray(q, np.float64), np.asarray(k, np.float64), args.scale, args.kv_map)
+    logit = abs(args.scale) * (qa @ np.swapaxes(repeat_kv(ka, args.kv_map), -1, -2))
+    d2 = score_stages.jet(args.stages, r)[2]
+    return score_stages.slope_size(args.stages, r, logit), None if d2 is None else np.abs(d2)
 
 
 def _abs64(x):
     return None if x is None else np.abs(np.asarray(x, dtype=np.float64))
 
 
-def _abs_tangent_scores(qa, ka, visible, scale, kv_map, dqa, dka) -> np.ndarray:
+def _abs_tangent_scores(qa, ka, args: Args, dqa, dka) -> np.ndarray:
     """|scale| (|dQ| |K|^T + |Q| |dK|^T) on the visible set (0 elsewhere): a bound on |dS|, in float64."""
     out = np.zeros(qa.shape[:-1] + (ka.shape[-2],))
     if dqa is not None:
-        out += dqa @ np.swapaxes(repeat_kv(ka, kv_map), -1, -2)
+        out += dqa @ np.swapaxes(repeat_kv(ka, args.kv_map), -1, -2)
     if dka is not None:
-        out += qa @ np.swapaxes(repeat_kv(dka, kv_map), -1, -2)
-    return np.where(visible, abs(scale) * out, 0.0)
+        out += qa @ np.swapaxes(repeat_kv(dka, args.kv_map), -1, -2)
+    return np.where(args.visible, abs(args.scale) * out, 0.0)
 
 
 def jvp_terms(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, stages=()) -> np.ndarray:
@@ -97,9 +99,10 @@ def jvp_terms(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, stages
     rowsum(A |dS|), and Ã = A (1 + L) the weights with their logits' rounding (``_weights_with_logits``); score
     stages multiply |dS| by the size of their derivative's terms."""
     qa, ka, va = _abs64(q), _abs64(k), _abs64(v)
-    a, a_t = _weights_with_logits(q, k, qa, ka, visible, scale, kv_map, stages)
-    s_abs = _abs_tangent_scores(qa, ka, visible, scale, kv_map, _abs64(dq), _abs64(dk))
-    slope = _slope_sizes(q, k, qa, ka, scale, kv_map, stages)[0]
+    args = Args(visible, scale, kv_map, stages)
+    a, a_t = _weights_with_logits(q, k, qa, ka, args)
+    s_abs = _abs_tangent_scores(qa, ka, args, _abs64(dq), _abs64(dk))
+    slope = _slope_sizes(q, k, qa, ka, args)[0]
     if slope is not None:
         s_abs = s_abs * slope
     s_abs = s_abs + (a * s_abs).sum(axis=-1, keepdims=True)
@@ -117,8 +120,8 @@ def hvp(q, k, v, visible, scale, kv_map, grad_o, dq=None, dk=None, dv=None,
     and H_K, H_V summed over the query heads of a KV head. In the inputs' dtype. ``faults``: the HVP faults, and
     ``mask`` (the visible set ignored throughout, as in the forward). Score ``stages``: G_S and its tangent go
     back to the raw scores as G_R = f' G_S, G_R_dot = f' G_S_dot + f'' R_dot G_S (R_dot the raw scores' tangent)."""
-    a, s_dot, chain = _tangent_parts(q, k, visible, scale, kv_map, dq, dk, ("mask",) if "mask" in faults else (),
-                                     stages)
+    a, s_dot, chain = _tangent_parts(q, k, Args(visible, scale, kv_map, stages), dq, dk,
+                                     ("mask",) if "mask" in faults else ())
     dtype, heads_kv = a.dtype, k.shape[-3]
     sc = np.asarray(scale, dtype=dtype)
     g = np.asarray(grad_o, dtype=dtype)
@@ -165,9 +168,10 @@ def hvp_terms(q, k, v, visible, scale, kv_map, grad_o, dq=None, dk=None,
     qa, ka, va, g = _abs64(q), _abs64(k), _abs64(v), _abs64(grad_o)
     dqa, dka, dva = _abs64(dq), _abs64(dk), _abs64(dv)
     heads_kv, sc = k.shape[-3], abs(scale)
-    a, a_t = _weights_with_logits(q, k, qa, ka, visible, scale, kv_map, stages)
-    r_abs = _abs_tangent_scores(qa, ka, visible, scale, kv_map, dqa, dka)
-    slope, bend = _slope_sizes(q, k, qa, ka, scale, kv_map, stages)
+    args = Args(visible, scale, kv_map, stages)
+    a, a_t = _weights_with_logits(q, k, qa, ka, args)
+    r_abs = _abs_tangent_scores(qa, ka, args, dqa, dka)
+    slope, bend = _slope_sizes(q, k, qa, ka, args)
     s_abs = r_abs if slope is None else r_abs * slope
     s_abs = s_abs + (a * s_abs).sum(axis=-1, keepdims=True)
     a_dot, a_dot_t = a * s_abs, a_t * s_abs

@@ -62,9 +62,10 @@ ROUNDED = {"xla_allow_excess_precision": False, "xla_backend_optimization_level"
 
 def _plain_ways(scale: float, stages=()):
     def run(q, k, v, g, visible, kv_map):
-        o, pull = jax.vjp(lambda q, k, v: forward(q, k, v, visible, scale, kv_map, stages), q, k, v)
-        o_sm, pull_sm = jax.vjp(lambda q, k, v: forward_softmax(q, k, v, visible, scale, kv_map, stages), q, k, v)
-        return (o, *pull(g), *backward(q, k, v, visible, scale, kv_map, g, stages), o_sm, *pull_sm(g))
+        kw = {"visible": visible, "scale": scale, "kv_map": kv_map, "stages": stages}  # Args.kw, traced
+        o, pull = jax.vjp(lambda q, k, v: forward(q, k, v, **kw), q, k, v)
+        o_sm, pull_sm = jax.vjp(lambda q, k, v: forward_softmax(q, k, v, **kw), q, k, v)
+        return (o, *pull(g), *backward(q, k, v, grad_o=g, **kw), o_sm, *pull_sm(g))
     return jax.jit(run)
 
 

@@ -24,6 +24,7 @@ from collections.abc import Collection
 import numpy as np
 
 from . import stages as score_stages
+from .args import Args
 from .formulas import DEFAULT_BLOCK, repeat_kv, sum_groups
 
 
@@ -226,11 +227,12 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     log-sum-exp of an unmasked forward, and D from its output. Score ``stages``: each block's G_S goes back to
     the raw scores times their derivative (the row sums are G_S's, at the softmax's input); ``params``, when
     given, receives the gradients of the stages' parameters (an additive bias's), accumulated block by block."""
-    o, lse = saved if saved is not None else forward(q, k, v, visible, scale, kv_map, faults, block_q, block_k, True,
-                                                     stages)
+    args = Args(visible, scale, kv_map, stages)
+    tiles = {"block_q": block_q, "block_k": block_k, "with_lse": True}
+    o, lse = saved if saved is not None else forward(q, k, v, faults=faults, **tiles, **args.kw)
     masked = "mask" not in faults and "mask-backward" not in faults
     if "mask-backward" in faults and "mask" not in faults:
-        o, lse = forward(q, k, v, visible, scale, kv_map, (*faults, "mask"), block_q, block_k, True, stages)
+        o, lse = forward(q, k, v, faults=(*faults, "mask"), **tiles, **args.kw)
     d_row = np.zeros(o.shape[:-1]) if "softmax-term" in faults else np.sum(grad_o * o, axis=-1)
     k_rep, v_rep = repeat_kv(k, kv_map), repeat_kv(v, kv_map)
     k_scaled = k_rep * np.asarray(scale, dtype=q.dtype)  # S exactly as the forward formed it

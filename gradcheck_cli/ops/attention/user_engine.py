@@ -83,20 +83,24 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     blocks = Blocks(sc, kv_map, score_stages.owners(stages))
     interface = Interface(faults, sizes, args)
 
+    def called(q, k, v, visible=None, conv=sc.convention) -> tuple:
+        """The implementation's leading arguments (q, k, v, visible, scale, kv_map) in convention ``conv``; the
+        visible set it is shown (``interface.visible``: a mask fault's) unless another is given."""
+        return conv.arguments(q, k, v, interface.visible if visible is None else visible, args.scale, args.kv_map, dt)
+
     def user_forward(q, k, v, visible, conv=sc.convention, **given):
         """The implementation's O, called in convention ``conv`` (its layout, mask and scale), in the tool's;
         ``given``: stage arguments for this call (a bias's perturbed copies, ``attn_bias=``)."""
         shape = conv.shape((q.shape[0], sc.heads_q, sc.n_q, sc.d_value))
         fn = functools.partial(impl.forward, **given) if given else impl.forward
-        return conv.tensor(implementation.call(fn, "forward", conv.arguments(q, k, v, visible, scale, kv_map, dt),
+        return conv.tensor(implementation.call(fn, "forward", called(q, k, v, visible, conv),
                                                {"o": (shape, dt)}, conv.names())["o"])
 
     def user_backward(q, k, v, grad_o):
         """(dq, dk, dv), and the gradient of each checked stage parameter after them (dbias)."""
         conv = sc.convention
         out = implementation.call(impl.backward, "backward",
-                                  conv.arguments(q, k, v, interface.visible, scale, kv_map, dt)
-                                  + (conv.tensor(grad_o),),
+                                  called(q, k, v) + (conv.tensor(grad_o),),
                                   {**{f"d{t}": (conv.shape(x.shape), dt) for t, x in zip("qkv", (q, k, v))},
                                    **{f"d{t}": (x.shape, dt) for t, x in extra.items()}},
                                   conv.names() + ("grad_o",))
@@ -155,7 +159,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         """The implementation's Hessian-vector product along (dq, dk, dv) (JAX: jax.grad over jax.vjp)."""
         conv = sc.convention
         out = implementation.call(
-            impl.hvp, "double backward", conv.arguments(q, k, v, interface.visible, scale, kv_map, dt)
+            impl.hvp, "double backward", called(q, k, v)
             + (conv.tensor(g),) + tuple(conv.tensor(t) for t in (dq, dk, dv)),
             {f"h{t}": (conv.shape(x.shape), dt) for t, x in zip("qkv", (q, k, v))},
             conv.names() + ("grad_o", "dq", "dk", "dv"))
@@ -166,7 +170,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         conv = sc.convention
         shape = conv.shape(g.shape)
         return conv.tensor(implementation.call(
-            impl.jvp, "jvp", conv.arguments(q, k, v, interface.visible, scale, kv_map, dt)
+            impl.jvp, "jvp", called(q, k, v)
             + tuple(conv.tensor(t) for t in (dq, dk, dv)), {"o_dot": (shape, dt)},
             conv.names() + ("dq", "dk", "dv"))["o_dot"])
 

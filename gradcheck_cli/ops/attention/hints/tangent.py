@@ -22,11 +22,12 @@ MATCH_FACTOR = 20.0
 FIX = "dO = (A * (dS - mu)) V + A dV with dS = scale (dQ K^T + Q dK^T) on the visible set, mu_i = sum_j A_ij dS_ij"
 
 
-def _variants(q, k, v, visible, scale, kv_map, dq, dk, dv) -> dict[str, np.ndarray]:
-    """The correct JVP (key "") and each mistake's, in float64."""
+def _variants(q, k, v, args, dq, dk, dv) -> dict[str, np.ndarray]:
+    """The correct JVP (key "") and each mistake's, in float64 (``args``: attention's ``Args``, without stages)."""
+    visible, scale, kv_map = args.visible, args.scale, np.asarray(args.kv_map)
     kr, vr, dkr, dvr = (repeat_kv(x, kv_map) for x in (k, v, dk, dv))
-    a = attention_weights(q, k, visible, scale, kv_map)
-    a_all = attention_weights(q, k, np.ones_like(visible), scale, kv_map)
+    a = attention_weights(q, k, **args.kw)
+    a_all = attention_weights(q, k, **args.but(visible=np.ones_like(visible)).kw)
     s_q = dq @ np.swapaxes(kr, -1, -2)
     s_k = q @ np.swapaxes(dkr, -1, -2)
 
@@ -50,7 +51,7 @@ def _variants(q, k, v, visible, scale, kv_map, dq, dk, dv) -> dict[str, np.ndarr
                   "and V (contiguous groups vs interleaved)"] = (
                 (a * (s_other - mu(a, s_other))) @ vr + a @ repeat_kv(dv, other))
     return found | {
-        "": jvp(q, k, v, visible, scale, kv_map, dq, dk, dv),
+        "": jvp(q, k, v, dq=dq, dk=dk, dv=dv, **args.kw),
         "the centring term is missing: mu_i = sum_j A_ij dS_ij is not subtracted from dS": out(s_dot, 0.0),
         "mu is added instead of subtracted (dS + mu)": out(s_dot, -mu(a, s_dot)),
         "mu is the plain mean of dS over the visible keys, not weighted by A":
@@ -84,8 +85,7 @@ def jvp_hints(jvp: Callable[[dict], np.ndarray], inputs: dict, args, seed) -> Ca
         except ImplementationFailure:
             return None
         f64 = {n: x.astype(np.float64) for n, x in {**inputs, **{f"d{n}": t for n, t in tangent.items()}}.items()}
-        found = _variants(f64["q"], f64["k"], f64["v"], args.visible, args.scale, np.asarray(args.kv_map), f64["dq"],
-                          f64["dk"], f64["dv"])
+        found = _variants(f64["q"], f64["k"], f64["v"], args, f64["dq"], f64["dk"], f64["dv"])
         right = found.pop("")
         off = float(np.abs(got - right).max(initial=0.0))
         if not np.isfinite(off) or off == 0.0:
