@@ -67,23 +67,24 @@ def read_regular(path: str | os.PathLike, limit: int) -> bytes:
     return data
 
 
-def load_npy(path: str | os.PathLike, max_elements: int, max_dims: int = 4) -> np.ndarray:
-    """A ``.npy`` array of booleans or integers with at most ``max_elements`` elements and ``max_dims``
-    dimensions, its header read and checked (kind, shape, size, file length) before its data is."""
+def load_npy(path: str | os.PathLike, max_elements: int, max_dims: int = 4, numbers: bool = False) -> np.ndarray:
+    """A ``.npy`` array of booleans or integers (``numbers``: of real numbers, a bias's values) with at most
+    ``max_elements`` elements and ``max_dims`` dimensions, its header read and checked (kind, shape, size, file
+    length) before its data is."""
     try:
         with open_regular(path) as fh:
-            return _load_npy(fh, max_elements, max_dims)
+            return _load_npy(fh, max_elements, max_dims, numbers)
     except OSError as exc:  # a file that fails while read (EIO, a vanished mount)
         raise FileProblem(f"cannot read the file: {exc.strerror or exc}") from None
 
 
-def _load_npy(fh, max_elements: int, max_dims: int) -> np.ndarray:
+def _load_npy(fh, max_elements: int, max_dims: int, numbers: bool = False) -> np.ndarray:
     from numpy.lib import format as npy
     size = os.fstat(fh.fileno()).st_size
     head = fh.read(6)
     fh.seek(0)
     if head[:4] == b"PK\x03\x04":
-        raise FileProblem("is a .npz archive, not a .npy array: save the mask with numpy.save(path, mask)")
+        raise FileProblem("is a .npz archive, not a .npy array: save the array with numpy.save(path, array)")
     if head != b"\x93NUMPY":
         raise FileProblem("is not a .npy file (no NumPy header)" if size else "is empty, not a .npy file")
     try:
@@ -97,12 +98,15 @@ def _load_npy(fh, max_elements: int, max_dims: int) -> np.ndarray:
     if not isinstance(shape, tuple) or not all(type(n) is int and n >= 0 for n in shape):
         raise FileProblem(f"has a damaged .npy header (shape {str(shape)[:200]} is not a tuple of sizes)")
     if len(shape) > max_dims:
-        raise FileProblem(f"has {len(shape)} dimensions; a mask has at most {max_dims} ([B, Hq, n_q, n_k])")
-    if dtype.hasobject or dtype.kind not in "biu":
+        raise FileProblem(f"has {len(shape)} dimensions; {'an array' if numbers else 'a mask'} has at most "
+                          f"{max_dims} ([B, Hq, n_q, n_k])")
+    if numbers and (dtype.hasobject or dtype.kind not in "iuf"):
+        raise FileProblem(f"holds {dtype}, not real numbers")
+    if not numbers and (dtype.hasobject or dtype.kind not in "biu"):
         raise FileProblem(f"holds {dtype}, not booleans (or the integers 0 and 1)")
     count = int(np.prod(shape, dtype=object)) if shape else 1
     if count > max_elements:
-        raise FileProblem(f"claims {count:,} elements (shape {list(shape)}); a mask of this scenario has at most "
+        raise FileProblem(f"claims {count:,} elements (shape {list(shape)}); this scenario's has at most "
                           f"{max_elements:,}")
     if size - fh.tell() < count * dtype.itemsize:
         raise FileProblem(f"is truncated: its header claims shape {list(shape)} ({count * dtype.itemsize:,} bytes) "

@@ -227,6 +227,12 @@ def _read_param(f: _Fields, key: str, param: Param):
         if isinstance(v, list):
             return tuple(_positive_float(f, key, i, x) for i, x in enumerate(v)) if v else _empty(f, key)
         return f.choice(key, param.choices, param.choices[0])
+    if kind == "path":
+        v = f.raw(key)
+        if not isinstance(v, str) or not v.strip():
+            raise f.error(key, f"expected a file path (relative to the YAML file), got {_show(v)}",
+                          hint=param.help or None)
+        return v
     if kind == "mapping":
         return _read_mapping(f, key, param)
     raise AssertionError(f"unknown Param kind {kind}")

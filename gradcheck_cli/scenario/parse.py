@@ -109,7 +109,7 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
     convention = _convention(f, visible, scale, d_head, op_spec)
     attention = {"batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "n_q": n_q, "n_k": n_k, "d_head": d_head,
                  "d_value": d_value, "mode": mode, "backend": backend, "dtype": dtype,
-                 "implementation": spec is not None}
+                 "implementation": spec is not None, "base_dir": Path(base_dir)}
     for key, message, hint in (op_spec.validate(params, attention) if op_spec.validate else []):
         raise f.error(key, message, hint=hint)
     sc = Scenario(name=name, op=op, batch=batch, heads_q=heads_q, heads_kv=heads_kv, kv_map=tuple(kv_map),

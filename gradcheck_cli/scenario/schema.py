@@ -121,7 +121,8 @@ def _param_schema(param, number: dict) -> dict:
                 "properties": {name: {**_param_schema(sub, number), "description": sub.help}
                                for name, sub in param.fields}}
     return {"int": {"type": "integer", "minimum": low},
-            "float": number, "bool": {"type": "boolean"}, "choice": {"enum": list(param.choices)},
+            "float": number, "bool": {"type": "boolean"},
+            "path": {"type": "string", "minLength": 1}, "choice": {"enum": list(param.choices)},
             "ints": {"type": "array", "items": {"type": "integer", "minimum": low}, "minItems": 1,
                      "uniqueItems": True},
             "sizes": {"type": "array", "items": {"type": "integer", "minimum": low}, "minItems": 1},

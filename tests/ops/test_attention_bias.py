@@ -214,3 +214,21 @@ def test_the_memory_estimate_counts_a_bias():
     plain = make(n_q=8, d_head=4, heads_q=2, engine="tiled")
     biased = make(n_q=8, d_head=4, heads_q=2, engine="tiled", bias={"shape": [1, 2, 8, 8]})
     assert memory.need(biased) - memory.need(plain) == 2 * 8 * 8 * 8 * memory.BIAS_COPIES
+
+
+def test_a_bias_from_a_npy_file_is_checked_and_a_bad_file_is_refused_with_its_key(tmp_path):
+    """bias: {values: file.npy}: the user's own values, relative to the YAML; a wrong file names bias.values."""
+    import yaml
+
+    from gradcheck_cli import scenario
+    values = np.random.default_rng(3).standard_normal((1, 2, 4, 7))
+    np.save(tmp_path / "b.npy", values)
+    np.save(tmp_path / "wrong.npy", np.ones((1, 2, 4, 6)))
+    keys = dict(name="t", heads_q=2, n_q=4, n_k=7, d_head=4, mask={"causal": "lower-right"})
+    (sc,) = scenario.loads(yaml.safe_dump({"scenarios": [{**keys, "bias": {"values": "b.npy"}}]}), base_dir=tmp_path)
+    np.testing.assert_array_equal(score_stages.from_scenario(sc)[0].bias, values)
+    assert checker.run_scenario(sc).passed
+    for name, words in (("wrong.npy", "holds shape [1, 2, 4, 6]"), ("missing.npy", "cannot read the file")):
+        with pytest.raises(ScenarioError) as err:
+            scenario.loads(yaml.safe_dump({"scenarios": [{**keys, "bias": {"values": name}}]}), base_dir=tmp_path)
+        assert "bias.values" in str(err.value) and words in str(err.value)

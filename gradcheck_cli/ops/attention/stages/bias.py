@@ -1,8 +1,9 @@
 """An additive bias, S -> S + B (T5's relative position bias, a learned float ``attn_mask`` of PyTorch SDPA,
 FlashAttention's ``attn_bias``): ``bias: {shape: [B|1, H|1, n_q, n_k], grad: true}``.
 
-The values are seeded (standard normal, their own random stream) in the shape given, broadcast over the batch
-and query heads where it says 1. With ``grad: true`` (the default) the bias is an input like q, k and v: its
+The values are seeded (standard normal, their own random stream) in the shape given, or read from a .npy file
+(``values: bias.npy``, relative to the YAML: the user's own bias), broadcast over the batch and query heads where
+it says 1. With ``grad: true`` (the default) the bias is an input like q, k and v: its
 gradient dBias = dS (the gradient at the bias's output, the softmax's input) summed over the broadcast axes
 (``sum_broadcast``, the one reduction, as ``sum_groups`` is GQA's) is checked by finite differences. Hidden
 entries get dS = 0: the mask comes after the bias. f' = 1, f'' = 0. Its faults: ``bias-broadcast-sum`` (the
@@ -12,9 +13,11 @@ gradient takes the first batch element / head of a broadcast axis instead of the
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 
+from ....text import visible
 from ...registry import Fault, Param
 from .base import ALL, Registration, Stage, added, block, gradient_limits
 
@@ -105,6 +108,33 @@ class _Scaled(Bias):
         return self.scale * super().param_grad(g_out, s, rows, cols)
 
 
+#: The bias files read, by (path, size, modification time): a scenario makes its stages many times.
+_LOADED: dict[tuple, np.ndarray] = {}
+
+
+def _load(path, attention: dict) -> np.ndarray:
+    """The values of ``bias.values`` (a .npy file relative to the YAML), float64, read-only; FileProblem says why
+    not."""
+    from .... import files
+    full = Path(attention["base_dir"]) / path
+    try:
+        st = full.stat()
+        key = (str(full.resolve()), st.st_size, st.st_mtime_ns)
+    except OSError:
+        key = None
+    if key in _LOADED:
+        return _LOADED[key]
+    limit = attention["batch"] * attention["heads_q"] * attention["n_q"] * attention["n_k"]
+    values = files.load_npy(full, max_elements=limit, numbers=True).astype(np.float64)
+    if values.ndim != 4 or not np.isfinite(values).all():
+        raise files.FileProblem(f"holds shape {list(values.shape)}; expected [B|1, H|1, n_q, n_k]"
+                                if values.ndim != 4 else "holds NaN or inf")
+    values.setflags(write=False)
+    if key is not None:
+        _LOADED[key] = values
+    return values
+
+
 def make(sc) -> Bias | None:
     given = sc.p(KEY)
     if given is None:
@@ -112,7 +142,11 @@ def make(sc) -> Bias | None:
     params = dict(given)
     shape = tuple(params["shape"] or (1, sc.heads_q, sc.n_q, sc.n_k))
     from ....numeric import SeedStream
-    values = np.random.default_rng([sc.seed, SeedStream.STAGES]).standard_normal(shape)
+    if params["values"] is not None:  # the user's own values (checked by validate when the file was loaded)
+        values = _load(params["values"], {"base_dir": sc.base_dir, "batch": sc.batch, "heads_q": sc.heads_q,
+                                          "n_q": sc.n_q, "n_k": sc.n_k})
+    else:
+        values = np.random.default_rng([sc.seed, SeedStream.STAGES]).standard_normal(shape)
     if sc.dtype in ("float64", "float32"):  # half precision: the engines round it with the other inputs
         values = values.astype(sc.dtype)
     return Bias(values, params["grad"], sc.scale)
@@ -124,11 +158,25 @@ def validate(sc_params: dict, attention: dict) -> list:
         return []
     params = dict(given)
     shape = params["shape"]
+    if params["values"] is not None:
+        from .... import files
+        try:
+            loaded = _load(params["values"], attention).shape
+        except files.FileProblem as exc:
+            return [(f"{KEY}.values", f"{visible(repr(params['values'])[:200])} {exc}",
+                     "give a .npy file of the bias, relative to the YAML file, written with numpy.save(path, bias)")]
+        if shape is not None and tuple(shape) != loaded:
+            return [(f"{KEY}.shape", f"is {list(shape)} but {visible(repr(params['values'])[:200])} holds "
+                                     f"{list(loaded)}",
+                     "remove shape: the file's shape is used")]
+        shape = loaded
+    where = f"{KEY}.values" if params["values"] is not None else f"{KEY}.shape"
     if shape is not None:
         want = (attention["batch"], attention["heads_q"], attention["n_q"], attention["n_k"])
         if len(shape) != 4 or shape[2:] != want[2:] or shape[0] not in (1, want[0]) or shape[1] not in (1, want[1]):
-            return [(f"{KEY}.shape", f"is {list(shape)}; expected [B|1, H|1, n_q, n_k] = "
-                                     f"[{want[0]}|1, {want[1]}|1, {want[2]}, {want[3]}]",
+            verb = "holds shape" if params["values"] is not None else "is"
+            return [(where, f"{verb} {list(shape)}; expected [B|1, H|1, n_q, n_k] = "
+                            f"[{want[0]}|1, {want[1]}|1, {want[2]}, {want[3]}]",
                      "one bias per (batch, query head), or 1 where it is shared")]
     return gradient_limits(KEY, "a bias", attention) if params["grad"] else []
 
@@ -155,6 +203,8 @@ REGISTRATION = Registration(
                                  "[B|1, H|1, n_q, n_k] (default [1, heads_q, n_q, n_k]), seeded values, grad: true "
                                  "checks its gradient",
                 fields=(("shape", Param("sizes", None, "[B|1, H|1, n_q, n_k]")),
+                        ("values", Param("path", None, "a .npy file of the bias's values [B|1, H|1, n_q, n_k], "
+                                                       "relative to the YAML (default: seeded)")),
                         ("grad", Param("bool", True, "check the bias's gradient (default true)")))),
     make=make,
     faults={f.name: f for f in (
