@@ -302,7 +302,7 @@ def main() -> int:
     counts = collections.defaultdict(collections.Counter)
     for r in results:
         counts[r["category"]][r["verdict"]] += 1
-        if r["category"].startswith(("attention", "impl", "jvp", "hvp", "softcap")):
+        if r["category"].startswith(("attention", "impl", "jvp", "hvp", "softcap", "alibi", "bias", "relative_bias")):
             counts[f"  dtype {r['doc']['dtype']}"][r["verdict"]] += 1
         else:
             counts[f"  op {r['doc']['op']}"][r["verdict"]] += 1
