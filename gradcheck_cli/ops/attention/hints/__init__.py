@@ -151,9 +151,14 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
             out.append(scale_hint)
         for t in sorted(factors):
             c = factors.get(t)
-            if c is not None and not (scale_hint and t in "qk"):
-                out.append(f"G_{t.upper()} is {c:.6g} x {against[t]} everywhere: a constant factor on "
-                           f"d{t.upper()} alone (a scale applied {'too often' if c > 1 else 'too rarely'}, a wrong "
+            name = t.upper() if len(t) == 1 else t  # q -> G_Q; a stage's parameter keeps its name (relative_bias)
+            if c is not None and abs(c) < 1e-12:
+                out.append(f"the gradient of {t} is 0 everywhere while its finite differences are not: {t} gets no "
+                           "gradient at all (detached, computed under no_grad or stop_gradient, or not the tensor "
+                           "the code was given)")
+            elif c is not None and not (scale_hint and t in "qk"):
+                out.append(f"G_{name} is {c:.6g} x {against[t]} everywhere: a constant factor on "
+                           f"d{name} alone (a scale applied {'too often' if c > 1 else 'too rarely'}, a wrong "
                            "divisor, or an averaged instead of summed reduction)")
         gqa = _gqa(sc, evidence, verdicts, kv_map, factors)
         if gqa:
