@@ -264,8 +264,7 @@ def ops():
     for name, op in OPS.items():
         out.print(f"{name}  {op.summary}", style="bold" if out.is_terminal else None, highlight=False)
         out.print(f"    tensors:   {', '.join(op.tensors) or '-'}", highlight=False)
-        keys = list(op.keys) + (["the attention keys (heads, n_q, n_k, d_head, mask, ...)"]
-                                if op.attention_keys else [])
+        keys = list(op.keys) + ([op.shared_keys.summary] if op.shared_keys else [])
         out.print(f"    keys:      {', '.join(keys)}", highlight=False)
         low = [d for d in op.dtypes if d in ("float16", "bfloat16")]
         only = f" ({', '.join(low)}: backend {' or '.join(op.low_precision_backends)})" if low else ""

@@ -242,7 +242,7 @@ OP = Op(name="block", summary="pre-norm transformer block (RMSNorm, RoPE attenti
         tensors=("x", "gamma1") + WEIGHTS[:4] + ("gamma2",) + WEIGHTS[4:], faults=FAULTS,
         **user_code_engines("gradcheck_cli.ops.block"),
         backends=("numpy", "torch", "jax"), implementation=INTERFACE,
-        attention_keys=True,
+        shared_keys=attention.scenario_keys.KEY_GROUP,
         keys={"d_model": Param("int", help="model width, e.g. 'd_model: 16'"),
               "d_ff": Param("int", help="SwiGLU hidden width, e.g. 'd_ff: 32'"),
               "norm_eps": Param("float", 1e-6, "RMSNorm eps", minimum=0.0),

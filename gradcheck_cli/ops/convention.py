@@ -107,6 +107,12 @@ def _lowest(dtype) -> float:
         return float(ml_dtypes.finfo(dtype).min)
 
 
+def default_kv_map(heads_q: int, heads_kv: int) -> tuple[int, ...]:
+    """Contiguous groups: query head r reads KV head r // (heads_q / heads_kv) (``repeat_kv``'s)."""
+    group = heads_q // heads_kv
+    return tuple(r // group for r in range(heads_q))
+
+
 def interleaved_kv_map(heads_q: int, heads_kv: int) -> tuple[int, ...]:
     """Query head r reads KV head r % heads_kv (KV heads tiled, ``k.repeat(1, heads_q // heads_kv, 1, 1)``)."""
     return tuple(r % heads_kv for r in range(heads_q))

@@ -298,7 +298,8 @@ INTERFACE = Interface(("numpy", "torch", "jax"), (
 
 OP = Op(name="attention-projections",
         summary="attention with Q/K/V/O projections and head split/merge: gradients of x (and m), W_Q, W_K, W_V, W_O",
-        tensors=("x", "m", "w_q", "w_k", "w_v", "w_o"), faults=ALL_FAULTS, attention_keys=True,
+        tensors=("x", "m", "w_q", "w_k", "w_v", "w_o"), faults=ALL_FAULTS,
+        shared_keys=attention.scenario_keys.KEY_GROUP,
         **user_code_engines("gradcheck_cli.ops.projections"),
         backends=("numpy", "torch", "jax"), implementation=INTERFACE,
         keys={"d_model": Param("int", help="model width, e.g. 'd_model: 16'"),

@@ -224,10 +224,30 @@ class Engine:
 
 
 @dataclass(frozen=True)
+class KeyGroup:
+    """Keys an op shares with the ops of its structure, parsed by the op's own code (attention's: heads, sizes,
+    masks and the calling convention, ``ops.attention.scenario_keys``). ``read(fields, batch)`` reads their values
+    before anything of their size exists; ``build(fields, read, batch, base_dir, op)`` makes what they describe
+    once the memory check passed. Both return Scenario fields. ``sizes(read, batch)``: what the memory estimate
+    counts and the keys that reduce it, for the loader's error. ``takes(op)``: the keys that apply to an op (``keys``
+    lists every one); ``nested``: the mappings among them and their keys; ``schema()``: their JSON Schema."""
+    name: str
+    keys: tuple[str, ...]
+    nested: Mapping[str, tuple[str, ...]]
+    read: Callable[..., dict]
+    build: Callable[..., dict]
+    sizes: Callable[[dict, int], tuple[str, str]]
+    takes: Callable[[Any], tuple[str, ...]]
+    schema: Callable[[], dict]
+    summary: str
+
+
+@dataclass(frozen=True)
 class Op:
     """An op: its gradients, faults and scenario keys.
 
-    ``attention_keys``: the attention keys (heads, n_q, n_k, d_head, masks, ...) apply to it.
+    ``shared_keys``: the keys it shares with the ops of its structure (attention's heads, n_q, n_k, d_head,
+    masks, ...), which it parses itself (``KeyGroup``).
     ``keys``: its own keys. ``validate(params, attention)`` returns (key, message, hint) for values
     that are wrong together (the loader reports the first with its line); ``attention`` holds the
     parsed attention keys or is empty. ``shapes(sc)``: the shapes of its inputs (for progress and the
@@ -244,7 +264,7 @@ class Op:
     engines: Mapping[str, Engine] = field(default_factory=dict)  # or its engines, by name
     engine_for: Callable[[Any], str] | None = None  # the name of the engine that checks a scenario
     keys: Mapping[str, Param] = field(default_factory=dict)
-    attention_keys: bool = False
+    shared_keys: KeyGroup | None = None
     validate: Callable[[dict, dict], list] | None = None
     shapes: Callable[[Any], dict] | None = None
     describe: Callable[[Any], str] | None = None

@@ -14,8 +14,10 @@ Format (the key names are the contract):
 
 The package, one module per concern (imports run one way, from the bottom up): ``yaml_lines`` (YAML with
 line numbers), ``fields`` (the keys, their limits and typed readers), ``sweep``, ``model`` (the
-``Scenario`` record), ``resources`` (memory), ``visible`` (explicit masks), ``parse`` (one scenario),
-``loader`` (files and lists of scenarios) and ``schema`` (the JSON Schema).
+``Scenario`` record), ``resources`` (memory), ``parse`` (one scenario: the common keys, then the op's:
+its ``Param``s and the key group it shares and parses itself, ``Op.shared_keys``, as attention's heads, sizes and
+masks in ``ops.attention.scenario_keys``), ``loader`` (files and lists of scenarios) and ``schema`` (the JSON
+Schema).
 """
 from .fields import (
                      ATTENTION_KEYS,

@@ -6,8 +6,10 @@ import math
 import re
 from typing import Any
 
-from ..errors import ScenarioError, ScenarioErrors
+from ..errors import ScenarioErrors
+from ..keys import Fields as _Fields
 from ..ops import OPS
+from ..ops.attention import scenario_keys
 from ..ops.registry import REQUIRED, Param
 from .yaml_lines import _Doc, _show
 
@@ -16,25 +18,24 @@ MODES = ("full", "sample", "directional", "jvp", "hvp")
 DEFAULT_SAMPLES, DEFAULT_DIRECTIONS = 256, 16
 #: Keys every op takes.
 COMMON_KEYS = ("name", "op", "batch", "check", "dtype", "epsilon", "tolerance", "seed")
-#: Keys of ops that contain attention (``Op.attention_keys``).
-ATTENTION_KEYS = ("heads_q", "heads_kv", "kv_map", "n_q", "n_k", "d_head", "d_value", "scale", "mask", "loss_rows")
+#: The key groups ops share and parse themselves (``Op.shared_keys``: attention's heads, sizes, masks, ...).
+KEY_GROUPS = tuple({op.shared_keys.name: op.shared_keys for op in OPS.values() if op.shared_keys}.values())
+#: Keys of ops that contain attention (``ops.attention.scenario_keys``).
+ATTENTION_KEYS = scenario_keys.KEYS
 #: Keys of the ops that accept them (``Op.takes``): implementations, backends, engines and the engines' own.
 BACKEND_KEYS = ("implementation", "backend", "device", "engine", "block_q", "block_k")
 #: The engines ``engine:`` chooses between, over every op (``Op.engine_choices``).
 ENGINES = tuple(dict.fromkeys(name for op in OPS.values() for name in op.engine_choices))
-#: The calling convention of an attention implementation (``ops.convention``): op attention,
-#: with an implementation only.
-CONVENTION_KEYS = ("layout", "mask", "mask_heads", "scale")
-SCENARIO_KEYS = tuple(dict.fromkeys(COMMON_KEYS[:2] + BACKEND_KEYS + ("convention",) + COMMON_KEYS[2:3]
-                                    + ATTENTION_KEYS + COMMON_KEYS[3:]
+CONVENTION_KEYS, MASK_KEYS = scenario_keys.CONVENTION_KEYS, scenario_keys.MASK_KEYS
+SCENARIO_KEYS = tuple(dict.fromkeys(COMMON_KEYS[:2] + BACKEND_KEYS + COMMON_KEYS[2:3]
+                                    + tuple(k for group in KEY_GROUPS for k in group.keys) + COMMON_KEYS[3:]
                                     + tuple(k for op in OPS.values() for k in op.keys)))
-MASK_KEYS = ("causal", "window", "key_lengths", "visible")
 CHECK_KEYS = ("mode", "samples", "directions", "colouring", "factor", "slack", "nondet_tol", "timeout")
 #: The values of ``backend:``, over every op (``Op.backends``).
 BACKENDS = tuple(dict.fromkeys(b for op in OPS.values() for b in op.backends))
 DEVICES = ("cpu", "cuda")
 LOW_PRECISION = ("float16", "bfloat16")
-NESTED = {"mask": MASK_KEYS, "check": CHECK_KEYS, "convention": CONVENTION_KEYS}
+NESTED = {"check": CHECK_KEYS, **{key: sub for group in KEY_GROUPS for key, sub in group.nested.items()}}
 TOP_KEYS = ("defaults", "scenarios")
 #: The smallest step, in units of the dtype's resolution: a smaller one rounds back to the input.
 MIN_STEP_ULPS = 8
@@ -48,87 +49,10 @@ MAX_TOLERANCE = 0.25
 MAX_FACTOR = 10.0
 #: The largest ``check.slack``, an absolute allowance on results of order 1 (the inputs are standard normal).
 MAX_SLACK = 1e-2
-#: Larger scales only saturate the softmax (and overflow the logits near 1e300).
-MAX_SCALE = 1e6
+MAX_SCALE = scenario_keys.MAX_SCALE
 #: More random directions than this cost more than checking every element would.
 MAX_DIRECTIONS = 100_000
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-# --------------------------------------------------------------------------------------------------
-# Typed readers: each returns the value or raises with the file, line and key.
-
-class _Fields:
-    """One scenario's keys merged over the defaults, each remembering the path it came from."""
-
-    def __init__(self, doc: _Doc, values: dict[str, tuple[Any, tuple]], path: tuple):
-        self.doc, self.values, self.path = doc, values, path
-
-    def has(self, key: str) -> bool:
-        return key in self.values and self.values[key][0] is not None
-
-    def where(self, key: str) -> tuple:
-        return self.values[key][1] if key in self.values else self.path + tuple(key.split("."))
-
-    def error(self, key: str, message: str, hint: str | None = None) -> ScenarioError:
-        return self.doc.error(self.where(key), message, hint)
-
-    def raw(self, key: str, default: Any = None) -> Any:
-        return self.values[key][0] if self.has(key) else default
-
-    def int(self, key: str, default: Any = None, minimum: int = 1) -> int:
-        if not self.has(key):
-            if default is None:
-                raise self.error(key, "is required", hint=f"add '{key.split('.')[-1]}: <integer >= {minimum}>'")
-            return default
-        v = self.raw(key)
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise self.error(key, f"expected an integer, got {_show(v)}")
-        if v < minimum:
-            raise self.error(key, f"must be >= {minimum}, got {v}")
-        return v
-
-    def float(self, key: str, default: float, positive: bool = True) -> float:
-        if not self.has(key):
-            return default
-        v = self.raw(key)
-        if isinstance(v, str):
-            try:
-                v = float(v)
-            except ValueError:
-                raise self.error(key, f"expected a number, got {_show(v)}") from None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise self.error(key, f"expected a finite number, got {_show(v)}")
-        if positive and v <= 0:
-            raise self.error(key, f"must be > 0, got {v}")
-        return float(v)
-
-    def choice(self, key: str, choices: tuple[str, ...], default: str) -> str:
-        if not self.has(key):
-            return default
-        v = self.raw(key)
-        if v not in choices:
-            import difflib
-            close = difflib.get_close_matches(str(v), choices, n=1) if isinstance(v, str) else []
-            raise self.error(key, f"expected one of {', '.join(choices)}; got {_show(v)}",
-                             hint=f"did you mean '{close[0]}'?" if close else None)
-        return v
-
-    def int_list(self, key: str, lo: int, hi: int | None, what: str, unique: bool = False) -> tuple[int, ...] | None:
-        if not self.has(key):
-            return None
-        v = self.raw(key)
-        if not isinstance(v, list) or not v:
-            raise self.error(key, f"expected a non-empty list of integers, got {_show(v)}")
-        for i, x in enumerate(v):
-            if isinstance(x, bool) or not isinstance(x, int):
-                raise self.doc.error(self.where(key) + (i,), f"expected an integer, got {_show(x)}")
-            if x < lo or (hi is not None and x > hi):
-                bounds = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-                raise self.doc.error(self.where(key) + (i,), f"{x} is out of range: {what} must be {bounds}")
-            if unique and x in v[:i]:
-                raise self.doc.error(self.where(key) + (i,), f"{x} is listed twice", hint="list each once")
-        return tuple(v)
 
 
 def _merge(doc: _Doc, defaults: dict, scenario: dict, index: int) -> dict[str, tuple[Any, tuple]]:

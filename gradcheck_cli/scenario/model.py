@@ -11,7 +11,7 @@ from ..errors import ScenarioError
 from ..implementation.modules import ModuleSpec
 from ..ops import OPS
 from ..ops.attention.formulas import DEFAULT_BLOCK
-from ..ops.convention import Convention
+from ..ops.convention import Convention, default_kv_map  # noqa: F401 (the package exports it)
 from ..tolerance import DEFAULT_FACTOR
 from .fields import LOW_PRECISION
 
@@ -21,19 +21,6 @@ class Scenario:
     name: str
     op: str
     batch: int
-    heads_q: int
-    heads_kv: int
-    kv_map: tuple[int, ...]
-    n_q: int
-    n_k: int
-    d_head: int
-    d_value: int
-    scale: float
-    causal: str
-    window: tuple[int | None, int | None] | None
-    key_lengths: tuple[int, ...] | None
-    visible_source: str | None
-    loss_rows: tuple[int, ...] | None
     mode: str
     samples: int
     directions: int
@@ -42,6 +29,21 @@ class Scenario:
     epsilon: float
     tolerance: float
     seed: int
+    # The fields of attention's keys (``ops.attention.scenario_keys``: the op reads and builds them); the
+    # defaults are an op's without them.
+    heads_q: int = 1
+    heads_kv: int = 1
+    kv_map: tuple[int, ...] = (0,)
+    n_q: int = 0
+    n_k: int = 0
+    d_head: int = 0
+    d_value: int = 0
+    scale: float = 1.0
+    causal: str = "none"
+    window: tuple[int | None, int | None] | None = None
+    key_lengths: tuple[int, ...] | None = None
+    visible_source: str | None = None
+    loss_rows: tuple[int, ...] | None = None
     file: str = ""
     line: int = 0
     index: int = 0  # position in the file's list of scenarios, after sweeps expand
@@ -61,6 +63,7 @@ class Scenario:
     timeout: float = 900.0       # seconds an isolated run of an implementation may take (``check.timeout``)
     module: ModuleSpec | None = None  # the mapping form of ``implementation`` (factory, weights, call)
     convention: Convention = Convention()  # how an attention implementation is called (``convention:``)
+    # ``visible`` (above) is attention's too: the visible set [B, Hq, n_q, n_k] its mask keys make.
 
     @property
     def derivatives(self) -> tuple[str, ...]:
@@ -102,9 +105,3 @@ class Scenario:
         variants = ", ".join(spec.variant_labels(self)) if spec.variant_labels and self.params else ""
         return (f"B={self.batch} Hq={self.heads_q} Hkv={kv} n_q={self.n_q} n_k={self.n_k} "
                 f"d={self.d_head}/{self.d_value} {self.dtype}{where} {how}" + (f", {variants}" if variants else ""))
-
-
-def default_kv_map(heads_q: int, heads_kv: int) -> tuple[int, ...]:
-    """Contiguous groups: query head r reads KV head r // (heads_q / heads_kv)."""
-    group = heads_q // heads_kv
-    return tuple(r // group for r in range(heads_q))

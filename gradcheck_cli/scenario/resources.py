@@ -54,16 +54,14 @@ def need(spec, sc) -> int:
 
 
 class _Probe:
-    """Enough of a Scenario for ``Op.shapes`` and ``Op.memory`` before the Scenario exists (attention-keyed
-    ops)."""
+    """Enough of a Scenario for ``Op.shapes`` and ``Op.memory`` before the Scenario exists (the ops with a key
+    group, ``Op.shared_keys``): the fields their keys read, its params, dtype and engine."""
 
-    def __init__(self, batch, heads_q, heads_kv, n_q, n_k, d_head, d_value, params: dict, dtype: str = "float64",
-                 engine: str = "naive", block_q: int = 64, block_k: int = 64):
-        self.batch, self.heads_q, self.heads_kv, self.n_q, self.n_k = batch, heads_q, heads_kv, n_q, n_k
-        self.d_head, self.d_value = d_head, d_value
+    def __init__(self, params: dict, dtype: str = "float64", engine: str = "naive", block_q: int = 64,
+                 block_k: int = 64, **fields):
         self.dtype, self.engine, self.block_q, self.block_k = dtype, engine, block_q, block_k
+        self.__dict__.update(fields)
         self._params = params
 
     def p(self, key: str):
         return self._params[key]
-

@@ -1,14 +1,14 @@
 """The JSON Schema of scenario files (``attn-gradcheck schema``, shipped as schema/scenario.schema.json)."""
 from __future__ import annotations
 
-from .. import implementation, masks
+from .. import implementation
 from ..ops import OPS
 from ..ops.attention.formulas import DEFAULT_BLOCK
-from ..ops.convention import KV_LAYOUTS, LAYOUTS, MASK_HEADS, MASKS, MEANING, SCALES
 from .fields import (
     BACKENDS,
     DEVICES,
     ENGINES,
+    KEY_GROUPS,
     MAX_DIRECTIONS,
     MAX_EPSILON,
     MAX_FACTOR,
@@ -25,33 +25,13 @@ def json_schema() -> dict:
     """A JSON Schema (draft 2020-12) of the scenario file, for editors (yaml-language-server) and CI.
     The loader stays the authority: it also checks what a schema cannot (shapes, masks, memory)."""
     pos = {"type": "integer", "minimum": 1}
-    ints = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-    side = {"oneOf": [{"type": "null"}, {"type": "integer", "minimum": -1}]}
     number = {"oneOf": [{"type": "number"}, {"type": "string"}]}
-    mask = {"type": "object", "additionalProperties": False, "properties": {
-        "causal": {"enum": list(masks.CAUSAL) + [None],
-                   "description": "upper-left: j <= i; lower-right: j <= i + n_k - n_q"},
-        "window": {"type": "array", "items": side, "minItems": 2, "maxItems": 2,
-                   "description": "(left, right) around the diagonal, as FlashAttention's window_size"},
-        "key_lengths": {**ints, "description": "valid keys per batch element"},
-        "visible": {"oneOf": [{"type": "string"}, {"type": "array"}],
-                    "description": ".npy path (relative to the YAML) or nested list; True = visible"}}}
     check = {"type": "object", "additionalProperties": False, "properties": {
         "mode": {"enum": list(MODES)}, "samples": pos, "directions": {**pos, "maximum": MAX_DIRECTIONS},
         "colouring": {"type": "boolean"}, "factor": {**number, "maximum": MAX_FACTOR},
         "slack": {**number, "minimum": 0, "maximum": MAX_SLACK},
         "nondet_tol": {**number, "minimum": 0, "maximum": MAX_TOLERANCE},
         "timeout": number}}
-    described = lambda key, values: {"enum": list(values), "description": "; ".join(  # noqa: E731
-        f"{v}: {MEANING[key, v]}" for v in values) + f" (default {values[0]})"}
-    convention = {"type": "object", "additionalProperties": False,
-                  "description": "how your attention implementation takes its arguments (with implementation)",
-                  "properties": {"layout": described("layout", LAYOUTS), "mask": described("mask", MASKS),
-                                 "mask_heads": described("mask_heads", MASK_HEADS),
-                                 "scale": described("scale", SCALES)}}
-    kv_map = {"oneOf": [ints, {"enum": list(KV_LAYOUTS)}],
-              "description": "KV head of each query head, or contiguous (r // (heads_q / heads_kv), the default) "
-                             "or interleaved (r % heads_kv)"}
     fields = {
         "name": {"type": "string", "pattern": NAME_RE.pattern},
         "op": {"enum": sorted(OPS)},
@@ -68,10 +48,7 @@ def json_schema() -> dict:
                  "call": {"oneOf": [{"type": "array", "items": {"type": "string"}},
                                     {"type": "object", "additionalProperties": {"type": "string"}}],
                           "description": "tensor and argument names, positional (a list) or keyword (a mapping)"}}}]},
-        "backend": {"enum": list(BACKENDS)}, "device": {"enum": list(DEVICES)},
-        "convention": convention, "batch": pos, "heads_q": pos, "heads_kv": pos, "kv_map": kv_map,
-        "n_q": pos, "n_k": pos,
-        "d_head": pos, "d_value": pos, "scale": number, "mask": mask, "loss_rows": ints, "check": check,
+        "backend": {"enum": list(BACKENDS)}, "device": {"enum": list(DEVICES)}, "batch": pos, "check": check,
         "dtype": {"enum": list(dict.fromkeys(d for op in OPS.values() for d in op.dtypes))},
         "epsilon": {**number, "maximum": MAX_EPSILON},
         "tolerance": {**number, "maximum": MAX_TOLERANCE},
@@ -81,6 +58,8 @@ def json_schema() -> dict:
         "block_q": {**pos, "description": f"engine tiled: query rows per block (default {DEFAULT_BLOCK})"},
         "block_k": {**pos, "description": f"engine tiled: key rows per block (default {DEFAULT_BLOCK})"},
     }
+    for group in KEY_GROUPS:  # the keys ops share and parse themselves (attention's heads, sizes, masks, ...)
+        fields.update(group.schema())
     for op in OPS.values():
         for key, param in op.keys.items():
             if key in fields:

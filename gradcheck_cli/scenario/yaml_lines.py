@@ -3,12 +3,12 @@ refuses tags outside YAML's core schema and caps what aliases expand to; and how
 values and sizes."""
 from __future__ import annotations
 
-import reprlib
 from typing import Any
 
 import yaml
 
 from ..errors import ScenarioError
+from ..keys import show as _show
 
 #: A document may hold at most this many values once YAML aliases are expanded.
 MAX_VALUES = 1_000_000
@@ -17,20 +17,8 @@ MAX_VALUES = 1_000_000
 #: key, before anything that walks the document recursively could run out of stack.
 MAX_DEPTH = 64
 
-_SHORT = reprlib.Repr()
-_SHORT.maxstring = _SHORT.maxother = 60
-_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 6
-_SHORT.maxlevel = 3
-
-
 def _size(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def _show(value: Any) -> str:
-    """A value as error messages echo it: its repr, cut to a readable length (a 10 MB string is not
-    repeated back)."""
-    return _SHORT.repr(value)
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:

@@ -15,6 +15,7 @@ package but the shared machinery below ``ops``):
 from __future__ import annotations
 
 from ..registry import Engine, Interface, Op
+from . import scenario_keys
 from . import stages as score_stages
 from .directional import hvp, jvp
 from .formulas import (
@@ -102,7 +103,7 @@ EXAMPLE = {"batch": 2, "heads_q": 4, "heads_kv": 2, "n_q": 3, "n_k": 10, "d_head
 
 OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradients of q, k, v",
         tensors=("q", "k", "v"), faults={**FAULTS, **score_stages.FAULTS}, keys=score_stages.KEYS, engines=ENGINES,
-        engine_for=engine_for, attention_keys=True,
+        engine_for=engine_for, shared_keys=scenario_keys.KEY_GROUP,
         shapes=shapes, why_not=why_not, non_finite=non_finite, memory=memory_need,
         backends=("numpy", "torch", "jax"), built_in_backends=("numpy", "torch"),
         dtypes=("float64", "float32", "float16", "bfloat16"), low_precision_backends=("torch", "jax"),
