@@ -185,6 +185,13 @@ def _require_torch(f: _Fields, backend: str, device: str, dtype: str) -> None:
         raise f.error(key, "this scenario needs torch, which is not installed",
                       hint="pip install 'attn-gradcheck[torch]', or pin a build, e.g. pip install torch==2.13.0; "
                            "an unpinned torch may pull a large CUDA build") from None
+    if dtype == "bfloat16" and f.has("implementation"):
+        try:  # your code's bfloat16 tensors come back as NumPy arrays of ml_dtypes' bfloat16
+            import ml_dtypes  # noqa: F401
+        except ImportError:
+            raise f.error("dtype", "dtype bfloat16 with a torch implementation needs the ml_dtypes package, which "
+                          "is not installed", hint="pip install ml_dtypes (or pip install 'attn-gradcheck[torch]')"
+                          ) from None
     if device == "cuda" and not torch.cuda.is_available():
         raise f.error("device", "device cuda was asked for but torch sees no CUDA device",
                       hint="use device: cpu, or run on a machine with a GPU and a CUDA build of torch")

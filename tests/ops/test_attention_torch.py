@@ -1,6 +1,7 @@
 """backend: torch: the engine's formulas on torch tensors, autograd and SDPA as second and third
 opinions, and the low-precision policy. Skips cleanly where torch is not installed."""
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -57,6 +58,25 @@ def test_low_precision_policy_reports_both_errors_and_the_factor(dtype):
     # a factor below 1 demands beating the plain implementation: some tensor then fails
     strict = make(**GQA, backend="torch", dtype=dtype, check={"factor": 0.01, "slack": 0.0})
     assert not checker.run_scenario(strict).passed
+
+
+def test_ml_dtypes_missing_is_found_at_load_before_anything_runs(monkeypatch, tmp_path):
+    """bfloat16 with a torch implementation needs ml_dtypes: ``validate`` and ``run`` refuse the file at once (exit
+    2, the scenario's dtype key), not after the scenarios before it ran, and no report is written."""
+    pytest.importorskip("torch")
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text("scenarios:\n  - {name: a, n_q: 3, d_head: 2}\n"
+                   "  - {name: b, n_q: 3, d_head: 2, backend: torch, dtype: bfloat16, implementation: "
+                   "'torch_attention:attention'}\n")
+    monkeypatch.syspath_prepend(str(examples))
+    for command in (["validate", str(cfg)], ["run", str(cfg), "--json", str(tmp_path / "r.json")]):
+        result = CliRunner().invoke(main, command)
+        assert result.exit_code == 2, result.output
+        assert "scenarios[1].dtype" in result.stderr and "ml_dtypes" in result.stderr
+        assert "Traceback" not in result.stderr
+    assert not (tmp_path / "r.json").exists()
 
 
 def test_torch_missing_is_input_error_with_the_install_command(monkeypatch, tmp_path):
