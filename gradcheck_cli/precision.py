@@ -157,13 +157,25 @@ def agreement(name: str, tensor: str, mine: np.ndarray, reference: np.ndarray, t
     passed = bool(margin.ravel()[tight] >= 0)
     detect = detectable(mine64, reference, allowed) if passed else None
     worst_ulps = (f"worst {ulps:.3g} ulps of {policy.dtype} of its terms" if np.isfinite(ulps) else
-                  "nonzero where the reference is exactly 0 (an element with no terms at all)")
+                  _termless(tensor, what, np.where(bad, 0.0, diff), terms, mine64, reference, index))
     detail = (f"closest to failing at {where}: {what} {mine64.ravel()[tight]:.9g}, reference "
               f"{reference.ravel()[tight]:.9g} (allowed {allowed.ravel()[tight]:.3g}); {worst_ulps}; "
               f"{policy.describe(plain_error)}")
     return Check(kind=Kind.REFERENCE, name=name, tensor=tensor, shape=tuple(mine64.shape), max_abs_error=max_abs,
                  relative_error=max_abs / scale if scale > 0 else 0.0, tolerance=float(allowed.ravel()[shown]),
                  noise_floor=0.0, worst_index=index, passed=passed, detail=detail, detectable=detect)
+
+
+def _termless(tensor: str, what: str, diff, terms, mine, reference, shown: tuple) -> str:
+    """Where an element with no terms at all (its exact value 0: no product reaches it) came out nonzero: the
+    first such element, named when it is not the one shown as closest to failing."""
+    none = np.broadcast_to(np.asarray(terms, dtype=np.float64), np.shape(diff)) <= 0
+    at = np.unravel_index(int(np.argmax(none & (diff > 0))), np.shape(diff))
+    if tuple(int(i) for i in at) == tuple(shown):
+        return "an element with no terms at all: its exact value is 0"
+    where = f"{tensor}[{', '.join(str(int(i)) for i in at)}]" if at else tensor
+    return (f"{where} has no terms at all (its exact value is 0) but the {what} gives {mine[at]:.3g} "
+            f"(reference {reference[at]:.3g})")
 
 
 Differences = Callable[[float], "dict[str, np.ndarray] | None"]

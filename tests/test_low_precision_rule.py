@@ -48,3 +48,19 @@ def test_a_log_sum_exp_kept_in_bfloat16_fails_at_larger_logits():
     for seed in range(2):
         result, checks = _reference_checks("low_precision_attention:lse_in_dtype", "bfloat16", 2.0, seed)
         assert result.verdict == "fail", [(c.tensor, c.max_abs_error, c.tolerance) for c in checks]
+
+
+def test_an_element_with_no_terms_that_comes_out_nonzero_is_named():
+    """An element no product reaches (its terms 0: exactly 0 in exact arithmetic) and nonzero in the result is
+    named with its values, also when another element is the one closest to failing."""
+    reference = np.array([[1.0, 0.0], [2.0, 3.0]])
+    terms = np.array([[1.0, 0.0], [2.0, 3.0]])
+    mine = reference + np.array([[0.0, 1e-12], [0.5, 0.0]])  # [1, 0] fails by far more than the termless [0, 1]
+    check = precision.agreement("backward agrees", "k", mine, reference, terms, precision.Policy.for_dtype("float64"))
+    assert not check.passed
+    assert "k[0, 1] has no terms at all (its exact value is 0) but the implementation gives 1e-12 (reference 0)" \
+        in check.detail
+    only = precision.agreement("backward agrees", "k", reference + np.array([[0.0, 1e-12], [0.0, 0.0]]), reference,
+                               terms, precision.Policy.for_dtype("float64"))
+    assert "closest to failing at k[0, 1]" in only.detail
+    assert "an element with no terms at all: its exact value is 0" in only.detail
