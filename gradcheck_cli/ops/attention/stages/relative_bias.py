@@ -190,9 +190,10 @@ _ADDED = "adds to the implementation's gradients the change this bug makes to th
 
 REGISTRATION = Registration(
     key=KEY,
-    param=Param("mapping", None, "T5's relative position bias: the scores get W[bucket(j - i), h], a seeded table "
-                                 "W [buckets, heads_q] (passed as relative_attention_bias=), T5's buckets, the "
-                                 "queries aligned with the last keys; grad: true checks the table's gradient",
+    param=Param("mapping", None, "T5's relative position bias: the scores get W[bucket(j - i - (n_k - n_q)), h] "
+                                 "(the queries aligned with the last keys, as a KV cache's), a seeded table "
+                                 "W [buckets, heads_q] (passed as relative_attention_bias=), T5's buckets; grad: true "
+                                 "checks the table's gradient",
                 fields=(("buckets", Param("int", 32, "the table's rows (T5: 32)", minimum=2)),
                         ("max_distance", Param("int", 128, "the distance the last bucket starts at (T5: 128)",
                                                minimum=2)),
