@@ -284,6 +284,8 @@ def ops():
                 where = ([f"engine {', '.join(engines)}"] if engines else []) + \
                     ([f"your {', '.join(flavours)} code"] if flavours else [])
                 out.print(f"    mode {mode}:  {what}, on {'; '.join(where)}", highlight=False)
+        for limit in op.limits:
+            out.print(f"    not yet:   {limit}", highlight=False)
         if op.implementation and op.implementation.conventions:
             out.print(f"    convention: {', '.join(op.implementation.conventions)} (how your code takes its arguments)",
                       highlight=False)

@@ -285,6 +285,7 @@ class Op:
     second_engines: tuple[str, ...] = ()        # the engines that compute a Hessian-vector product (mode hvp)
     second_flavours: tuple[str, ...] = ()       # the flavours of ``implementation:`` whose double backward it checks
     variants: tuple[tuple[str, str], ...] = ()  # (key, what it does) of each variant it checks (attention's stages)
+    limits: tuple[str, ...] = ()  # what it does not check yet (``attn-gradcheck ops`` lists them)
     variant_labels: Callable[[Any], tuple[str, ...]] | None = None  # the variants a scenario uses, for its reports
 
     def directional_derivative(self, mode: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:

@@ -2,6 +2,7 @@
 kept separate. The reports themselves are tests/report/."""
 import json
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -186,3 +187,24 @@ def test_ops_lists_the_attention_variants_with_the_keyword_your_code_is_passed()
     assert [line.split()[1] for line in variants] == ["softcap:", "bias:", "relative_bias:", "alibi:"]
     for line, keyword in zip(variants, ("softcap=", "attn_bias=", "relative_attention_bias=", "alibi_slopes=")):
         assert f"your code is passed {keyword}" in line
+
+
+def test_ops_lists_what_is_not_checked_yet_and_the_loader_refuses_it():
+    """Each 'not yet' line of attention is a limit the loader enforces: a bias gradient in half precision, along
+    mode jvp, on the torch closed forms, and a stage key on another op, are refused with their key."""
+    from gradcheck_cli.errors import ScenarioError
+    from gradcheck_cli.scenario import loads
+    result = run("ops")
+    limits = [line for line in result.stdout.splitlines() if line.startswith("    not yet:")]
+    assert len(limits) == 2 and "half precision" in limits[0] and "attention-projections" in limits[1]
+    base = "scenarios:\n  - {name: a, n_q: 3, d_head: 2, bias: {grad: true}, "
+    for extra, says in (("check: {mode: jvp}}", "JVP along a bias is not built"),
+                        ("backend: torch}", "not the torch closed forms"),
+                        ("backend: jax, dtype: bfloat16, implementation: 'jax_attention:attention'}",
+                         "checked in float64 and float32, not bfloat16")):
+        if "jax" in extra:
+            pytest.importorskip("jax")
+        with pytest.raises(ScenarioError, match=says):
+            loads(base + extra + "\n", base_dir=Path(__file__).resolve().parents[2] / "examples")
+    with pytest.raises(ScenarioError, match="does not apply to op attention-projections"):
+        loads("scenarios:\n  - {name: p, op: attention-projections, n_q: 3, d_head: 2, d_model: 4, softcap: 2}\n")

@@ -110,5 +110,5 @@ OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradient
         implementation=INTERFACE, colouring=True, example=EXAMPLE, tangent_engines=("naive", "tiled"),
         tangent_flavours=("numpy", "torch", "jax"), second_engines=("naive",), second_flavours=("torch", "jax"),
         variants=tuple((r.key, f"{r.param.help} (your code is passed {r.passes})") for r in score_stages.REGISTERED),
-        validate=score_stages.validate,
+        validate=score_stages.validate, limits=score_stages.LIMITS,
         variant_labels=lambda sc: score_stages.labels(score_stages.from_scenario(sc)))

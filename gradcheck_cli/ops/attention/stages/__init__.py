@@ -31,9 +31,10 @@ import numpy as np
 
 from ...registry import Fault, Param
 from . import alibi, bias, relative_bias, softcap
-from .base import ALL, Registration, Stage
+from .base import ALL, LIMITS, Registration, Stage
 
-__all__ = ["ALL", "FAULTS", "KEYS", "REGISTERED", "Stage", "apply", "from_scenario", "inject", "jet", "with_slope"]
+__all__ = ["ALL", "FAULTS", "KEYS", "LIMITS", "REGISTERED", "Stage", "apply", "from_scenario", "inject", "jet",
+           "with_slope"]
 
 
 #: The stage modules, in the default order of the score path.
