@@ -20,10 +20,14 @@ APPLICABLE_FACTOR = 10.0
 def applicable_faults(sc: Scenario) -> tuple[str, ...]:
     """The faults of the scenario's op that apply to what it checks: the built-in engine's, or their
     interface variants on a user's implementation (``Fault.user``). A fault of a variant (``Fault.scenario``:
-    soft-capping's) applies only to scenarios that use it; ``Fault.backends`` limits the built-in engines'."""
-    derivatives, params = sc.derivatives, dict(sc.params)
-    faults = {name: f for name, f in OPS[sc.op].faults.items() if (f.forward or f.derivative in derivatives)
-              and all(params.get(key) is not None for key, _ in f.scenario)}
+    soft-capping's, a packed batch's) applies only to scenarios that use it (``Op.sets`` for a shared key);
+    ``Fault.backends`` limits the built-in engines'."""
+    derivatives, params, op = sc.derivatives, dict(sc.params), OPS[sc.op]
+
+    def sets(key: str) -> bool:
+        return params[key] is not None if key in params else op.sets is None or op.sets(sc, key)
+    faults = {name: f for name, f in op.faults.items() if (f.forward or f.derivative in derivatives)
+              and all(sets(key) for key, _ in f.scenario)}
     if sc.implementation is None:
         return tuple(name for name, f in faults.items() if f.engine and (not f.backends or sc.backend in f.backends))
     return tuple(name for name, f in faults.items() if f.user is not None)

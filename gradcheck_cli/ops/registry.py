@@ -287,6 +287,9 @@ class Op:
     variants: tuple[tuple[str, str], ...] = ()  # (key, what it does) of each variant it checks (attention's stages)
     limits: tuple[str, ...] = ()  # what it does not check yet (``attn-gradcheck ops`` lists them)
     variant_labels: Callable[[Any], tuple[str, ...]] | None = None  # the variants a scenario uses, for its reports
+    #: whether a scenario sets a shared key a fault needs (``Fault.scenario``: ``varlen``), where it is no key of the
+    #: op's own (those are set when their value is not None)
+    sets: Callable[[Any, str], bool] | None = None
 
     def directional_derivative(self, mode: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
         """(engines, implementation flavours) that compute the derivative ``mode`` checks, for modes jvp and hvp;

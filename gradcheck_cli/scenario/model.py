@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +43,7 @@ class Scenario:
     causal: str = "none"
     window: tuple[int | None, int | None] | None = None
     key_lengths: tuple[int, ...] | None = None
+    documents: Any = None  # a packed batch's documents (``ops.attention.varlen.Documents``, ``varlen:``)
     visible_source: str | None = None
     loss_rows: tuple[int, ...] | None = None
     file: str = ""

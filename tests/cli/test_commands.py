@@ -184,8 +184,9 @@ def test_ops_lists_every_op_with_the_code_it_accepts_and_an_example_that_runs():
 def test_ops_lists_the_attention_variants_with_the_keyword_your_code_is_passed():
     result = run("ops")
     variants = [line for line in result.stdout.splitlines() if line.startswith("    variant:")]
-    assert [line.split()[1] for line in variants] == ["softcap:", "bias:", "relative_bias:", "alibi:"]
-    for line, keyword in zip(variants, ("softcap=", "attn_bias=", "relative_attention_bias=", "alibi_slopes=")):
+    assert [line.split()[1] for line in variants] == ["softcap:", "bias:", "relative_bias:", "alibi:", "varlen:"]
+    for line, keyword in zip(variants, ("softcap=", "attn_bias=", "relative_attention_bias=", "alibi_slopes=",
+                                        "cu_seqlens_q=")):
         assert f"your code is passed {keyword}" in line
 
 

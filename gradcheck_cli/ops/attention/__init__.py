@@ -15,7 +15,7 @@ package but the shared machinery below ``ops``):
 from __future__ import annotations
 
 from ..registry import Engine, Interface, Op
-from . import scenario_keys
+from . import scenario_keys, varlen
 from . import stages as score_stages
 from .directional import hvp, jvp
 from .formulas import (
@@ -49,6 +49,8 @@ def why_not(sc, fault: str) -> str | None:
     """Why a fault cannot apply to a scenario, where its structure says so."""
     if fault in score_stages.FAULTS:
         return score_stages.why_not(sc, fault)
+    if fault in varlen.FAULTS:
+        return varlen.why_not(sc, fault)
     if fault == "swap-dk-dv" and sc.d_head != sc.d_value:
         return f"dK and dV differ in shape (d_head {sc.d_head}, d_value {sc.d_value}): they cannot be swapped"
     if fault in ("mask", "mask-backward", "leak-hidden-key") and sc.visible.all():
@@ -102,13 +104,18 @@ EXAMPLE = {"batch": 2, "heads_q": 4, "heads_kv": 2, "n_q": 3, "n_k": 10, "d_head
            "mask": {"causal": "lower-right", "key_lengths": [10, 8]}}
 
 OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradients of q, k, v",
-        tensors=("q", "k", "v"), faults={**FAULTS, **score_stages.FAULTS}, keys=score_stages.KEYS, engines=ENGINES,
+        tensors=("q", "k", "v"), faults={**FAULTS, **score_stages.FAULTS, **varlen.FAULTS}, keys=score_stages.KEYS,
+        engines=ENGINES,
         engine_for=engine_for, shared_keys=scenario_keys.KEY_GROUP,
         shapes=shapes, why_not=why_not, non_finite=non_finite, memory=memory_need,
         backends=("numpy", "torch", "jax"), built_in_backends=("numpy", "torch"),
         dtypes=("float64", "float32", "float16", "bfloat16"), low_precision_backends=("torch", "jax"),
         implementation=INTERFACE, colouring=True, example=EXAMPLE, tangent_engines=("naive", "tiled"),
         tangent_flavours=("numpy", "torch", "jax"), second_engines=("naive",), second_flavours=("torch", "jax"),
-        variants=tuple((r.key, f"{r.param.help} (your code is passed {r.passes})") for r in score_stages.REGISTERED),
+        variants=tuple((r.key, f"{r.param.help} (your code is passed {r.passes})") for r in score_stages.REGISTERED)
+        + ((varlen.KEY, f"{varlen.schema()['description'].split('. Your code')[0]} (your code is passed "
+                        f"{varlen.PASSES})"),),
         validate=score_stages.validate, limits=score_stages.LIMITS,
-        variant_labels=lambda sc: score_stages.labels(score_stages.from_scenario(sc)))
+        variant_labels=lambda sc: score_stages.labels(score_stages.from_scenario(sc))
+        + ((sc.documents.label,) if sc.documents is not None else ()),
+        sets=lambda sc, key: key != varlen.KEY or sc.documents is not None)

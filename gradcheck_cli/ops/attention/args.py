@@ -13,16 +13,18 @@ import numpy as np
 @dataclass(frozen=True, eq=False)
 class Args:
     """visible: bool [B, Hq, n_q, n_k] (True: query i sees key j); scale: the factor of Q K^T; kv_map: int
-    [Hq], the KV head each query head reads; stages: the score stages in force (``stages.Stage``)."""
+    [Hq], the KV head each query head reads; stages: the score stages in force (``stages.Stage``); documents: a
+    packed batch's, or None (the visible set already keeps them apart)."""
     visible: np.ndarray
     scale: float
     kv_map: np.ndarray
     stages: tuple = ()
+    documents: object = None  # a packed batch's (``varlen.Documents``): what a user's code is passed as cu_seqlens
 
     @classmethod
     def of(cls, sc, stages=()) -> Args:
         """A scenario's arguments, with the stages given (``stages.from_scenario(sc)``, or a fault's)."""
-        return cls(sc.visible, sc.scale, np.asarray(sc.kv_map, dtype=np.intp), tuple(stages))
+        return cls(sc.visible, sc.scale, np.asarray(sc.kv_map, dtype=np.intp), tuple(stages), sc.documents)
 
     @property
     def kw(self) -> dict:

@@ -9,10 +9,11 @@ from ... import masks
 from ...invariants import bounded, bounded_each
 from ...result import Check
 from ...tolerance import INVARIANT_ULPS, machine_epsilon
+from .varlen import document_invariant
 
 
 def engine_invariants(fwd, bwd, inputs, visible, kv_map, grads, rng, terms: dict[str, np.ndarray],
-                      g: np.ndarray) -> list[Check]:
+                      g: np.ndarray, documents=None) -> list[Check]:
     """All attention invariants for the engine. ``fwd(q, k, v) -> (o, a)`` and
     ``bwd(q, k, v, grad_o) -> Gradients`` are the implementation under test; ``grads`` is its backward
     at ``inputs`` and upstream gradient ``g`` (with the A and G_A the backward used, and G_S); ``terms`` as
@@ -25,7 +26,7 @@ def engine_invariants(fwd, bwd, inputs, visible, kv_map, grads, rng, terms: dict
 
     return (weight_invariants(a, visible, grads)
             + output_invariants(lambda q, k, v: fwd(q, k, v)[0], backward_kv, inputs, visible, kv_map, o, rng,
-                               terms, o.dtype.name, (g, grads.k, grads.v)))
+                               terms, o.dtype.name, (g, grads.k, grads.v), documents))
 
 
 def weight_invariants(a, visible, grads) -> list[Check]:
@@ -61,12 +62,13 @@ UNSEEN, UNSEEN_BY_ROW_0 = "unseen K/V rows get zero gradient", "row 0's unseen K
 
 
 def output_invariants(forward, backward_kv, inputs, visible, kv_map, o, rng, terms: dict[str, np.ndarray],
-                      precision: str, checked) -> list[Check]:
+                      precision: str, checked, documents=None) -> list[Check]:
     """Invariants that need only the output and the K/V gradients, so they apply to any
     implementation: ``forward(q, k, v) -> o``, ``backward_kv(q, k, v, grad_o) -> (g_k, g_v)``, and
     ``checked`` = (g, g_k, g_v), the scenario's upstream gradient and the K/V gradients under test at it.
     ``terms``: the size of the terms of each element of O, ``o`` (with the logits' rounding) and
-    ``o_convex`` (sum_j A_ij |V_jc|), in float64; ``precision``: the dtype the computation rounds in."""
+    ``o_convex`` (sum_j A_ij |V_jc|), in float64; ``precision``: the dtype the computation rounds in; ``documents``:
+    a packed batch's (``varlen.Documents``), whose independence is checked too."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     eps = machine_epsilon(precision)
     heads_kv = k.shape[-3]
@@ -131,6 +133,10 @@ def output_invariants(forward, backward_kv, inputs, visible, kv_map, o, rng, ter
                                "distance of O_i outside [min, max] of the V rows visible to query i, per column; "
                                f"allowed {ulps:g} ulps of {precision} of sum_j A_ij |V_jc|",
                                guarded=float(np.abs(o).max(initial=0.0))))
+    if documents is not None:
+        checks.append(document_invariant(forward, inputs, documents, np.asarray(o, dtype=np.float64),
+                                         np.random.default_rng(rng.integers(2**32)), terms["o_convex"], precision,
+                                         ulps))
     return checks
 
 

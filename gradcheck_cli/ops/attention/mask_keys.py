@@ -40,26 +40,44 @@ def read(f: Fields, batch: int, n_k: int) -> tuple:
 
 
 def visible_set(f: Fields, base_dir, batch: int, heads_q: int, n_q: int, n_k: int, causal, window,
-                 key_lengths) -> tuple:
-    """The visible set [B, Hq, n_q, n_k] the mask keys (and ``mask.visible``) make, and the explicit array's
-    source; a query row that sees no key is an error naming the key to blame."""
+                key_lengths, documents=None) -> tuple:
+    """The visible set [B, Hq, n_q, n_k] the mask keys (and ``mask.visible``) make, within each document of a
+    packed batch (``documents``: ``varlen.Documents``), and the explicit array's source; a query row that sees no
+    key is an error naming the key (and the document) to blame."""
     explicit, source = None, None
     if f.has("mask.visible"):
         explicit, source = _load_visible(f, base_dir, (batch, heads_q, n_q, n_k))
+    pair = None if documents is None else documents.pair
     visible = masks.build_visible(batch, heads_q, n_q, n_k, causal=causal, window=window,
-                                  key_lengths=key_lengths, explicit=explicit)
+                                  key_lengths=key_lengths, explicit=explicit, documents=pair)
     empty = masks.first_empty_row(visible)
     if empty is not None:
         b, h, i = empty
         given = [k for k in ("mask.visible", "mask.key_lengths", "mask.window", "mask.causal") if f.has(k)]
         swept = [k for k in given if "sweep" in f.where(k)]
         message, hint, culprit = _empty_row(masks.row_constraints(n_q, n_k, b, h, i, causal=causal, window=window,
-                                                                  key_lengths=key_lengths, explicit=explicit), b, h,
-                                            i, n_q, n_k)
+                                                                  key_lengths=key_lengths, explicit=explicit,
+                                                                  documents=pair), b, h, i, n_q, n_k)
+        if documents is not None:
+            message, hint = _in_document(documents, i, causal, message, hint)
         blamed = culprit if culprit in given else (swept or given or [None])[0]
         raise f.doc.error(f.where(blamed) if blamed else f.path, message, hint=hint)
 
     return visible, source
+
+
+def _in_document(documents, i: int, causal: str, message: str, hint: str) -> tuple[str, str]:
+    """The empty-row error of a packed batch, naming the document (its queries outnumbering its keys under
+    lower-right causal masking is the usual cause)."""
+    d, local = documents.query(i)
+    lq, lk = documents.seqlens_q[d], documents.seqlens_k[d]
+    if causal == "lower-right" and lq > lk:
+        return (f"{documents.describe(d)}: its query {local} (packed row {i}) sees no key: with more queries than "
+                f"keys, causal: lower-right aligns the document's last query with its last key, so its first "
+                + (f"{lq - lk} queries come" if lq - lk > 1 else "query comes") + " before every key",
+                "give the document at least as many keys as queries (FlashAttention's varlen convention rejects "
+                "nothing but leaves such rows undefined), or use causal: upper-left")
+    return f"{documents.describe(d)}: its query {local}: " + message, hint
 
 
 def _empty_row(allowed: dict, b: int, h: int, i: int, n_q: int, n_k: int) -> tuple[str, str, str | None]:

@@ -8,7 +8,7 @@ import numpy as np
 
 from ...numeric import SeedStream
 from ..registry import Problem, SecondOrder, Tangents
-from . import copies
+from . import copies, varlen
 from . import stages as score_stages
 from .args import Args
 from .directional import hvp, hvp_terms, jvp, jvp_terms
@@ -33,6 +33,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     # is checked (an additive bias) is an input beside q, k, v.
     right = score_stages.from_scenario(sc)
     stages, back, shown = score_stages.inject(right, visible, faults)  # the forward's and the backward's
+    shown = varlen.shown(sc, shown, faults)  # a packed batch's fault: the visible set it makes
     extra = score_stages.params(right)
     inputs = {**qkv, **extra}
     seen, true = Args(shown, scale, kv_map, stages), Args(visible, scale, kv_map, right)
@@ -90,7 +91,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         invariants=lambda: [copies.agreement(fast, reference, qkv, seen, faults,
                                              np.random.default_rng([sc.seed, SeedStream.FAST_FORWARD]))]
         + engine_invariants(fwd, bwd, qkv, visible, kv_map, grads, rng_inv,
-                            output_terms(qkv, a, scale, kv_map, right), g),
+                            output_terms(qkv, a, scale, kv_map, right), g, sc.documents),
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
                 "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
                 "analytic_q": grads.q, "analytic_k": grads.k, "analytic_v": grads.v,

@@ -66,7 +66,10 @@ class Interface:
     (``visible``) and what its gradients become (``gradients``). No fault: both unchanged. ``args.stages``: the
     scenario's score stages (a stage fault's change to the reference's gradients is added like the others')."""
 
-    def __init__(self, faults: Collection[str], sizes: dict[str, float] | None, args: Args):
+    def __init__(self, faults: Collection[str], sizes: dict[str, float] | None, args: Args, fault_visible=None):
+        """``fault_visible``: the visible set a forward fault of a packed batch makes (``varlen.shown``), whose
+        change to the float64 reference's output and gradients is added to the implementation's (the
+        implementation may read the documents from cu_seqlens or from visible: either way it is the same bug)."""
         self.faults, self.sizes, self.args = tuple(faults), dict(sizes or {}), args
         self.stages = args.stages
         visible = args.visible
@@ -83,7 +86,20 @@ class Interface:
             if len(hidden):
                 self.visible = visible.copy()
                 self.visible[tuple(hidden[0])] = True
+        self.fault_visible = None if fault_visible is None or fault_visible is visible else fault_visible
         self.added = tuple(f for f in self.faults if f in DIFFERENCE_FAULTS or f in stage_faults)
+        if self.fault_visible is not None:
+            self.added += ("varlen",)
+
+    def output(self, q, k, v, o):
+        """The implementation's O as the active faults make it: a packed batch's forward fault adds its change to
+        the float64 reference's O (at these inputs: stacked copies too)."""
+        if self.fault_visible is None:
+            return o
+        x = [np.asarray(a, dtype=np.float64) for a in (q, k, v)]
+        right = forward(*x, **self.args.kw)
+        wrong = forward(*x, **self.args.but(visible=self.fault_visible).kw)
+        return (np.asarray(o, dtype=np.float64) + wrong - right).astype(o.dtype)
 
     def gradients(self, q, k, v, grad_o, dq, dk, dv, *params):
         """The implementation's gradients as the active faults make them: (dq, dk, dv, then ``params``, the gradients
@@ -94,7 +110,8 @@ class Interface:
             args = [x.astype(np.float64) for x in (q, k, v, grad_o)]
             right = backward(*args[:3], grad_o=args[3], **self.args.kw)
             wrong = backward(*args[:3], grad_o=args[3], faults=self.added,
-                             **self.args.but(stages=self.wrong_stages).kw)
+                             **self.args.but(stages=self.wrong_stages, visible=self.fault_visible
+                                             if self.fault_visible is not None else self.args.visible).kw)
             for t in out:
                 out[t] = (out[t].astype(np.float64) + getattr(wrong, t) - getattr(right, t)).astype(out[t].dtype)
             for t in extra:

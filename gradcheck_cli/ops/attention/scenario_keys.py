@@ -21,14 +21,16 @@ from ..convention import (
     shared_mask_problem,
 )
 from ..registry import KeyGroup
-from . import mask_keys
+from . import mask_keys, varlen
 
 #: The top-level keys (``mask`` and ``convention`` are mappings of ``NESTED``'s keys).
-KEYS = ("heads_q", "heads_kv", "kv_map", "n_q", "n_k", "d_head", "d_value", "scale", "mask", "loss_rows")
+KEYS = ("heads_q", "heads_kv", "kv_map", "n_q", "n_k", "d_head", "d_value", "scale", "mask", "loss_rows", "varlen")
 MASK_KEYS = mask_keys.MASK_KEYS
 #: The calling convention of an attention implementation (``ops.convention``), with an implementation only.
 CONVENTION_KEYS = ("layout", "mask", "mask_heads", "scale")
-NESTED = {"mask": MASK_KEYS, "convention": CONVENTION_KEYS}
+NESTED = {"mask": MASK_KEYS, "convention": CONVENTION_KEYS, "varlen": varlen.NESTED}
+#: The keys only op attention takes (a packed batch's documents: its user interface passes cu_seqlens).
+ATTENTION_ONLY = ("varlen",)
 #: Larger scales only saturate the softmax (and overflow the logits near 1e300).
 MAX_SCALE = 1e6
 
@@ -37,8 +39,9 @@ def read(f: Fields, batch: int) -> dict:
     """The keys' values, before anything of their size is allocated: the Scenario fields they give, with
     ``kv_map`` None when it is given by name (``kv_layout``; ``build`` makes it)."""
     heads_q = f.int("heads_q", 1)
-    n_q = f.int("n_q")
-    n_k = f.int("n_k", n_q)
+    documents = varlen.read(f, batch)  # a packed batch: n_q and n_k are its totals
+    n_q = f.int("n_q", None if documents is None else sum(documents.seqlens_q))
+    n_k = f.int("n_k", n_q if documents is None else sum(documents.seqlens_k))
     d_head = f.int("d_head")
     d_value = f.int("d_value", d_head)
     heads_kv, kv_map, kv_layout = _heads(f, heads_q)
@@ -50,7 +53,7 @@ def read(f: Fields, batch: int) -> dict:
     loss_rows = f.int_list("loss_rows", 0, n_q - 1, "a query row", unique=True)
     return {"heads_q": heads_q, "heads_kv": heads_kv, "kv_map": kv_map, "kv_layout": kv_layout, "n_q": n_q,
             "n_k": n_k, "d_head": d_head, "d_value": d_value, "scale": scale, "causal": causal, "window": window,
-            "key_lengths": key_lengths, "loss_rows": loss_rows}
+            "key_lengths": key_lengths, "loss_rows": loss_rows, "documents": documents}
 
 
 def build(f: Fields, read: dict, batch: int, base_dir: Path, op_spec) -> dict:
@@ -64,7 +67,7 @@ def build(f: Fields, read: dict, batch: int, base_dir: Path, op_spec) -> dict:
     out["kv_map"] = tuple(out["kv_map"])
     out["visible"], out["visible_source"] = mask_keys.visible_set(f, base_dir, batch, read["heads_q"], read["n_q"],
                                                          read["n_k"], read["causal"], read["window"],
-                                                         read["key_lengths"])
+                                                         read["key_lengths"], read["documents"])
     out["convention"] = _convention(f, out["visible"], read["scale"], read["d_head"], op_spec)
     return out
 
@@ -79,7 +82,8 @@ def takes(op_spec) -> tuple[str, ...]:
     """The keys that apply to an op: ``KEYS``, and ``convention`` where its implementation takes one
     (``Interface.conventions``: attention's, not the layers')."""
     conventions = op_spec.implementation is not None and bool(op_spec.implementation.conventions)
-    return KEYS + (("convention",) if conventions else ())
+    keys = KEYS if op_spec.name == "attention" else tuple(k for k in KEYS if k not in ATTENTION_ONLY)
+    return keys + (("convention",) if conventions else ())
 
 
 def _heads(f: Fields, heads_q: int) -> tuple:
@@ -184,7 +188,7 @@ def schema() -> dict:
               "description": "KV head of each query head, or contiguous (r // (heads_q / heads_kv), the default) "
                              "or interleaved (r % heads_kv)"}
     return {"convention": convention, "heads_q": pos, "heads_kv": pos, "kv_map": kv_map, "n_q": pos, "n_k": pos,
-            "d_head": pos, "d_value": pos, "scale": number, "mask": mask, "loss_rows": ints}
+            "d_head": pos, "d_value": pos, "scale": number, "mask": mask, "loss_rows": ints, "varlen": varlen.schema()}
 
 
 #: The keys the ops with attention's blocks share (attention, its projections, the block).

@@ -10,7 +10,7 @@ from ... import invariants, precision
 from ...numeric import SeedStream
 from ...tolerance import ENGINE_AGREEMENT_ULPS, INVARIANT_ULPS
 from ..registry import Problem, Tangents
-from . import directional, formulas
+from . import directional, formulas, varlen
 from . import stages as score_stages
 from .args import Args
 from .formulas import DEFAULT_BLOCK
@@ -59,6 +59,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     visible, scale, bq, bk = sc.visible, sc.scale, sc.block_q, sc.block_k
     right = score_stages.from_scenario(sc)  # a stage fault's wrong stage in place, the softmax's visible set
     stages, back, shown = score_stages.inject(right, visible, faults)  # the forward's and the backward's
+    shown = varlen.shown(sc, shown, faults)  # a packed batch's fault: the visible set it makes
     extra = score_stages.params(right)  # a stage's parameter whose gradient is checked: an input (a bias)
     inputs = {**qkv, **extra}
     seen, true = Args(shown, scale, kv_map, stages), Args(visible, scale, kv_map, right)
@@ -124,7 +125,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                                   "plus sum_c |G_O_ic| x the terms of O_ic (D is formed from the forward's O); "
                                   "accumulated over the blocks of the tiled backward (softmax is shift invariant)")
         return agree + [rows] + output_invariants(fwd, backward_kv, qkv, visible, kv_map, o, rng_inv, terms,
-                                                  sc.dtype, (g, g_k, g_v))
+                                                  sc.dtype, (g, g_k, g_v), sc.documents)
 
     lead = sc.batch * sc.heads_q
     def o_dot(t: dict) -> np.ndarray:

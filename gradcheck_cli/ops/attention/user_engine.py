@@ -15,6 +15,7 @@ from ...errors import ScenarioError
 from ...numeric import SeedStream
 from ..registry import Problem
 from . import stages as score_stages
+from . import varlen
 from .args import Args
 from .inputs import seeded_inputs
 from .invariants import output_invariants
@@ -53,11 +54,14 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     # torch implementation's as tensors on the scenario's device)
     given = np.float64 if sc.dtype == "float64" else np.float32
     convert = lambda a, same: a.astype(sc.dtype if same else given)  # noqa: E731
+    # a packed batch's cu_seqlens_q=, cu_seqlens_k= (int32), max_seqlen_q=, max_seqlen_k= (ints)
+    documents = {} if sc.documents is None else sc.documents.kwargs()
     if sc.backend == "torch":
         from ...flavours import torch as torch_flavour
         convert = lambda a, same: torch_flavour.tensor(a.astype(sc.dtype if same else given), sc.device)  # noqa: E731
+        documents = {kw: torch_flavour.tensor(a, sc.device) for kw, a in documents.items()}
     impl = score_stages.bind(sc.implementation_object, score_stages.shown(stages, sc.visible, faults), convert,
-                             f"{sc.backend}/{sc.device}/{np.dtype(given)}")
+                             f"{sc.backend}/{sc.device}/{np.dtype(given)}", documents)
     if sc.mode == "jvp" and sc.backend == "numpy" and not callable(getattr(impl, "jvp", None)):
         raise ScenarioError(f"{sc.implementation} has no callable jvp: mode jvp needs jvp(q, k, v, visible, scale, "
                             "kv_map, dq, dk, dv) -> do beside forward and backward (docs/jvp-and-hvp.md "
@@ -81,7 +85,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     batched = score_stages.batched(score_stages.shown(stages, sc.visible, faults))
     carried = {name for name, _ in batched.values()}  # the parameters whose copies go along the batch axis
     blocks = Blocks(sc, kv_map, score_stages.owners(stages))
-    interface = Interface(faults, sizes, args)
+    interface = Interface(faults, sizes, args, varlen.shown(sc, visible, faults))
 
     def called(q, k, v, visible=None, conv=sc.convention) -> tuple:
         """The implementation's leading arguments (q, k, v, visible, scale, kv_map) in convention ``conv``; the
@@ -93,8 +97,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         ``given``: stage arguments for this call (a bias's perturbed copies, ``attn_bias=``)."""
         shape = conv.shape((q.shape[0], sc.heads_q, sc.n_q, sc.d_value))
         fn = functools.partial(impl.forward, **given) if given else impl.forward
-        return conv.tensor(implementation.call(fn, "forward", called(q, k, v, visible, conv),
-                                               {"o": (shape, dt)}, conv.names())["o"])
+        return interface.output(q, k, v, conv.tensor(implementation.call(fn, "forward", called(q, k, v, visible, conv),
+                                                                         {"o": (shape, dt)}, conv.names())["o"]))
 
     def user_backward(q, k, v, grad_o):
         """(dq, dk, dv), and the gradient of each checked stage parameter after them (dbias)."""
@@ -206,7 +210,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                 lambda q, k, v: user_forward(q, k, v, interface.visible),
                 lambda q, k, v, go: user_backward(q, k, v, go)[1:3],
                 inputs, visible, kv_map, o, rng_inv, output_terms(inputs, a64, scale, kv_map, stages), computes_in,
-                (g, dk, dv))
+                (g, dk, dv), sc.documents)
         except implementation.ImplementationFailure as exc:
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
         return out + flavours.compiled_rows(impl)
@@ -270,7 +274,7 @@ def _low(sc, impl, inputs: dict, g, interface: Interface, results: dict, determi
                 forward64, backward_kv64, rounded, args.visible, args.kv_map, r64["o"],
                 np.random.default_rng([sc.seed, SeedStream.INVARIANTS]),
                 output_terms(rounded, a64, args.scale, args.kv_map, args.stages),
-                computes_in, (g64, r64["k"], r64["v"]))
+                computes_in, (g64, r64["k"], r64["v"]), sc.documents)
         except implementation.ImplementationFailure as exc:
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
         return out + flavours.compiled_rows(impl)

@@ -93,8 +93,17 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                                      else None)
         leak = [name for name in ("attention is 0 off the visible set", "hidden K/V rows do not change O")
                 if name in broken]
+        documents = next((c.facts["leaks"] for c in checks if c.name == "documents do not see each other"
+                          and c.verdict == "fail" and c.facts.get("leaks")), None)
+        if documents:  # a packed batch: say which documents see which (varlen)
+            pairs = "; ".join(f"document {d}'s keys reach document {e}'s queries" for d, e in documents[:3])
+            out.append(f"the forward lets the documents of the packed batch see each other ({pairs}): keep each "
+                       "document's queries to its own keys, cu_seqlens_k[d] to cu_seqlens_k[d + 1] (a mask over the "
+                       "packed axis, or a path for short documents that ignores cu_seqlens, does not)")
         if convention:
             out.append(convention)
+        elif documents:
+            pass
         elif alternative == DROP_MASK:
             out.append(alternative)
         elif leak or alternative == "no mask":
@@ -114,7 +123,7 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
             out.append(missing)
         shifted = "shifting every V row shifts O by as much" in broken
         outside = "O rows in the range of visible V rows" in broken
-        quiet = not leak and alternative is None and not mixing and not missing
+        quiet = not leak and not documents and alternative is None and not mixing and not missing
         partial = quiet and outside and not shifted
         if partial:  # the weights sum to 1, yet O leaves the range of the V rows its query may see
             out.append("the forward lets hidden keys reach O (O rows in the range of visible V rows, while the weights "

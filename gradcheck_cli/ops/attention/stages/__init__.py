@@ -271,15 +271,18 @@ class _Fresh:
 _BOUND: dict[tuple, tuple] = {}
 
 
-def bind(impl, stages, to=None, tag: str = ""):
+def bind(impl, stages, to=None, tag: str = "", extra: dict | None = None):
     """A user's implementation with the stages' keyword arguments (``softcap=``, ...) bound: a callable (torch,
     JAX) as ``functools.partial``, a NumPy object's forward/backward/jvp/hvp likewise. Unchanged without stages:
     an implementation is passed a variant's argument only when the scenario uses the variant. ``to`` converts the
-    arrays (``kwargs``); ``tag`` names that conversion (device, dtype) in the cache key."""
-    given = kwargs(stages, to)
+    arrays (``kwargs``); ``tag`` names that conversion (device, dtype) in the cache key. ``extra``: other keyword
+    arguments of the scenario's, bound likewise (a packed batch's ``cu_seqlens_q=``, ...; already converted)."""
+    given = {**kwargs(stages, to), **(extra or {})}
     if impl is None or not given:
         return impl
-    key = (id(impl), keys(stages), tag)
+    key = (id(impl), keys(stages), tag,
+           tuple((k, tuple(np.asarray(v).ravel().tolist()) if hasattr(v, "shape") else v)
+                 for k, v in (extra or {}).items()))
     if key not in _BOUND:
         if callable(impl) and not hasattr(impl, "backward"):
             bound = _Fresh(impl, given)

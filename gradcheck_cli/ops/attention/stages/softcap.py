@@ -120,7 +120,8 @@ REGISTRATION = Registration(
                                 "gets weight, in forward and backward",
               ("attention is 0 off the visible set", "unseen K/V rows get zero gradient",
                "row 0's unseen K/V rows get zero gradient", "hidden K/V rows do not change O",
-               "O rows in the range of visible V rows", "forward agrees with the reference"),
+               "O rows in the range of visible V rows", "forward agrees with the reference",
+               "documents do not see each other"),
               forward=True, scenario=((KEY, 1.5),)),
         Fault("softcap-tanh-s", "softcap: the forward computes S tanh(S) (flash-attention #2396), the backward "
                                 "the right tanh' factor",

@@ -20,6 +20,7 @@ from .... import invariants
 from ....result import Check
 from ...registry import Problem
 from .. import stages as score_stages
+from .. import varlen
 from ..args import Args
 from ..inputs import seeded_inputs
 from ..reference import LOW_PRECISION, LOW_PRECISION_CHECKS, diagnosis_fields, reference
@@ -50,6 +51,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     args64 = Args(sc.visible, scale, kv_np, stages)  # the float64 reference's (NumPy arrays)
     # the closed forms' stages, a stage fault's wrong one in place (and the visible set their softmax then sees)
     wrong, wrong_back, shown = score_stages.inject(stages, sc.visible, faults)
+    shown = varlen.shown(sc, shown, faults)  # a packed batch's fault: the visible set it makes
     vis = torch.from_numpy(shown).to(device)
     closed = Args(vis, scale, kv_map, wrong)  # the closed forms' (torch tensors), a fault's stages in place
     rounded = {t: np_(x) for t, x in zip("qkv", (q, k, v))}  # the inputs as the dtype holds them

@@ -19,7 +19,7 @@ def output_invariants_of(sc, fwd, bwd, inputs, o, to, np_, terms: dict, precisio
         return output_invariants(lambda q_, k_, v_: np_(fwd(to(q_), to(k_), to(v_))), backward_kv,
                                  inputs, sc.visible, np.asarray(sc.kv_map), np_(o),
                                  np.random.default_rng([sc.seed, SeedStream.INVARIANTS]), terms, precision,
-                                 checked)
+                                 checked, sc.documents)
     except ImplementationFailure as exc:
         return [failure_check("invariants", exc)]
 
