@@ -156,11 +156,32 @@ def draw_derivative(rng, category: str) -> dict:
 
 
 VARIANTS = ("softcap", "alibi", "softcap+alibi", "bias", "softcap+bias+alibi", "relative_bias",
-            "softcap+bias+relative_bias+alibi")
+            "softcap+bias+relative_bias+alibi", "varlen", "softcap+varlen", "softcap+bias+varlen")
+
+
+def _packed(rng, sc: dict) -> None:
+    """A packed batch in place of the scenario's batch and lengths: 1 to 4 documents (some of one query, some
+    empty of queries), a mask within each that leaves no row empty."""
+    docs = int(rng.integers(1, 5))
+    lq = [int(x) for x in rng.choice([0, 1, 1, 2, 3, 5, 7], size=docs)]
+    if not sum(lq):
+        lq[0] = 1
+    causal = str(rng.choice(["none", "lower-right", "upper-left"]))
+    # under lower-right a document needs as many keys as queries; any other needs one key where it has queries
+    lk = [int(a + rng.integers(0, 4)) if causal == "lower-right" else int(rng.integers(1 if a else 0, 8))
+          for a in lq]
+    if not sum(lk):
+        lk[0] = 1
+    sc.update(batch=1, n_q=sum(lq), n_k=sum(lk), varlen={"seqlens_q": lq, "seqlens_k": lk})
+    mask = {"causal": causal}
+    if causal == "lower-right" and rng.random() < 0.3:
+        mask["window"] = [int(rng.integers(0, 4)), 0]
+    sc["mask"] = mask
 
 
 def variant_categories(with_torch: bool) -> list[tuple[str, float]]:
-    """``--variants``: the score stages (soft-capping, ALiBi, both) on every engine, flavour, dtype, derivative."""
+    """``--variants``: the score stages (soft-capping, bias, T5's, ALiBi) and packed batches on every engine, flavour,
+    dtype, derivative."""
     where = [("naive", 0.16), ("tiled", 0.12), ("jvp/naive", 0.08), ("jvp/tiled", 0.06), ("hvp/naive", 0.08),
              ("impl/numpy", 0.1)]
     if with_torch:
@@ -185,6 +206,8 @@ def draw_variant(rng, category: str) -> dict:
     half = not mode and (torch or rest == "impl/jax")
     dtype = str(rng.choice(["float64", "float32", "float16", "bfloat16"] if half else ["float64", "float32"]))
     sc = _attention(rng, dtype, small=mode is not None)
+    if "varlen" in variant:
+        _packed(rng, sc)
     if "softcap" in variant:
         sc["softcap"] = float(np.round(math.exp(rng.uniform(math.log(0.3), math.log(60.0))), 3))
     if "alibi" in variant:
@@ -218,6 +241,8 @@ def draw_variant(rng, category: str) -> dict:
         flavour = rest[5:]
         learned = flavour == "numpy" and sc.get("alibi", {}).get("grad")
         sc["implementation"] = f"correct_impls:{flavour}_variants" + ("_learned_slopes" if learned else "")
+        if variant == "varlen" and flavour in ("numpy", "torch"):  # a loop over cu_seqlens' documents
+            sc["implementation"] = f"correct_impls:{flavour}_varlen"
         if flavour != "numpy":
             sc["backend"] = flavour
     elif torch:

@@ -235,13 +235,13 @@ class _NumpyVariants:
         return e / e.sum(-1, keepdims=True), t
 
     def forward(self, q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
-                attn_bias=None, relative_attention_bias=None):
+                attn_bias=None, relative_attention_bias=None, **packed):
         p, _ = self._p(q, k[:, kv_map], visible, scale, softcap, alibi_slopes, alibi_form, attn_bias,
                        relative_attention_bias)
         return np.einsum("bhij,bhjd->bhid", p, v[:, kv_map])
 
     def backward(self, q, k, v, visible, scale, kv_map, grad_o, softcap=None, alibi_slopes=None,
-                 alibi_form="distance", attn_bias=None, relative_attention_bias=None):
+                 alibi_form="distance", attn_bias=None, relative_attention_bias=None, **packed):
         k_rep, v_rep = k[:, kv_map], v[:, kv_map]
         table = relative_attention_bias
         p, t = self._p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form, attn_bias, table)
@@ -276,7 +276,7 @@ numpy_variants_learned_slopes = _LearnedSlopes()
 
 
 def torch_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
-                   attn_bias=None, relative_attention_bias=None):
+                   attn_bias=None, relative_attention_bias=None, **packed):
     import torch
     s = scale * (q @ k[:, kv_map].transpose(-1, -2))
     if softcap:
@@ -294,7 +294,7 @@ def torch_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=N
 
 
 def jax_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
-                 attn_bias=None, relative_attention_bias=None):
+                 attn_bias=None, relative_attention_bias=None, **packed):
     import jax
     import jax.numpy as jnp
     s = scale * (q @ jnp.swapaxes(k[:, kv_map], -1, -2))
@@ -309,3 +309,44 @@ def jax_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=Non
         bias = jnp.asarray(alibi_slopes)[:, None, None] * _alibi_d(q.shape[2], k.shape[2], alibi_form)
         s = s + bias.astype(s.dtype)
     return jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1) @ v[:, kv_map]
+
+
+# A packed batch (``varlen:``) written as FlashAttention's varlen users write it: a loop over the documents of
+# cu_seqlens, each its own attention under its block of the visible set (NumPy with a hand-written backward; torch
+# by autograd). The variant implementations above read the packed visible set instead and ignore cu_seqlens.
+
+def _documents(cu_q, cu_k):
+    return [(int(cu_q[d]), int(cu_q[d + 1]), int(cu_k[d]), int(cu_k[d + 1])) for d in range(len(cu_q) - 1)]
+
+
+class _NumpyVarlen:
+    def forward(self, q, k, v, visible, scale, kv_map, *, cu_seqlens_q, cu_seqlens_k, **lengths):
+        o = np.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype)
+        for q0, q1, k0, k1 in _documents(cu_seqlens_q, cu_seqlens_k):
+            if q1 > q0:
+                sub = (q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], visible[:, :, q0:q1, k0:k1], scale, kv_map)
+                o[:, :, q0:q1] = einsum.forward(*sub)
+        return o
+
+    def backward(self, q, k, v, visible, scale, kv_map, grad_o, *, cu_seqlens_q, cu_seqlens_k, **lengths):
+        dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+        for q0, q1, k0, k1 in _documents(cu_seqlens_q, cu_seqlens_k):
+            if q1 > q0:
+                sub = (q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], visible[:, :, q0:q1, k0:k1], scale, kv_map)
+                a, b, c = einsum.backward(*sub, grad_o[:, :, q0:q1])
+                dq[:, :, q0:q1], dk[:, :, k0:k1], dv[:, :, k0:k1] = a, b, c
+        return dq, dk, dv
+
+
+numpy_varlen = _NumpyVarlen()
+
+
+def torch_varlen(q, k, v, visible, scale, kv_map, *, cu_seqlens_q, cu_seqlens_k, **lengths):
+    import torch
+    out = []
+    for q0, q1, k0, k1 in _documents(cu_seqlens_q.tolist(), cu_seqlens_k.tolist()):
+        if q1 > q0:
+            s = scale * (q[:, :, q0:q1] @ k[:, kv_map, k0:k1].transpose(-1, -2))
+            p = torch.softmax(s.masked_fill(~visible[:, :, q0:q1, k0:k1], float("-inf")), dim=-1)
+            out.append(p @ v[:, kv_map, k0:k1])
+    return torch.cat(out, dim=2)

@@ -197,7 +197,8 @@ def test_ops_lists_what_is_not_checked_yet_and_the_loader_refuses_it():
     from gradcheck_cli.scenario import loads
     result = run("ops")
     limits = [line for line in result.stdout.splitlines() if line.startswith("    not yet:")]
-    assert len(limits) == 2 and "half precision" in limits[0] and "attention-projections" in limits[1]
+    assert len(limits) == 3 and "half precision" in limits[0] and "attention-projections" in limits[1]
+    assert "varlen" in limits[2] and "alibi" in limits[2]
     base = "scenarios:\n  - {name: a, n_q: 3, d_head: 2, bias: {grad: true}, "
     for extra, says in (("check: {mode: jvp}}", "JVP along a bias is not built"),
                         ("backend: torch}", "not the torch closed forms"),
@@ -209,3 +210,6 @@ def test_ops_lists_what_is_not_checked_yet_and_the_loader_refuses_it():
             loads(base + extra + "\n", base_dir=Path(__file__).resolve().parents[2] / "examples")
     with pytest.raises(ScenarioError, match="does not apply to op attention-projections"):
         loads("scenarios:\n  - {name: p, op: attention-projections, n_q: 3, d_head: 2, d_model: 4, softcap: 2}\n")
+    for key in ("alibi: {}", "relative_bias: {buckets: 4}"):
+        with pytest.raises(ScenarioError, match="not built for a packed batch"):
+            loads("scenarios:\n  - {name: v, d_head: 2, varlen: {seqlens_q: [2, 3]}, " + key + "}\n")

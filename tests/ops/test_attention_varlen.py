@@ -188,14 +188,16 @@ def test_the_broken_examples_fail_and_the_hint_speaks_of_documents(name, words):
     assert any(words in h for h in result.hints), result.hints
 
 
-def test_the_top_left_example_fails_the_reference_checks():
+def test_the_top_left_example_fails_the_reference_checks_and_the_hint_names_the_alignment():
     pytest.importorskip("torch")
     from gradcheck_cli import scenario
 
     from helpers import ROOT
     sc = next(s for s in scenario.load(ROOT / "examples/varlen.yaml") if s.name == "broken-top-left")
-    failed = {c.name for c in checker.run_scenario(sc).checks if c.verdict == "fail"}
+    result = checker.run_scenario(sc)
+    failed = {c.name for c in result.checks if c.verdict == "fail"}
     assert failed == {"forward agrees with the reference", "backward agrees with the reference"}
+    assert any("aligns each document's causal mask upper-left" in h for h in result.hints), result.hints
 
 
 @pytest.mark.parametrize("fault", sorted(varlen.FAULTS))

@@ -242,6 +242,7 @@ REGISTRATION = Registration(
     backward_only=("alibi-offset-backward", "alibi-slope-grad-sign", "alibi-slope-grad-batch"),
     applies=_applies,
     validate=validate,
+    positions=True,
     passes="alibi_slopes= [Hq] (with grad: true a NumPy backward returns their gradient last), and "
            "alibi_form=column for the column form",
 )

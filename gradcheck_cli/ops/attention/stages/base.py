@@ -109,6 +109,7 @@ class Registration:
     applies: Callable[[Any, str], str | None] | None = None  # why a fault cannot apply to a scenario (None: it can)
     validate: Callable[[dict, dict], list] | None = None  # (key, message, hint) for values wrong together (Op.validate)
     passes: str = ""  # what a user's code is passed, for ``attn-gradcheck ops`` (``softcap=``)
+    positions: bool = False  # its values depend on the query and key positions (ALiBi, T5's buckets)
 
 
 #: What the stages do not cover yet (``attn-gradcheck ops`` lists it; ``gradient_limits`` refuses a scenario that
@@ -116,7 +117,9 @@ class Registration:
 LIMITS = ("a stage parameter's gradient (bias.grad, relative_bias.grad, alibi.grad) is checked in float64 and "
           "float32, on the NumPy engines and your NumPy, torch and JAX code: not yet on the torch closed forms, in "
           "half precision, or along check.mode jvp / hvp (the stages themselves are)",
-          "the variants apply to op attention: not yet to attention-projections or block")
+          "the variants apply to op attention: not yet to attention-projections or block",
+          "a packed batch (varlen) composes with softcap and bias, not yet with alibi or relative_bias (their "
+          "positions would be the packed axis', where FlashAttention's are each document's)")
 
 
 def gradient_limits(key: str, what: str, attention: dict) -> list:

@@ -217,5 +217,6 @@ REGISTRATION = Registration(
     backward_only=("relative-bias-scatter", "relative-bias-offset-backward"),
     applies=_applies,
     validate=validate,
+    positions=True,
     passes=f"{KWARG}= [buckets, Hq] (T5's embedding weight); a NumPy backward returns its gradient last",
 )
