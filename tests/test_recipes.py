@@ -249,3 +249,27 @@ def test_each_broken_t5_recipe_fails_the_right_check(t5_relative, name, check):
     assert (check, "o" if check.startswith("forward") else "relative_bias") in failed, failed
     if check == "gradient relative_bias":  # q, k and v are right: only the table's checks fail
         assert {t for _, t in failed} == {"relative_bias"}, failed
+
+
+@pytest.fixture(scope="module")
+def hf_packed():
+    return _recipes("hf_packed.yaml", "torch", "transformers")
+
+
+@pytest.mark.parametrize("name", [n for n in _names(RECIPES / "hf_packed.yaml") if not n.startswith("broken")])
+def test_each_hf_packed_recipe_passes_with_every_fault_caught(hf_packed, name):
+    """transformers' packed sequences (restarting position ids, find_packed_sequence_indices, sdpa_mask) as the
+    library builds them: a packed batch with cu_seqlens passes, and the packed batch's faults are caught on it."""
+    result = checker.run_scenario(hf_packed[name])
+    assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
+    cells = checker.negative_controls([hf_packed[name]])
+    assert {c.status for c in cells} <= {"detected", "not applicable"}, [(c.fault, c.status) for c in cells]
+    assert {c.fault for c in cells if c.status == "detected"} >= {"softmax-term", "varlen-packed-causal",
+                                                                   "varlen-single-query"}
+
+
+def test_hf_packed_positions_without_restarts_let_the_documents_see_each_other(hf_packed):
+    result = checker.run_scenario(hf_packed["broken-hf-packed-arange-positions"])
+    failed = {c.name for c in result.checks if c.verdict == "fail"}
+    assert {"forward agrees with the reference", "documents do not see each other"} <= failed
+    assert any("documents of the packed batch see each other" in h for h in result.hints), result.hints
