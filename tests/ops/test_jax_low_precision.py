@@ -142,3 +142,28 @@ def test_the_shipped_bfloat16_jax_scenario_runs_without_finite_differences():
     sc = scenarios["jax-bfloat16-gqa"]
     assert sc.dtype == "bfloat16" and "factor 2 policy" in sc.describe()
     assert checker.run_scenario(sc).verdict == "pass"
+
+
+@pytest.mark.slow  # JAX compiles and runs op by op: ~15 s
+def test_score_stages_run_op_by_op_are_a_plain_way_too():
+    """Soft-capped JAX code in float16 rounds its tanh otherwise op by op than one compiled program does, even
+    without excess precision: this correct code's dK error is 3.1x the compiled plain ways' (a false FAIL found
+    by the variants grid, seed 41). With stages the plain forward also runs eagerly, and the code passes; the
+    eager way is as large as the code's error."""
+    from gradcheck_cli.ops.attention import jax_plain
+    from gradcheck_cli.ops.attention import stages as score_stages
+    from gradcheck_cli.ops.attention.args import Args
+    from gradcheck_cli.ops.attention.inputs import seeded_inputs
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    sc = _load(benchmarks, batch=1, heads_q=6, heads_kv=1, n_q=1, n_k=21, d_head=8, dtype="float16",
+               seed=2094399707, scale=2.4877, mask={"causal": "lower-right", "key_lengths": [21]}, softcap=0.932,
+               alibi={"form": "distance"}, bias={"shape": [1, 6, 1, 21], "grad": False},
+               relative_bias={"buckets": 32, "max_distance": 96, "bidirectional": True, "grad": False},
+               implementation="correct_impls:jax_variants")
+    assert checker.run_scenario(sc).passed
+    inputs, g = seeded_inputs(sc, dtype=np.float64)
+    ways = jax_plain.plain(inputs, g, Args.of(sc, score_stages.from_scenario(sc)), "float16")
+    assert len(ways) == 4
+    compiled, eager = ways[0]["k"], ways[3]["k"]
+    assert np.abs(eager - compiled).max() > 1e-3  # the op-by-op rounding differs from the program's
+    assert len(jax_plain.plain(inputs, g, Args.of(sc), "float16")) == 3  # plain attention: the compiled ways alone

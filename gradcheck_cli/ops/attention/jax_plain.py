@@ -60,13 +60,17 @@ def backward(q, k, v, visible, scale: float, kv_map, grad_o, stages=()):
 ROUNDED = {"xla_allow_excess_precision": False, "xla_backend_optimization_level": 0}
 
 
-def _plain_ways(scale: float, stages=()):
+def _ways(scale: float, stages=()):
     def run(q, k, v, g, visible, kv_map):
         kw = {"visible": visible, "scale": scale, "kv_map": kv_map, "stages": stages}  # Args.kw, traced
         o, pull = jax.vjp(lambda q, k, v: forward(q, k, v, **kw), q, k, v)
         o_sm, pull_sm = jax.vjp(lambda q, k, v: forward_softmax(q, k, v, **kw), q, k, v)
         return (o, *pull(g), *backward(q, k, v, grad_o=g, **kw), o_sm, *pull_sm(g))
-    return jax.jit(run)
+    return run
+
+
+def _plain_ways(scale: float, stages=()):
+    return jax.jit(_ways(scale, stages))
 
 
 #: The compiled program of each (scale, argument shapes and dtypes), for the life of the process.
@@ -78,7 +82,7 @@ def plain(inputs: dict, g, args, dtype: str) -> list[dict]:
     (``args.Args``: visible set, scale, kv_map, stages), each {o, q, k, v} as float64 NumPy
     arrays: the plain forward with its ``jax.vjp`` gradients, the closed forms, and the forward through
     ``jax.nn.softmax`` with its ``jax.vjp`` gradients (so that no one plain way is lucky: as the torch engine
-    takes autograd, the closed forms and SDPA)."""
+    takes autograd, the closed forms and SDPA); with score stages, a fourth: the first run op by op (eagerly)."""
     dt = jnp.dtype(dtype)  # a NumPy dtype (ml_dtypes' for bfloat16)
     to = lambda a: jnp.asarray(np.asarray(a).astype(dt))  # noqa: E731 (rounded in NumPy: no float64 in JAX)
     scale, stages = float(args.scale), args.stages
@@ -88,4 +92,9 @@ def plain(inputs: dict, g, args, dtype: str) -> list[dict]:
     if key not in _COMPILED:
         _COMPILED[key] = _plain_ways(scale, stages).lower(*arrays).compile(compiler_options=ROUNDED)
     o, *grads = (np.asarray(x).astype(np.float64) for x in _COMPILED[key](*arrays))
-    return [dict(zip("oqkv", (o, *grads[:3]))), dict(zip("oqkv", (o, *grads[3:6]))), dict(zip("oqkv", grads[6:]))]
+    ways = [dict(zip("oqkv", (o, *grads[:3]))), dict(zip("oqkv", (o, *grads[3:6]))), dict(zip("oqkv", grads[6:]))]
+    if stages:  # a stage's elementwise functions (softcap's tanh) round otherwise op by op than in one program, even
+        # without excess precision (a float16 case: 3x the compiled ways' dK error): the plain forward run eagerly too
+        eager = [np.asarray(x).astype(np.float64) for x in _ways(scale, stages)(*arrays)[:4]]
+        ways.append(dict(zip("oqkv", eager)))
+    return ways
