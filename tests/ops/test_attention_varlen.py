@@ -238,3 +238,39 @@ def test_the_loader_refuses_a_wrong_packed_batch_naming_the_key(keys, key, words
 def test_varlen_is_attentions_alone():
     with pytest.raises(ScenarioError, match="does not apply to op attention-projections"):
         make(op="attention-projections", d_head=4, d_model=8, varlen={"seqlens_q": [2, 2]})
+
+
+BAD_DOCUMENT = """
+from gradcheck_cli.ops.attention import formulas
+
+
+class Bad:  # dK of document 1 scaled by 1.5: a per-document bug in a varlen backward
+    def forward(self, q, k, v, visible, scale, kv_map, **kw):
+        return formulas.forward(q, k, v, visible, scale, kv_map)
+
+    def backward(self, q, k, v, visible, scale, kv_map, grad_o, *, cu_seqlens_k, **kw):
+        g = formulas.backward(q, k, v, visible, scale, kv_map, grad_o)
+        dk = g.k.copy()
+        dk[..., cu_seqlens_k[1]:cu_seqlens_k[2], :] *= 1.5
+        return g.q, dk, g.v
+
+
+impl = Bad()
+"""
+
+
+def test_the_localisation_names_the_document_where_the_errors_sit(tmp_path, monkeypatch):
+    (tmp_path / "bad_document.py").write_text(BAD_DOCUMENT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = checker.run_scenario(make(**SCENARIO, implementation="bad_document:impl"))
+    failed = {(c.name, c.tensor) for c in result.checks if c.verdict == "fail"}
+    assert failed == {("gradient k", "k"), ("backward agrees with the reference", "k")}
+    grad_k = next(c for c in result.checks if c.name == "gradient k")
+    classes = {c["label"]: c["out_of_tolerance"] for c in grad_k.diagnosis["classes"]}
+    # document 1 has keys 5-6 of 2 KV heads x 4 features: all 16 out, the other documents' none
+    assert classes["document 1's keys"] == 16 == grad_k.diagnosis["out_of_tolerance"]
+    assert classes["document 0's keys"] == classes["document 2's keys"] == 0
+    from gradcheck_cli.ops.attention.hints import diagnosis
+    structure, _ = diagnosis(make(**SCENARIO))
+    single = structure["q"].classes["queries of one-query documents"]  # document 1: packed row 3
+    assert single.shape == (1, 4, 6) and single[0, 0].tolist() == [False, False, False, True, False, False]

@@ -27,11 +27,16 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .... import masks
 from ...registry import Structure
 from .context import DROP_MASK, Context, _alternative, _convention, _mask_backward, _missing_keys, _mixing
 from .patterns import _factor, _gqa, _reference_factor, _scale, _shift_violation, _swapped
 
 __all__ = ["Context", "diagnosis"]
+
+
+#: A packed batch's documents named as classes of rows in the localisation (the first ones).
+DOCUMENT_CLASSES = 8
 
 
 def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure], Callable]:
@@ -50,6 +55,15 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
     q_classes = {"query rows that see every key": sees_all, "query rows with hidden keys": ~sees_all,
                  "query rows cut on the left (window edge)": first > 0,
                  "query rows cut on the right (causal diagonal, padding)": last < n_k - 1}
+    if sc.documents is not None:  # a packed batch: where the errors sit, by document (the first ones)
+        doc_q = masks.document_of(sc.n_q, sc.documents.pair)
+        doc_k = masks.document_of(sc.n_k, sc.documents.pair, keys=True)
+        for d in range(min(len(sc.documents.seqlens_q), DOCUMENT_CLASSES)):
+            q_classes[f"document {d}'s queries"] = np.broadcast_to((doc_q == d)[None, None], sees_all.shape)
+            kv_classes[f"document {d}'s keys"] = np.broadcast_to((doc_k == d)[None, None], every.shape)
+        single = np.isin(doc_q, [d for d, n in enumerate(sc.documents.seqlens_q) if n == 1])
+        if single.any():
+            q_classes["queries of one-query documents"] = np.broadcast_to(single[None, None], sees_all.shape)
     if sc.heads_kv < sc.heads_q:
         for g in range(sc.heads_kv):
             heads = kv_map == g
