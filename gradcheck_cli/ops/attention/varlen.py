@@ -61,7 +61,7 @@ class Documents:
 
     @property
     def label(self) -> str:
-        return f"varlen {len(self.seqlens_q)} docs"
+        return f"varlen {len(self.seqlens_q)} doc{'' if len(self.seqlens_q) == 1 else 's'}"
 
     def query(self, i: int) -> tuple[int, int]:
         """(document, query within it) of packed query row i."""
