@@ -3,6 +3,7 @@
 Modules, imported one way (each only from those above it in this list, and none from outside the
 package but the shared machinery below ``ops``):
   stages     the score stages between scale * Q K^T and the softmax (soft-capping), each with its faults (a leaf)
+  varlen     a packed batch's documents (FlashAttention's varlen): its key, faults and check (a leaf)
   formulas   forward, backward, ``repeat_kv``/``sum_groups``, the faults
   directional  the JVP and the HVP in closed form
   rounding   the size of the terms of O and the gradients (noise floors, agreement)
