@@ -84,7 +84,8 @@ def prepare(options: RunOptions) -> RunPlan:
     o = options
     if o.faults and o.negative_controls:
         raise GradcheckError("--negative-controls runs every fault itself; do not combine it with --fault")
-    scenarios = with_engine(select(load(o.config), o.selects, o.deselects), o.engine)
+    scenarios = with_engine(select(load(o.config, include=o.selects, exclude=o.deselects), o.selects, o.deselects),
+                            o.engine)
     shard_info = None
     if o.shard:
         shard_info = {"index": o.shard[0], "count": o.shard[1], "of": len(scenarios), "select": list(o.selects),

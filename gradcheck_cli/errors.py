@@ -69,6 +69,7 @@ class ScenarioError(GradcheckError):
         self.key = key
         self.hint = hint
         self.final = False  # no later scenario of the file can load either (the masks held so far fill memory)
+        self.missing: str | None = None  # the optional library the scenario needs and this machine lacks
         super().__init__(self.__str__())
 
     def __str__(self) -> str:

@@ -32,7 +32,8 @@ def main() -> None:
 @click.option("--break-softmax-term", is_flag=True, help="Same as --fault softmax-term.")
 @click.option("--select", "selects", multiple=True, metavar="GLOB",
               help="Run only scenarios whose name matches (repeatable; globs over whole names, e.g. '*gqa*').")
-@click.option("--deselect", "deselects", multiple=True, metavar="GLOB", help="Skip scenarios whose name matches.")
+@click.option("--deselect", "deselects", multiple=True, metavar="GLOB",
+              help="Skip scenarios whose name matches (one left out needs no torch or JAX installed).")
 @click.option("--negative-controls", is_flag=True,
               help="Also run every fault on every scenario and print a scenario x fault table; "
                    "exit 1 if an applicable fault goes undetected.")
@@ -196,7 +197,8 @@ def sweep_eps(config, selects, deselects, samples, step_range, plot_path, json_p
 
     try:
         steps = _parse_steps(step_range)
-        scenarios = [sc for sc in select(load(config), selects, deselects) if OPS[sc.op].tensors]
+        scenarios = [sc for sc in select(load(config, include=selects, exclude=deselects), selects, deselects)
+                     if OPS[sc.op].tensors]
         if not scenarios:
             raise GradcheckError(f"{config}: no selected scenario has gradients to sweep")
         report.prepare_outputs({"--json": json_path, "--plot": plot_path, "--html": html_path}, {}, inputs=[config])

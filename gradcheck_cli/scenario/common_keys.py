@@ -161,6 +161,13 @@ def _backend_and_device(f: _Fields, spec, dtype: str) -> tuple[str, str]:
     return backend, device
 
 
+def _missing(error, library: str):
+    """``error``, marked as the want of an optional library (a scenario left out by --deselect is not refused for
+    it: ``loader.loads(wanted=)``)."""
+    error.missing = library
+    return error
+
+
 def _require_jax(f: _Fields, device: str) -> None:
     """JAX scenarios need JAX, on its default device."""
     if device != "cpu":
@@ -169,8 +176,8 @@ def _require_jax(f: _Fields, device: str) -> None:
     try:
         import jax  # noqa: F401
     except ImportError:
-        raise f.error("backend", "this scenario needs JAX, which is not installed",
-                      hint="pip install 'attn-gradcheck[jax]', or pip install 'jax[cpu]'") from None
+        raise _missing(f.error("backend", "this scenario needs JAX, which is not installed",
+                               hint="pip install 'attn-gradcheck[jax]', or pip install 'jax[cpu]'"), "jax") from None
 
 
 def _require_torch(f: _Fields, backend: str, device: str, dtype: str) -> None:
@@ -182,16 +189,17 @@ def _require_torch(f: _Fields, backend: str, device: str, dtype: str) -> None:
     try:
         import torch
     except ImportError:
-        raise f.error(key, "this scenario needs torch, which is not installed",
-                      hint="pip install 'attn-gradcheck[torch]', or pin a build, e.g. pip install torch==2.13.0; "
-                           "an unpinned torch may pull a large CUDA build") from None
+        raise _missing(f.error(key, "this scenario needs torch, which is not installed",
+                               hint="pip install 'attn-gradcheck[torch]', or pin a build, e.g. pip install "
+                                    "torch==2.13.0; an unpinned torch may pull a large CUDA build"), "torch") from None
     if dtype == "bfloat16" and f.has("implementation"):
         try:  # your code's bfloat16 tensors come back as NumPy arrays of ml_dtypes' bfloat16
             import ml_dtypes  # noqa: F401
         except ImportError:
-            raise f.error("dtype", "dtype bfloat16 with a torch implementation needs the ml_dtypes package, which "
-                          "is not installed", hint="pip install ml_dtypes (or pip install 'attn-gradcheck[torch]')"
-                          ) from None
+            raise _missing(f.error("dtype", "dtype bfloat16 with a torch implementation needs the ml_dtypes "
+                                   "package, which is not installed",
+                                   hint="pip install ml_dtypes (or pip install 'attn-gradcheck[torch]')"),
+                           "ml_dtypes") from None
     if device == "cuda" and not torch.cuda.is_available():
         raise f.error("device", "device cuda was asked for but torch sees no CUDA device",
                       hint="use device: cpu, or run on a machine with a GPU and a CUDA build of torch")

@@ -18,8 +18,11 @@ from .sweep import _sweep_axes, _sweep_cases
 from .yaml_lines import _Doc, _show, _size
 
 
-def load(path: str | os.PathLike, *, memory_limit: int | None = None) -> list[Scenario]:
-    """Read and validate every scenario of a YAML file; raises ``ScenarioError`` on the first problem."""
+def load(path: str | os.PathLike, *, memory_limit: int | None = None, include: tuple[str, ...] = (),
+         exclude: tuple[str, ...] = ()) -> list[Scenario]:
+    """Read and validate every scenario of a YAML file; raises ``ScenarioError`` on the first problem. With
+    ``include``/``exclude`` (``--select``/``--deselect``'s globs), a scenario they leave out is not refused for an
+    optional library this machine lacks (torch, JAX, ml_dtypes): it is dropped; any other problem still counts."""
     if "\x00" in os.fspath(path):
         raise ScenarioError("the path contains a NUL byte", file=repr(os.fspath(path)))
     path = Path(path)
@@ -32,11 +35,13 @@ def load(path: str | os.PathLike, *, memory_limit: int | None = None) -> list[Sc
     except UnicodeDecodeError as exc:
         raise ScenarioError("not UTF-8 text", file=str(path), line=data.count(b"\n", 0, exc.start) + 1,
                             hint="save the file as UTF-8") from None
-    return loads(text, file=str(path), base_dir=path.parent, memory_limit=memory_limit)
+    return loads(text, file=str(path), base_dir=path.parent, memory_limit=memory_limit, include=include,
+                 exclude=exclude)
 
 
 def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".",
-          memory_limit: int | None = None) -> list[Scenario]:
+          memory_limit: int | None = None, include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()
+          ) -> list[Scenario]:
     """Like :func:`load`, from a string."""
     doc = _Doc(text, file)
     top = doc.value
@@ -65,7 +70,12 @@ def loads(text: str, *, file: str = "<string>", base_dir: str | os.PathLike = ".
         try:
             held = _load_item(doc, defaults, item, i, base_dir, limit, seen, out, held)
         except ScenarioError as exc:
-            for problem in exc.errors if isinstance(exc, ScenarioErrors) else [exc]:
+            many = exc.errors if isinstance(exc, ScenarioErrors) else [exc]
+            name = item.get("name") if isinstance(item, dict) else None
+            if (include or exclude) and isinstance(name, str) and all(p.missing for p in many) \
+                    and not _chosen(name, include, exclude):
+                continue  # left out by --select/--deselect: the library it needs is not wanted here
+            for problem in many:
                 if str(problem) not in reported:  # a bad key of defaults: once, not once per scenario
                     reported.add(str(problem))
                     problems.append(problem)
@@ -152,16 +162,21 @@ def with_engine(scenarios: list[Scenario], engine: str | None, *, memory_limit: 
     return out
 
 
+def _chosen(name: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> bool:
+    """``name`` matches an ``include`` glob (any, when none is given) and no ``exclude`` glob."""
+    import fnmatch
+
+    def matches(patterns) -> bool:
+        return any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns)
+    return (not include or matches(include)) and not matches(exclude)
+
+
 def select(scenarios: list[Scenario], include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> list[Scenario]:
     """Scenarios whose name matches any ``include`` glob (all when none is given) and no ``exclude``
     glob. Globs match the whole name (``fnmatch``): a plain name selects exactly that scenario (also a
     generated sweep name such as ``causal[n_q=1]``, whose brackets would otherwise be a glob class),
     ``'*gqa*'`` every name containing gqa."""
-    import fnmatch
-    def matches(name: str, patterns) -> bool:
-        return any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns)
-
-    chosen = [sc for sc in scenarios if (not include or matches(sc.name, include)) and not matches(sc.name, exclude)]
+    chosen = [sc for sc in scenarios if _chosen(sc.name, include, exclude)]
     if not chosen:
         names = ", ".join(sc.name for sc in scenarios)
         given = " ".join([f"--select '{p}'" for p in include] + [f"--deselect '{p}'" for p in exclude])

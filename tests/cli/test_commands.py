@@ -214,3 +214,23 @@ def test_ops_lists_what_is_not_checked_yet_and_the_loader_refuses_it():
     for key in ("alibi: {}", "relative_bias: {buckets: 4}"):
         with pytest.raises(ScenarioError, match="not built for a packed batch"):
             loads("scenarios:\n  - {name: v, d_head: 2, varlen: {seqlens_q: [2, 3]}, " + key + "}\n")
+
+
+def test_a_scenario_left_out_by_select_is_not_refused_for_a_library_this_machine_lacks(monkeypatch, tmp_path):
+    """Without torch, --select/--deselect run the NumPy scenarios of a file that also has torch ones; a selected
+    scenario that needs it is still refused (exit 2), and so is any other problem of a scenario left out."""
+    import sys
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch now raises ImportError
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text("scenarios:\n  - {name: mine, n_q: 3, d_head: 2}\n  - {name: mine-torch, n_q: 3, d_head: 2, "
+                   "backend: torch}\n  - {name: mine-half, n_q: 3, d_head: 2, backend: torch, dtype: float16}\n")
+    for args, code in ((["--select", "mine"], 0), (["--deselect", "mine-*"], 0), ([], 2),
+                       (["--select", "mine-torch"], 2), (["--select", "mine*"], 2)):
+        result = run("run", str(cfg), *args)
+        assert result.exit_code == code, (args, result.output)
+        assert "Traceback" not in result.output
+    assert "scenarios[1].backend: this scenario needs torch" in run("run", str(cfg), "--select", "mine*").stderr
+    cfg.write_text("scenarios:\n  - {name: mine, n_q: 3, d_head: 2}\n  - {name: other, n_q: 3, d_head: 2, "
+                   "batch: -1}\n")
+    result = run("run", str(cfg), "--select", "mine")
+    assert result.exit_code == 2 and "scenarios[1].batch" in result.stderr
