@@ -12,6 +12,8 @@ batch element the same packed layout.
     torch_top_left           broken: each document's causal mask aligned top-left (torch.tril without the offset)
     torch_single_query_path  broken: a document of one query takes a "decode" path that reads every key up to its
                              document's end, across document boundaries (flash-attention #1537's kind)
+    torch_alibi_attention    with ALiBi (alibi_slopes=), each document's own positions, as FlashAttention's varlen
+    torch_alibi_packed_positions  broken: ALiBi's distances taken on the packed axis, not within the document
 """
 import numpy as np
 
@@ -58,8 +60,10 @@ class NumpyVarlen:
 numpy_attention = NumpyVarlen()
 
 
-def _torch_varlen(q, k, v, scale, kv_map, cu_q, cu_k, align="bottom-right", single_query_path=False):
-    """Per document: S = scale q k^T, causal (bottom-right on the document's own keys, or top-left), softmax, P V."""
+def _torch_varlen(q, k, v, scale, kv_map, cu_q, cu_k, align="bottom-right", single_query_path=False,
+                  alibi_slopes=None, packed_positions=False):
+    """Per document: S = scale q k^T (+ ALiBi's -m_h |i' + L_k - L_q - j'| on the document's own positions),
+    causal (bottom-right on the document's own keys, or top-left), softmax, P V."""
     import torch
     out = []
     for q0, q1, k0, k1 in _documents(cu_q.tolist(), cu_k.tolist()):
@@ -71,13 +75,29 @@ def _torch_varlen(q, k, v, scale, kv_map, cu_q, cu_k, align="bottom-right", sing
         lq, lk = q1 - q0, k1 - k0
         offset = (lk - lq) if align == "bottom-right" else 0
         causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(offset)
-        s = (scale * (qd @ kd.transpose(-1, -2))).masked_fill(~causal, float("-inf"))
+        s = scale * (qd @ kd.transpose(-1, -2))
+        if alibi_slopes is not None:  # FlashAttention's varlen ALiBi: each document's own positions
+            i = torch.arange(lq, device=q.device)[:, None] + lk - lq + (q0 - k0 if packed_positions else 0)
+            j = torch.arange(lk, device=q.device)[None, :]
+            s = s - alibi_slopes.to(s.dtype)[:, None, None] * (i - j).abs().to(s.dtype)
+        s = s.masked_fill(~causal, float("-inf"))
         out.append(torch.softmax(s, dim=-1) @ vd)
     return torch.cat(out, dim=2)
 
 
 def torch_attention(q, k, v, visible, scale, kv_map, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     return _torch_varlen(q, k, v, scale, kv_map, cu_seqlens_q, cu_seqlens_k)
+
+
+def torch_alibi_attention(q, k, v, visible, scale, kv_map, *, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k):
+    return _torch_varlen(q, k, v, scale, kv_map, cu_seqlens_q, cu_seqlens_k, alibi_slopes=alibi_slopes)
+
+
+def torch_alibi_packed_positions(q, k, v, visible, scale, kv_map, *, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                 max_seqlen_q, max_seqlen_k):
+    return _torch_varlen(q, k, v, scale, kv_map, cu_seqlens_q, cu_seqlens_k, alibi_slopes=alibi_slopes,
+                         packed_positions=True)
 
 
 def torch_top_left(q, k, v, visible, scale, kv_map, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):

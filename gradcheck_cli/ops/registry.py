@@ -230,7 +230,8 @@ class KeyGroup:
     before anything of their size exists; ``build(fields, read, batch, base_dir, op)`` makes what they describe
     once the memory check passed. Both return Scenario fields. ``sizes(read, batch)``: what the memory estimate
     counts and the keys that reduce it, for the loader's error. ``takes(op)``: the keys that apply to an op (``keys``
-    lists every one); ``nested``: the mappings among them and their keys; ``schema()``: their JSON Schema."""
+    lists every one); ``nested``: the mappings among them and their keys (merged over ``defaults`` key by key, but
+    those in ``whole``, whose keys belong together, replaced as a whole); ``schema()``: their JSON Schema."""
     name: str
     keys: tuple[str, ...]
     nested: Mapping[str, tuple[str, ...]]
@@ -240,6 +241,7 @@ class KeyGroup:
     takes: Callable[[Any], tuple[str, ...]]
     schema: Callable[[], dict]
     summary: str
+    whole: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

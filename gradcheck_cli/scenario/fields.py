@@ -36,6 +36,8 @@ BACKENDS = tuple(dict.fromkeys(b for op in OPS.values() for b in op.backends))
 DEVICES = ("cpu", "cuda")
 LOW_PRECISION = ("float16", "bfloat16")
 NESTED = {"check": CHECK_KEYS, **{key: sub for group in KEY_GROUPS for key, sub in group.nested.items()}}
+#: Nested mappings a scenario replaces as a whole (a packed batch's seqlens_q and seqlens_k go together).
+WHOLE = tuple(key for group in KEY_GROUPS for key in group.whole)
 TOP_KEYS = ("defaults", "scenarios")
 #: The smallest step, in units of the dtype's resolution: a smaller one rounds back to the input.
 MIN_STEP_ULPS = 8
@@ -72,6 +74,8 @@ def _merge(doc: _Doc, defaults: dict, scenario: dict, index: int) -> dict[str, t
                         else _suggest(key, allowed))
                 unknown.append(doc.error(path, f"unknown key '{key}'", hint=hint))
             elif key in NESTED:
+                if key in WHOLE:  # the scenario's replaces the defaults' whole
+                    out = {k: v for k, v in out.items() if not k.startswith(key + ".")}
                 if value is not None:
                     out.update(_nested(doc, key, value, path, unknown))
             else:

@@ -198,8 +198,7 @@ def test_ops_lists_what_is_not_checked_yet_and_the_loader_refuses_it():
     from gradcheck_cli.scenario import loads
     result = run("ops")
     limits = [line for line in result.stdout.splitlines() if line.startswith("    not yet:")]
-    assert len(limits) == 3 and "half precision" in limits[0] and "attention-projections" in limits[1]
-    assert "varlen" in limits[2] and "alibi" in limits[2]
+    assert len(limits) == 2 and "half precision" in limits[0] and "attention-projections" in limits[1]
     base = "scenarios:\n  - {name: a, n_q: 3, d_head: 2, bias: {grad: true}, "
     for extra, says in (("check: {mode: jvp}}", "JVP along a bias is not built"),
                         ("backend: torch}", "not the torch closed forms"),
@@ -211,9 +210,7 @@ def test_ops_lists_what_is_not_checked_yet_and_the_loader_refuses_it():
             loads(base + extra + "\n", base_dir=Path(__file__).resolve().parents[2] / "examples")
     with pytest.raises(ScenarioError, match="does not apply to op attention-projections"):
         loads("scenarios:\n  - {name: p, op: attention-projections, n_q: 3, d_head: 2, d_model: 4, softcap: 2}\n")
-    for key in ("alibi: {}", "relative_bias: {buckets: 4}"):
-        with pytest.raises(ScenarioError, match="not built for a packed batch"):
-            loads("scenarios:\n  - {name: v, d_head: 2, varlen: {seqlens_q: [2, 3]}, " + key + "}\n")
+
 
 
 def test_a_scenario_left_out_by_select_is_not_refused_for_a_library_this_machine_lacks(monkeypatch, tmp_path):

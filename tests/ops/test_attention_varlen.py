@@ -274,3 +274,59 @@ def test_the_localisation_names_the_document_where_the_errors_sit(tmp_path, monk
     structure, _ = diagnosis(make(**SCENARIO))
     single = structure["q"].classes["queries of one-query documents"]  # document 1: packed row 3
     assert single.shape == (1, 4, 6) and single[0, 0].tolist() == [False, False, False, True, False, False]
+
+
+# ALiBi's distance form without a causal mask (under one, a document's shift of positions is a constant per row,
+# which the softmax removes: the test could not fail); T5's buckets under the causal mask
+@pytest.mark.parametrize("stage, causal", [({"alibi": {"form": "distance"}}, "none"),
+                                           ({"relative_bias": {"buckets": 8, "max_distance": 16}}, "lower-right")])
+def test_alibi_and_t5_take_each_documents_own_positions(stage, causal):
+    """In a packed batch the position-dependent stages (ALiBi, T5's buckets) are each document's own, as
+    FlashAttention's varlen takes them: the packed O and gradients equal each document run alone with the stage
+    built for its own lengths (and differ from the packed axis' positions)."""
+    from gradcheck_cli.ops.attention import stages as score_stages
+    sc = make(**{**SCENARIO, "mask": {"causal": causal}}, **stage)
+    packed = score_stages.from_scenario(sc)
+    rng = np.random.default_rng(3)
+    q, k, v, g = (rng.standard_normal(s) for s in [(1, 4, 6, 4), (1, 2, 11, 4), (1, 2, 11, 4), (1, 4, 6, 4)])
+    kv_map = np.asarray(sc.kv_map)
+    o = formulas.forward(q, k, v, sc.visible, sc.scale, kv_map, stages=packed)
+    grads = formulas.backward(q, k, v, sc.visible, sc.scale, kv_map, g, stages=packed)
+    cu_q, cu_k = sc.documents.cu_q, sc.documents.cu_k
+    for d in range(3):
+        rows, keys = slice(cu_q[d], cu_q[d + 1]), slice(cu_k[d], cu_k[d + 1])
+        n, m = rows.stop - rows.start, keys.stop - keys.start
+        alone_sc = make(heads_q=4, heads_kv=2, d_head=4, n_q=int(n), n_k=int(m), mask={"causal": causal}, **stage)
+        alone = score_stages.from_scenario(alone_sc)
+        vis = masks.build_visible(1, 4, n, m, causal=causal)
+        sub = (q[..., rows, :], k[..., keys, :], v[..., keys, :], vis, sc.scale, kv_map)
+        np.testing.assert_allclose(o[..., rows, :], formulas.forward(*sub, stages=alone), rtol=1e-13, atol=1e-14)
+        mine = formulas.backward(*sub, g[..., rows, :], stages=alone)
+        np.testing.assert_allclose(grads.q[..., rows, :], mine.q, rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose(grads.k[..., keys, :], mine.k, rtol=1e-12, atol=1e-13)
+    packed_axis = make(**{**SCENARIO, "mask": {"causal": causal}, "n_q": 6, "n_k": 11, "varlen": None}, **stage)
+    on_packed_axis = formulas.forward(q, k, v, sc.visible, sc.scale, kv_map,
+                                      stages=score_stages.from_scenario(packed_axis))
+    assert np.abs(on_packed_axis - o).max() > 1e-3  # the packed axis' positions give another O on these inputs
+
+
+def test_alibi_on_the_packed_axis_is_caught():
+    pytest.importorskip("torch")
+    from gradcheck_cli import scenario
+
+    from helpers import ROOT
+    scs = {s.name: s for s in scenario.load(ROOT / "examples/varlen.yaml") if "alibi" in s.name}
+    assert checker.run_scenario(scs["mine-torch-alibi"]).passed
+    failed = {c.name for c in checker.run_scenario(scs["broken-alibi-packed-positions"]).checks if c.verdict == "fail"}
+    assert "forward agrees with the reference" in failed
+
+
+def test_a_scenarios_varlen_replaces_the_defaults_whole():
+    """seqlens_q and seqlens_k go together: a scenario's varlen is not merged key by key over the defaults' (a
+    mask is), so its own seqlens_k default to its own seqlens_q."""
+    from gradcheck_cli import scenario
+    text = ("defaults: {heads_q: 2, d_head: 4, varlen: {seqlens_q: [3, 1, 4, 2], seqlens_k: [5, 3, 4, 6]}}\n"
+            "scenarios: [{name: a}, {name: b, varlen: {seqlens_q: [3, 1, 6]}}]\n")
+    a, b = scenario.loads(text)
+    assert a.documents.seqlens_k == (5, 3, 4, 6) and (a.n_q, a.n_k) == (10, 18)
+    assert b.documents.seqlens_k == (3, 1, 6) and (b.n_q, b.n_k) == (10, 10)

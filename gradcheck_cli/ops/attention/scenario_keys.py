@@ -193,6 +193,6 @@ def schema() -> dict:
 
 #: The keys the ops with attention's blocks share (attention, its projections, the block).
 KEY_GROUP = KeyGroup(name="attention", keys=KEYS + ("convention",), nested=NESTED, read=read, build=build,
-                     sizes=sizes, takes=takes, schema=schema,
+                     sizes=sizes, takes=takes, schema=schema, whole=(varlen.KEY,),
                      summary="the attention keys (heads_q, heads_kv, kv_map, n_q, n_k, d_head, d_value, scale, "
                              "mask, loss_rows)")

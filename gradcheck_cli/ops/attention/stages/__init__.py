@@ -226,12 +226,6 @@ def validate(params: dict, attention: dict) -> list:
             return [(ORDER_KEY, f"lists {', '.join(order)} but the scenario sets "
                                 + (", ".join(used) if used else "no stage"),
                      "list every stage the scenario sets, once, in the order to apply them")]
-    if attention.get("documents") is not None:
-        positional = [r.key for r in REGISTERED if r.positions and params.get(r.key) is not None]
-        if positional:
-            return [(positional[0], "is not built for a packed batch (varlen) yet: its positions would be the packed "
-                                    "axis', where FlashAttention's varlen takes each document's own",
-                     f"remove {positional[0]} or varlen; softcap and bias compose with varlen")]
     return [problem for r in REGISTERED if r.validate for problem in r.validate(params, attention)]
 
 

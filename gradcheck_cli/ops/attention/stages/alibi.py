@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from ...registry import Fault, Param
-from .base import ALL, Registration, Stage, added, gradient_limits
+from .base import ALL, Registration, Stage, added, gradient_limits, positions
 
 KEY = "alibi"
 PARAM = "alibi_slopes"  # the input name of the slopes when their gradient is checked
@@ -48,16 +48,20 @@ class Alibi(Stage):
     name = KEY
     param_kwarg = "alibi_slopes"
 
-    def __init__(self, slopes, form: str, n_q: int, n_k: int, offset: bool = True, grad: bool = False):
+    def __init__(self, slopes, form: str, n_q: int, n_k: int, offset: bool = True, grad: bool = False,
+                 documents=None):
         self.slopes = np.asarray(slopes, dtype=np.float64) if not hasattr(slopes, "requires_grad") else slopes
         self.form, self.n_q, self.n_k, self.offset, self.grad = form, n_q, n_k, offset, grad
+        self.documents = documents  # a packed batch's (query lengths, key lengths): each document's positions
+        self._i, self._j = positions(n_q, n_k, offset, documents)
         self.param = PARAM if grad else None
         self._cache: dict = {}
         self._cached = 0
 
     def _same(self, slopes, cls=None, **changes):
         """This stage with its slopes replaced (and ``changes`` to its settings), as a ``cls`` (a fault's)."""
-        given = dict(form=self.form, n_q=self.n_q, n_k=self.n_k, offset=self.offset, grad=self.grad)
+        given = dict(form=self.form, n_q=self.n_q, n_k=self.n_k, offset=self.offset, grad=self.grad,
+                     documents=self.documents)
         return (cls or Alibi)(slopes, **{**given, **changes})
 
     def values(self):
@@ -71,10 +75,9 @@ class Alibi(Stage):
 
     def distance(self, rows=ALL, cols=ALL) -> np.ndarray:
         """d(i, j) for the block's rows and keys, [len(rows), len(cols)] in float64."""
-        i = np.arange(self.n_q)[rows][:, None]
-        j = np.arange(self.n_k)[cols][None, :]
+        i, j = self._i[rows][:, None], self._j[cols][None, :]  # each document's own in a packed batch
         if self.form == "distance":
-            return -np.abs(i + (self.n_k - self.n_q if self.offset else 0) - j).astype(np.float64)
+            return -np.abs(i - j).astype(np.float64)
         return np.broadcast_to(j.astype(np.float64), (i.shape[0], j.shape[1]))
 
     def bias(self, rows=ALL, cols=ALL):
@@ -127,7 +130,7 @@ class Alibi(Stage):
     @property
     def key(self) -> tuple:
         return (type(self).__name__, self.form, self.n_q, self.n_k, self.offset, self.grad,
-                np.asarray(self.slopes).tobytes())
+                np.asarray(self.slopes).tobytes(), self.documents)
 
     @property
     def label(self) -> str:
@@ -164,7 +167,8 @@ def make(sc) -> Alibi | None:
     values = np.asarray(geometric(sc.heads_q) if slopes == "geometric" else slopes, dtype=np.float64)
     if params["grad"] and sc.dtype == "float32":  # an input like q, k and v: in their dtype
         values = values.astype(np.float32)
-    return Alibi(values, params["form"], sc.n_q, sc.n_k, grad=params["grad"])
+    return Alibi(values, params["form"], sc.n_q, sc.n_k, grad=params["grad"],
+                 documents=None if sc.documents is None else sc.documents.pair)
 
 
 def validate(sc_params: dict, attention: dict) -> list:
@@ -195,7 +199,9 @@ def _applies(sc, fault: str) -> str | None:
     if fault == "alibi-offset-backward":
         if params["form"] != "distance":
             return "the column form has no offset"
-        if sc.n_q == sc.n_k:
+        if sc.documents is not None and sc.documents.seqlens_q == sc.documents.seqlens_k:
+            return "every document has as many queries as keys: each offset L_k - L_q is 0"
+        if sc.documents is None and sc.n_q == sc.n_k:
             return "n_q = n_k: the offset n_k - n_q is 0"
     return None
 
@@ -242,7 +248,6 @@ REGISTRATION = Registration(
     backward_only=("alibi-offset-backward", "alibi-slope-grad-sign", "alibi-slope-grad-batch"),
     applies=_applies,
     validate=validate,
-    positions=True,
     passes="alibi_slopes= [Hq] (with grad: true a NumPy backward returns their gradient last), and "
            "alibi_form=column for the column form",
 )

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from .... import masks
 from ...registry import Fault, Param
 
 #: Every slice of a grid: the whole score matrix.
@@ -109,7 +110,6 @@ class Registration:
     applies: Callable[[Any, str], str | None] | None = None  # why a fault cannot apply to a scenario (None: it can)
     validate: Callable[[dict, dict], list] | None = None  # (key, message, hint) for values wrong together (Op.validate)
     passes: str = ""  # what a user's code is passed, for ``attn-gradcheck ops`` (``softcap=``)
-    positions: bool = False  # its values depend on the query and key positions (ALiBi, T5's buckets)
 
 
 #: What the stages do not cover yet (``attn-gradcheck ops`` lists it; ``gradient_limits`` refuses a scenario that
@@ -117,9 +117,7 @@ class Registration:
 LIMITS = ("a stage parameter's gradient (bias.grad, relative_bias.grad, alibi.grad) is checked in float64 and "
           "float32, on the NumPy engines and your NumPy, torch and JAX code: not yet on the torch closed forms, in "
           "half precision, or along check.mode jvp / hvp (the stages themselves are)",
-          "the variants apply to op attention: not yet to attention-projections or block",
-          "a packed batch (varlen) composes with softcap and bias, not yet with alibi or relative_bias (their "
-          "positions would be the packed axis', where FlashAttention's are each document's)")
+          "the variants apply to op attention: not yet to attention-projections or block")
 
 
 def gradient_limits(key: str, what: str, attention: dict) -> list:
@@ -136,6 +134,20 @@ def gradient_limits(key: str, what: str, attention: dict) -> list:
         return [(f"{key}.grad", f"the gradient of {what} is checked in float64 and float32, not {attention['dtype']} "
                                 "yet", f"{fix}, or dtype: float32")]
     return []
+
+
+def positions(n_q: int, n_k: int, offset: bool = True, documents=None) -> tuple[np.ndarray, np.ndarray]:
+    """(each query's position, each key's) for the stages whose values depend on them (ALiBi, T5's buckets): a
+    query at its lower-right aligned diagonal, i + n_k - n_q (i without the ``offset``), a key at j. In a packed
+    batch (``documents``: (query lengths, key lengths)) each document's own, as FlashAttention's varlen takes
+    them: query i' of a document of L_q queries and L_k keys at i' + L_k - L_q, key j' at j'."""
+    i, j = np.arange(n_q), np.arange(n_k)
+    if documents is None:
+        return i + (n_k - n_q if offset else 0), j
+    lq, lk = (np.asarray(x, dtype=np.int64) for x in documents)
+    q0, k0 = np.cumsum(lq) - lq, np.cumsum(lk) - lk
+    dq, dk = masks.document_of(n_q, documents), masks.document_of(n_k, documents, keys=True)
+    return i - q0[dq] + ((lk - lq)[dq] if offset else 0), j - k0[dk]
 
 
 def added(s, b, xp=np):

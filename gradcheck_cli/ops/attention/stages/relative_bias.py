@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from ...registry import Fault, Param
-from .base import ALL, Registration, Stage, added, gradient_limits
+from .base import ALL, Registration, Stage, added, gradient_limits, positions
 
 KEY = "relative_bias"
 KWARG = "relative_attention_bias"
@@ -52,13 +52,14 @@ class RelativeBias(Stage):
     param_kwarg = KWARG
 
     def __init__(self, table, grad: bool, n_q: int, n_k: int, max_distance: int, bidirectional: bool,
-                 offset: bool = True):
+                 offset: bool = True, documents=None):
         self.table, self.grad = table, grad
         self.n_q, self.n_k, self.max_distance, self.bidirectional, self.offset = (n_q, n_k, max_distance,
                                                                                   bidirectional, offset)
         self.param = KEY if grad else None
-        i = np.arange(n_q)[:, None] + (n_k - n_q if offset else 0)
-        self.buckets = bucket(np.arange(n_k)[None, :] - i, self.size, max_distance, bidirectional)
+        self.documents = documents  # a packed batch's (query lengths, key lengths): each document's positions
+        i, j = positions(n_q, n_k, offset, documents)
+        self.buckets = bucket(j[None, :] - i[:, None], self.size, max_distance, bidirectional)
 
     @property
     def size(self) -> int:
@@ -68,7 +69,7 @@ class RelativeBias(Stage):
     def _same(self, table, cls=None, **changes):
         """This stage with its table replaced (and ``changes`` to its settings), as a ``cls`` (a fault's)."""
         given = dict(grad=self.grad, n_q=self.n_q, n_k=self.n_k, max_distance=self.max_distance,
-                     bidirectional=self.bidirectional, offset=self.offset)
+                     bidirectional=self.bidirectional, offset=self.offset, documents=self.documents)
         return (cls or type(self))(table, **{**given, **changes})
 
     def values(self):
@@ -125,7 +126,7 @@ class RelativeBias(Stage):
     def key(self) -> tuple:
         t = np.asarray(self.table)
         return (type(self).__name__, t.shape, str(t.dtype), hashlib.sha256(t.tobytes()).hexdigest(),
-                self.n_q, self.n_k, self.max_distance, self.bidirectional, self.offset)
+                self.n_q, self.n_k, self.max_distance, self.bidirectional, self.offset, self.documents)
 
     @property
     def label(self) -> str:
@@ -154,7 +155,8 @@ def make(sc) -> RelativeBias | None:
     table = np.random.default_rng([sc.seed, SeedStream.STAGES, 1]).standard_normal((params["buckets"], sc.heads_q))
     if sc.dtype in ("float64", "float32"):  # half precision: the engines round it with the other inputs
         table = table.astype(sc.dtype)
-    return RelativeBias(table, params["grad"], sc.n_q, sc.n_k, params["max_distance"], params["bidirectional"])
+    return RelativeBias(table, params["grad"], sc.n_q, sc.n_k, params["max_distance"], params["bidirectional"],
+                        documents=None if sc.documents is None else sc.documents.pair)
 
 
 def validate(sc_params: dict, attention: dict) -> list:
@@ -181,7 +183,10 @@ def _applies(sc, fault: str) -> str | None:
     stage = make(sc)
     if fault == "relative-bias-scatter" and not np.any(np.bincount(stage.buckets.ravel()) > 1):
         return "no bucket is met by two pairs (i, j): the scatter has no repeated index"
-    if fault == "relative-bias-offset-backward" and sc.n_q == sc.n_k:
+    if fault == "relative-bias-offset-backward" and sc.documents is not None:
+        if sc.documents.seqlens_q == sc.documents.seqlens_k:
+            return "every document has as many queries as keys: each offset L_k - L_q is 0"
+    elif fault == "relative-bias-offset-backward" and sc.n_q == sc.n_k:
         return "n_q = n_k: the offset n_k - n_q is 0"
     return None
 
@@ -217,6 +222,5 @@ REGISTRATION = Registration(
     backward_only=("relative-bias-scatter", "relative-bias-offset-backward"),
     applies=_applies,
     validate=validate,
-    positions=True,
     passes=f"{KWARG}= [buckets, Hq] (T5's embedding weight); a NumPy backward returns its gradient last",
 )
