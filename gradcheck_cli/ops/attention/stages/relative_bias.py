@@ -214,7 +214,9 @@ REGISTRATION = Registration(
         Fault("relative-bias-offset-backward", "relative bias: the backward recomputes the buckets without the "
                                                "lower-right offset n_k - n_q",
               ("gradient q", "gradient k", "gradient v", "backward agrees with the reference",
-               "score-gradient rows sum to 0", "gradient relative_bias"), backends=("numpy",), user=_ADDED,
+               "score-gradient rows sum to 0", "gradient relative_bias",
+               "gradient bias", "gradient alibi_slopes"),  # they come from dS too, where checked
+              backends=("numpy",), user=_ADDED,
               scenario=((KEY, {"grad": True}),)),
     )},
     wrong={"relative-bias-scatter": lambda st, visible: (st._same(st.table, cls=_Scatter), visible),
