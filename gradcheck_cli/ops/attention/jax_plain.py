@@ -95,6 +95,13 @@ def plain(inputs: dict, g, args, dtype: str) -> list[dict]:
     ways = [dict(zip("oqkv", (o, *grads[:3]))), dict(zip("oqkv", (o, *grads[3:6]))), dict(zip("oqkv", grads[6:]))]
     if stages:  # a stage's elementwise functions (softcap's tanh) round otherwise op by op than in one program, even
         # without excess precision (a float16 case: 3x the compiled ways' dK error): the plain forward run eagerly too
-        eager = [np.asarray(x).astype(np.float64) for x in _ways(scale, stages)(*arrays)[:4]]
+        # (each operation is a program of its own: none is worth keeping in the persistent compilation cache, whose
+        # writes, each scanning the folder, would cost more than the run and crowd out the programs worth keeping)
+        kept = jax.config.jax_persistent_cache_min_compile_time_secs
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+        try:
+            eager = [np.asarray(x).astype(np.float64) for x in _ways(scale, stages)(*arrays)[:4]]
+        finally:
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", kept)
         ways.append(dict(zip("oqkv", eager)))
     return ways
