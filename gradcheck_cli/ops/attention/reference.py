@@ -88,8 +88,6 @@ class Interface:
                 self.visible[tuple(hidden[0])] = True
         self.fault_visible = None if fault_visible is None or fault_visible is visible else fault_visible
         self.added = tuple(f for f in self.faults if f in DIFFERENCE_FAULTS or f in stage_faults)
-        if self.fault_visible is not None:
-            self.added += ("varlen",)
 
     def output(self, q, k, v, o):
         """The implementation's O as the active faults make it: a packed batch's forward fault adds its change to
@@ -106,7 +104,7 @@ class Interface:
         of the stages' checked parameters, a bias's)."""
         out = {"q": dq, "k": dk, "v": dv}
         extra = dict(zip(score_stages.params(self.stages), params))
-        if self.added:
+        if self.added or self.fault_visible is not None:
             args = [x.astype(np.float64) for x in (q, k, v, grad_o)]
             right = backward(*args[:3], grad_o=args[3], **self.args.kw)
             wrong = backward(*args[:3], grad_o=args[3], faults=self.added,
