@@ -330,3 +330,34 @@ def test_a_scenarios_varlen_replaces_the_defaults_whole():
     a, b = scenario.loads(text)
     assert a.documents.seqlens_k == (5, 3, 4, 6) and (a.n_q, a.n_k) == (10, 18)
     assert b.documents.seqlens_k == (3, 1, 6) and (b.n_q, b.n_k) == (10, 10)
+
+
+SKIPS_DOCUMENTS = """
+import numpy as np
+from gradcheck_cli.ops.attention import formulas
+
+
+class Skips:  # a loop over the documents that stops after the first: the others' rows stay 0
+    def forward(self, q, k, v, visible, scale, kv_map, *, cu_seqlens_q, cu_seqlens_k, **kw):
+        o = np.zeros(q.shape[:-1] + (v.shape[-1],))
+        q1, k1 = int(cu_seqlens_q[1]), int(cu_seqlens_k[1])
+        o[:, :, :q1] = formulas.forward(q[:, :, :q1], k[:, :, :k1], v[:, :, :k1], visible[:, :, :q1, :k1], scale,
+                                        kv_map)
+        return o
+
+    def backward(self, q, k, v, visible, scale, kv_map, grad_o, **kw):
+        g = formulas.backward(q, k, v, visible, scale, kv_map, grad_o)
+        return g.q, g.k, g.v
+
+
+impl = Skips()
+"""
+
+
+def test_documents_left_at_zero_are_named_not_the_softmax(tmp_path, monkeypatch):
+    (tmp_path / "skips_documents.py").write_text(SKIPS_DOCUMENTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = checker.run_scenario(make(**SCENARIO, implementation="skips_documents:impl"))
+    assert "forward agrees with the reference" in {c.name for c in result.checks if c.verdict == "fail"}
+    assert any("every output row of documents 1, 2 at 0" in h for h in result.hints), result.hints
+    assert not any("normalisation" in h for h in result.hints), result.hints

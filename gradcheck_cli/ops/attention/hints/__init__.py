@@ -35,6 +35,17 @@ from .patterns import _factor, _gqa, _reference_factor, _scale, _shift_violation
 __all__ = ["Context", "diagnosis"]
 
 
+def _skipped_documents(sc, context: Context) -> list[int]:
+    """The documents of a packed batch whose output rows the implementation left exactly 0 (every head) where
+    the reference's are not."""
+    if sc.documents is None:
+        return []
+    doc_q = masks.document_of(sc.n_q, sc.documents.pair)
+    ref = context.reference()
+    return [d for d in range(len(sc.documents.seqlens_q)) if (doc_q == d).any()
+            and not context.output[..., doc_q == d, :].any() and ref[..., doc_q == d, :].any()]
+
+
 #: A packed batch's documents named as classes of rows in the localisation (the first ones).
 DOCUMENT_CLASSES = 8
 
@@ -114,9 +125,15 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
             out.append(f"the forward lets the documents of the packed batch see each other ({pairs}): keep each "
                        "document's queries to its own keys, cu_seqlens_k[d] to cu_seqlens_k[d + 1] (a mask over the "
                        "packed axis, or a path for short documents that ignores cu_seqlens, does not)")
+        skipped = _skipped_documents(sc, context) if context is not None and forward_wrong else []
+        if skipped:  # whole documents' rows left at 0: the loop over the documents misses them
+            out.append(f"the forward leaves every output row of document{'s' if len(skipped) > 1 else ''} "
+                       f"{', '.join(map(str, skipped[:6]))}{' ...' if len(skipped) > 6 else ''} at 0, where the "
+                       "reference's are not: each document of cu_seqlens needs its own attention (a loop over the "
+                       "documents that stops early, or sizes every document by the first one's length?)")
         if convention:
             out.append(convention)
-        elif documents:
+        elif documents or skipped:
             pass
         elif alternative == DROP_MASK:
             out.append(alternative)
@@ -137,7 +154,7 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
             out.append(missing)
         shifted = "shifting every V row shifts O by as much" in broken
         outside = "O rows in the range of visible V rows" in broken
-        quiet = not leak and not documents and alternative is None and not mixing and not missing
+        quiet = not leak and not documents and not skipped and alternative is None and not mixing and not missing
         partial = quiet and outside and not shifted
         if partial:  # the weights sum to 1, yet O leaves the range of the V rows its query may see
             out.append("the forward lets hidden keys reach O (O rows in the range of visible V rows, while the weights "
