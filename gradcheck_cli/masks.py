@@ -22,7 +22,7 @@ def diagonal(n_q: int, n_k: int, causal: str, documents: Documents | None = None
     """
     i = np.arange(n_q)
     if documents is not None:
-        doc, q0, k0, lq, lk = _document_of_rows(n_q, documents)
+        doc, q0, k0, lq, lk = document_layout(n_q, documents)
         local = i - q0[doc] + k0[doc]
         return local if causal == "upper-left" else local + (lk[doc] - lq[doc])
     return i if causal == "upper-left" else i + (n_k - n_q)
@@ -32,7 +32,7 @@ def diagonal(n_q: int, n_k: int, causal: str, documents: Documents | None = None
 Documents = tuple[Sequence[int], Sequence[int]]
 
 
-def _document_of_rows(n: int, documents: Documents, keys: bool = False) -> tuple:
+def document_layout(n: int, documents: Documents, keys: bool = False) -> tuple:
     """(the document of each of the n query rows, or key columns with ``keys``; each document's first query, first
     key, query count and key count)."""
     lq, lk = (np.asarray(x, dtype=np.int64) for x in documents)
@@ -44,7 +44,7 @@ def _document_of_rows(n: int, documents: Documents, keys: bool = False) -> tuple
 
 def document_of(n: int, documents: Documents, keys: bool = False) -> np.ndarray:
     """The document each of the n query rows (key columns with ``keys``) belongs to."""
-    return _document_of_rows(n, documents, keys)[0]
+    return document_layout(n, documents, keys)[0]
 
 
 def build_visible(batch: int, heads_q: int, n_q: int, n_k: int, *, causal: str = "none",

@@ -144,9 +144,8 @@ def positions(n_q: int, n_k: int, offset: bool = True, documents=None) -> tuple[
     i, j = np.arange(n_q), np.arange(n_k)
     if documents is None:
         return i + (n_k - n_q if offset else 0), j
-    lq, lk = (np.asarray(x, dtype=np.int64) for x in documents)
-    q0, k0 = np.cumsum(lq) - lq, np.cumsum(lk) - lk
-    dq, dk = masks.document_of(n_q, documents), masks.document_of(n_k, documents, keys=True)
+    dq, q0, k0, lq, lk = masks.document_layout(n_q, documents)
+    dk = masks.document_of(n_k, documents, keys=True)
     return i - q0[dq] + ((lk - lq)[dq] if offset else 0), j - k0[dk]
 
 
