@@ -157,10 +157,13 @@ def draw_derivative(rng, category: str) -> dict:
 
 VARIANTS = ("softcap", "alibi", "softcap+alibi", "bias", "softcap+bias+alibi", "relative_bias",
             "softcap+bias+relative_bias+alibi", "varlen", "softcap+varlen", "softcap+bias+varlen", "alibi+varlen",
-            "softcap+relative_bias+alibi+varlen")
+            "softcap+relative_bias+alibi+varlen", "sinks", "softcap+alibi+sinks", "softcap+bias+sinks", "sinks+varlen",
+            "softcap+alibi+sinks+varlen")
+#: Sinks are checked in float64 and float32 on the NumPy engines and user code (not JVP/HVP or the torch closed forms).
+SINK_PLACES = ("naive", "tiled", "impl/numpy", "impl/torch", "impl/jax")
 #: Packed batches with position-dependent stages: the built-in engines only (the correct implementations here take
 #: ALiBi's and T5's positions on the packed axis, not each document's).
-ENGINES_ONLY = ("alibi+varlen", "softcap+relative_bias+alibi+varlen")
+ENGINES_ONLY = ("alibi+varlen", "softcap+relative_bias+alibi+varlen", "softcap+alibi+sinks+varlen")
 
 
 def _packed(rng, sc: dict) -> None:
@@ -193,7 +196,8 @@ def variant_categories(with_torch: bool) -> list[tuple[str, float]]:
     if _has("jax"):
         where += [("impl/jax", 0.06), ("jvp/impl/jax", 0.02)]
     cats = [(f"{variant}/{w}", p) for variant in VARIANTS for w, p in where
-            if not (variant in ENGINES_ONLY and w.split("/")[-2:-1] == ["impl"])]
+            if not (variant in ENGINES_ONLY and w.split("/")[-2:-1] == ["impl"])
+            and not ("sinks" in variant and w not in SINK_PLACES)]
     total = sum(w for _, w in cats)
     return [(c, w / total) for c, w in cats]
 
@@ -208,7 +212,7 @@ def draw_variant(rng, category: str) -> dict:
     mode = parts[0] if parts[0] in ("jvp", "hvp") else None
     rest = "/".join(parts[1:] if mode else parts)
     torch = rest in ("torch", "impl/torch")
-    half = not mode and (torch or rest == "impl/jax")
+    half = not mode and (torch or rest == "impl/jax") and "sinks" not in variant
     dtype = str(rng.choice(["float64", "float32", "float16", "bfloat16"] if half else ["float64", "float32"]))
     sc = _attention(rng, dtype, small=mode is not None)
     if "varlen" in variant:
@@ -238,6 +242,11 @@ def draw_variant(rng, category: str) -> dict:
         fixed = mode is not None or rest in ("torch", "impl/jax") or dtype in ("float16", "bfloat16")
         sc["bias"] = {"shape": [sc["batch"] if per_batch else 1, sc["heads_q"] if per_head else 1,
                                 sc["n_q"], sc["n_k"]], "grad": not fixed}
+    if "sinks" in variant:
+        sinks = {"grad": bool(rng.random() < 0.7)}
+        if rng.random() < 0.4:  # given logits, some large: a sink that takes most of a row's weight
+            sinks["values"] = [float(np.round(x, 3)) for x in rng.normal(0.0, 3.0, sc["heads_q"])]
+        sc["sinks"] = sinks
     if mode:
         sc["check"] = {"mode": mode}
     if rest == "tiled":
@@ -245,7 +254,9 @@ def draw_variant(rng, category: str) -> dict:
     if rest.startswith("impl/"):
         flavour = rest[5:]
         learned = flavour == "numpy" and sc.get("alibi", {}).get("grad")
-        sc["implementation"] = f"correct_impls:{flavour}_variants" + ("_learned_slopes" if learned else "")
+        sinks = flavour == "numpy" and sc.get("sinks", {}).get("grad")
+        sc["implementation"] = (f"correct_impls:{flavour}_variants" + ("_learned_slopes" if learned else "")
+                                + ("_learned_sinks" if sinks and not learned else "_sinks" if sinks else ""))
         if variant == "varlen" and flavour in ("numpy", "torch"):  # a loop over cu_seqlens' documents
             sc["implementation"] = f"correct_impls:{flavour}_varlen"
         if flavour != "numpy":
@@ -304,6 +315,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None, help="write every case and its verdict here")
     ap.add_argument("--only", default=None, help="only categories starting with this (e.g. impl/, attention/tiled)")
+    ap.add_argument("--having", default=None, help="only categories containing this (e.g. sinks)")
     ap.add_argument("--show", type=int, default=20, help="list this many non-passing cases")
     ap.add_argument("--derivatives", action="store_true", help="modes jvp and hvp (JVP and double backward)")
     ap.add_argument("--variants", action="store_true", help="the score stages (soft-capping), every engine/flavour")
@@ -314,8 +326,8 @@ def main() -> int:
     cats = {"variants": variant_categories, "derivatives": derivative_categories, "plain": categories}[kind](
         _has_torch())
     pick = {"variants": draw_variant, "derivatives": draw_derivative, "plain": draw}[kind]
-    if args.only:
-        cats = [(c, w) for c, w in cats if c.startswith(args.only)]
+    if args.only or args.having:
+        cats = [(c, w) for c, w in cats if c.startswith(args.only or "") and (args.having or "") in c]
         total = sum(w for _, w in cats)
         cats = [(c, w / total) for c, w in cats]
     names, weights = [c for c, _ in cats], [w for _, w in cats]

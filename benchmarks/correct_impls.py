@@ -220,7 +220,7 @@ def _relative(n_q, n_k, table_rows):
 
 class _NumpyVariants:
     @staticmethod
-    def _p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form, attn_bias=None, table=None):
+    def _p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form, attn_bias=None, table=None, sinks=None):
         raw = scale * np.einsum("bhid,bhjd->bhij", q, k_rep)
         t = np.tanh(raw / softcap) if softcap else None
         s = softcap * t if softcap else raw
@@ -231,20 +231,25 @@ class _NumpyVariants:
         if alibi_slopes is not None:
             s = s + (alibi_slopes[:, None, None] * _alibi_d(q.shape[2], k_rep.shape[2], alibi_form)).astype(s.dtype)
         s = np.where(visible, s, -np.inf)
+        if sinks is not None:  # gpt-oss's sinks: one more logit in each row's normaliser, no value row
+            col = np.broadcast_to(np.asarray(sinks, dtype=s.dtype)[None, :, None, None], s.shape[:-1] + (1,))
+            m = np.maximum(s.max(-1, keepdims=True), col)
+            e = np.exp(s - m)
+            return e / (e.sum(-1, keepdims=True) + np.exp(col - m)), t
         e = np.exp(s - s.max(-1, keepdims=True))
         return e / e.sum(-1, keepdims=True), t
 
     def forward(self, q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
-                attn_bias=None, relative_attention_bias=None, **packed):
+                attn_bias=None, relative_attention_bias=None, sinks=None, **packed):
         p, _ = self._p(q, k[:, kv_map], visible, scale, softcap, alibi_slopes, alibi_form, attn_bias,
-                       relative_attention_bias)
+                       relative_attention_bias, sinks)
         return np.einsum("bhij,bhjd->bhid", p, v[:, kv_map])
 
     def backward(self, q, k, v, visible, scale, kv_map, grad_o, softcap=None, alibi_slopes=None,
-                 alibi_form="distance", attn_bias=None, relative_attention_bias=None, **packed):
+                 alibi_form="distance", attn_bias=None, relative_attention_bias=None, sinks=None, **packed):
         k_rep, v_rep = k[:, kv_map], v[:, kv_map]
         table = relative_attention_bias
-        p, t = self._p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form, attn_bias, table)
+        p, t = self._p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form, attn_bias, table, sinks)
         dp = np.einsum("bhid,bhjd->bhij", grad_o, v_rep)
         ds = p * (dp - (p * dp).sum(-1, keepdims=True))
         dbias = None
@@ -254,6 +259,9 @@ class _NumpyVariants:
         dslopes = None
         if alibi_slopes is not None and getattr(self, "learned_slopes", False):
             dslopes = np.einsum("bhij,ij->h", ds, _alibi_d(q.shape[2], k.shape[2], alibi_form)).astype(ds.dtype)
+        dsinks = None
+        if sinks is not None and getattr(self, "learned_sinks", False):  # the sink column's dS = -p D per row
+            dsinks = -ds.sum(axis=(0, 2, 3)).astype(ds.dtype)
         dtable = None
         if table is not None:  # the embedding's backward: each pair's gradient added into its bucket
             dtable = np.zeros_like(table)
@@ -264,19 +272,29 @@ class _NumpyVariants:
         np.add.at(dk, (slice(None), kv_map), scale * np.einsum("bhij,bhid->bhjd", ds, q))
         np.add.at(dv, (slice(None), kv_map), np.einsum("bhij,bhid->bhjd", p, grad_o))
         out = (scale * np.einsum("bhij,bhjd->bhid", ds, k_rep), dk, dv)
-        return out + tuple(x for x in (dbias, dtable, dslopes) if x is not None)
+        return out + tuple(x for x in (dbias, dtable, dslopes, dsinks) if x is not None)
 
 
 class _LearnedSlopes(_NumpyVariants):
     learned_slopes = True  # alibi: {grad: true}: the backward returns the slopes' gradient last
 
 
+class _LearnedSinks(_NumpyVariants):
+    learned_sinks = True  # sinks: {grad: true}: the backward returns the sinks' gradient last
+
+
+class _LearnedSlopesSinks(_LearnedSlopes):
+    learned_sinks = True
+
+
 numpy_variants = _NumpyVariants()
 numpy_variants_learned_slopes = _LearnedSlopes()
+numpy_variants_learned_sinks = _LearnedSinks()
+numpy_variants_learned_slopes_sinks = _LearnedSlopesSinks()
 
 
 def torch_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
-                   attn_bias=None, relative_attention_bias=None, **packed):
+                   attn_bias=None, relative_attention_bias=None, sinks=None, **packed):
     import torch
     s = scale * (q @ k[:, kv_map].transpose(-1, -2))
     if softcap:
@@ -290,11 +308,15 @@ def torch_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=N
     if alibi_slopes is not None:
         d = torch.as_tensor(_alibi_d(q.shape[2], k.shape[2], alibi_form), dtype=q.dtype, device=q.device)
         s = s + alibi_slopes.to(q.dtype)[:, None, None] * d
-    return torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1) @ v[:, kv_map]
+    s = s.masked_fill(~visible, float("-inf"))
+    if sinks is not None:  # gpt-oss's eager form: the sink a column of the softmax, then dropped
+        col = sinks.to(s.dtype).reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+        return torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1] @ v[:, kv_map]
+    return torch.softmax(s, dim=-1) @ v[:, kv_map]
 
 
 def jax_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
-                 attn_bias=None, relative_attention_bias=None, **packed):
+                 attn_bias=None, relative_attention_bias=None, sinks=None, **packed):
     import jax
     import jax.numpy as jnp
     s = scale * (q @ jnp.swapaxes(k[:, kv_map], -1, -2))
@@ -308,7 +330,11 @@ def jax_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=Non
     if alibi_slopes is not None:
         bias = jnp.asarray(alibi_slopes)[:, None, None] * _alibi_d(q.shape[2], k.shape[2], alibi_form)
         s = s + bias.astype(s.dtype)
-    return jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1) @ v[:, kv_map]
+    s = jnp.where(visible, s, -jnp.inf)
+    if sinks is not None:
+        col = jnp.broadcast_to(jnp.asarray(sinks, dtype=s.dtype)[None, :, None, None], s.shape[:-1] + (1,))
+        return jax.nn.softmax(jnp.concatenate([s, col], axis=-1), axis=-1)[..., :-1] @ v[:, kv_map]
+    return jax.nn.softmax(s, axis=-1) @ v[:, kv_map]
 
 
 # A packed batch (``varlen:``) written as FlashAttention's varlen users write it: a loop over the documents of

@@ -84,6 +84,9 @@ def fault_applies(sc: Scenario, fault: str, sizes: dict[str, float] | None = Non
     the clean run can detect)."""
     if fault not in applicable_faults(sc):
         return False
+    op = OPS[sc.op]
+    if op.why_not and op.why_not(sc, fault):  # the op knows it cannot apply here (whatever it changes)
+        return False
     effect = fault_effect(sc, fault, sizes)
     return effect > 0 if OPS[sc.op].faults[fault].sized else effect > APPLICABLE_FACTOR * sc.tolerance
 

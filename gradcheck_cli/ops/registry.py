@@ -192,7 +192,8 @@ class Param:
     kind: ``int`` (>= minimum), ``float`` (> 0 unless ``minimum`` allows 0 or negatives), ``choice``
     (one of ``choices``), ``bool``, ``floats`` (non-empty list of floats > 0), ``ints`` (non-empty
     list of ints >= minimum), ``sizes`` (a non-empty list of ints >= minimum, repeats allowed),
-    ``choice-or-floats`` (one of ``choices`` or a list of floats > 0), ``path`` (a file, relative to the YAML;
+    ``choice-or-floats`` (one of ``choices`` or a list of floats > 0; any finite floats where ``minimum``
+    is set), ``path`` (a file, relative to the YAML;
     the op's ``validate`` reads it), ``choice-list`` (a non-empty list of
     distinct ``choices``) or ``mapping`` (a mapping of the keys
     ``fields``, (name, Param) pairs; read as a tuple of (name, value) pairs, a list as a tuple; the whole mapping

@@ -153,7 +153,8 @@ def _read_param(f: _Fields, key: str, param: Param):
     if kind == "choice-or-floats":
         v = f.raw(key)
         if isinstance(v, list):
-            return tuple(_positive_float(f, key, i, x) for i, x in enumerate(v)) if v else _empty(f, key)
+            return tuple(_positive_float(f, key, i, x, signed=param.minimum is not None)
+                         for i, x in enumerate(v)) if v else _empty(f, key)
         return f.choice(key, param.choices, param.choices[0])
     if kind == "path":
         v = f.raw(key)
@@ -166,14 +167,16 @@ def _read_param(f: _Fields, key: str, param: Param):
     raise AssertionError(f"unknown Param kind {kind}")
 
 
-def _positive_float(f: _Fields, key: str, i: int, x) -> float:
+def _positive_float(f: _Fields, key: str, i: int, x, signed: bool = False) -> float:
+    """A list's float > 0 (``signed``: any finite float)."""
     if isinstance(x, str):  # YAML 1.1 reads 1e300 (no dot) as a string, as the scalar keys accept it
         try:
             x = float(x)
         except ValueError:
             pass
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
-        raise f.doc.error(f.where(key) + (i,), f"expected a number > 0, got {_show(x)}")
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or (x <= 0 and not signed):
+        raise f.doc.error(f.where(key) + (i,), f"expected a {'finite number' if signed else 'number > 0'}, "
+                                               f"got {_show(x)}")
     return float(x)
 
 

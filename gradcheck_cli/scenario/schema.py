@@ -93,7 +93,7 @@ def json_schema() -> dict:
 
 def _param_schema(param, number: dict) -> dict:
     """The JSON Schema of one op key (``ops.registry.Param``)."""
-    low = int(param.minimum if param.minimum is not None else 1)
+    low = int(param.minimum) if param.minimum is not None and abs(param.minimum) != float("inf") else 1
     floats = {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0}, "minItems": 1}
     if param.kind == "mapping":
         return {"type": "object", "additionalProperties": False,
@@ -107,4 +107,6 @@ def _param_schema(param, number: dict) -> dict:
             "sizes": {"type": "array", "items": {"type": "integer", "minimum": low}, "minItems": 1},
             "choice-list": {"type": "array", "items": {"enum": list(param.choices)}, "minItems": 1,
                             "uniqueItems": True},
-            "choice-or-floats": {"oneOf": [{"enum": list(param.choices)}, floats]}}[param.kind]
+            "choice-or-floats": {"oneOf": [{"enum": list(param.choices)},
+                                           floats if param.minimum is None else
+                                           {"type": "array", "items": {"type": "number"}, "minItems": 1}]}}[param.kind]

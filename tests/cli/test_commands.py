@@ -185,9 +185,10 @@ def test_ops_lists_every_op_with_the_code_it_accepts_and_an_example_that_runs():
 def test_ops_lists_the_attention_variants_with_the_keyword_your_code_is_passed():
     result = run("ops")
     variants = [line for line in result.stdout.splitlines() if line.startswith("    variant:")]
-    assert [line.split()[1] for line in variants] == ["softcap:", "bias:", "relative_bias:", "alibi:", "varlen:"]
+    assert [line.split()[1] for line in variants] == ["softcap:", "bias:", "relative_bias:", "alibi:", "sinks:",
+                                                           "varlen:"]
     for line, keyword in zip(variants, ("softcap=", "attn_bias=", "relative_attention_bias=", "alibi_slopes=",
-                                        "cu_seqlens_q=")):
+                                        "sinks=", "cu_seqlens_q=")):
         assert f"your code is passed {keyword}" in line
 
 
@@ -198,7 +199,8 @@ def test_ops_lists_what_is_not_checked_yet_and_the_loader_refuses_it():
     from gradcheck_cli.scenario import loads
     result = run("ops")
     limits = [line for line in result.stdout.splitlines() if line.startswith("    not yet:")]
-    assert len(limits) == 2 and "half precision" in limits[0] and "attention-projections" in limits[1]
+    assert len(limits) == 3 and "half precision" in limits[0] and "attention-projections" in limits[1]
+    assert "sinks" in limits[2] and "half precision" in limits[2]
     base = "scenarios:\n  - {name: a, n_q: 3, d_head: 2, bias: {grad: true}, "
     for extra, says in (("check: {mode: jvp}}", "JVP along a bias is not built"),
                         ("backend: torch}", "not the torch closed forms"),
@@ -210,6 +212,16 @@ def test_ops_lists_what_is_not_checked_yet_and_the_loader_refuses_it():
             loads(base + extra + "\n", base_dir=Path(__file__).resolve().parents[2] / "examples")
     with pytest.raises(ScenarioError, match="does not apply to op attention-projections"):
         loads("scenarios:\n  - {name: p, op: attention-projections, n_q: 3, d_head: 2, d_model: 4, softcap: 2}\n")
+    sinks = "scenarios:\n  - {name: a, n_q: 3, d_head: 2, sinks: {grad: false}, "
+    for extra, says in (("check: {mode: hvp}}", "check.mode hvp is not built for sinks"),
+                        ("backend: torch}", "not the torch closed forms"),
+                        ("backend: jax, dtype: float16, implementation: 'jax_attention:attention'}",
+                         "not float16 yet")):
+        if any(lib in extra and importlib.util.find_spec(lib) is None for lib in ("jax", "torch")):
+            continue
+        with pytest.raises(ScenarioError, match=says) as caught:
+            loads(sinks + extra + "\n", base_dir=Path(__file__).resolve().parents[2] / "examples")
+        assert caught.value.key.endswith("sinks")
 
 
 

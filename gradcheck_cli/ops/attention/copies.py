@@ -101,13 +101,23 @@ class Forward:
 
     def _blocks(self, q, k_t, v_rep, shift: bool, out: np.ndarray, stages=None) -> None:
         stages = self.stages if stages is None else stages
+        sink = score_stages.sink_logits(stages) if stages else None
+        if sink is not None:
+            sink = np.asarray(sink).astype(out.dtype, copy=False)
         for span, keys, shown, hidden, pieces in self.blocks:
             s = np.matmul(q[..., span, :], k_t[..., keys])
             if stages:
                 s = score_stages.apply(stages, s, span, keys)
+            top = None
             with np.errstate(over="ignore", under="ignore", invalid="ignore"):
                 if shift:
-                    s -= np.max(s, axis=-1, keepdims=True, where=True if shown is None else shown, initial=-np.inf)
+                    top = np.max(s, axis=-1, keepdims=True, where=True if shown is None else shown, initial=-np.inf)
+                    if sink is not None:  # the sinks' logits join the normaliser (and its max)
+                        top = np.maximum(top, sink)
+                    if np.broadcast_shapes(s.shape, top.shape) == s.shape:
+                        s -= top
+                    else:  # perturbed copies of the sinks: more copies than the scores have
+                        s = s - top
                 if hidden is None or s.size < PIECE_MATRICES * hidden.shape[-2] * hidden.shape[-1]:
                     np.exp(s, out=s)
                     if hidden is not None:
@@ -120,8 +130,13 @@ class Forward:
                             np.copyto(e, 0, where=inner)
                         s[..., rows, :cols.start] = 0
                         s[..., rows, cols.stop:] = 0
-            block = np.matmul(s, v_rep[..., keys, :], out=out[..., span, :])
-            block /= s.sum(axis=-1, keepdims=True)
+            if sink is None:
+                block = np.matmul(s, v_rep[..., keys, :], out=out[..., span, :])
+                block /= s.sum(axis=-1, keepdims=True)
+                continue
+            with np.errstate(over="ignore", under="ignore"):
+                total = s.sum(axis=-1, keepdims=True) + np.exp(sink if top is None else sink - top)
+            out[..., span, :] = np.matmul(s, v_rep[..., keys, :]) / total
 
 
 #: Query rows of a partly hidden block whose exponentials are taken over one span of keys: the span some

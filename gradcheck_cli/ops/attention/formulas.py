@@ -137,17 +137,43 @@ def _exp_scores(q, k, scale, kv_map, visible, hidden=None, stages=(), rows=slice
     # scale k: as cheap as scaling q, and the same rounding whether or not copies are stacked
     k_rep = repeat_kv(k, kv_map) * np.asarray(scale, dtype=q.dtype)
     s = np.matmul(q, np.swapaxes(k_rep, -1, -2))
+    sink = None
     if stages:
         s = score_stages.apply(stages, s, rows)
+        sink = score_stages.sink_logits(stages)
     if visible is None:
-        s -= s.max(axis=-1, keepdims=True)
-        e = np.exp(s, out=s)
+        top = s.max(axis=-1, keepdims=True)
     else:
-        s -= np.max(s, axis=-1, keepdims=True, where=visible, initial=-np.inf)
-        with np.errstate(over="ignore", under="ignore"):
-            e = np.exp(s, out=s)
+        top = np.max(s, axis=-1, keepdims=True, where=visible, initial=-np.inf)
+    if sink is not None:  # the sinks' logits join the normaliser (and its max)
+        sink = np.asarray(sink).astype(s.dtype, copy=False)
+        top = np.maximum(top, sink)
+    if np.broadcast_shapes(s.shape, top.shape) == s.shape:
+        s -= top
+    else:  # perturbed copies of the sinks: more copies than the scores have
+        s = s - top
+    with np.errstate(over="ignore", under="ignore"):
+        e = np.exp(s, out=s)
+    if visible is not None:
         np.copyto(e, 0, where=~visible if hidden is None else hidden)
-    return e, e.sum(axis=-1, keepdims=True)
+    l = e.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        l += np.exp(sink - top)
+    return e, l
+
+
+def sink_weight(q, k, visible, scale, kv_map, stages=(), rows=slice(None)):
+    """The weight a sink takes in each row, p_i = exp(s_h - L_i) [..., B, Hq, n_q] (sum_j A_ij = 1 - p_i); None
+    without sinks."""
+    sink = score_stages.sink_logits(stages) if stages else None
+    if sink is None:
+        return None
+    s = score_stages.apply(stages, raw_scores(q, k, scale, kv_map), rows)
+    shown = True if visible is None else visible
+    top = np.maximum(np.max(s, axis=-1, keepdims=True, where=shown, initial=-np.inf), sink)
+    with np.errstate(over="ignore", under="ignore"):
+        total = np.sum(np.exp(s - top), axis=-1, keepdims=True, where=shown) + np.exp(sink - top)
+        return (np.exp(sink - top) / total)[..., 0]
 
 
 def attention_weights(q, k, visible, scale, kv_map, faults: Collection[str] = (), stages=(), rows=slice(None)):
@@ -178,6 +204,7 @@ class Gradients:
     a: np.ndarray  # A and G_A [B, Hq, n_q, n_k], to bound the rounding of G_S's row sums
     ga: np.ndarray
     params: dict = field(default_factory=dict)  # the score stages' parameters' gradients (an additive bias's)
+    sink: np.ndarray | None = None  # the sinks' weight per row, p [B, Hq, n_q] (rows of A sum to 1 - p); None: none
 
 
 def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = (), stages=(),
@@ -200,5 +227,8 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     g_q = (g_raw @ k_rep) * s
     g_k = (np.swapaxes(g_raw, -1, -2) @ q) * s
     heads_kv, overwrite = k.shape[-3], "gqa-sum" in faults
+    sink = sink_weight(q, k, None if "mask" in faults or "mask-backward" in faults else visible, scale, kv_map,
+                       stages, rows) if stages else None
     return Gradients(q=g_q, k=sum_groups(g_k, kv_map, heads_kv, overwrite=overwrite),
-                     v=sum_groups(g_v, kv_map, heads_kv, overwrite=overwrite), s=g_s, a=a, ga=g_a, params=params)
+                     v=sum_groups(g_v, kv_map, heads_kv, overwrite=overwrite), s=g_s, a=a, ga=g_a, params=params,
+                     sink=sink)

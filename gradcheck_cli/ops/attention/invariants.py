@@ -26,27 +26,35 @@ def engine_invariants(fwd, bwd, inputs, visible, kv_map, grads, rng, terms: dict
 
     return (weight_invariants(a, visible, grads)
             + output_invariants(lambda q, k, v: fwd(q, k, v)[0], backward_kv, inputs, visible, kv_map, o, rng,
-                               terms, o.dtype.name, (g, grads.k, grads.v), documents))
+                               terms, o.dtype.name, (g, grads.k, grads.v), documents, grads.sink))
 
 
 def weight_invariants(a, visible, grads) -> list[Check]:
-    """Invariants of the attention matrix A and of the score gradient G_S."""
-    g_s = grads.s
+    """Invariants of the attention matrix A and of the score gradient G_S. With sinks (``grads.sink``, their weight
+    p per row) a row of A sums to 1 - p and one of G_S to p c_i: the sink's own column, its value row 0, takes the
+    rest of the weight and has dS = -p c_i."""
+    g_s, sink = grads.s, grads.sink
     eps = float(np.finfo(a.dtype).eps)
+    kept, but = (1.0, "") if sink is None else (1.0 - sink, " + p_i (the sink's weight)")
     checks = [
         bounded("attention is non-negative", "a", np.minimum(a, 0), 0.0, "min over all entries of A must be >= 0"),
-        bounded("attention rows sum to 1", "a", a.sum(axis=-1) - 1, INVARIANT_ULPS * eps * a.shape[-1],
-               "|sum_j A_ij - 1| per row"),
+        bounded("attention rows sum to 1", "a", a.sum(axis=-1) - kept, INVARIANT_ULPS * eps * a.shape[-1],
+               f"|sum_j A_ij{but} - 1| per row"),
         bounded("attention is 0 off the visible set", "a", np.where(visible, 0, a), 0.0,
                "A_ij must be exactly 0 where key j is not visible to query i"),
     ]
     # Rounding of sum_j A_ij (G_A_ij - c_i) is bounded by eps * sum_j A_ij (|G_A_ij| + |c_i|).
     c = (grads.a * grads.ga).sum(axis=-1, keepdims=True)
     row_scale = (grads.a * (np.abs(grads.ga) + np.abs(c))).sum(axis=-1)
+    rowsum = g_s.sum(axis=-1)
+    if sink is not None:  # the sink column's dS = -p c_i completes the row
+        rowsum, row_scale = rowsum - sink * c[..., 0], row_scale + sink * np.abs(c[..., 0])
     checks.append(bounded("score-gradient rows sum to 0", "g_s",
-                         g_s.sum(axis=-1) / np.maximum(row_scale, np.finfo(a.dtype).tiny),
+                         rowsum / np.maximum(row_scale, np.finfo(a.dtype).tiny),
                          INVARIANT_ULPS * eps,
-                         "|sum_j G_S_ij| / sum_j A_ij (|G_A_ij| + |c_i|) per row (softmax is shift invariant)"))
+                         "|sum_j G_S_ij" + (" - p_i c_i" if sink is not None else "")
+                         + "| / sum_j A_ij (|G_A_ij| + |c_i|) per row (softmax is shift invariant"
+                         + ("; the sink's column, dS = -p_i c_i, completes the row)" if sink is not None else ")")))
     return checks
 
 
@@ -62,13 +70,15 @@ UNSEEN, UNSEEN_BY_ROW_0 = "unseen K/V rows get zero gradient", "row 0's unseen K
 
 
 def output_invariants(forward, backward_kv, inputs, visible, kv_map, o, rng, terms: dict[str, np.ndarray],
-                      precision: str, checked, documents=None) -> list[Check]:
+                      precision: str, checked, documents=None, sink=None) -> list[Check]:
     """Invariants that need only the output and the K/V gradients, so they apply to any
     implementation: ``forward(q, k, v) -> o``, ``backward_kv(q, k, v, grad_o) -> (g_k, g_v)``, and
     ``checked`` = (g, g_k, g_v), the scenario's upstream gradient and the K/V gradients under test at it.
     ``terms``: the size of the terms of each element of O, ``o`` (with the logits' rounding) and
     ``o_convex`` (sum_j A_ij |V_jc|), in float64; ``precision``: the dtype the computation rounds in; ``documents``:
-    a packed batch's (``varlen.Documents``), whose independence is checked too."""
+    a packed batch's (``varlen.Documents``), whose independence is checked too; ``sink``: the sinks' weight per row
+    [B, Hq, n_q] (the reference's, float64) or None: O rows then lie in the range of the visible V rows and 0 (the
+    sink's value row), and shifting V moves O by (1 - p_i) c."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     eps = machine_epsilon(precision)
     heads_kv = k.shape[-3]
@@ -119,18 +129,28 @@ def output_invariants(forward, backward_kv, inputs, visible, kv_map, o, rng, ter
     shift = (shift * max(float(np.abs(v).max(initial=0.0)), 1.0)).astype(v.dtype)
     o3 = np.asarray(forward(q, k, v + shift), dtype=np.float64)
     moved = np.take(shift.astype(np.float64), kv_map, axis=-3)  # [B, Hq, 1, d_v]: each query head's KV head
+    if sink is not None:  # the sink keeps its weight on its value row, 0
+        moved = moved * (1.0 - np.asarray(sink, dtype=np.float64))[..., None]
+    allowed = terms["o_convex"] + 2 * np.abs(moved)
+    if sink is not None and "weights" in terms:  # the keys' total weight 1 - p_i rounds with their logits
+        allowed = allowed + terms["weights"][..., None] * np.abs(np.take(shift.astype(np.float64), kv_map, axis=-3))
     checks.append(bounded_each("shifting every V row shifts O by as much", "o", o3 - o - moved,
-                               ulps * eps * (terms["o_convex"] + 2 * np.abs(moved)),
+                               ulps * eps * allowed,
                                "O(V + c) - O(V) - c per element, c one random vector per (batch, KV head) "
                                "added to every V "
-                               f"row: the attention weights of each row sum to 1; allowed {ulps:g} ulps of "
-                               f"{precision} of sum_j A_ij |V_jc| + 2 |c|",
+                               + ("row, times 1 - p_i (the sinks' weight): the attention weights and the sink's sum "
+                                  "to 1" if sink is not None else "row: the attention weights of each row sum to 1")
+                               + f"; allowed {ulps:g} ulps of {precision} of sum_j A_ij |V_jc| + 2 |c|"
+                               + (" + |c| sum_j A_ij (1 + L_ij + |s_h|) (the keys' weight against the sink's, L_ij "
+                                  "their logits' rounding)" if sink is not None else ""),
                                guarded=float(np.abs(moved).max(initial=0.0))))
 
-    # Each O row is a convex combination of its visible V rows.
+    # Each O row is a convex combination of its visible V rows (and of 0, the sink's value row, with sinks).
     checks.append(bounded_each("O rows in the range of visible V rows", "o",
-                               _outside_visible_range(o, v, visible, kv_map), ulps * eps * terms["o_convex"],
-                               "distance of O_i outside [min, max] of the V rows visible to query i, per column; "
+                               _outside_visible_range(o, v, visible, kv_map, zero=sink is not None),
+                               ulps * eps * terms["o_convex"],
+                               "distance of O_i outside [min, max] of the V rows visible to query i"
+                               + (" and 0 (the sink's value row)" if sink is not None else "") + ", per column; "
                                f"allowed {ulps:g} ulps of {precision} of sum_j A_ij |V_jc|",
                                guarded=float(np.abs(o).max(initial=0.0))))
     if documents is not None:
@@ -140,9 +160,10 @@ def output_invariants(forward, backward_kv, inputs, visible, kv_map, o, rng, ter
     return checks
 
 
-def _outside_visible_range(o, v, visible, kv_map, block_elements: int = 1 << 22) -> np.ndarray:
+def _outside_visible_range(o, v, visible, kv_map, block_elements: int = 1 << 22, zero: bool = False) -> np.ndarray:
     """Per element of o [B, Hq, n_q, d_v]: how far it lies outside [min, max] over the V rows
-    visible to its query row. Evaluated in blocks of query rows to bound memory."""
+    visible to its query row (and 0 with ``zero``: a sink's value row). Evaluated in blocks of query rows to bound
+    memory."""
     out = np.zeros(o.shape, dtype=np.float64)
     n_q, n_k, d_v = o.shape[-2], v.shape[-2], v.shape[-1]
     rows = max(1, block_elements // max(1, n_k * d_v))
@@ -153,6 +174,8 @@ def _outside_visible_range(o, v, visible, kv_map, block_elements: int = 1 << 22)
                 vis = visible[b, r, i0:i0 + rows, :, None]    # [rows, n_k, 1]
                 lo = np.where(vis, vals, np.inf).min(axis=1)
                 hi = np.where(vis, vals, -np.inf).max(axis=1)
+                if zero:
+                    lo, hi = np.minimum(lo, 0.0), np.maximum(hi, 0.0)
                 oi = o[b, r, i0:i0 + rows]
                 out[b, r, i0:i0 + rows] = np.maximum(lo - oi, 0) + np.maximum(oi - hi, 0)
     return out

@@ -68,10 +68,15 @@ def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), block
     n_q, n_k = q.shape[-2], k.shape[-2]
     out = np.empty(lead + (n_q, v.shape[-1]), dtype=np.result_type(q, v))
     lse = np.empty(lead + (n_q,), dtype=out.dtype) if with_lse else None
+    sink = score_stages.sink_logits(stages) if stages else None
     for rows in _spans(n_q, block_q):
         q_blk = q[..., rows, :]
-        m = np.full(lead + (rows.stop - rows.start, 1), -np.inf, dtype=out.dtype)
-        l = np.zeros_like(m)
+        if sink is None:
+            m = np.full(lead + (rows.stop - rows.start, 1), -np.inf, dtype=out.dtype)
+            l = np.zeros_like(m)
+        else:  # the sink enters each row's online softmax once, first: m = s_h, l = exp(s_h - m) = 1
+            m = np.broadcast_to(np.asarray(sink).astype(out.dtype), lead + (rows.stop - rows.start, 1)).copy()
+            l = np.ones_like(m)
         acc = np.zeros(lead + (rows.stop - rows.start, v.shape[-1]), dtype=out.dtype)
         for cols in _spans(n_k, block_k):
             vis = _block(visible, rows, cols) if masked else None
@@ -241,6 +246,12 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     g_k = np.zeros(k_rep.shape, dtype=o.dtype)
     g_v = np.zeros(v_rep.shape, dtype=o.dtype)
     rowsum, rowscale = np.zeros(o.shape[:-1]), np.zeros(o.shape[:-1])
+    sink = score_stages.sink_logits(stages) if stages else None
+    if sink is not None:  # the sink's column has dS = p (0 - D): the other columns sum to p D
+        with np.errstate(over="ignore", under="ignore"):
+            p_sink = np.exp(np.asarray(sink)[..., 0] - lse)
+        rowsum -= d_row * p_sink
+        rowscale += np.abs(d_row) * p_sink
     n_q, n_k = q.shape[-2], k.shape[-2]
     owners = {st.param: st for st in stages if st.param is not None}
     totals = {name: np.zeros(st.values().shape, dtype=o.dtype) for name, st in owners.items()}

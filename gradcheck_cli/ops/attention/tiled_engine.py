@@ -124,8 +124,11 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                                   "(1 + |S_ij - LSE_i| + |scale| |q_i|.|k_j|), the rounding P = exp(S - LSE) carries, "
                                   "plus sum_c |G_O_ic| x the terms of O_ic (D is formed from the forward's O); "
                                   "accumulated over the blocks of the tiled backward (softmax is shift invariant)")
+        sink = score_stages.sink_logits(stages)
+        if sink is not None:  # the sinks' weight per row, from the forward's log-sum-exp
+            sink = np.exp(np.asarray(sink, dtype=np.float64)[..., 0] - lse)
         return agree + [rows] + output_invariants(fwd, backward_kv, qkv, visible, kv_map, o, rng_inv, terms,
-                                                  sc.dtype, (g, g_k, g_v), sc.documents)
+                                                  sc.dtype, (g, g_k, g_v), sc.documents, sink)
 
     lead = sc.batch * sc.heads_q
     def o_dot(t: dict) -> np.ndarray:

@@ -14,8 +14,8 @@ from ... import flavours, implementation, precision
 from ...errors import ScenarioError
 from ...numeric import SeedStream
 from ..registry import Problem
+from . import formulas, varlen
 from . import stages as score_stages
-from . import varlen
 from .args import Args
 from .inputs import seeded_inputs
 from .invariants import output_invariants
@@ -210,7 +210,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                 lambda q, k, v: user_forward(q, k, v, interface.visible),
                 lambda q, k, v, go: user_backward(q, k, v, go)[1:3],
                 inputs, visible, kv_map, o, rng_inv, output_terms(inputs, a64, scale, kv_map, stages), computes_in,
-                (g, dk, dv), sc.documents)
+                (g, dk, dv), sc.documents, _sink_weight(inputs, args))
         except implementation.ImplementationFailure as exc:
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
         return out + flavours.compiled_rows(impl)
@@ -303,6 +303,12 @@ def _peer(sc, inputs: dict, g, args: Args, precision: str):
         from . import jax_plain
         return jax_plain.plain(inputs, g, args, precision)
     return plain(inputs, g, args, precision)
+
+
+def _sink_weight(inputs: dict, args: Args):
+    """The reference's sinks' weight per row (float64), or None without sinks."""
+    q, k = (np.asarray(inputs[t], dtype=np.float64) for t in "qk")
+    return formulas.sink_weight(q, k, **args.kw) if args.stages else None
 
 
 def _bfloat16(sc) -> None:

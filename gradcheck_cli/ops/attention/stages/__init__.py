@@ -30,7 +30,7 @@ from collections.abc import Collection
 import numpy as np
 
 from ...registry import Fault, Param
-from . import alibi, bias, relative_bias, softcap
+from . import alibi, bias, relative_bias, sinks, softcap
 from .base import ALL, LIMITS, Registration, Stage
 
 __all__ = ["ALL", "FAULTS", "KEYS", "LIMITS", "REGISTERED", "Stage", "apply", "from_scenario", "inject", "jet",
@@ -39,7 +39,9 @@ __all__ = ["ALL", "FAULTS", "KEYS", "LIMITS", "REGISTERED", "Stage", "apply", "f
 
 #: The stage modules, in the default order of the score path.
 REGISTERED: tuple[Registration, ...] = (softcap.REGISTRATION, bias.REGISTRATION, relative_bias.REGISTRATION,
-                                        alibi.REGISTRATION)
+                                        alibi.REGISTRATION, sinks.REGISTRATION)
+#: The elementwise stages, whose order a scenario may set (a normaliser, the sinks, comes after them all).
+ORDERED = tuple(r for r in REGISTERED if not r.normaliser)
 
 #: The key that orders the stages where a library differs from the default order (``stages: [bias, softcap]``).
 ORDER_KEY = "stages"
@@ -47,9 +49,10 @@ ORDER_KEY = "stages"
 #: The scenario keys of the stages (``Op.keys`` of attention), and the order key.
 KEYS: dict[str, Param] = {**{r.key: r.param for r in REGISTERED},
                           ORDER_KEY: Param("choice-list", None, "the order of the score stages where it is not the "
-                                           "default (" + ", ".join(r.key for r in REGISTERED) + "), e.g. "
-                                           "[bias, softcap] to cap a biased score; every stage used, once",
-                                           choices=tuple(r.key for r in REGISTERED))}
+                                           "default (" + ", ".join(r.key for r in ORDERED) + "), e.g. "
+                                           "[bias, softcap] to cap a biased score; every stage used, once (sinks "
+                                           "join the softmax's normaliser, after them all)",
+                                           choices=tuple(r.key for r in ORDERED))}
 
 #: Every stage fault, by name.
 FAULTS: dict[str, Fault] = {name: f for r in REGISTERED for name, f in r.faults.items()}
@@ -61,8 +64,19 @@ def from_scenario(sc) -> tuple[Stage, ...]:
     if not any(params.get(r.key) is not None for r in REGISTERED):
         return ()
     made = {st.name: st for st in (r.make(sc) for r in REGISTERED) if st is not None}
-    order = params.get(ORDER_KEY) or tuple(made)
-    return tuple(made[name] for name in order)
+    order = params.get(ORDER_KEY) or tuple(name for name, st in made.items() if not st.normaliser)
+    return tuple(made[name] for name in order) + tuple(st for st in made.values() if st.normaliser)
+
+
+def sink_logits(stages):
+    """The logit each row's normaliser gets from a normaliser stage (the sinks), shaped to broadcast against a
+    row statistic [..., B, Hq, n_q, 1] ([Hq] -> [1, Hq, 1, 1]; perturbed copies [C, Hq] -> [C, 1, Hq, 1, 1]);
+    None without one."""
+    for st in stages:
+        logits = st.logits()
+        if logits is not None:
+            return logits[..., None, :, None, None]
+    return None
 
 
 def owner(fault: str) -> Registration | None:
@@ -221,7 +235,7 @@ def validate(params: dict, attention: dict) -> list:
     an order that does not list exactly the stages used."""
     order = params.get(ORDER_KEY)
     if order is not None:
-        used = [r.key for r in REGISTERED if params.get(r.key) is not None]
+        used = [r.key for r in ORDERED if params.get(r.key) is not None]
         if set(order) != set(used):
             return [(ORDER_KEY, f"lists {', '.join(order)} but the scenario sets "
                                 + (", ".join(used) if used else "no stage"),

@@ -27,6 +27,12 @@ class Stage:
     batched_kwargs: tuple[str, ...] = ()
     #: the keyword arguments passed in the inputs' dtype (a bias); the others' arrays in float64 or float32
     input_dtype_kwargs: tuple[str, ...] = ()
+    #: a stage that joins each row's normaliser (a sink's logit, :meth:`logits`) instead of mapping the scores
+    normaliser = False
+
+    def logits(self):
+        """A normaliser stage's logit per query head, [..., Hq] (perturbed copies first); None for the others."""
+        return None
 
     def values(self):
         return None
@@ -110,6 +116,7 @@ class Registration:
     applies: Callable[[Any, str], str | None] | None = None  # why a fault cannot apply to a scenario (None: it can)
     validate: Callable[[dict, dict], list] | None = None  # (key, message, hint) for values wrong together (Op.validate)
     passes: str = ""  # what a user's code is passed, for ``attn-gradcheck ops`` (``softcap=``)
+    normaliser: bool = False  # joins the softmax's normaliser (sinks): always last, not in the ``stages:`` order
 
 
 #: What the stages do not cover yet (``attn-gradcheck ops`` lists it; ``gradient_limits`` refuses a scenario that
@@ -117,7 +124,9 @@ class Registration:
 LIMITS = ("a stage parameter's gradient (bias.grad, relative_bias.grad, alibi.grad) is checked in float64 and "
           "float32, on the NumPy engines and your NumPy, torch and JAX code: not yet on the torch closed forms, in "
           "half precision, or along check.mode jvp / hvp (the stages themselves are)",
-          "the variants apply to op attention: not yet to attention-projections or block")
+          "the variants apply to op attention: not yet to attention-projections or block",
+          "sinks are checked in float64 and float32 on the NumPy engines and your NumPy, torch and JAX code: not yet "
+          "in half precision, on the torch closed forms, or along check.mode jvp / hvp")
 
 
 def gradient_limits(key: str, what: str, attention: dict) -> list:

@@ -35,8 +35,16 @@ def probabilities(q, k, visible, scale, kv_map, stages=()):
         s = score_stages.apply(stages, s, xp=torch)
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
-    e = torch.exp(s - s.amax(dim=-1, keepdim=True))
-    return e / e.sum(dim=-1, keepdim=True)
+    sink = score_stages.sink_logits(stages) if stages else None
+    if sink is None:
+        e = torch.exp(s - s.amax(dim=-1, keepdim=True))
+        return e / e.sum(dim=-1, keepdim=True)
+    # the sinks' logits join each row's normaliser (a leaf of autograd where their gradient is checked)
+    sink = sink.to(s.dtype) if isinstance(sink, torch.Tensor) else torch.as_tensor(sink, dtype=s.dtype,
+                                                                                    device=s.device)
+    top = torch.maximum(s.amax(dim=-1, keepdim=True), sink).detach()
+    e = torch.exp(s - top)
+    return e / (e.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
 
 
 def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), stages=()):
