@@ -7,6 +7,7 @@ a leaf of autograd / an input whose gradient is checked with ``grad: true``):
     jax_sinks              the same in jax.numpy (jax.vjp differentiates it)
     torch_sink_scaled      broken: the sink multiplied by the softmax scale with the scores
     torch_sink_detached    broken: the sinks detached (their gradient is 0)
+    torch_sinks_ignored    broken: takes sinks= and never uses it (a plain softmax)
     numpy_lse_no_sink      broken: the backward recomputes P from a log-sum-exp without the sink (the forward is right)
     numpy_sink_first_batch broken: the sinks' gradient from the first batch element only
 """
@@ -33,6 +34,12 @@ def torch_sink_scaled(q, k, v, visible, scale, kv_map, *, sinks):
 
 def torch_sink_detached(q, k, v, visible, scale, kv_map, *, sinks):
     return _torch_probs(q, k, visible, scale, kv_map, sinks.detach()) @ v[:, kv_map]
+
+
+def torch_sinks_ignored(q, k, v, visible, scale, kv_map, *, sinks):
+    import torch
+    s = scale * (q @ k[:, kv_map].transpose(-1, -2))
+    return torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1) @ v[:, kv_map]
 
 
 class NumpySinks:

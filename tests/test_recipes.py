@@ -273,3 +273,26 @@ def test_hf_packed_positions_without_restarts_let_the_documents_see_each_other(h
     failed = {c.name for c in result.checks if c.verdict == "fail"}
     assert {"forward agrees with the reference", "documents do not see each other"} <= failed
     assert any("documents of the packed batch see each other" in h for h in result.hints), result.hints
+
+
+@pytest.fixture(scope="module")
+def hf_gpt_oss():
+    return _recipes("hf_gpt_oss.yaml", "torch", "transformers")
+
+
+@pytest.mark.parametrize("name", [n for n in _names(RECIPES / "hf_gpt_oss.yaml") if not n.startswith("broken")])
+def test_each_hf_gpt_oss_recipe_passes_with_every_fault_caught(hf_gpt_oss, name):
+    """transformers' gpt-oss eager attention with its learnable sinks, as the library runs it: passes, the sinks'
+    gradient is checked, and the sinks' faults are caught on it."""
+    result = checker.run_scenario(hf_gpt_oss[name])
+    assert result.verdict == "pass", [(c.name, c.detail) for c in result.checks if not c.passed]
+    assert "gradient sinks" in {c.name for c in result.checks}
+    cells = checker.negative_controls([hf_gpt_oss[name]])
+    assert {c.status for c in cells} <= {"detected", "not applicable"}, [(c.fault, c.status) for c in cells]
+    assert {c.fault for c in cells if c.status == "detected"} >= {"softmax-term", "sink-grad-sign", "sink-scaled"}
+
+
+def test_hf_gpt_oss_with_the_sinks_scaled_fails_with_the_cause_named(hf_gpt_oss):
+    result = checker.run_scenario(hf_gpt_oss["broken-gpt-oss-scaled-sinks"])
+    assert "forward agrees with the reference" in {c.name for c in result.checks if c.verdict == "fail"}
+    assert any("multiplies the sink logits by the softmax scale" in h for h in result.hints), result.hints

@@ -247,7 +247,8 @@ def independence_checks(sc: Scenario, problem, rng: np.random.Generator, chunkin
                             passed=bool((change <= bound).all()),
                             detail=f"colouring assumes each block of {name} feeds only its own block of O; "
                             f"{blocks} blocks, every ordered pair tested; worst: the block of "
-                            f"{name}[{', '.join(map(str, index))}] (batch element {index[0]}) changed by {leak:.3g} "
+                            f"{name}[{', '.join(map(str, index))}]"
+                            + (f" (batch element {index[0]})" if x.ndim >= 3 else "") + f" changed by {leak:.3g} "
                             f"while it stood still (allowed {INVARIANT_ULPS} ulps of {precision} of its terms)"))
     return checks
 

@@ -28,14 +28,15 @@ def hint_context(inputs: dict, g, args: Args, results: dict, reference_results: 
     """What the hints may consult about an implementation (``hints.Context``)."""
     x = {t: val.astype(np.float64) for t, val in inputs.items()}
 
-    def reference_output(visible=args.visible, kv_map=args.kv_map):
-        return forward(x["q"], x["k"], x["v"], **args.but(visible=visible,
-                                                          kv_map=np.asarray(kv_map, dtype=np.intp)).kw)
+    def reference_output(visible=args.visible, kv_map=args.kv_map, stages=None):
+        return forward(x["q"], x["k"], x["v"], **args.but(visible=visible, kv_map=np.asarray(kv_map, dtype=np.intp),
+                                                          stages=args.stages if stages is None else stages).kw)
 
     return Context(output=np.asarray(results["o"], dtype=np.float64), reference=reference_output,
                    reference_gradients={t: reference_results[t] for t in "qkv"},
-                   gradients={t: np.asarray(results[t], dtype=np.float64) for t in "qkv"}, forward=impl_forward,
-                   inputs=inputs, g=np.asarray(g, dtype=np.float64))
+                   gradients={t: np.asarray(x, dtype=np.float64) for t, x in results.items() if t != "o"},
+                   forward=impl_forward,
+                   inputs=inputs, g=np.asarray(g, dtype=np.float64), stages=tuple(args.stages))
 
 
 def called_as(sc, call, inputs: dict):

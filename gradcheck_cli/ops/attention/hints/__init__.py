@@ -29,7 +29,16 @@ import numpy as np
 
 from .... import masks
 from ...registry import Structure
-from .context import DROP_MASK, Context, _alternative, _convention, _mask_backward, _missing_keys, _mixing
+from .context import (
+    DROP_MASK,
+    Context,
+    _alternative,
+    _convention,
+    _mask_backward,
+    _missing_keys,
+    _mixing,
+    _sink_backward,
+)
 from .patterns import _factor, _gqa, _reference_factor, _scale, _shift_violation, _swapped
 
 __all__ = ["Context", "diagnosis"]
@@ -160,6 +169,11 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
             out.append("the forward lets hidden keys reach O (O rows in the range of visible V rows, while the weights "
                        "of each row sum to 1): weight reaches keys hidden from that query row though other rows may "
                        "see them; a window, a causal offset or a mask tile misaligned by some keys?")
+        elif quiet and shifted and sc.p("sinks") is not None:  # the weights sum to 1 - p: the sinks' share
+            out.append("the attention weights of a row and the sink's do not sum to 1 (shifting every V row shifts O "
+                       "by (1 - p_i) c" + ("; O rows in the range of visible V rows" if outside else "") + "): the "
+                       "sinks' share of the rows is wrong (a sink applied to some rows or heads only, read for the "
+                       "wrong head, or rounded to another precision), or the softmax's normalisation is")
         elif quiet and shifted:
             out.append("the attention weights of a row do not sum to 1 (shifting every V row shifts O by as much"
                        + ("; O rows in the range of visible V rows" if outside else "") + "): the softmax's "
@@ -170,6 +184,9 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
             out.append("the errors sit only where the mask matters (query rows with hidden keys, key rows hidden "
                        "from some queries) while rows the mask does not touch are right: the backward ignores or "
                        "misapplies the visible set (e.g. recomputes A without it)")
+        sink_backward = _sink_backward(sc, context, kv_map, failed) if context is not None else None
+        if sink_backward:
+            out.append(sink_backward)
         swapped = _swapped(evidence, failed)
         if swapped:
             out.append(swapped)
@@ -177,7 +194,7 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
             shift = _shift_violation(evidence, failed, verdicts, broken, sc.tolerance)
             if shift:
                 out.append(shift)
-        factors = {t: _factor(evidence.get(t)) for t in failed}
+        factors = {t: _factor(evidence.get(t)) for t in failed if not (sink_backward and t == "sinks")}
         against = dict.fromkeys(factors, "its finite differences")
         # a constant factor the float64 reference sees (below the finite differences' tolerance)
         if context is not None:

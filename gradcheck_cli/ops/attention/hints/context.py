@@ -14,7 +14,7 @@ from .... import masks
 from ....indices import ranges
 from ....numeric import SeedStream
 from ....tolerance import machine_epsilon
-from ..formulas import backward
+from ..formulas import attention_weights, backward, raw_scores, repeat_kv, sum_groups
 
 #: An alternative explains the implementation's output when it is this many times closer to it than
 #: the reference is.
@@ -41,6 +41,7 @@ class Context:
     #                                                  implementation (called in another ``convention``)
     inputs: dict[str, np.ndarray]
     g: np.ndarray | None = None                      # the upstream gradient, float64
+    stages: tuple = ()                               # the score stages in force (reference(stages=...) replaces them)
 
 
 def _matches(o: np.ndarray, alternative: np.ndarray, reference: np.ndarray) -> bool:
@@ -103,12 +104,47 @@ def _written_for(key: str, value: str) -> str:
                              else "takes a scale argument after the mask")
 
 
+def _sinks_alternative(sc, context: Context, kv_map, ref) -> str | None:
+    """With sinks: what the forward computes instead, when it is attention with the sinks left out, multiplied by the
+    softmax scale, negated, or read per KV head (sinks[kv_map[h]]: a sink per KV head indexed like K and V)."""
+    from ..stages import sinks as sink_stage
+    stages = context.stages
+    at = next((i for i, st in enumerate(stages) if st.normaliser), None)
+    if at is None:
+        return None
+    st = stages[at]
+    logits = np.asarray(st.logits(), dtype=np.float64)
+    hq, hkv = sc.heads_q, sc.heads_kv
+    candidates = [(stages[:at] + stages[at + 1:],
+                   "the forward leaves the sinks out of the softmax: each row's normaliser needs exp(s_h) beside "
+                   "sum_j exp(S_ij) (gpt-oss concatenates the sink logit as one more score column and drops that "
+                   "column after the softmax)")]
+    if sc.scale != 1:
+        candidates.append((stages[:at] + (sink_stage.Sinks(logits * sc.scale, st.grad),) + stages[at + 1:],
+                           f"the forward multiplies the sink logits by the softmax scale ({sc.scale:g}), as it does "
+                           "the scores: the sinks join the normaliser unscaled (gpt-oss adds them after the scaling)"))
+    candidates.append((stages[:at] + (sink_stage.Sinks(-logits, st.grad),) + stages[at + 1:],
+                       "the forward uses -s_h for the sink logits: exp(s_h) joins each row's normaliser"))
+    if hkv < hq:
+        candidates.append((stages[:at] + (sink_stage.Sinks(logits[np.asarray(kv_map) % len(logits)], st.grad),)
+                           + stages[at + 1:],
+                           "the forward reads the sinks per KV head (sinks[kv_map[h]], indexed like K and V): there is "
+                           "one sink per query head, sinks[h]"))
+    for wrong, says in candidates:
+        if _matches(context.output, context.reference(stages=wrong), ref):
+            return says
+    return None
+
+
 def _alternative(sc, context: Context, kv_map) -> str | None:
     """What the implementation's forward computes instead, when it is exactly one of: attention with the
     mask inverted (a drop mask), without the mask, with the other causal alignment, or with the other
     KV-head layout."""
     ref = context.reference()
     o = context.output
+    sinks = _sinks_alternative(sc, context, kv_map, ref)
+    if sinks:
+        return sinks
     dropped = ~sc.visible
     if not sc.visible.all() and dropped.any(axis=-1).all() and _matches(o, context.reference(visible=dropped), ref):
         return DROP_MASK
@@ -206,6 +242,63 @@ def _missing_keys(sc, context: Context, evidence, kv_map) -> str | None:
     return (f"the forward never reads key row(s) {ranges(rows.tolist())} of {sc.n_k}: their gradients are zero and "
             "O is attention with them hidden; a block of keys is skipped (e.g. the last, partial block when "
             "n_k is not a multiple of the block size)")
+
+
+def _sink_backward(sc, context: Context, kv_map, failed) -> str | None:
+    """With sinks: what the backward computes instead, when every failed gradient is exactly the reference's of a
+    known mistake: P recomputed without the sinks (a log-sum-exp over the keys alone), the sinks' gradient from the
+    first batch element, or with its sign flipped."""
+    from .. import stages as score_stages
+    stages = context.stages
+    at = next((i for i, st in enumerate(stages) if st.normaliser), None)
+    if at is None or not failed or context.g is None:
+        return None
+    x = {t: val.astype(np.float64) for t, val in context.inputs.items()}
+
+    def gradients(back):
+        g = backward(x["q"], x["k"], x["v"], sc.visible, sc.scale, kv_map, context.g, stages=back)
+        return {"q": g.q, "k": g.k, "v": g.v, **g.params}
+    ref = gradients(stages)
+    candidates = [(stages[:at] + stages[at + 1:], "qkv",
+                   "the backward recomputes P without the sinks (dQ, dK and dV are those of attention without "
+                   "sinks while the forward has them): P_ij = exp(S_ij - LSE_i) needs the log-sum-exp with exp(s_h) "
+                   "in it, as the forward's (save that LSE, sink included); the sinks' gradient, -sum_i p_i D_i, "
+                   "then vanishes too")]
+    for fault, says in (("sink-grad-batch", "the sinks' gradient is the first batch element's alone: ds_h sums "
+                                            "-p_i D_i over the batch as well as the rows"),
+                        ("sink-grad-sign", "the sinks' gradient has the wrong sign: ds_h = -sum_{b,i} p_i D_i (the "
+                                           "sink's column has dS = p_i (0 - D_i), D_i = rowsum(dO * O))")):
+        candidates.append((score_stages.inject(stages, sc.visible, (fault,))[1], stages[at].param or "", says))
+    without = stages[:at] + stages[at + 1:]
+    candidates.insert(1, (lambda: _p_without_sink(x, sc, kv_map, context.g, stages, without), "qkv",
+                          "the backward recomputes P from a log-sum-exp without the sinks while D = rowsum(dO * O) "
+                          "comes from the forward's O, which has them (a FlashAttention-style backward whose saved LSE "
+                          "left the sink out): P_ij = exp(S_ij - LSE_i) needs exp(s_h) in the LSE"))
+    for back, tensors, says in candidates:
+        wrong = back() if callable(back) else gradients(back)
+        named = [t for t in failed if t in tensors]
+        if named and all(t in wrong and t in context.gradients and t in ref
+                         and _matches(context.gradients[t], wrong[t], ref[t]) for t in named):
+            return says
+    return None
+
+
+def _p_without_sink(x, sc, kv_map, g, stages, without) -> dict:
+    """The gradients of a backward whose P leaves the sinks out (P from the keys' log-sum-exp alone) while its
+    D = rowsum(dO * O) comes from the right O."""
+    q, k, v = x["q"], x["k"], x["v"]
+    a_right = attention_weights(q, k, sc.visible, sc.scale, kv_map, stages=stages)
+    a = attention_weights(q, k, sc.visible, sc.scale, kv_map, stages=without)
+    v_rep, k_rep = repeat_kv(v, kv_map), repeat_kv(k, kv_map)
+    g_a = g @ np.swapaxes(v_rep, -1, -2)
+    g_s = a * (g_a - (a_right * g_a).sum(axis=-1, keepdims=True))
+    if without:
+        from .. import stages as score_stages
+        g_s = score_stages.pull_back(without, raw_scores(q, k, sc.scale, kv_map), g_s)[0]
+    heads_kv = k.shape[-3]
+    return {"q": (g_s @ k_rep) * sc.scale,
+            "k": sum_groups((np.swapaxes(g_s, -1, -2) @ q) * sc.scale, kv_map, heads_kv),
+            "v": sum_groups(np.swapaxes(a, -1, -2) @ g, kv_map, heads_kv)}
 
 
 def _mask_backward(sc, context, evidence, failed, broken, sees_all, kv_map) -> bool:
