@@ -32,7 +32,8 @@ _HVP_ADDED = "adds to the implementation's HVP the change this bug makes to the 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("softmax-term", "G_S = A * G_A: drops the row-sum subtraction c_i of the softmax backward",
           ("gradient q", "gradient k", "score-gradient rows sum to 0", "backward agrees with the reference",
-           "gradient bias", "gradient relative_bias", "gradient alibi_slopes"), user=_ADDED),  # from dS: wrong too
+           "gradient bias", "gradient relative_bias", "gradient alibi_slopes", "gradient sinks"),
+          user=_ADDED),  # from dS: wrong too
     Fault("mask", "forward and backward ignore the visible set (finite differences agree with it)",
           ("attention is 0 off the visible set", "unseen K/V rows get zero gradient",
            "row 0's unseen K/V rows get zero gradient", "hidden K/V rows do not change O",
@@ -42,7 +43,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("mask-backward", "only the backward ignores the visible set: it recomputes A without it",
           ("gradient q", "gradient k", "gradient v", "unseen K/V rows get zero gradient",
            "row 0's unseen K/V rows get zero gradient", "backward agrees with the reference", "gradient bias",
-           "gradient relative_bias", "gradient alibi_slopes"),
+           "gradient relative_bias", "gradient alibi_slopes", "gradient sinks"),
           user=_ADDED),
     Fault("scale", "G_Q and G_K lose the scale factor (no effect when scale = 1)",
           ("gradient q", "gradient k", "backward agrees with the reference"), user=_ADDED),

@@ -13,29 +13,31 @@ from .varlen import document_invariant
 
 
 def engine_invariants(fwd, bwd, inputs, visible, kv_map, grads, rng, terms: dict[str, np.ndarray],
-                      g: np.ndarray, documents=None) -> list[Check]:
+                      g: np.ndarray, documents=None, sink=None) -> list[Check]:
     """All attention invariants for the engine. ``fwd(q, k, v) -> (o, a)`` and
     ``bwd(q, k, v, grad_o) -> Gradients`` are the implementation under test; ``grads`` is its backward
     at ``inputs`` and upstream gradient ``g`` (with the A and G_A the backward used, and G_S); ``terms`` as
-    for :func:`output_invariants`."""
+    for :func:`output_invariants`; ``sink``: the forward's sinks' weight per row (the backward's is ``grads.sink``)."""
     o, a = fwd(inputs["q"], inputs["k"], inputs["v"])
 
     def backward_kv(q, k, v, grad_o):
         g = bwd(q, k, v, grad_o)
         return g.k, g.v
 
-    return (weight_invariants(a, visible, grads)
+    return (weight_invariants(a, visible, grads, sink)
             + output_invariants(lambda q, k, v: fwd(q, k, v)[0], backward_kv, inputs, visible, kv_map, o, rng,
-                               terms, o.dtype.name, (g, grads.k, grads.v), documents, grads.sink))
+                               terms, o.dtype.name, (g, grads.k, grads.v), documents, sink))
 
 
-def weight_invariants(a, visible, grads) -> list[Check]:
-    """Invariants of the attention matrix A and of the score gradient G_S. With sinks (``grads.sink``, their weight
-    p per row) a row of A sums to 1 - p and one of G_S to p c_i: the sink's own column, its value row 0, takes the
-    rest of the weight and has dS = -p c_i."""
-    g_s, sink = grads.s, grads.sink
+def weight_invariants(a, visible, grads, sink=None) -> list[Check]:
+    """Invariants of the attention matrix A (the forward's) and of the score gradient G_S (the backward's). With
+    sinks (their weight p per row: ``sink`` the forward's, ``grads.sink`` the backward's) a row of A sums to 1 - p
+    and one of G_S to p c_i: the sink's own column, its value row 0, takes the rest of the weight and has
+    dS = -p c_i."""
+    g_s = grads.s
     eps = float(np.finfo(a.dtype).eps)
     kept, but = (1.0, "") if sink is None else (1.0 - sink, " + p_i (the sink's weight)")
+    sink = grads.sink
     checks = [
         bounded("attention is non-negative", "a", np.minimum(a, 0), 0.0, "min over all entries of A must be >= 0"),
         bounded("attention rows sum to 1", "a", a.sum(axis=-1) - kept, INVARIANT_ULPS * eps * a.shape[-1],

@@ -8,7 +8,7 @@ import numpy as np
 
 from ...numeric import SeedStream
 from ..registry import Problem, SecondOrder, Tangents
-from . import copies, varlen
+from . import copies, formulas, varlen
 from . import stages as score_stages
 from .args import Args
 from .directional import hvp, hvp_terms, jvp, jvp_terms
@@ -91,7 +91,9 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         invariants=lambda: [copies.agreement(fast, reference, qkv, seen, faults,
                                              np.random.default_rng([sc.seed, SeedStream.FAST_FORWARD]))]
         + engine_invariants(fwd, bwd, qkv, visible, kv_map, grads, rng_inv,
-                            output_terms(qkv, a, scale, kv_map, right), g, sc.documents),
+                            output_terms(qkv, a, scale, kv_map, right), g, sc.documents,
+                            formulas.sink_weight(q, k, **seen.but(visible=None if "mask" in faults else shown).kw)
+                            if stages else None),
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
                 "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
                 "analytic_q": grads.q, "analytic_k": grads.k, "analytic_v": grads.v,

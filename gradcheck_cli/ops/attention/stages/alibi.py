@@ -231,7 +231,7 @@ REGISTRATION = Registration(
               ("gradient q", "gradient k", "gradient v", "backward agrees with the reference",
                "score-gradient rows sum to 0",  # the tiled backward's P from the forward's log-sum-exp
                # a bias's, the slopes' or T5's table's gradient where checked: they come from dS
-               "gradient bias", "gradient alibi_slopes", "gradient relative_bias"),
+               "gradient bias", "gradient alibi_slopes", "gradient relative_bias", "gradient sinks"),
               user="adds to the implementation's gradients the change this bug makes to the float64 reference's",
               scenario=((KEY, {"slopes": "geometric"}),)),
         Fault("alibi-slope-grad-sign", "ALiBi: the slopes' gradient sums dS |i' - j|, the sign of the distance "
