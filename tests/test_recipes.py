@@ -296,3 +296,46 @@ def test_hf_gpt_oss_with_the_sinks_scaled_fails_with_the_cause_named(hf_gpt_oss)
     result = checker.run_scenario(hf_gpt_oss["broken-gpt-oss-scaled-sinks"])
     assert "forward agrees with the reference" in {c.name for c in result.checks if c.verdict == "fail"}
     assert any("multiplies the sink logits by the softmax scale" in h for h in result.hints), result.hints
+
+
+def test_flex_attention_recipe_is_refused_without_cuda_and_its_forward_is_right_on_the_cpu():
+    """FlexAttention (softcap score_mod, document mask_mod) has no CPU backward in torch 2.13: its recipe sets
+    device: cuda, refused here with the key named (exit 2); its forward, run on the CPU, equals the reference, and
+    the broken variants' do not; with device: cpu the run fails 'implementation runs' with a hint saying why."""
+    import warnings
+
+    import numpy as np
+    torch = pytest.importorskip("torch")
+    from gradcheck_cli.errors import ScenarioError
+    from gradcheck_cli.ops.attention import formulas
+    from gradcheck_cli.ops.attention import stages as score_stages
+    from gradcheck_cli.ops.attention.args import Args
+    from gradcheck_cli.scenario import loads
+    text = (RECIPES / "flex_attention.yaml").read_text()
+    if not torch.cuda.is_available():
+        with pytest.raises(ScenarioError) as err:
+            loads(text, base_dir=RECIPES)
+        assert err.value.key.endswith("device") and "no CUDA" in str(err.value)
+    scs = loads(text.replace("device: cuda", "device: cpu"), base_dir=RECIPES)
+    import importlib
+    import sys
+    sys.path.insert(0, str(RECIPES))
+    try:
+        recipe = importlib.import_module("flex_attention")
+    finally:
+        sys.path.remove(str(RECIPES))
+    rng = np.random.default_rng(0)
+    for sc in scs:
+        q, k, v = (rng.standard_normal((1, h, n, 16)) for h, n in ((4, sc.n_q), (2, sc.n_k), (2, sc.n_k)))
+        ref = formulas.forward(q, k, v, **Args.of(sc, score_stages.from_scenario(sc)).kw)
+        fn = getattr(recipe, sc.implementation.split(":")[1])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            o = fn(*(torch.tensor(x) for x in (q, k, v)), torch.from_numpy(sc.visible), sc.scale,
+                   torch.as_tensor(np.asarray(sc.kv_map)), softcap=2.0,
+                   **{kw: torch.as_tensor(a) for kw, a in sc.documents.kwargs().items()})
+        gap = float(np.abs(o.numpy() - ref).max())
+        assert (gap > 1e-2) if sc.name.startswith("broken") else (gap < 1e-12), (sc.name, gap)
+    result = checker.run_scenario(scs[0])
+    assert [c.name for c in result.checks if c.verdict == "fail"] == ["implementation runs"]
+    assert any("not implemented on the CPU" in h and "device: cuda" in h for h in result.hints), result.hints

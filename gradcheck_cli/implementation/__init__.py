@@ -180,7 +180,12 @@ def guarded(what: str, fn, *args):
     except BaseException as exc:  # whatever the implementation raises is a failed check
         if _ctrl_c(exc):
             raise
-        raise ImplementationFailure(f"{what} raised {type(exc).__name__}: {exc}{raised_at(exc)}") from None
+        failure = ImplementationFailure(f"{what} raised {type(exc).__name__}: {exc}{raised_at(exc)}")
+        if isinstance(exc, NotImplementedError) and "on CPU" in str(exc):
+            failure.hint = (f"the code's {what} is not implemented on the CPU by its library (torch's flex_attention "
+                            "has no CPU backward in torch 2.13): check it with device: cuda on a machine with a GPU; "
+                            "nothing about its gradients could be checked here")
+        raise failure from None
 
 
 def call(fn, what: str, args: tuple, expected: dict[str, tuple[tuple[int, ...], np.dtype]],

@@ -201,5 +201,6 @@ def _require_torch(f: _Fields, backend: str, device: str, dtype: str) -> None:
                                    hint="pip install ml_dtypes (or pip install 'attn-gradcheck[torch]')"),
                            "ml_dtypes") from None
     if device == "cuda" and not torch.cuda.is_available():
-        raise f.error("device", "device cuda was asked for but torch sees no CUDA device",
-                      hint="use device: cpu, or run on a machine with a GPU and a CUDA build of torch")
+        raise _missing(f.error("device", "device cuda was asked for but torch sees no CUDA device",
+                               hint="use device: cpu, or run on a machine with a GPU and a CUDA build of torch; "
+                                    "--deselect leaves such scenarios out here"), "CUDA")

@@ -243,3 +243,17 @@ def test_a_scenario_left_out_by_select_is_not_refused_for_a_library_this_machine
                    "batch: -1}\n")
     result = run("run", str(cfg), "--select", "mine")
     assert result.exit_code == 2 and "scenarios[1].batch" in result.stderr
+
+
+def test_a_cuda_scenario_left_out_by_select_is_not_refused_on_a_machine_without_cuda(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text("scenarios:\n  - {name: mine, n_q: 3, d_head: 2, backend: torch}\n"
+                   "  - {name: gpu, n_q: 3, d_head: 2, backend: torch, device: cuda}\n")
+    for args, code in ((["--select", "mine"], 0), (["--deselect", "gpu"], 0), ([], 2), (["--select", "gpu"], 2)):
+        result = run("run", str(cfg), *args)
+        assert result.exit_code == code, (args, result.output)
+        assert "Traceback" not in result.output
+    assert "no CUDA device" in run("run", str(cfg)).output
