@@ -210,9 +210,34 @@ def test_the_sinks_come_last_whatever_the_order_of_the_stages():
     ({"values": [1.0, "x", 2.0, 3.0]}, {}, "sinks.values", "finite number"),
     ({"grad": "yes"}, {}, "sinks.grad", ""),
     ({"value": [1.0]}, {}, "sinks.value", "values"),
-    ({}, {"check": {"mode": "jvp"}}, "sinks", "check.mode jvp is not built for sinks"),
+    ({"grad": True}, {"check": {"mode": "jvp"}}, "sinks.grad", "JVP along the sinks is not built"),
     ({}, {"stages": ["sinks"]}, "stages", "")])
 def test_bad_sinks_are_refused_with_their_key(sinks, extra, key, words):
     with pytest.raises(ScenarioError) as err:
         make(heads_q=4, n_q=3, d_head=2, sinks=sinks, **extra)
     assert key in str(err.value.key) and words in str(err.value), (err.value.key, str(err.value))
+
+
+@pytest.mark.parametrize("keys", [
+    {"check": {"mode": "jvp"}}, {"check": {"mode": "hvp"}, "softcap": 2.0},
+    {"check": {"mode": "jvp"}, "engine": "tiled", "block_q": 2, "block_k": 3},
+    {"backend": "torch"}, {"backend": "torch", "dtype": "bfloat16"},
+    {"backend": "torch", "dtype": "float16", "implementation": "sinks_attention:torch_sinks"},
+    {"backend": "torch", "check": {"mode": "hvp"}, "implementation": "sinks_attention:torch_sinks"},
+    {"backend": "jax", "dtype": "bfloat16", "implementation": "sinks_attention:jax_sinks"}])
+def test_fixed_sinks_pass_in_every_mode_engine_and_precision_and_a_left_out_sink_fails(keys):
+    """Fixed sinks: the JVP/HVP closed forms (the softmax with one more fixed column), the tiled JVP, the torch
+    closed forms and the half-precision peers (torch and JAX) all take the sink; the JVP-centring fault is still
+    caught along the JVP, and code that leaves the sink out fails in half precision too."""
+    if keys.get("backend") in ("torch", "jax"):
+        pytest.importorskip(keys["backend"])
+    base = dict(batch=2, heads_q=4, heads_kv=2, n_q=4, n_k=7, d_head=4, sinks={"values": [0.5, -1.0, 2.0, 0.0]},
+                mask={"causal": "lower-right"})
+    sc = with_examples(**base, **keys)
+    result = checker.run_scenario(sc)
+    assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
+    if keys.get("check") == {"mode": "jvp"}:
+        assert not checker.run_scenario(sc, ("jvp-centring",)).passed
+    if keys.get("implementation") == "sinks_attention:torch_sinks" and keys.get("dtype"):
+        broken = with_examples(**base, **{**keys, "implementation": "sinks_attention:torch_sinks_ignored"})
+        assert checker.run_scenario(broken).verdict == "fail"

@@ -11,6 +11,9 @@ from ...result import Check
 from ...tolerance import INVARIANT_ULPS, machine_epsilon
 from .varlen import document_invariant
 
+#: The float64 reference's unit roundoff (its own quantities, like a sink's weight, round at that precision).
+EPS64 = float(np.finfo(np.float64).eps)
+
 
 def engine_invariants(fwd, bwd, inputs, visible, kv_map, grads, rng, terms: dict[str, np.ndarray],
                       g: np.ndarray, documents=None, sink=None) -> list[Check]:
@@ -133,19 +136,30 @@ def output_invariants(forward, backward_kv, inputs, visible, kv_map, o, rng, ter
     moved = np.take(shift.astype(np.float64), kv_map, axis=-3)  # [B, Hq, 1, d_v]: each query head's KV head
     if sink is not None:  # the sink keeps its weight on its value row, 0
         moved = moved * (1.0 - np.asarray(sink, dtype=np.float64))[..., None]
-    allowed = terms["o_convex"] + 2 * np.abs(moved)
+    allowed = ulps * eps * (terms["o_convex"] + 2 * np.abs(moved))
     if sink is not None and "weights" in terms:  # the keys' total weight 1 - p_i rounds with their logits
-        allowed = allowed + terms["weights"][..., None] * np.abs(np.take(shift.astype(np.float64), kv_map, axis=-3))
+        c = np.abs(np.take(shift.astype(np.float64), kv_map, axis=-3))
+        tiny = float(np.finfo(precision).tiny) if precision in ("float16", "float32", "float64") else 2.0 ** -126
+        allowed = allowed + (ulps * eps * terms["weights"][..., None]
+                             + INVARIANT_ULPS * EPS64 * terms["sink_reference"][..., None]
+                             + ulps * tiny * v.shape[-2]) * c  # weights below the normal range round absolutely
     checks.append(bounded_each("shifting every V row shifts O by as much", "o", o3 - o - moved,
-                               ulps * eps * allowed,
+                               allowed,
                                "O(V + c) - O(V) - c per element, c one random vector per (batch, KV head) "
                                "added to every V "
                                + ("row, times 1 - p_i (the sinks' weight): the attention weights and the sink's sum "
                                   "to 1" if sink is not None else "row: the attention weights of each row sum to 1")
                                + f"; allowed {ulps:g} ulps of {precision} of sum_j A_ij |V_jc| + 2 |c|"
                                + (" + |c| sum_j A_ij (1 + L_ij + |s_h|) (the keys' weight against the sink's, L_ij "
-                                  "their logits' rounding)" if sink is not None else ""),
-                               guarded=float(np.abs(moved).max(initial=0.0))))
+                                  "their logits' rounding), the float64 reference's rounding of p_i, and n_k x the "
+                                  "dtype's smallest normal (weights that small round absolutely)"
+                                  if sink is not None else ""),
+                               # with sinks in half precision the logits' rounding moves weight between the keys
+                               # and the sink by up to a few % of c: the check still sees a sink left out or
+                               # misapplied (its violation ~ p c), but has no power to claim beyond; the reference
+                               # agreement carries it there
+                               guarded=None if sink is not None and precision in ("float16", "bfloat16")
+                               else float(np.abs(moved).max(initial=0.0))))
 
     # Each O row is a convex combination of its visible V rows (and of 0, the sink's value row, with sinks).
     checks.append(bounded_each("O rows in the range of visible V rows", "o",

@@ -10,6 +10,19 @@ import numpy as np
 from . import stages as score_stages
 
 
+def _softmax(s, stages):
+    """The softmax of the masked scores ``s`` over each row, with the sinks' logits in its normaliser (gpt-oss's
+    way: one more column, dropped after), in the scores' dtype."""
+    sink = score_stages.sink_logits(stages) if stages else None
+    if sink is None:
+        e = jnp.exp(s - s.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+    col = jnp.broadcast_to(jnp.asarray(sink, dtype=s.dtype)[..., 0], s.shape[:-1])[..., None]
+    full = jnp.concatenate([s, col], axis=-1)
+    e = jnp.exp(full - full.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True))[..., :-1]
+
+
 def forward(q, k, v, visible, scale: float, kv_map, stages=()):
     """O = A V with A the softmax over each row's visible set of scale * q k^T (through the score ``stages``), the
     row max subtracted (``formulas.forward``), every step in the inputs' dtype. Shapes as in ``formulas``."""
@@ -17,9 +30,7 @@ def forward(q, k, v, visible, scale: float, kv_map, stages=()):
     s = (q @ jnp.swapaxes(k, -1, -2)) * scale
     if stages:
         s = score_stages.apply(stages, s, xp=jnp)
-    s = jnp.where(visible, s, -jnp.inf)
-    e = jnp.exp(s - s.max(axis=-1, keepdims=True))
-    return (e / e.sum(axis=-1, keepdims=True)) @ v
+    return _softmax(jnp.where(visible, s, -jnp.inf), stages) @ v
 
 
 def forward_softmax(q, k, v, visible, scale: float, kv_map, stages=()):
@@ -29,7 +40,12 @@ def forward_softmax(q, k, v, visible, scale: float, kv_map, stages=()):
     s = (q @ jnp.swapaxes(k, -1, -2)) * scale
     if stages:
         s = score_stages.apply(stages, s, xp=jnp)
-    return jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1) @ v
+    s = jnp.where(visible, s, -jnp.inf)
+    sink = score_stages.sink_logits(stages) if stages else None
+    if sink is not None:  # the sink as one more column of jax.nn.softmax, dropped after
+        col = jnp.broadcast_to(jnp.asarray(sink, dtype=s.dtype)[..., 0], s.shape[:-1])[..., None]
+        return jax.nn.softmax(jnp.concatenate([s, col], axis=-1), axis=-1)[..., :-1] @ v
+    return jax.nn.softmax(s, axis=-1) @ v
 
 
 def backward(q, k, v, visible, scale: float, kv_map, grad_o, stages=()):
@@ -38,9 +54,7 @@ def backward(q, k, v, visible, scale: float, kv_map, grad_o, stages=()):
     k_rep, v_rep = k[:, kv_map], v[:, kv_map]
     raw = (q @ jnp.swapaxes(k_rep, -1, -2)) * scale
     staged, slope = score_stages.with_slope(stages, raw, xp=jnp) if stages else (raw, None)
-    s = jnp.where(visible, staged, -jnp.inf)
-    e = jnp.exp(s - s.max(axis=-1, keepdims=True))
-    a = e / e.sum(axis=-1, keepdims=True)
+    a = _softmax(jnp.where(visible, staged, -jnp.inf), stages)
     g_a = grad_o @ jnp.swapaxes(v_rep, -1, -2)
     g_s = a * (g_a - (a * g_a).sum(axis=-1, keepdims=True))
     if slope is not None:

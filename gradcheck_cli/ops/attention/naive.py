@@ -92,7 +92,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                                              np.random.default_rng([sc.seed, SeedStream.FAST_FORWARD]))]
         + engine_invariants(fwd, bwd, qkv, visible, kv_map, grads, rng_inv,
                             output_terms(qkv, a, scale, kv_map, right), g, sc.documents,
-                            formulas.sink_weight(q, k, **seen.but(visible=None if "mask" in faults else shown).kw)
+                            formulas.sink_weight(q.astype(np.float64), k.astype(np.float64),
+                                                 **seen.but(visible=None if "mask" in faults else shown).kw)
                             if stages else None),
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
                 "scale": np.asarray(scale), "kv_map": kv_map, "output": o,

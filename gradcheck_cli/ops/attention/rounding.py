@@ -123,27 +123,29 @@ def output_terms(inputs, a, scale, kv_map, stages=()) -> dict[str, np.ndarray]:
              "o_convex": output_term_sizes(inputs, a_rows, scale, kv_map, logits=False)}
     sink = score_stages.sink_logits(stages) if stages else None
     if sink is not None:  # the keys' share of a row against the sink's carries their logits' rounding
-        terms["weights"] = _weight_terms(inputs, a_rows, scale, kv_map, stages, np.abs(np.asarray(sink))[..., 0])
+        terms["weights"], terms["sink_reference"] = _weight_terms(inputs, a_rows, scale, kv_map, stages,
+                                                                   np.abs(np.asarray(sink))[..., 0])
     return terms
 
 
-def _weight_terms(inputs, a_rows, scale, kv_map, stages, sink, rows: int = TERM_ROWS) -> np.ndarray:
-    """With sinks: the size of the terms of the keys' total weight 1 - p_i in each row [B, Hq, n_q]:
-    sum_j A_ij (1 + L_ij + |s_h|) (L the logits' rounding, |s_h| the sink logit's: the weight moves between the keys
-    and the sink, where without a sink it only moves among the keys and the total stays 1), plus
-    p_i (1 + |s_h| + max_j L_ij + log(1 + n_k)): the rounding of p_i = exp(s_h - LSE_i) itself, which 1 - p_i keeps
-    in full when the sink takes nearly all the weight."""
+def _weight_terms(inputs, a_rows, scale, kv_map, stages, sink, rows: int = TERM_ROWS) -> tuple[np.ndarray, np.ndarray]:
+    """With sinks, per row [B, Hq, n_q]: (the size of the rounding of the keys' total weight 1 - p_i in the
+    computation, sum_j A_ij (1 + L_ij + |s_h|), L the logits' rounding and |s_h| the sink logit's (an online softmax
+    rescales both by the running maximum: the weight moves between the keys and the sink, where without a sink it
+    only moves among the keys and the total stays 1), and the size of the rounding of the reference's
+    p_i = exp(s_h - LSE_i) itself, p_i (1 + |s_h| + max_j L_ij + log(1 + n_k)), which 1 - p_i keeps in full when
+    the sink takes nearly all the weight (float64: the reference's precision)."""
     qa, ka = (np.abs(t).astype(np.float64) for t in (inputs["q"], repeat_kv(inputs["k"], kv_map)))
-    out = np.empty(qa.shape[:-1])
+    mine, ref = np.empty(qa.shape[:-1]), np.empty(qa.shape[:-1])
     for start in range(0, qa.shape[-2], rows):
         span = slice(start, min(start + rows, qa.shape[-2]))
         a = a_rows(span).astype(np.float64)
-        logit = _logit_error(inputs, qa, ka, scale, kv_map, span, stages)
+        logit = np.broadcast_to(_logit_error(inputs, qa, ka, scale, kv_map, span, stages), a.shape)
         kept = a.sum(axis=-1)
-        out[..., span] = ((a * (1.0 + logit)).sum(axis=-1) + kept * sink
-                          + np.maximum(1.0 - kept, 0.0) * (1.0 + sink + np.max(np.broadcast_to(logit, a.shape), axis=-1)
-                                                           + np.log1p(a.shape[-1])))
-    return out
+        p = np.clip(1.0 - kept, 0.0, 1.0)
+        mine[..., span] = (a * (1.0 + logit)).sum(axis=-1) + kept * sink
+        ref[..., span] = p * (1.0 + sink + np.max(logit, axis=-1, initial=0.0) + np.log1p(a.shape[-1]))
+    return mine, ref
 
 
 def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: bool = False,

@@ -51,6 +51,16 @@ def _online(s, vis, m):
     return p, m_new, np.exp(m - base)  # rescale 0 while m is -inf: nothing accumulated yet
 
 
+def _start(sink, shape, dtype):
+    """(m, l) an online softmax starts a block of rows from: -inf and 0, or with sinks m = s_h and l = 1 (the sink
+    enters each row once, first; its value row is 0, so the accumulators start at 0 either way)."""
+    if sink is None:
+        m = np.full(shape, -np.inf, dtype=dtype)
+        return m, np.zeros_like(m)
+    m = np.broadcast_to(np.asarray(sink).astype(dtype), shape).copy()
+    return m, np.ones_like(m)
+
+
 def _scores(q_blk, k_t_blk, stages, rows, cols):
     """A block's scores: q_blk (k_blk scale)^T through the score stages (with the block's rows and keys)."""
     s = q_blk @ k_t_blk
@@ -71,12 +81,7 @@ def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), block
     sink = score_stages.sink_logits(stages) if stages else None
     for rows in _spans(n_q, block_q):
         q_blk = q[..., rows, :]
-        if sink is None:
-            m = np.full(lead + (rows.stop - rows.start, 1), -np.inf, dtype=out.dtype)
-            l = np.zeros_like(m)
-        else:  # the sink enters each row's online softmax once, first: m = s_h, l = exp(s_h - m) = 1
-            m = np.broadcast_to(np.asarray(sink).astype(out.dtype), lead + (rows.stop - rows.start, 1)).copy()
-            l = np.ones_like(m)
+        m, l = _start(sink, lead + (rows.stop - rows.start, 1), out.dtype)
         acc = np.zeros(lead + (rows.stop - rows.start, v.shape[-1]), dtype=out.dtype)
         for cols in _spans(n_k, block_k):
             vis = _block(visible, rows, cols) if masked else None
@@ -118,11 +123,12 @@ def jvp(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, faults: Coll
     dtype = np.result_type(*present)
     n_q, n_k, d_value = q.shape[-2], k.shape[-2], v.shape[-1]
     out = np.empty(lead + (n_q, d_value), dtype=dtype)
+    sink = score_stages.sink_logits(stages) if stages else None
     for rows in _spans(n_q, block_q):
         q_blk = q[..., rows, :]
         dq_blk = None if dq is None else dq[..., rows, :]
-        m = np.full(lead + (rows.stop - rows.start, 1), -np.inf, dtype=dtype)
-        l, acc_s = np.zeros_like(m), np.zeros_like(m)
+        m, l = _start(sink, lead + (rows.stop - rows.start, 1), dtype)
+        acc_s = np.zeros_like(m)
         acc_o = np.zeros(lead + (rows.stop - rows.start, d_value), dtype=dtype)
         acc_sv, acc_dv = np.zeros_like(acc_o), np.zeros_like(acc_o)
         for cols in _spans(n_k, block_k):
@@ -181,9 +187,10 @@ def jvp_terms(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, block_
     lead = np.broadcast_shapes(*(x.shape[:-2] for x in present))
     n_q, n_k, d_value = q.shape[-2], k.shape[-2], v.shape[-1]
     out = np.empty(lead + (n_q, d_value))
+    sink = score_stages.sink_logits(stages) if stages else None
     for rows in _spans(n_q, block_q):
-        m = np.full(lead + (rows.stop - rows.start, 1), -np.inf)
-        l, row_s = np.zeros_like(m), np.zeros_like(m)
+        m, l = _start(sink, lead + (rows.stop - rows.start, 1), np.float64)
+        row_s = np.zeros_like(m)
         acc_sv = np.zeros(lead + (rows.stop - rows.start, d_value))
         acc_v, acc_dv = np.zeros_like(acc_sv), np.zeros_like(acc_sv)
         for cols in _spans(n_k, block_k):

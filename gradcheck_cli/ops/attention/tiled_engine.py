@@ -125,8 +125,10 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                                   "plus sum_c |G_O_ic| x the terms of O_ic (D is formed from the forward's O); "
                                   "accumulated over the blocks of the tiled backward (softmax is shift invariant)")
         sink = score_stages.sink_logits(stages)
-        if sink is not None:  # the sinks' weight per row, from the forward's log-sum-exp
-            sink = np.exp(np.asarray(sink, dtype=np.float64)[..., 0] - lse)
+        if sink is not None:  # the sinks' weight per row, from the log-sum-exp of the same forward in float64
+            lse64 = forward(*(x.astype(np.float64) for x in (q, k, v)), faults=faults, block_q=bq, block_k=bk,
+                            with_lse=True, **seen.kw)[1]
+            sink = np.exp(np.asarray(sink, dtype=np.float64)[..., 0] - lse64)
         return agree + [rows] + output_invariants(fwd, backward_kv, qkv, visible, kv_map, o, rng_inv, terms,
                                                   sc.dtype, (g, g_k, g_v), sc.documents, sink)
 

@@ -274,7 +274,7 @@ def _low(sc, impl, inputs: dict, g, interface: Interface, results: dict, determi
                 forward64, backward_kv64, rounded, args.visible, args.kv_map, r64["o"],
                 np.random.default_rng([sc.seed, SeedStream.INVARIANTS]),
                 output_terms(rounded, a64, args.scale, args.kv_map, args.stages),
-                computes_in, (g64, r64["k"], r64["v"]), sc.documents)
+                computes_in, (g64, r64["k"], r64["v"]), sc.documents, _sink_weight(rounded, args))
         except implementation.ImplementationFailure as exc:
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
         return out + flavours.compiled_rows(impl)

@@ -121,12 +121,10 @@ class Registration:
 
 #: What the stages do not cover yet (``attn-gradcheck ops`` lists it; ``gradient_limits`` refuses a scenario that
 #: asks for it, with its key).
-LIMITS = ("a stage parameter's gradient (bias.grad, relative_bias.grad, alibi.grad) is checked in float64 and "
-          "float32, on the NumPy engines and your NumPy, torch and JAX code: not yet on the torch closed forms, in "
-          "half precision, or along check.mode jvp / hvp (the stages themselves are)",
-          "the variants apply to op attention: not yet to attention-projections or block",
-          "sinks are checked in float64 and float32 on the NumPy engines and your NumPy, torch and JAX code: not yet "
-          "in half precision, on the torch closed forms, or along check.mode jvp / hvp")
+LIMITS = ("a stage parameter's gradient (bias.grad, relative_bias.grad, alibi.grad, sinks.grad) is checked in "
+          "float64 and float32, on the NumPy engines and your NumPy, torch and JAX code: not yet on the torch closed "
+          "forms, in half precision, or along check.mode jvp / hvp (the stages themselves are)",
+          "the variants apply to op attention: not yet to attention-projections or block")
 
 
 def gradient_limits(key: str, what: str, attention: dict) -> list:

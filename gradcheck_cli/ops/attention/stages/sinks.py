@@ -27,7 +27,7 @@ import numpy as np
 
 from ....numeric import SeedStream
 from ...registry import Fault, Param
-from .base import ALL, Registration, Stage
+from .base import ALL, Registration, Stage, gradient_limits
 
 KEY = "sinks"
 
@@ -144,17 +144,7 @@ def validate(sc_params: dict, attention: dict) -> list:
     if values != "seeded" and heads is not None and len(values) != heads:
         return [(f"{KEY}.values", f"has {len(values)} logits but heads_q is {heads}",
                  "give one sink logit per query head, or values: seeded")]
-    mode, fix = attention["mode"], "remove sinks for this scenario"
-    if mode in ("jvp", "hvp"):
-        return [(KEY, f"check.mode {mode} is not built for sinks yet (the JVP and HVP closed forms have no sink)",
-                 f"{fix}, or check.mode: vjp")]
-    if attention["backend"] == "torch" and not attention["implementation"]:
-        return [(KEY, "sinks run on the NumPy engines (naive, tiled) and NumPy, torch and JAX implementations for "
-                      "now, not the torch closed forms", f"{fix}, or backend: numpy")]
-    if attention["dtype"] in ("float16", "bfloat16"):
-        return [(KEY, f"sinks are checked in float64 and float32, not {attention['dtype']} yet (the half-precision "
-                      "peers have no sink)", f"{fix}, or dtype: float32")]
-    return []
+    return gradient_limits(KEY, "the sinks", attention) if params["grad"] else []
 
 
 def _applies(sc, fault: str) -> str | None:

@@ -22,6 +22,7 @@ from ...registry import Problem
 from .. import stages as score_stages
 from .. import varlen
 from ..args import Args
+from ..formulas import sink_weight
 from ..inputs import seeded_inputs
 from ..reference import LOW_PRECISION, LOW_PRECISION_CHECKS, diagnosis_fields, reference
 from ..rounding import Blocks, output_terms
@@ -81,8 +82,9 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
 
     def invariants_of_output() -> list[Check]:
         terms = output_terms(rounded, a64, scale, kv_np, stages)
+        sink = sink_weight(rounded["q"], rounded["k"], sc.visible, scale, kv_np, stages) if stages else None
         return output_invariants_of(sc, fwd, bwd, rounded, o, to, np_, terms, computes_in,
-                                    (g_rounded, results["k"], results["v"]))
+                                    (g_rounded, results["k"], results["v"]), sink)
 
     if low:
         return Problem(inputs={}, loss=None, gradients={t: np_(grads[t]) for t in "qkv"}, rounding={},

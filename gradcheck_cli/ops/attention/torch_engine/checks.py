@@ -11,15 +11,17 @@ from ..invariants import output_invariants
 from .formulas import by_autograd, sdpa
 
 
-def output_invariants_of(sc, fwd, bwd, inputs, o, to, np_, terms: dict, precision: str, checked) -> list[Check]:
+def output_invariants_of(sc, fwd, bwd, inputs, o, to, np_, terms: dict, precision: str, checked,
+                         sink=None) -> list[Check]:
     """The output-only invariants on the closed forms, in the precision they compute in
-    (``checked``: the scenario's upstream gradient and the K/V gradients under test at it)."""
+    (``checked``: the scenario's upstream gradient and the K/V gradients under test at it; ``sink``: the sinks'
+    weight per row, float64, or None)."""
     backward_kv = lambda q_, k_, v_, go: [np_(t) for t in bwd(to(q_), to(k_), to(v_), to(go))[1:3]]  # noqa: E731
     try:
         return output_invariants(lambda q_, k_, v_: np_(fwd(to(q_), to(k_), to(v_))), backward_kv,
                                  inputs, sc.visible, np.asarray(sc.kv_map), np_(o),
                                  np.random.default_rng([sc.seed, SeedStream.INVARIANTS]), terms, precision,
-                                 checked, sc.documents)
+                                 checked, sc.documents, sink)
     except ImplementationFailure as exc:
         return [failure_check("invariants", exc)]
 
