@@ -10,6 +10,7 @@ a leaf of autograd / an input whose gradient is checked with ``grad: true``):
     torch_sinks_ignored    broken: takes sinks= and never uses it (a plain softmax)
     numpy_lse_no_sink      broken: the backward recomputes P from a log-sum-exp without the sink (the forward is right)
     numpy_sink_first_batch broken: the sinks' gradient from the first batch element only
+    numpy_delta_no_sink    broken: D = rowsum(P~ dP) with P~ normalised without the sink (P itself right)
 """
 import numpy as np
 
@@ -81,7 +82,21 @@ class NumpySinkFirstBatch(NumpySinks):
         return -ds[:1].sum(axis=(0, 2, 3))
 
 
+class NumpyDeltaNoSink(NumpySinks):
+    def backward(self, q, k, v, visible, scale, kv_map, grad_o, *, sinks):
+        k_rep, v_rep = k[:, kv_map], v[:, kv_map]
+        p = self._p(q, k, visible, scale, kv_map, sinks)
+        p_keys = self._p(q, k, visible, scale, kv_map, sinks, with_sink=False)
+        dp = np.einsum("bhid,bhjd->bhij", grad_o, v_rep)
+        ds = p * (dp - (p_keys * dp).sum(-1, keepdims=True))  # D from the keys' softmax: the sink left out
+        dk, dv = np.zeros_like(k), np.zeros_like(v)
+        np.add.at(dk, (slice(None), kv_map), scale * np.einsum("bhij,bhid->bhjd", ds, q))
+        np.add.at(dv, (slice(None), kv_map), np.einsum("bhij,bhid->bhjd", p, grad_o))
+        return scale * np.einsum("bhij,bhjd->bhid", ds, k_rep), dk, dv, self._sink_grad(ds)
+
+
 numpy_sinks = NumpySinks()
+numpy_delta_no_sink = NumpyDeltaNoSink()
 numpy_lse_no_sink = NumpyLseNoSink()
 numpy_sink_first_batch = NumpySinkFirstBatch()
 

@@ -174,7 +174,8 @@ def test_the_examples_pass(name, backend, keys):
     ("torch_sink_scaled", "torch", "forward agrees with the reference", "multiplies the sink logits by the softmax"),
     ("torch_sink_detached", "torch", "gradient sinks", "sinks gets no gradient at all"),
     ("numpy_lse_no_sink", "numpy", "gradient q", "recomputes P without the sinks"),
-    ("numpy_sink_first_batch", "numpy", "gradient sinks", "first batch element's alone")])
+    ("numpy_sink_first_batch", "numpy", "gradient sinks", "first batch element's alone"),
+    ("numpy_delta_no_sink", "numpy", "gradient q", "normalised without the sink")])
 def test_the_broken_examples_fail_with_the_cause_named(name, backend, fails, hint):
     pytest.importorskip({"numpy": "numpy", "torch": "torch"}[backend])
     sc = with_examples(implementation=f"sinks_attention:{name}", backend=backend, batch=2, heads_q=4, heads_kv=2,

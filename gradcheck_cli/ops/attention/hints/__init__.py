@@ -220,6 +220,10 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
         gqa = _gqa(sc, evidence, verdicts, kv_map, factors)
         if gqa:
             out.append(gqa)
+        if failed == {"sinks"} and not sink_backward and factors.get("sinks") is None and not out:
+            out.append("the sinks' gradient alone is wrong while dQ, dK and dV pass: ds_h = -sum over every batch "
+                       "element and every query row (every block of a tiled backward) of p_i D_i, with "
+                       "p_i = exp(s_h - LSE_i) the sink's weight and D_i = rowsum(dO * O) (not rowsum(dP))")
         return out
 
     return structure, hints

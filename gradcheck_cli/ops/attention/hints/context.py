@@ -270,6 +270,11 @@ def _sink_backward(sc, context: Context, kv_map, failed) -> str | None:
                                            "sink's column has dS = p_i (0 - D_i), D_i = rowsum(dO * O))")):
         candidates.append((score_stages.inject(stages, sc.visible, (fault,))[1], stages[at].param or "", says))
     without = stages[:at] + stages[at + 1:]
+    candidates.insert(1, (lambda: _p_without_sink(x, sc, kv_map, context.g, stages, without, d_right=False),
+                          "qkv",
+                          "the backward's D_i = rowsum(P~ * dP) takes P~ normalised without the sink "
+                          "(D_i / (1 - p_i)), while its P has the sink: D_i = sum_j A_ij dP_ij with the sink's weights, or "
+                          "rowsum(dO * O)"))
     candidates.insert(1, (lambda: _p_without_sink(x, sc, kv_map, context.g, stages, without), "qkv",
                           "the backward recomputes P from a log-sum-exp without the sinks while D = rowsum(dO * O) "
                           "comes from the forward's O, which has them (a FlashAttention-style backward whose saved LSE "
@@ -283,12 +288,15 @@ def _sink_backward(sc, context: Context, kv_map, failed) -> str | None:
     return None
 
 
-def _p_without_sink(x, sc, kv_map, g, stages, without) -> dict:
+def _p_without_sink(x, sc, kv_map, g, stages, without, d_right: bool = True) -> dict:
     """The gradients of a backward whose P leaves the sinks out (P from the keys' log-sum-exp alone) while its
-    D = rowsum(dO * O) comes from the right O."""
+    D = rowsum(dO * O) comes from the right O; with ``d_right`` False the other way round: P right, D from P
+    normalised without the sinks."""
     q, k, v = x["q"], x["k"], x["v"]
     a_right = attention_weights(q, k, sc.visible, sc.scale, kv_map, stages=stages)
     a = attention_weights(q, k, sc.visible, sc.scale, kv_map, stages=without)
+    if not d_right:
+        a_right, a = a, a_right
     v_rep, k_rep = repeat_kv(v, kv_map), repeat_kv(k, kv_map)
     g_a = g @ np.swapaxes(v_rep, -1, -2)
     g_s = a * (g_a - (a_right * g_a).sum(axis=-1, keepdims=True))
