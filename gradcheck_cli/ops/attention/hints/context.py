@@ -273,8 +273,8 @@ def _sink_backward(sc, context: Context, kv_map, failed) -> str | None:
     candidates.insert(1, (lambda: _p_without_sink(x, sc, kv_map, context.g, stages, without, d_right=False),
                           "qkv",
                           "the backward's D_i = rowsum(P~ * dP) takes P~ normalised without the sink "
-                          "(D_i / (1 - p_i)), while its P has the sink: D_i = sum_j A_ij dP_ij with the sink's weights, or "
-                          "rowsum(dO * O)"))
+                          "(D_i / (1 - p_i)), while its P has the sink: D_i = sum_j A_ij dP_ij with the sink's "
+                          "weights, or rowsum(dO * O)"))
     candidates.insert(1, (lambda: _p_without_sink(x, sc, kv_map, context.g, stages, without), "qkv",
                           "the backward recomputes P from a log-sum-exp without the sinks while D = rowsum(dO * O) "
                           "comes from the forward's O, which has them (a FlashAttention-style backward whose saved LSE "
