@@ -232,3 +232,19 @@ def test_a_bias_from_a_npy_file_is_checked_and_a_bad_file_is_refused_with_its_ke
         with pytest.raises(ScenarioError) as err:
             scenario.loads(yaml.safe_dump({"scenarios": [{**keys, "bias": {"values": name}}]}), base_dir=tmp_path)
         assert "bias.values" in str(err.value) and words in str(err.value)
+
+
+def test_torch_code_with_a_bias_in_float16_at_a_steep_scale_is_judged_against_torch_softmax_too(monkeypatch):
+    """A correct torch implementation (torch.softmax) with a fixed bias in float16 at scale 24 (|S| in the
+    hundreds): its error is torch.softmax's, above the explicit exponentials' of the other plain ways; with score
+    stages (no SDPA) torch.softmax is one of the plain ways, so it passes (a false FAIL of the variants grid,
+    seed 92)."""
+    pytest.importorskip("torch")
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))  # correct_impls
+    sc = make(op="attention", batch=2, heads_q=2, heads_kv=2, n_q=15, n_k=19, d_head=64, dtype="float16",
+              seed=1901553868, scale=24.3413, mask={"causal": "lower-right"},
+              bias={"shape": [1, 2, 15, 19], "grad": False}, implementation="correct_impls:torch_variants",
+              backend="torch")
+    result = checker.run_scenario(sc)
+    assert result.verdict == "pass", [(c.name, c.tensor, c.detail[:200]) for c in result.checks if not c.passed]

@@ -209,6 +209,7 @@ def test_the_sinks_come_last_whatever_the_order_of_the_stages():
 @pytest.mark.parametrize("sinks, extra, key, words", [
     ({"values": [1.0, 2.0]}, {}, "sinks.values", "has 2 logits but heads_q is 4"),
     ({"values": [1.0, "x", 2.0, 3.0]}, {}, "sinks.values", "finite number"),
+    ({"values": [1e30, 1.0, 2.0, 3.0]}, {}, "sinks.values", "takes all of a row's weight"),
     ({"grad": "yes"}, {}, "sinks.grad", ""),
     ({"value": [1.0]}, {}, "sinks.value", "values"),
     ({"grad": True}, {"check": {"mode": "jvp"}}, "sinks.grad", "JVP along the sinks is not built"),
@@ -242,3 +243,26 @@ def test_fixed_sinks_pass_in_every_mode_engine_and_precision_and_a_left_out_sink
     if keys.get("implementation") == "sinks_attention:torch_sinks" and keys.get("dtype"):
         broken = with_examples(**base, **{**keys, "implementation": "sinks_attention:torch_sinks_ignored"})
         assert checker.run_scenario(broken).verdict == "fail"
+
+
+def test_the_sinks_are_passed_in_the_inputs_dtype_as_a_models_parameter_is(tmp_path):
+    """gpt-oss's eager form concatenates its sinks parameter (bf16 in a bf16 model) to the scores without a cast:
+    the tool passes the sinks in the inputs' dtype, so that code runs as it is (torch.cat refuses mixed dtypes)."""
+    pytest.importorskip("torch")
+    import yaml
+
+    from gradcheck_cli.scenario import loads
+    (tmp_path / "probe.py").write_text(
+        "import torch\n"
+        "def gpt_oss(q, k, v, visible, scale, kv_map, *, sinks):\n"
+        "    assert sinks.dtype == q.dtype, (sinks.dtype, q.dtype)\n"
+        "    s = (scale * (q @ k[:, kv_map].transpose(-1, -2))).masked_fill(~visible, float('-inf'))\n"
+        "    col = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)\n"
+        "    return torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1] @ v[:, kv_map]\n")
+    for dtype in ("bfloat16", "float16", "float32"):
+        (sc,) = loads(yaml.safe_dump({"scenarios": [{
+            "name": dtype, "backend": "torch", "implementation": "probe:gpt_oss", "dtype": dtype, "heads_q": 4,
+            "heads_kv": 2, "n_q": 4, "n_k": 6, "d_head": 4, "sinks": {"values": [0.5, -1.0, 2.0, 0.0]},
+            "mask": {"causal": "lower-right"}}]}), base_dir=tmp_path)
+        result = checker.run_scenario(sc)
+        assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]

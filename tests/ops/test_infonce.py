@@ -117,3 +117,18 @@ def test_a_user_infonce_backward_of_the_wrong_arity_is_a_failed_check(tmp_path):
     [check] = checker.run_scenario(_spy(tmp_path, "three")).checks
     assert (check.name, check.passed) == ("implementation runs", False)
     assert "backward must return (dq, dp, dn, dtau), got tuple of 3" in check.detail, check.detail
+
+
+def test_a_saturated_softmax_keeps_its_tiny_loss_and_passes():
+    """The positive dominates by ~40 logits: l = log(1 + e^-40) ~ 4e-18, which lse - z_pos cancels to 0 in any
+    precision (then finite differences see a flat loss while the gradient is ~1e-16: a false FAIL, found by the
+    plain grid, seed 93). The forward forms it as log1p of the others' exp(z_c - z_pos): it stays accurate."""
+    from gradcheck_cli import checker
+    from gradcheck_cli.ops.infonce.formulas import forward
+    sc = make(op="infonce", dtype="float32", seed=710339560, batch=2, dim=2, hard_negatives=1, in_batch=False,
+              similarity="cosine", temperature=0.0299, learn_temperature=False)
+    result = checker.run_scenario(sc)
+    assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
+    q, p, n = np.array([[1.0, 0.0]]), np.array([[1.0, 0.0]]), np.array([[[0.0, 1.0]]])
+    l = forward(q, p, n, 0.025, "cosine", False)  # z = [40, 0]
+    np.testing.assert_allclose(l, np.log1p(np.exp(-40.0)), rtol=1e-12)

@@ -61,7 +61,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         convert = lambda a, same: torch_flavour.tensor(a.astype(sc.dtype if same else given), sc.device)  # noqa: E731
         documents = {kw: torch_flavour.tensor(a, sc.device) for kw, a in documents.items()}
     impl = score_stages.bind(sc.implementation_object, score_stages.shown(stages, sc.visible, faults), convert,
-                             f"{sc.backend}/{sc.device}/{np.dtype(given)}", documents)
+                             f"{sc.backend}/{sc.device}/{np.dtype(given)}/{sc.dtype}", documents)
     if sc.mode == "jvp" and sc.backend == "numpy" and not callable(getattr(impl, "jvp", None)):
         raise ScenarioError(f"{sc.implementation} has no callable jvp: mode jvp needs jvp(q, k, v, visible, scale, "
                             "kv_map, dq, dk, dv) -> do beside forward and backward (docs/jvp-and-hvp.md "

@@ -21,7 +21,7 @@ from ... import invariants
 from ...tolerance import INVARIANT_ULPS
 from .. import dense, user_engine
 from ..registry import Fault, Interface, Op, Param, user_code_engines
-from .formulas import backward, forward, similarities
+from .formulas import _terms, backward, forward, similarities
 from .inputs import _STRUCTURE, _inputs, _shapes
 from .user import CANDIDATES_SUM as CANDIDATES_SUM
 from .user import build_user as build_user
@@ -67,9 +67,15 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
 
     s = similarities(data["q"], data["p"], data.get("n"), sim, in_batch)
     magnitude = np.abs(s / tau_fixed).max(axis=-1) * 4 + 1.0
+    # the analytic gradients' own rounding (their terms, as for a user's code): where the softmax saturates the
+    # true gradient is far below it, and a rounding-sized analytic value against a numeric 0 is no error
+    terms = _terms(data["q"], data["p"], data.get("n"), data.get("tau", tau_fixed), g, sim, in_batch)
+    eps = float(np.finfo(np.dtype(sc.dtype)).eps)
     return dense.problem(
         sc, data, fwd, grads, g, lift={"tau": 2}, magnitude=magnitude, invariants=checks, work_factor=8.0 * s.shape[-1],
-        structure=_STRUCTURE, arrays={"logit_gradient": g_z}, step_sizes={"tau": abs(float(tau_fixed))})
+        structure=_STRUCTURE, arrays={"logit_gradient": g_z}, step_sizes={"tau": abs(float(tau_fixed))},
+        analytic_rounding={t: INVARIANT_ULPS * eps * np.broadcast_to(terms[t], grads[t].shape) for t in grads
+                           if t in terms})
 
 
 def _validate(params: dict, base: dict) -> list:

@@ -40,12 +40,17 @@ def positives(batch: int, in_batch: bool) -> np.ndarray:
 
 
 def forward(q, p, n, tau, similarity: str, in_batch: bool):
-    """l [..., B]: log-sum-exp of the logits minus the positive's logit."""
+    """l [..., B]: log-sum-exp of the logits minus the positive's logit, formed as log sum_c exp(z_c - z_pos) =
+    m + log1p(sum of the other exp(d_c - m)) with d = z - z_pos and m = max d: when the positive dominates, l is
+    about exp(-gap), far below the rounding of lse and z_pos, and lse - z_pos would cancel it to 0 in any
+    precision (its finite differences then see a flat loss where the gradient is not 0)."""
     z = similarities(q, p, n, similarity, in_batch) / tau
-    m = z.max(axis=-1, keepdims=True)
-    lse = m[..., 0] + np.log(np.exp(z - m).sum(axis=-1))
     batch = q.shape[-2]
-    return lse - z[..., np.arange(batch), positives(batch, in_batch)]
+    d = z - z[..., np.arange(batch), positives(batch, in_batch)][..., None]
+    m = d.max(axis=-1, keepdims=True)
+    e = np.exp(d - m)
+    np.put_along_axis(e, np.argmax(d, axis=-1)[..., None], 0.0, axis=-1)  # the largest term is exp(0) = 1
+    return m[..., 0] + np.log1p(e.sum(axis=-1))
 
 
 def backward(q, p, n, tau, grad_l, similarity: str, in_batch: bool, faults: Collection[str] = ()) -> dict:

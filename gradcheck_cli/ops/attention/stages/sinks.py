@@ -30,12 +30,15 @@ from ...registry import Fault, Param
 from .base import ALL, Registration, Stage, gradient_limits
 
 KEY = "sinks"
+#: The largest |sink logit| accepted: beyond it the sink takes all or none of every row's weight (exp(100) ~ 1e43).
+MAX_LOGIT = 100.0
 
 
 class Sinks(Stage):
     name = KEY
     param_kwarg = "sinks"
     normaliser = True
+    input_dtype_kwargs = ("sinks",)  # in the inputs' dtype, as a model's sinks parameter is (gpt-oss: bf16)
 
     def __init__(self, values, grad: bool, scale: float = 1.0):
         self.sinks = values if hasattr(values, "requires_grad") else np.asarray(values)
@@ -144,6 +147,10 @@ def validate(sc_params: dict, attention: dict) -> list:
     if values != "seeded" and heads is not None and len(values) != heads:
         return [(f"{KEY}.values", f"has {len(values)} logits but heads_q is {heads}",
                  "give one sink logit per query head, or values: seeded")]
+    if values != "seeded" and max(abs(x) for x in values) > MAX_LOGIT:
+        return [(f"{KEY}.values", f"has a logit of {max(values, key=abs):g}: a sink that large takes all of a row's "
+                                  "weight (O = 0, nothing to check but zeros) or none of it",
+                 f"keep the sink logits within +-{MAX_LOGIT:g}, the scale of the scores they compete with")]
     return gradient_limits(KEY, "the sinks", attention) if params["grad"] else []
 
 

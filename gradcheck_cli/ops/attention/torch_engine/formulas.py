@@ -47,6 +47,24 @@ def probabilities(q, k, visible, scale, kv_map, stages=()):
     return e / (e.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
 
 
+def forward_softmax(q, k, v, visible, scale, kv_map, stages=()):
+    """O through ``torch.softmax`` (torch's own kernel, which accumulates half precision in float32, with its own
+    backward): the library way a torch attention is most often written, whose half-precision rounding differs from
+    the explicit exponentials' (the sinks as one more column, dropped after, as gpt-oss does)."""
+    s = (q @ _repeat_kv(k, kv_map).transpose(-1, -2)) * scale
+    if stages:
+        s = score_stages.apply(stages, s, xp=torch)
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    sink = score_stages.sink_logits(stages) if stages else None
+    if sink is None:
+        return torch.softmax(s, dim=-1) @ _repeat_kv(v, kv_map)
+    sink = sink.to(s.dtype) if isinstance(sink, torch.Tensor) else torch.as_tensor(sink, dtype=s.dtype,
+                                                                                    device=s.device)
+    col = sink.expand(s.shape[:-1] + (1,))
+    return torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1] @ _repeat_kv(v, kv_map)
+
+
 def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), stages=()):
     """O = A V (A.10.1-A.10.3) on torch tensors; differentiable, so autograd gives a second opinion."""
     a = probabilities(q, k, None if "mask" in faults else visible, scale, kv_map, stages)

@@ -9,7 +9,7 @@ import torch
 
 from .. import stages as score_stages
 from ..args import Args
-from .formulas import DTYPES, backward, by_autograd, forward, sdpa
+from .formulas import DTYPES, backward, by_autograd, forward, forward_softmax, sdpa
 
 LOW_PRECISION = ("float16", "bfloat16")
 
@@ -41,7 +41,8 @@ def plain(inputs: dict, g: np.ndarray, args: Args, heads_q: int, device, precisi
     qkv = leaves[:3]
     closed = backward(*qkv, grad_o=gp, **right.kw)
     ways.append({"o": np_(forward(*qkv, **right.kw)), **{t: np_(x) for t, x in zip("qkv", closed)}})
-    if args.stages:
-        return ways
+    if args.stages:  # SDPA has no score stages: torch.softmax's own kernel and backward are the library way then
+        soft_o, soft = by_autograd(lambda q_, k_, v_: forward_softmax(q_, k_, v_, **right.kw), qkv, gp)
+        return ways + [{"o": np_(soft_o), **{t: np_(x) for t, x in zip("qkv", soft)}}]
     sd_o, sd = by_autograd(lambda q_, k_, v_: sdpa(q_, k_, v_, mask, args.scale, kv_map, heads_q), qkv, gp)
     return ways + [{"o": np_(sd_o), **{t: np_(x) for t, x in zip("qkv", sd)}}]
