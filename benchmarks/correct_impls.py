@@ -235,23 +235,30 @@ class _NumpyVariants:
             col = np.broadcast_to(np.asarray(sinks, dtype=s.dtype)[None, :, None, None], s.shape[:-1] + (1,))
             m = np.maximum(s.max(-1, keepdims=True), col)
             e = np.exp(s - m)
-            return e / (e.sum(-1, keepdims=True) + np.exp(col - m)), t
-        e = np.exp(s - s.max(-1, keepdims=True))
-        return e / e.sum(-1, keepdims=True), t
+            total = e.sum(-1, keepdims=True) + np.exp(col - m)
+            return e / total, t, (m + np.log(total))[..., 0]
+        m = s.max(-1, keepdims=True)
+        e = np.exp(s - m)
+        total = e.sum(-1, keepdims=True)
+        return e / total, t, (m + np.log(total))[..., 0]
 
     def forward(self, q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
-                attn_bias=None, relative_attention_bias=None, sinks=None, **packed):
-        p, _ = self._p(q, k[:, kv_map], visible, scale, softcap, alibi_slopes, alibi_form, attn_bias,
-                       relative_attention_bias, sinks)
-        return np.einsum("bhij,bhjd->bhid", p, v[:, kv_map])
+                attn_bias=None, relative_attention_bias=None, sinks=None, return_lse=False, **packed):
+        p, _, lse = self._p(q, k[:, kv_map], visible, scale, softcap, alibi_slopes, alibi_form, attn_bias,
+                            relative_attention_bias, sinks)
+        o = np.einsum("bhij,bhjd->bhid", p, v[:, kv_map])
+        return (o, lse) if return_lse else o
 
     def backward(self, q, k, v, visible, scale, kv_map, grad_o, softcap=None, alibi_slopes=None,
-                 alibi_form="distance", attn_bias=None, relative_attention_bias=None, sinks=None, **packed):
+                 alibi_form="distance", attn_bias=None, relative_attention_bias=None, sinks=None, grad_lse=None,
+                 **packed):
         k_rep, v_rep = k[:, kv_map], v[:, kv_map]
         table = relative_attention_bias
-        p, t = self._p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form, attn_bias, table, sinks)
+        p, t, _ = self._p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form, attn_bias, table, sinks)
         dp = np.einsum("bhid,bhjd->bhij", grad_o, v_rep)
         ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+        if grad_lse is not None:  # the LSE an output: dLSE_i / dS_ij = P_ij
+            ds = ds + p * grad_lse[..., None]
         dbias = None
         if attn_bias is not None:  # the gradient at the bias (after the cap), summed where it is broadcast
             axes = tuple(i for i in (0, 1) if attn_bias.shape[i] == 1 and ds.shape[i] != 1)
@@ -260,8 +267,10 @@ class _NumpyVariants:
         if alibi_slopes is not None and getattr(self, "learned_slopes", False):
             dslopes = np.einsum("bhij,ij->h", ds, _alibi_d(q.shape[2], k.shape[2], alibi_form)).astype(ds.dtype)
         dsinks = None
-        if sinks is not None and getattr(self, "learned_sinks", False):  # the sink column's dS = -p D per row
+        if sinks is not None and getattr(self, "learned_sinks", False):  # the sink column's dS = p (G_L - D) per row
             dsinks = -ds.sum(axis=(0, 2, 3)).astype(ds.dtype)
+            if grad_lse is not None:  # the full row (sink included) sums to G_L
+                dsinks = dsinks + grad_lse.sum(axis=(0, 2)).astype(ds.dtype)
         dtable = None
         if table is not None:  # the embedding's backward: each pair's gradient added into its bucket
             dtable = np.zeros_like(table)
@@ -294,7 +303,7 @@ numpy_variants_learned_slopes_sinks = _LearnedSlopesSinks()
 
 
 def torch_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
-                   attn_bias=None, relative_attention_bias=None, sinks=None, **packed):
+                   attn_bias=None, relative_attention_bias=None, sinks=None, return_lse=False, **packed):
     import torch
     s = scale * (q @ k[:, kv_map].transpose(-1, -2))
     if softcap:
@@ -311,12 +320,15 @@ def torch_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=N
     s = s.masked_fill(~visible, float("-inf"))
     if sinks is not None:  # gpt-oss's eager form: the sink a column of the softmax, then dropped
         col = sinks.to(s.dtype).reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
-        return torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1] @ v[:, kv_map]
-    return torch.softmax(s, dim=-1) @ v[:, kv_map]
+        s = torch.cat([s, col], dim=-1)
+        o = torch.softmax(s, dim=-1)[..., :-1] @ v[:, kv_map]
+    else:
+        o = torch.softmax(s, dim=-1) @ v[:, kv_map]
+    return (o, torch.logsumexp(s, dim=-1)) if return_lse else o
 
 
 def jax_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
-                 attn_bias=None, relative_attention_bias=None, sinks=None, **packed):
+                 attn_bias=None, relative_attention_bias=None, sinks=None, return_lse=False, **packed):
     import jax
     import jax.numpy as jnp
     s = scale * (q @ jnp.swapaxes(k[:, kv_map], -1, -2))
@@ -333,8 +345,11 @@ def jax_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=Non
     s = jnp.where(visible, s, -jnp.inf)
     if sinks is not None:
         col = jnp.broadcast_to(jnp.asarray(sinks, dtype=s.dtype)[None, :, None, None], s.shape[:-1] + (1,))
-        return jax.nn.softmax(jnp.concatenate([s, col], axis=-1), axis=-1)[..., :-1] @ v[:, kv_map]
-    return jax.nn.softmax(s, axis=-1) @ v[:, kv_map]
+        s = jnp.concatenate([s, col], axis=-1)
+        o = jax.nn.softmax(s, axis=-1)[..., :-1] @ v[:, kv_map]
+    else:
+        o = jax.nn.softmax(s, axis=-1) @ v[:, kv_map]
+    return (o, jax.nn.logsumexp(s, axis=-1)) if return_lse else o
 
 
 # A packed batch (``varlen:``) written as FlashAttention's varlen users write it: a loop over the documents of

@@ -40,6 +40,7 @@ class SeedStream(enum.IntEnum):
     TANGENT_HINTS = 12  # the tangent the JVP hints compare an output tangent with the closed form's mistakes on
     PRECISION = 13      # the direction the precision diagnosis moves the inputs along (``precision.nearby``)
     STAGES = 14         # the score stages' seeded parameters (an additive bias's values)
+    LSE = 15            # the upstream gradient of attention's log-sum-exp, when it is an output (outputs: [o, lse])
 
 
 def quiet_numpy_arithmetic() -> None:

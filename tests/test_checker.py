@@ -68,7 +68,7 @@ def test_colouring_catches_a_forward_that_mixes_rows(monkeypatch):
         return o + 0.1 * q[..., :1, : o.shape[-1]].sum(axis=-2, keepdims=True)  # row 0 of q feeds every row
     reference, fast = attention.forward, copies.Forward.__call__
     monkeypatch.setattr(attention, "forward", lambda q, k, v, *a, **kw: mix(reference(q, k, v, *a, **kw), q))
-    monkeypatch.setattr(copies.Forward, "__call__", lambda self, q, k, v: mix(fast(self, q, k, v), q))
+    monkeypatch.setattr(copies.Forward, "__call__", lambda self, q, k, v, **kw: mix(fast(self, q, k, v, **kw), q))
     sc = make(n_q=4, d_head=3, check={"colouring": True})
     failed = {(c.name, c.tensor) for c in checker.run_scenario(sc).checks if not c.passed}
     assert ("perturbations stay in their block", "q") in failed

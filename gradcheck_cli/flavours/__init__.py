@@ -33,6 +33,16 @@ def wrap(user, count: int, backend: str, dtype: str, device: str = "cpu", grad_k
     return user
 
 
+def side_by_side(backend: str, a, b):
+    """``a`` [..., d] and ``b`` [...] (in ``a``'s dtype) as one array of the flavour [..., d + 1], differentiable
+    (torch.cat, jnp.concatenate): a second output joined to the first (attention's log-sum-exp)."""
+    if backend == "torch":
+        from . import torch as torch_flavour
+        return torch_flavour.side_by_side(a, b)
+    from . import jax as jax_flavour
+    return jax_flavour.side_by_side(a, b)
+
+
 def from_module(sc, factory, available: dict, spec, order, arg_names, shapes) -> tuple:
     """(f, frozen, nonzero) of a fresh build of the scenario's factory with weights ``spec``, in its flavour
     (torch or JAX: the loader refuses the mapping form elsewhere)."""

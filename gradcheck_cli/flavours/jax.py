@@ -288,3 +288,8 @@ def _replaced(tree, new: dict, prefix: str = ""):
     if isinstance(tree, (list, tuple)):
         return type(tree)(_replaced(v, new, f"{prefix}{i}.") for i, v in enumerate(tree))
     return new.get(prefix[:-1], tree)
+
+
+def side_by_side(a, b):
+    """``a`` [..., d] and ``b`` [...] as one array [..., d + 1] in ``a``'s dtype, differentiable."""
+    return jax.numpy.concatenate([a, jax.numpy.asarray(b, dtype=a.dtype)[..., None]], axis=-1)

@@ -232,3 +232,8 @@ def _unread(t: torch.Tensor) -> str | None:
     if t.numel() == 0:
         return f"empty, {list(t.shape)}"
     return None
+
+
+def side_by_side(a, b):
+    """``a`` [..., d] and ``b`` [...] as one tensor [..., d + 1] in ``a``'s dtype, through autograd."""
+    return torch.cat([a, b.to(a.dtype)[..., None]], dim=-1)

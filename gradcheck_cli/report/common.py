@@ -99,9 +99,10 @@ def power_line(detectable: dict) -> str:
 
 
 def power_name(tensor: str) -> str:
-    """How the power line names a checked tensor: O, a gradient dq, or a part H_Q of a Hessian-vector product."""
-    if tensor in ("o", "o_dot"):
-        return "O" if tensor == "o" else "the JVP"
+    """How the power line names a checked tensor: O (or attention's log-sum-exp output), a gradient dq, or a part H_Q
+    of a Hessian-vector product."""
+    if tensor in ("o", "o_dot", "lse"):
+        return {"o": "O", "o_dot": "the JVP", "lse": "the LSE"}[tensor]
     return f"H_{tensor[1].upper()}" if len(tensor) == 2 and tensor[0] == "h" else "d" + tensor
 
 

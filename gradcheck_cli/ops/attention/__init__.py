@@ -16,7 +16,7 @@ package but the shared machinery below ``ops``):
 from __future__ import annotations
 
 from ..registry import Engine, Interface, Op
-from . import scenario_keys, varlen
+from . import lse, scenario_keys, varlen
 from . import stages as score_stages
 from .directional import hvp, jvp
 from .formulas import (
@@ -52,6 +52,8 @@ def why_not(sc, fault: str) -> str | None:
         return score_stages.why_not(sc, fault)
     if fault in varlen.FAULTS:
         return varlen.why_not(sc, fault)
+    if fault in lse.FAULTS:
+        return lse.why_not(sc, fault)
     if fault == "swap-dk-dv" and sc.d_head != sc.d_value:
         return f"dK and dV differ in shape (d_head {sc.d_head}, d_value {sc.d_value}): they cannot be swapped"
     if fault in ("mask", "mask-backward", "leak-hidden-key") and sc.visible.all():
@@ -105,7 +107,9 @@ EXAMPLE = {"batch": 2, "heads_q": 4, "heads_kv": 2, "n_q": 3, "n_k": 10, "d_head
            "mask": {"causal": "lower-right", "key_lengths": [10, 8]}}
 
 OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradients of q, k, v",
-        tensors=("q", "k", "v"), faults={**FAULTS, **score_stages.FAULTS, **varlen.FAULTS}, keys=score_stages.KEYS,
+        tensors=("q", "k", "v"),
+        faults={**FAULTS, **score_stages.FAULTS, **varlen.FAULTS, **lse.FAULTS},
+        keys={**score_stages.KEYS, lse.KEY: lse.PARAM},
         engines=ENGINES,
         engine_for=engine_for, shared_keys=scenario_keys.KEY_GROUP,
         shapes=shapes, why_not=why_not, non_finite=non_finite, memory=memory_need,
@@ -116,7 +120,8 @@ OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradient
         variants=tuple((r.key, f"{r.param.help} (your code is passed {r.passes})") for r in score_stages.REGISTERED)
         + ((varlen.KEY, f"{varlen.schema()['description'].split('. Your code')[0]} (your code is passed "
                         f"{varlen.PASSES})"),),
-        validate=score_stages.validate, limits=score_stages.LIMITS,
+        validate=lambda params, attention: score_stages.validate(params, attention) + lse.validate(params, attention),
+        limits=score_stages.LIMITS + (lse.LIMIT,),
         variant_labels=lambda sc: score_stages.labels(score_stages.from_scenario(sc))
-        + ((sc.documents.label,) if sc.documents is not None else ()),
+        + ((sc.documents.label,) if sc.documents is not None else ()) + (("lse output",) if lse.wanted(sc) else ()),
         sets=lambda sc, key: key != varlen.KEY or sc.documents is not None)

@@ -64,8 +64,9 @@ class Forward:
             hidden = ~shown  # zeroed after the exponential
             self.blocks.append((span, keys, shown, hidden, _pieces(shown)))
 
-    def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, stages=None) -> np.ndarray:
-        """O; ``stages`` replaces the score stages for this call (a bias's perturbed copies)."""
+    def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, stages=None, with_lse: bool = False):
+        """O (and the log-sum-exp [..., B, Hq, n_q] with ``with_lse``); ``stages`` replaces the score stages for
+        this call (a bias's perturbed copies)."""
         stages = self.stages if stages is None else tuple(stages)
         dt = np.result_type(q, k, v)
         shift = self._needs_shift(q, k, dt, stages)
@@ -80,8 +81,9 @@ class Forward:
         v_rep = self._repeat(v)
         lead = np.broadcast_shapes(q.shape[:-2], k_t.shape[:-2], v_rep.shape[:-2], score_stages.lead(stages))
         out = np.empty(lead + (q.shape[-2], v.shape[-1]), dtype=dt)
-        self._blocks(q, k_t, v_rep, shift, out, stages)
-        return out
+        lse = np.empty(lead + (q.shape[-2],), dtype=dt) if with_lse else None
+        self._blocks(q, k_t, v_rep, shift, out, stages, lse)
+        return (out, lse) if with_lse else out
 
     def _repeat(self, x: np.ndarray) -> np.ndarray:
         """repeat_kv, without its copy when every query head has its own KV head in order."""
@@ -99,7 +101,7 @@ class Forward:
             b = score_stages.bound(stages, float(b))
         return not bool(b < shift_free_limit(dt))
 
-    def _blocks(self, q, k_t, v_rep, shift: bool, out: np.ndarray, stages=None) -> None:
+    def _blocks(self, q, k_t, v_rep, shift: bool, out: np.ndarray, stages=None, lse=None) -> None:
         stages = self.stages if stages is None else stages
         sink = score_stages.sink_logits(stages) if stages else None
         if sink is not None:
@@ -132,11 +134,14 @@ class Forward:
                         s[..., rows, cols.stop:] = 0
             if sink is None:
                 block = np.matmul(s, v_rep[..., keys, :], out=out[..., span, :])
-                block /= s.sum(axis=-1, keepdims=True)
-                continue
-            with np.errstate(over="ignore", under="ignore"):
-                total = s.sum(axis=-1, keepdims=True) + np.exp(sink if top is None else sink - top)
-            out[..., span, :] = np.matmul(s, v_rep[..., keys, :]) / total
+                total = s.sum(axis=-1, keepdims=True)
+                block /= total
+            else:
+                with np.errstate(over="ignore", under="ignore"):
+                    total = s.sum(axis=-1, keepdims=True) + np.exp(sink if top is None else sink - top)
+                out[..., span, :] = np.matmul(s, v_rep[..., keys, :]) / total
+            if lse is not None:  # the log-sum-exp: log of the row's sum, the subtracted maximum added back
+                lse[..., span] = (np.log(total) if top is None else np.log(total) + top)[..., 0]
 
 
 #: Query rows of a partly hidden block whose exponentials are taken over one span of keys: the span some

@@ -38,7 +38,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           ("attention is 0 off the visible set", "unseen K/V rows get zero gradient",
            "row 0's unseen K/V rows get zero gradient", "hidden K/V rows do not change O",
            "O rows in the range of visible V rows", "documents do not see each other",
-           "forward agrees with the reference", "backward agrees with the reference"), forward=True,
+           "forward agrees with the reference", "lse agrees with the reference",
+           "backward agrees with the reference"), forward=True,
           user="shows the implementation every key as visible, in its forward and its backward"),
     Fault("mask-backward", "only the backward ignores the visible set: it recomputes A without it",
           ("gradient q", "gradient k", "gradient v", "unseen K/V rows get zero gradient",
@@ -58,7 +59,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           ("gradient k", "gradient v", "backward agrees with the reference"), engine=False,
           user="swaps the implementation's dK and dV"),
     Fault("leak-hidden-key", "one hidden key (the first in row-major order) is visible, in forward and backward",
-          ("forward agrees with the reference", "backward agrees with the reference",
+          ("forward agrees with the reference", "lse agrees with the reference", "backward agrees with the reference",
            "row 0's unseen K/V rows get zero gradient"), forward=True, engine=False,
           user="shows the implementation that key as visible, in its forward and its backward"),
     # Faults of the JVP (forward mode): they apply to scenarios that check it (check: {mode: jvp}) only.
@@ -163,6 +164,24 @@ def _exp_scores(q, k, scale, kv_map, visible, hidden=None, stages=(), rows=slice
     return e, l
 
 
+def log_sum_exp(q, k, visible, scale, kv_map, faults: Collection[str] = (), stages=(), rows=slice(None)):
+    """LSE [..., B, Hq, n_q]: log of each row's softmax normaliser over its visible keys (and the sinks' exp(s_h)),
+    natural log (``lse-log2`` returns it in log2 units)."""
+    s = score_stages.apply(stages, raw_scores(q, k, scale, kv_map), rows) if stages else raw_scores(q, k, scale,
+                                                                                                     kv_map)
+    shown = True if visible is None or "mask" in faults else visible
+    top = np.max(s, axis=-1, keepdims=True, where=shown, initial=-np.inf)
+    sink = score_stages.sink_logits(stages) if stages else None
+    if sink is not None:
+        top = np.maximum(top, np.asarray(sink).astype(s.dtype, copy=False))
+    with np.errstate(over="ignore", under="ignore"):
+        total = np.sum(np.exp(s - top), axis=-1, keepdims=True, where=shown)
+        if sink is not None:
+            total = total + np.exp(sink - top)
+    lse = (top + np.log(total))[..., 0]
+    return lse / np.log(2.0) if "lse-log2" in faults else lse
+
+
 def sink_weight(q, k, visible, scale, kv_map, stages=(), rows=slice(None)):
     """The weight a sink takes in each row, p_i = exp(s_h - L_i) [..., B, Hq, n_q] (sum_j A_ij = 1 - p_i); None
     without sinks."""
@@ -206,12 +225,14 @@ class Gradients:
     ga: np.ndarray
     params: dict = field(default_factory=dict)  # the score stages' parameters' gradients (an additive bias's)
     sink: np.ndarray | None = None  # the sinks' weight per row, p [B, Hq, n_q] (rows of A sum to 1 - p); None: none
+    lse: np.ndarray | None = None  # the log-sum-exp's upstream gradient G_L the backward took, or None
 
 
 def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = (), stages=(),
-             rows=slice(None)) -> Gradients:
-    """VJP of :func:`forward` at (q, k, v) for upstream gradient grad_o [B, Hq, n_q, d_value]. With score
-    ``stages``, G_S (at the softmax's input) is passed back through their derivative to the raw scores."""
+             rows=slice(None), grad_lse=None) -> Gradients:
+    """VJP of :func:`forward` at (q, k, v) for upstream gradient grad_o [B, Hq, n_q, d_value] (and ``grad_lse``
+    [B, Hq, n_q], the log-sum-exp's, when it is an output: G_S gains A G_L). With score ``stages``, G_S (at the
+    softmax's input) is passed back through their derivative to the raw scores."""
     k_rep, v_rep = repeat_kv(k, kv_map), repeat_kv(v, kv_map)
     a = attention_weights(q, k, visible, scale, kv_map, (*faults, "mask") if "mask-backward" in faults else faults,
                           stages, rows)
@@ -221,6 +242,8 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
         g_s = a * g_a
     else:
         g_s = a * (g_a - (a * g_a).sum(axis=-1, keepdims=True))
+    if grad_lse is not None and "lse-grad-ignored" not in faults:  # dLSE_i / dS_ij = A_ij
+        g_s = g_s + a * np.asarray(grad_lse)[..., None]
     s = 1.0 if "scale" in faults else scale
     g_raw, params = g_s, {}
     if stages:
@@ -230,6 +253,8 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     heads_kv, overwrite = k.shape[-3], "gqa-sum" in faults
     sink = sink_weight(q, k, None if "mask" in faults or "mask-backward" in faults else visible, scale, kv_map,
                        stages, rows) if stages else None
+    if sink is not None and grad_lse is not None and "lse-grad-ignored" not in faults:
+        params = score_stages.lse_terms(stages, params, grad_lse, sink)
     return Gradients(q=g_q, k=sum_groups(g_k, kv_map, heads_kv, overwrite=overwrite),
                      v=sum_groups(g_v, kv_map, heads_kv, overwrite=overwrite), s=g_s, a=a, ga=g_a, params=params,
-                     sink=sink)
+                     sink=sink, lse=None if grad_lse is None or "lse-grad-ignored" in faults else np.asarray(grad_lse))

@@ -52,6 +52,9 @@ def weight_invariants(a, visible, grads, sink=None) -> list[Check]:
     c = (grads.a * grads.ga).sum(axis=-1, keepdims=True)
     row_scale = (grads.a * (np.abs(grads.ga) + np.abs(c))).sum(axis=-1)
     rowsum = g_s.sum(axis=-1)
+    if grads.lse is not None:  # the log-sum-exp's gradient adds A G_L: its row sums G_L (1 - p) = G_L sum_j A_ij
+        kept_lse = grads.lse if sink is None else grads.lse * grads.a.sum(axis=-1)
+        rowsum, row_scale = rowsum - kept_lse, row_scale + np.abs(kept_lse)
     if sink is not None:  # the sink column's dS = -p c_i completes the row
         rowsum, row_scale = rowsum - sink * c[..., 0], row_scale + sink * np.abs(c[..., 0])
     checks.append(bounded("score-gradient rows sum to 0", "g_s",

@@ -8,7 +8,7 @@ import numpy as np
 
 from ...numeric import SeedStream
 from ..registry import Problem, SecondOrder, Tangents
-from . import copies, formulas, varlen
+from . import copies, formulas, lse, varlen
 from . import stages as score_stages
 from .args import Args
 from .directional import hvp, hvp_terms, jvp, jvp_terms
@@ -39,12 +39,13 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     seen, true = Args(shown, scale, kv_map, stages), Args(visible, scale, kv_map, right)
     back = seen.but(stages=back)
     blocks = Blocks(sc, kv_map, score_stages.owners(right))
+    grad_lse = lse.upstream(sc) if lse.wanted(sc) else None  # the log-sum-exp as a second output: its G_L
 
     def fwd(q, k, v):
         return forward(q, k, v, faults=faults, **seen.kw), attention_weights(q, k, faults=faults, **seen.kw)
 
-    def bwd(q, k, v, grad_o):
-        return backward(q, k, v, grad_o=grad_o, faults=faults, **back.kw)
+    def bwd(q, k, v, grad_o, grad_lse=None):
+        return backward(q, k, v, grad_o=grad_o, faults=faults, grad_lse=grad_lse, **back.kw)
 
     def reference(q, k, v):
         return forward(q, k, v, faults=faults, **seen.kw)
@@ -53,14 +54,25 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     # against the reference in every run.
     fast = copies.Forward(None if "mask" in faults else shown, scale, kv_map, sc.n_q, sc.n_k, stages=stages)
 
-    def copies_forward(name: str, x: np.ndarray) -> np.ndarray:
+    def copies_forward(name: str, x: np.ndarray, with_lse: bool = False):
         if name in extra:  # a stage's parameter moved: its perturbed copies in the stages
-            return fast(**qkv, stages=score_stages.moved(stages, name, x))
-        return fast(**{**qkv, name: x})
+            return fast(**qkv, stages=score_stages.moved(stages, name, x), with_lse=with_lse)
+        return fast(**{**qkv, name: x}, with_lse=with_lse)
+
+    def loss_terms(name: str, x: np.ndarray) -> np.ndarray:
+        """The terms of L per element of O for perturbed copies: O G, and with the LSE an output its share
+        LSE_i G_L_i spread over row i's elements (the row's block)."""
+        if grad_lse is None:
+            return copies_forward(name, x) * g
+        o, values = copies_forward(name, x, with_lse=True)  # in float64: the LSE's terms dwarf O's
+        return (o.astype(np.float64) * g + (lse.returned(values.astype(np.float64), faults) * grad_lse)[..., None]
+                / o.shape[-1])
 
     o, a = fwd(q, k, v)
-    grads = bwd(q, k, v, g)
-    rounding, rounding_total = blocks.rounding(inputs, g, a, scale, kv_map, stages=right)
+    grads = bwd(q, k, v, g, grad_lse)
+    lse_values = None if grad_lse is None else formulas.log_sum_exp(q, k, **seen.kw)
+    rounding, rounding_total = blocks.rounding(inputs, g, a, scale, kv_map, stages=right,
+                                               lse=None if grad_lse is None else (grad_lse, lse_values))
     rng_inv = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
     second = None
     if sc.mode == "hvp":  # the double backward: H u against differences of these very gradients
@@ -83,7 +95,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
 
     return Problem(
         inputs=inputs,
-        loss=lambda name, x: np.sum(copies_forward(name, x) * g, axis=(-4, -3, -2, -1), dtype=np.float64),
+        loss=lambda name, x: np.sum(loss_terms(name, x), axis=(-4, -3, -2, -1), dtype=np.float64),
         gradients={"q": grads.q, "k": grads.k, "v": grads.v, **{t: grads.params[t] for t in extra}},
         rounding=rounding,
         rounding_total=rounding_total,
@@ -98,7 +110,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
                 "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
                 "analytic_q": grads.q, "analytic_k": grads.k, "analytic_v": grads.v,
-                **extra, **{f"analytic_{t}": grads.params[t] for t in extra}},
+                **extra, **{f"analytic_{t}": grads.params[t] for t in extra},
+                **({} if grad_lse is None else {"lse": lse_values, "grad_lse": grad_lse})},
         output=o,
         tangents=Tangents(
             forward=lambda **moved: fast(**{**qkv, **moved}),
@@ -109,6 +122,6 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             explain=jvp_hints(o_dot, qkv, true, [sc.seed, SeedStream.TANGENT_HINTS])),
         second=second,
         parts=blocks.parts,
-        loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
+        loss_parts=lambda name, x: blocks.sums(name, loss_terms(name, x)),
         **diagnosis_fields(sc),
     )

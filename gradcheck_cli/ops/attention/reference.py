@@ -8,14 +8,15 @@ from collections.abc import Collection
 import numpy as np
 
 from ..registry import SecondOrder, Tangents
+from . import lse as lse_output
 from . import stages as score_stages
 from .args import Args
 from .directional import hvp, hvp_terms, jvp, jvp_terms
-from .formulas import DIFFERENCE_FAULTS, HVP_FAULTS, JVP_FAULTS, backward, forward
+from .formulas import DIFFERENCE_FAULTS, HVP_FAULTS, JVP_FAULTS, backward, forward, log_sum_exp
 from .hints import Context, diagnosis
 from .hints.context import _convention
 from .hints.tangent import jvp_hints
-from .rounding import output_term_sizes, term_sizes
+from .rounding import lse_term_sizes, output_term_sizes, term_sizes
 
 
 def diagnosis_fields(sc, context=None) -> dict:
@@ -36,7 +37,10 @@ def hint_context(inputs: dict, g, args: Args, results: dict, reference_results: 
                    reference_gradients={t: reference_results[t] for t in "qkv"},
                    gradients={t: np.asarray(x, dtype=np.float64) for t, x in results.items() if t != "o"},
                    forward=impl_forward,
-                   inputs=inputs, g=np.asarray(g, dtype=np.float64), stages=tuple(args.stages))
+                   inputs=inputs, g=np.asarray(g, dtype=np.float64), stages=tuple(args.stages),
+                   lse=None if "lse" not in reference_results else (
+                       None if "lse" not in results else np.asarray(results["lse"], dtype=np.float64),
+                       reference_results["lse"], None))
 
 
 def called_as(sc, call, inputs: dict):
@@ -49,6 +53,10 @@ def called_as(sc, call, inputs: dict):
     try:
         return call(sc.convention)
     except ImplementationFailure as exc:
+        if "unexpected keyword argument 'return_lse'" in str(exc):
+            exc.hint = ("the scenario sets outputs: [o, lse]: your code is called with return_lse=True and returns "
+                        "(o, lse), lse [B, Hq, n_q] in natural log (docs/variants.md); or set outputs: [o]")
+            raise
         refused = [st for st in stages for kw in st.kwargs if f"unexpected keyword argument '{kw}'" in str(exc)]
         if refused:
             st = refused[0]
@@ -88,7 +96,8 @@ class Interface:
                 self.visible = visible.copy()
                 self.visible[tuple(hidden[0])] = True
         self.fault_visible = None if fault_visible is None or fault_visible is visible else fault_visible
-        self.added = tuple(f for f in self.faults if f in DIFFERENCE_FAULTS or f in stage_faults)
+        self.added = tuple(f for f in self.faults if f in DIFFERENCE_FAULTS or f in stage_faults
+                           or f == "lse-grad-ignored")
 
     def output(self, q, k, v, o):
         """The implementation's O as the active faults make it: a packed batch's forward fault adds its change to
@@ -100,15 +109,20 @@ class Interface:
         wrong = forward(*x, **self.args.but(visible=self.fault_visible).kw)
         return (np.asarray(o, dtype=np.float64) + wrong - right).astype(o.dtype)
 
-    def gradients(self, q, k, v, grad_o, dq, dk, dv, *params):
+    def lse(self, values):
+        """The implementation's LSE as the active faults make it (``lse-log2``: in log2 units)."""
+        return lse_output.returned(values, self.faults).astype(values.dtype)
+
+    def gradients(self, q, k, v, grad_o, dq, dk, dv, *params, grad_lse=None):
         """The implementation's gradients as the active faults make them: (dq, dk, dv, then ``params``, the gradients
-        of the stages' checked parameters, a bias's)."""
+        of the stages' checked parameters, a bias's); ``grad_lse``: the LSE's upstream gradient they were taken at."""
         out = {"q": dq, "k": dk, "v": dv}
         extra = dict(zip(score_stages.params(self.stages), params))
         if self.added or self.fault_visible is not None:
             args = [x.astype(np.float64) for x in (q, k, v, grad_o)]
-            right = backward(*args[:3], grad_o=args[3], **self.args.kw)
-            wrong = backward(*args[:3], grad_o=args[3], faults=self.added,
+            g_l = None if grad_lse is None else np.asarray(grad_lse, dtype=np.float64)
+            right = backward(*args[:3], grad_o=args[3], grad_lse=g_l, **self.args.kw)
+            wrong = backward(*args[:3], grad_o=args[3], faults=self.added, grad_lse=g_l,
                              **self.args.but(stages=self.wrong_stages, visible=self.fault_visible
                                              if self.fault_visible is not None else self.args.visible).kw)
             for t in out:
@@ -165,32 +179,43 @@ LOW_PRECISION = ("float16", "bfloat16")
 LOW_PRECISION_CHECKS = dict.fromkeys("oqkv", "low-precision error within factor of plain")
 
 
-def reference(inputs: dict, g: np.ndarray, args: Args) -> tuple[dict, dict, np.ndarray]:
+def reference(inputs: dict, g: np.ndarray, args: Args, grad_lse=None) -> tuple[dict, dict, np.ndarray]:
     """The float64 reference on the given inputs: ({o, q, k, v}, term sizes (root sum of squares) of
-    each, A)."""
+    each, A); with ``grad_lse`` (the LSE an output) the gradients take it and the LSE is a result too."""
     x = {t: val.astype(np.float64) for t, val in inputs.items()}
     g64 = np.asarray(g, dtype=np.float64)
+    g_l = None if grad_lse is None else np.asarray(grad_lse, dtype=np.float64)
     o = forward(x["q"], x["k"], x["v"], **args.kw)
-    grads = backward(x["q"], x["k"], x["v"], grad_o=g64, **args.kw)
-    terms = term_sizes(x, g64, lambda span: grads.a[..., span, :], args.scale, args.kv_map, rss=True,
-                       stages=args.stages, params=True)
-    return {"o": o, "q": grads.q, "k": grads.k, "v": grads.v, **grads.params}, terms, grads.a
+    grads = backward(x["q"], x["k"], x["v"], grad_o=g64, grad_lse=g_l, **args.kw)
+    a_rows = lambda span: grads.a[..., span, :]  # noqa: E731
+    terms = term_sizes(x, g64, a_rows, args.scale, args.kv_map, rss=True, stages=args.stages, params=True,
+                       grad_lse=g_l)
+    out = {"o": o, "q": grads.q, "k": grads.k, "v": grads.v, **grads.params}
+    if g_l is not None:
+        out["lse"] = log_sum_exp(x["q"], x["k"], **args.kw)
+        terms["lse"] = lse_term_sizes(x, a_rows, args.scale, args.kv_map, out["lse"], stages=args.stages)
+    return out, terms, grads.a
 
 
-def results64(inputs: dict, g, args: Args) -> dict:
-    """The float64 reference's O, G_Q, G_K and G_V on the given inputs (q, k, v) and upstream gradient."""
+def results64(inputs: dict, g, args: Args, grad_lse=None) -> dict:
+    """The float64 reference's O, G_Q, G_K and G_V (and LSE with ``grad_lse``) on the given inputs (q, k, v) and
+    upstream gradient."""
     x = [np.asarray(inputs[t], dtype=np.float64) for t in "qkv"]
-    grads = backward(*x, grad_o=np.asarray(g, dtype=np.float64), **args.kw)
-    return {"o": forward(*x, **args.kw), "q": grads.q, "k": grads.k, "v": grads.v, **grads.params}
+    g_l = None if grad_lse is None else np.asarray(grad_lse, dtype=np.float64)
+    grads = backward(*x, grad_o=np.asarray(g, dtype=np.float64), grad_lse=g_l, **args.kw)
+    out = {"o": forward(*x, **args.kw), "q": grads.q, "k": grads.k, "v": grads.v, **grads.params}
+    return out if g_l is None else {**out, "lse": log_sum_exp(*x[:2], **args.kw)}
 
 
-def plain(inputs: dict, g: np.ndarray, args: Args, dtype: str) -> dict:
+def plain(inputs: dict, g: np.ndarray, args: Args, dtype: str, grad_lse=None) -> dict:
     """The built-in engine computed in ``dtype`` (float64 or float32) on the inputs: a plain
-    implementation's rounding, for the agreement rule."""
+    implementation's rounding, for the agreement rule (the LSE too with ``grad_lse``)."""
     x = {t: val.astype(dtype) for t, val in inputs.items()}
+    g_l = None if grad_lse is None else np.asarray(grad_lse).astype(dtype)
     o = forward(x["q"], x["k"], x["v"], **args.kw)
-    grads = backward(x["q"], x["k"], x["v"], grad_o=np.asarray(g).astype(dtype), **args.kw)
-    return {"o": o, "q": grads.q, "k": grads.k, "v": grads.v, **grads.params}
+    grads = backward(x["q"], x["k"], x["v"], grad_o=np.asarray(g).astype(dtype), grad_lse=g_l, **args.kw)
+    out = {"o": o, "q": grads.q, "k": grads.k, "v": grads.v, **grads.params}
+    return out if g_l is None else {**out, "lse": log_sum_exp(x["q"], x["k"], **args.kw)}
 
 
 def varies(first: np.ndarray, second: np.ndarray, tolerance: float) -> bool:

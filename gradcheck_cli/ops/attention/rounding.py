@@ -48,7 +48,7 @@ class Blocks:
         return per_group.reshape(terms.shape[:-4] + (-1,))
 
     def rounding(self, inputs, g, a, scale, kv_map, rows: int = TERM_ROWS,
-                 stages=()) -> tuple[dict[str, np.ndarray], float]:
+                 stages=(), lse=None) -> tuple[dict[str, np.ndarray], float]:
         """Rounding model of one forward, per term of L: a logit carries an error of about
         eps * scale * sum_c |q_ic k_jc|, which the softmax passes on relative to A_ij; O_ic then sums
         A_ij V_jc. So |error of O_ic| <~ eps * sum_j A_ij (1 + scale |q_i|.|k_j|) |V_jc|, times |G_ic|.
@@ -59,6 +59,11 @@ class Blocks:
         a_rows = a if callable(a) else (lambda span: a[..., span, :])
         g_abs = np.abs(g).astype(np.float64)
         terms = g_abs * output_term_sizes(inputs, a_rows, scale, kv_map, rows, stages=stages)
+        if lse is not None:  # (G_L, LSE): the log-sum-exp output's terms, G_L_i's share in row i's block
+            grad_lse, values = lse
+            share = np.abs(grad_lse).astype(np.float64) * lse_term_sizes(inputs, a_rows, scale, kv_map, values,
+                                                                         rows, stages)
+            terms = terms + share[..., None] / terms.shape[-1]
         # Moving V leaves the logits alone: both evaluations of a V difference round S (and A) the same
         # way, so only the product A V rounds differently (no logit term).
         terms_v = g_abs * output_term_sizes(inputs, a_rows, scale, kv_map, rows, logits=False)
@@ -115,6 +120,19 @@ def _logit_error(inputs, qa, ka, scale, kv_map, span, stages=(), with_slope: boo
     return (error, score_stages.slope_size(stages, r, logit, span)) if with_slope else error
 
 
+def lse_term_sizes(inputs, a_rows, scale, kv_map, lse, rows: int = TERM_ROWS, stages=()) -> np.ndarray:
+    """The size of the terms of each LSE_i [B, Hq, n_q] (float64): |LSE_i| (its maximum and logarithm) plus
+    sum_j A_ij (1 + L_ij), the logits' rounding passed on through the weights."""
+    qa, ka = (np.abs(t).astype(np.float64) for t in (inputs["q"], repeat_kv(inputs["k"], kv_map)))
+    out = np.abs(np.asarray(lse, dtype=np.float64)) + 1.0
+    for start in range(0, qa.shape[-2], rows):
+        span = slice(start, min(start + rows, qa.shape[-2]))
+        a = a_rows(span).astype(np.float64)
+        out[..., span] += (a * np.broadcast_to(_logit_error(inputs, qa, ka, scale, kv_map, span, stages),
+                                               a.shape)).sum(axis=-1)
+    return out
+
+
 def output_terms(inputs, a, scale, kv_map, stages=()) -> dict[str, np.ndarray]:
     """The size of the terms of each element of O, for the invariants: ``o`` with the logits' rounding,
     ``o_convex`` without it (sum_j A_ij |V_jc|). ``a``: A, or ``a_rows(span)``."""
@@ -149,7 +167,7 @@ def _weight_terms(inputs, a_rows, scale, kv_map, stages, sink, rows: int = TERM_
 
 
 def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: bool = False,
-               stages=(), params: bool = False) -> dict[str, np.ndarray]:
+               stages=(), params: bool = False, grad_lse=None) -> dict[str, np.ndarray]:
     """The size of the terms each element of O, G_Q, G_K and G_V is made of (float64, by blocks of
     ``rows`` query rows): rounding in a precision with unit roundoff u puts an error of about
     u x these in each element, whatever order the implementation sums in.
@@ -182,6 +200,8 @@ def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: boo
         a_err = a * (1.0 + error)
         g_a = g1[..., span, :] @ np.swapaxes(v1, -1, -2)
         t_s = a_err * (g_a + np.sum(a * g_a, axis=-1, keepdims=True))
+        if grad_lse is not None:  # the log-sum-exp's upstream gradient: G_S gains A G_L
+            t_s = t_s + a_err * np.abs(np.asarray(grad_lse, dtype=np.float64)[..., span, None])
         for name, total in t_p.items():  # the gradient at the softmax's input, gathered as the stage does
             owners[name].param_add(total, owners[name].param_terms(t_s ** power, span, power=power), span)
         if slope is not None:
@@ -197,6 +217,6 @@ def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: boo
         return out
     # Terms below ~1e-154 square to 0 (a key almost no query weighs, at a large scale): the root sum of
     # squares is never below sum / sqrt(number of terms), which does not underflow.
-    linear = term_sizes(inputs, g, a_rows, scale, kv_map, rows, stages=stages, params=params)
+    linear = term_sizes(inputs, g, a_rows, scale, kv_map, rows, stages=stages, params=params, grad_lse=grad_lse)
     count = qa.shape[-2] * ka.shape[-2] * max(1, int(np.bincount(np.asarray(kv_map)).max()))
     return {t: np.maximum(np.sqrt(x), linear[t] / np.sqrt(count)) for t, x in out.items()}

@@ -228,7 +228,7 @@ def jvp_terms(q, k, v, visible, scale, kv_map, dq=None, dk=None, dv=None, block_
 
 def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = (), block_q: int = DEFAULT_BLOCK,
              block_k: int = DEFAULT_BLOCK, saved: tuple | None = None, stats: dict | None = None, stages=(),
-             params: dict | None = None):
+             params: dict | None = None, grad_lse=None):
     """(G_Q, G_K, G_V) by blocks, recomputing P from the saved LSE (``saved`` = (O, LSE), else the
     forward is run to get them). No leading copy axes here. ``stats``, when given, receives the row
     sums of G_S and the sizes of their terms (``gs_rowsum``, ``gs_rowscale``: sum_j P_ij (|dP_ij| + |D_i|)
@@ -246,6 +246,8 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     if "mask-backward" in faults and "mask" not in faults:
         o, lse = forward(q, k, v, faults=(*faults, "mask"), **tiles, **args.kw)
     d_row = np.zeros(o.shape[:-1]) if "softmax-term" in faults else np.sum(grad_o * o, axis=-1)
+    if grad_lse is not None and "lse-grad-ignored" not in faults:  # dS = P (dP - D + G_L): D shifted by -G_L
+        d_row = d_row - grad_lse
     k_rep, v_rep = repeat_kv(k, kv_map), repeat_kv(v, kv_map)
     k_scaled = k_rep * np.asarray(scale, dtype=q.dtype)  # S exactly as the forward formed it
     s_grad = 1.0 if "scale" in faults else scale
@@ -254,7 +256,11 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     g_v = np.zeros(v_rep.shape, dtype=o.dtype)
     rowsum, rowscale = np.zeros(o.shape[:-1]), np.zeros(o.shape[:-1])
     sink = score_stages.sink_logits(stages) if stages else None
-    if sink is not None:  # the sink's column has dS = p (0 - D): the other columns sum to p D
+    lse_grad = grad_lse is not None and "lse-grad-ignored" not in faults
+    if lse_grad:  # a row of dS sums to G_L (1 - p) + D p, D here shifted by -G_L: its sum is -d_row + G_L - ...
+        rowsum -= grad_lse
+        rowscale += np.abs(grad_lse)
+    if sink is not None:  # the sink's column has dS = p (G_L - D) = -p d_row: the other columns sum to that negated
         with np.errstate(over="ignore", under="ignore"):
             p_sink = np.exp(np.asarray(sink)[..., 0] - lse)
         rowsum -= d_row * p_sink
@@ -296,6 +302,8 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     if stats is not None:
         stats.update(gs_rowsum=rowsum, gs_rowscale=rowscale)
     if params is not None:
+        if sink is not None and lse_grad:
+            totals = score_stages.lse_terms(stages, totals, grad_lse, p_sink)
         params.update(totals)
     heads_kv, overwrite = k.shape[-3], "gqa-sum" in faults
     return (g_q, sum_groups(g_k, kv_map, heads_kv, overwrite=overwrite),

@@ -11,6 +11,7 @@ from ...numeric import SeedStream
 from ...tolerance import ENGINE_AGREEMENT_ULPS, INVARIANT_ULPS
 from ..registry import Problem, Tangents
 from . import directional, formulas, varlen
+from . import lse as lse_output
 from . import stages as score_stages
 from .args import Args
 from .formulas import DEFAULT_BLOCK
@@ -23,7 +24,8 @@ from .tiled import _block, _spans, backward, forward, jvp, jvp_terms
 
 
 def naive_by_rows(q, k, v, visible, scale, kv_map, grad_o, block_q: int = DEFAULT_BLOCK,
-                  faults: Collection[str] = (), stages=(), backward_stages=None, params: dict | None = None) -> tuple:
+                  faults: Collection[str] = (), stages=(), backward_stages=None, params: dict | None = None,
+                  grad_lse=None) -> tuple:
     """The naive engine's formulas (full softmax rows, A.10.5-A.10.9) evaluated a block of query rows at
     a time, so the reference for ``tiled agrees with the naive engine`` needs O(block_q x n_k) memory:
     (O, G_Q, G_K, G_V). With ``faults`` it is the naive engine with the same bugs, so the agreement
@@ -37,7 +39,8 @@ def naive_by_rows(q, k, v, visible, scale, kv_map, grad_o, block_q: int = DEFAUL
         out[..., rows, :] = formulas.forward(q[..., rows, :], k, v, vis, scale, kv_map, faults, stages=stages,
                                              rows=rows)
         grads = formulas.backward(q[..., rows, :], k, v, vis, scale, kv_map, grad_o[..., rows, :], faults,
-                                  stages if backward_stages is None else backward_stages, rows)
+                                  stages if backward_stages is None else backward_stages, rows,
+                                  grad_lse=None if grad_lse is None else grad_lse[..., rows])
         g_q[..., rows, :] = grads.q
         g_k += grads.k
         g_v += grads.v
@@ -64,6 +67,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     inputs = {**qkv, **extra}
     seen, true = Args(shown, scale, kv_map, stages), Args(visible, scale, kv_map, right)
     blocks = Blocks(sc, kv_map, score_stages.owners(right))
+    grad_lse = lse_output.upstream(sc) if lse_output.wanted(sc) else None  # the log-sum-exp as an output: G_L
 
     def fwd(q, k, v):
         return forward(q, k, v, faults=faults, block_q=bq, block_k=bk, **seen.kw)
@@ -71,33 +75,44 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     def backward_kv(q, k, v, grad_o):
         return backward(q, k, v, grad_o=grad_o, faults=faults, block_q=bq, block_k=bk, **seen.but(stages=back).kw)[1:]
 
-    def copies_forward(name: str, x: np.ndarray) -> np.ndarray:
+    def copies_forward(name: str, x: np.ndarray, with_lse: bool = False):
         if name in extra:  # a stage's parameter moved: its perturbed copies in the stages
-            return forward(q, k, v, faults=faults, block_q=bq, block_k=bk,
+            return forward(q, k, v, faults=faults, block_q=bq, block_k=bk, with_lse=with_lse,
                            **seen.but(stages=score_stages.moved(stages, name, x)).kw)
-        return fwd(**{**qkv, name: x})
+        at = {**qkv, name: x}
+        return forward(at["q"], at["k"], at["v"], faults=faults, block_q=bq, block_k=bk, with_lse=with_lse,
+                       **seen.kw)
+
+    def loss_terms(name: str, x: np.ndarray) -> np.ndarray:
+        """The terms of L per element of O for perturbed copies (the LSE's share spread over its row's)."""
+        if grad_lse is None:
+            return copies_forward(name, x) * g
+        o_c, values = copies_forward(name, x, with_lse=True)  # in float64: the LSE's terms dwarf O's
+        return (o_c.astype(np.float64) * g + (lse_output.returned(values.astype(np.float64), faults)
+                                               * grad_lse)[..., None] / o_c.shape[-1])
 
     o, lse = forward(q, k, v, faults=faults, block_q=bq, block_k=bk, with_lse=True, **seen.kw)
     stats: dict = {}
     param_grads: dict = {}
     g_q, g_k, g_v = backward(q, k, v, grad_o=g, faults=faults, block_q=bq, block_k=bk, saved=(o, lse), stats=stats,
-                             params=param_grads, **seen.but(stages=back).kw)
+                             params=param_grads, grad_lse=grad_lse, **seen.but(stages=back).kw)
     def a_rows(span):
         return formulas.attention_weights(q[..., span, :], k, faults=faults, rows=span,
                                           **seen.but(visible=shown[..., span, :]).kw)
 
-    rounding, rounding_total = blocks.rounding(inputs, g, a_rows, scale, kv_map, stages=right)
+    rounding, rounding_total = blocks.rounding(inputs, g, a_rows, scale, kv_map, stages=right,
+                                               lse=None if grad_lse is None else (grad_lse, lse))
     rng_inv = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
 
     def checks() -> list:
         naive_params: dict = {}
         ref = dict(zip("oqkv", (np.asarray(r, dtype=np.float64) for r in
                                 naive_by_rows(q, k, v, shown, scale, kv_map, g, bq, faults, stages, back,
-                                              naive_params))))
+                                              naive_params, grad_lse))))
         ref.update(naive_params)
         # Both engines round: they may differ by ENGINE_AGREEMENT_ULPS x eps x the (worst-case) size of each
         # element's terms, never by a fraction of the result (a saturated row's gradient is zero to rounding).
-        sizes = term_sizes(qkv, g, a_rows, scale, kv_map, stages=right, params=True)
+        sizes = term_sizes(qkv, g, a_rows, scale, kv_map, stages=right, params=True, grad_lse=grad_lse)
         policy = precision.Policy(sc.dtype, 0.0, 0.0, ENGINE_AGREEMENT_ULPS)
         agree = [precision.agreement("tiled agrees with the naive engine", t, mine, ref[t], sizes[t], policy,
                                      what="tiled") for t, mine in (("o", o), ("q", g_q), ("k", g_k), ("v", g_v),
@@ -140,7 +155,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
 
     return Problem(
         inputs=inputs,
-        loss=lambda name, x: np.sum(copies_forward(name, x) * g, axis=(-4, -3, -2, -1), dtype=np.float64),
+        loss=lambda name, x: np.sum(loss_terms(name, x), axis=(-4, -3, -2, -1), dtype=np.float64),
         gradients={"q": g_q, "k": g_k, "v": g_v, **param_grads},
         rounding=rounding,
         rounding_total=rounding_total,
@@ -148,6 +163,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         invariants=checks,
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g, "scale": np.asarray(scale),
                 "kv_map": kv_map, "output": o, "lse": lse, "analytic_q": g_q, "analytic_k": g_k, "analytic_v": g_v,
+                **({} if grad_lse is None else {"grad_lse": grad_lse}),
                 **extra, **{f"analytic_{t}": x for t, x in param_grads.items()}},
         output=o,
         tangents=Tangents(
@@ -159,6 +175,6 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             upstream=g,
             explain=jvp_hints(o_dot, qkv, true, [sc.seed, SeedStream.TANGENT_HINTS])),
         parts=blocks.parts,
-        loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
+        loss_parts=lambda name, x: blocks.sums(name, loss_terms(name, x)),
         **diagnosis_fields(sc),
     )

@@ -15,6 +15,7 @@ from ...errors import ScenarioError
 from ...numeric import SeedStream
 from ..registry import Problem
 from . import formulas, varlen
+from . import lse as lse_output
 from . import stages as score_stages
 from .args import Args
 from .inputs import seeded_inputs
@@ -67,6 +68,14 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                             "kv_map, dq, dk, dv) -> do beside forward and backward (docs/jvp-and-hvp.md "
                             "\"JVP of your own code\")", file=sc.file, line=sc.implementation_line or sc.line,
                             key=f"scenarios[{sc.index}].implementation")
+    lse_on = lse_output.wanted(sc)  # the log-sum-exp a second output: the code's (o, lse) joined as one
+    if lse_on:
+        if sc.convention.layout != "bhnd":
+            raise ScenarioError(f"outputs: [o, lse] is checked in the default layout (bhnd) for now, not layout "
+                                f"{sc.convention.layout}", file=sc.file, line=sc.line,
+                                key=f"scenarios[{sc.index}].outputs",
+                                hint="remove convention.layout, or set outputs: [o]")
+        impl = lse_output.joined(impl, sc.backend)
     if sc.backend in ("torch", "jax"):  # one function, differentiated by autograd or jax.vjp (and along a bias)
         kwarg = score_stages.param_kwargs(stages)
         impl = flavours.wrap(impl, 3, sc.backend, sc.dtype, sc.device, output="o",
@@ -86,32 +95,53 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     carried = {name for name, _ in batched.values()}  # the parameters whose copies go along the batch axis
     blocks = Blocks(sc, kv_map, score_stages.owners(stages))
     interface = Interface(faults, sizes, args, varlen.shown(sc, visible, faults))
+    grad_lse = lse_output.upstream(sc, dt) if lse_on else None
+    d_out = sc.d_value + (1 if lse_on else 0)  # O's columns, and the LSE's beside them
+    g_out = g if not lse_on else np.concatenate([g, grad_lse[..., None]], axis=-1)
+
+    def fold(terms):
+        """Terms of L per element of the joined output -> per element of O (the LSE's spread over its row)."""
+        return terms if not lse_on else terms[..., :-1] + terms[..., -1:] / sc.d_value
 
     def called(q, k, v, visible=None, conv=sc.convention) -> tuple:
         """The implementation's leading arguments (q, k, v, visible, scale, kv_map) in convention ``conv``; the
         visible set it is shown (``interface.visible``: a mask fault's) unless another is given."""
         return conv.arguments(q, k, v, interface.visible if visible is None else visible, args.scale, args.kv_map, dt)
 
-    def user_forward(q, k, v, visible, conv=sc.convention, **given):
-        """The implementation's O, called in convention ``conv`` (its layout, mask and scale), in the tool's;
-        ``given``: stage arguments for this call (a bias's perturbed copies, ``attn_bias=``)."""
-        shape = conv.shape((q.shape[0], sc.heads_q, sc.n_q, sc.d_value))
+    def user_joined(q, k, v, visible, conv=sc.convention, **given):
+        """The implementation's O (and with the LSE an output, its lse as one more column), called in convention
+        ``conv`` (its layout, mask and scale), in the tool's; ``given``: stage arguments for this call (a bias's
+        perturbed copies, ``attn_bias=``)."""
+        shape = conv.shape((q.shape[0], sc.heads_q, sc.n_q, d_out))
         fn = functools.partial(impl.forward, **given) if given else impl.forward
-        return interface.output(q, k, v, conv.tensor(implementation.call(fn, "forward", called(q, k, v, visible, conv),
-                                                                         {"o": (shape, dt)}, conv.names())["o"]))
+        y = conv.tensor(implementation.call(fn, "forward", called(q, k, v, visible, conv), {"o": (shape, dt)},
+                                            conv.names())["o"])
+        if not lse_on:
+            return interface.output(q, k, v, y)
+        o_part = interface.output(q, k, v, np.ascontiguousarray(y[..., :-1]))
+        return np.concatenate([o_part, interface.lse(y[..., -1:])], axis=-1)
 
-    def user_backward(q, k, v, grad_o):
-        """(dq, dk, dv), and the gradient of each checked stage parameter after them (dbias)."""
+    def user_forward(q, k, v, visible, conv=sc.convention, **given):
+        """The implementation's O (``user_joined`` without the LSE)."""
+        y = user_joined(q, k, v, visible, conv, **given)
+        return y if not lse_on else np.ascontiguousarray(y[..., :-1])
+
+    def user_backward(q, k, v, grad_o, with_lse: bool = False):
+        """(dq, dk, dv), and the gradient of each checked stage parameter after them (dbias); ``with_lse``: the LSE's
+        upstream gradient G_L too (the scenario's loss; other losses have none)."""
         conv = sc.convention
+        grad = grad_o
+        if lse_on:
+            grad = np.concatenate([grad_o, (grad_lse if with_lse else np.zeros_like(grad_lse))[..., None]], axis=-1)
         out = implementation.call(impl.backward, "backward",
-                                  called(q, k, v) + (conv.tensor(grad_o),),
+                                  called(q, k, v) + (conv.tensor(grad),),
                                   {**{f"d{t}": (conv.shape(x.shape), dt) for t, x in zip("qkv", (q, k, v))},
                                    **{f"d{t}": (x.shape, dt) for t, x in extra.items()}},
                                   conv.names() + ("grad_o",))
         return interface.gradients(q, k, v, grad_o, *(conv.tensor(out[f"d{t}"]) for t in "qkv"),
-                                   *(out[f"d{t}"] for t in extra))
+                                   *(out[f"d{t}"] for t in extra), grad_lse=grad_lse if with_lse else None)
 
-    stacked_bytes = sum(x.nbytes for x in inputs.values()) + visible.size + g.nbytes  # one copy's arguments and O
+    stacked_bytes = sum(x.nbytes for x in inputs.values()) + visible.size + g_out.nbytes  # a copy's arguments, O
     stack = impl.stack if sc.backend == "jax" else None  # the flavour's own object; a NumPy one is the user's
 
     def moved_forward(**moved) -> np.ndarray:
@@ -123,7 +153,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         if alone:  # a parameter without a batch axis (a relative-bias table): one call per copy
             kwarg = score_stages.param_kwargs(stages)
             try:
-                return np.stack([user_forward(q, k, v, interface.visible,
+                return np.stack([user_joined(q, k, v, interface.visible,
                                               **{kwarg[t]: moved[t][i].astype(sc.dtype) for t in alone})
                                  for i in range(c)])
             except implementation.ImplementationFailure as exc:
@@ -146,7 +176,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                 x = np.broadcast_to(x, (total, batch) + x.shape[2:]).astype(sc.dtype)
                 given[kwarg] = x.reshape((total * batch,) + x.shape[2:])
         try:
-            return user_forward(args["q"], args["k"], args["v"], vis, **given).reshape((total,) + g.shape)[:c]
+            return user_joined(args["q"], args["k"], args["v"], vis, **given).reshape((total,) + g_out.shape)[:c]
         except implementation.ImplementationFailure as exc:
             raise implementation.in_copies(exc, batch, " and ".join(moved)) from None
 
@@ -157,7 +187,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     def moved_gradients(**moved) -> dict:
         """The implementation's gradients with the ``moved`` inputs replaced (one point; mode hvp)."""
         at = {**inputs, **moved}
-        return dict(zip("qkv", user_backward(at["q"], at["k"], at["v"], g)))
+        return dict(zip("qkv", user_backward(at["q"], at["k"], at["v"], g, with_lse=True)))
 
     def user_hvp(dq, dk, dv) -> tuple:
         """The implementation's Hessian-vector product along (dq, dk, dv) (JAX: jax.grad over jax.vjp)."""
@@ -178,29 +208,36 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             + tuple(conv.tensor(t) for t in (dq, dk, dv)), {"o_dot": (shape, dt)},
             conv.names() + ("dq", "dk", "dv"))["o_dot"])
 
-    o = called_as(sc, lambda conv: user_forward(q, k, v, interface.visible, conv), inputs)
-    dq, dk, dv, *dparams = user_backward(q, k, v, g)
+    y = called_as(sc, lambda conv: user_joined(q, k, v, interface.visible, conv), inputs)
+    o = y if not lse_on else np.ascontiguousarray(y[..., :-1])
+    dq, dk, dv, *dparams = user_backward(q, k, v, g, with_lse=True)
     names = ("q", "k", "v", *extra)
-    again = {"o": user_forward(q, k, v, interface.visible), **dict(zip(names, user_backward(q, k, v, g)))}
-    results = {"o": o, "q": dq, "k": dk, "v": dv, **dict(zip(extra, dparams))}
+    again_y = user_joined(q, k, v, interface.visible)
+    again = {"o": again_y[..., :sc.d_value], **dict(zip(names, user_backward(q, k, v, g, with_lse=True))),
+             **({"lse": again_y[..., -1]} if lse_on else {})}
+    results = {"o": o, "q": dq, "k": dk, "v": dv, **dict(zip(extra, dparams)),
+               **({"lse": y[..., -1]} if lse_on else {})}
     deterministic = implementation.determinism("forward and backward", results, again, sc.nondet_tol)
     if low:
         return _low(sc, impl, inputs, g, interface, results, deterministic, user_forward, user_backward)
-    ref, terms, a64 = reference(inputs, g, args)
+    ref, terms, a64 = reference(inputs, g, args, grad_lse)
 
     def results_at(xs: dict) -> dict | None:
         try:
-            grads = user_backward(xs["q"], xs["k"], xs["v"], g)
+            grads = user_backward(xs["q"], xs["k"], xs["v"], g, with_lse=True)
             return {"o": user_forward(xs["q"], xs["k"], xs["v"], interface.visible), **dict(zip("qkv", grads))}
         except implementation.ImplementationFailure:
             return None
 
-    nearby = precision.nearby(inputs, results_at, lambda xs: results64(xs, g, args), [sc.seed, SeedStream.PRECISION])
+    nearby = precision.nearby(inputs, results_at, lambda xs: results64(xs, g, args, grad_lse),
+                              [sc.seed, SeedStream.PRECISION])
     agree, computes_in = precision.judge(results, ref, terms, sc.dtype,
-                                         lambda p: _peer(sc, {**inputs, **extra}, g, args, p),
-                                         {**REFERENCE_CHECKS, **dict.fromkeys(extra, REFERENCE_CHECKS["q"])},
+                                         lambda p: _peer(sc, {**inputs, **extra}, g, args, p, grad_lse),
+                                         {**REFERENCE_CHECKS, **dict.fromkeys(extra, REFERENCE_CHECKS["q"]),
+                                          **({"lse": lse_output.CHECK} if lse_on else {})},
                                          sc.factor, sc.slack, nearby_difference=nearby)
-    rounding, rounding_total = blocks.rounding({**inputs, **extra}, g, a64, scale, kv_map, stages=stages)
+    rounding, rounding_total = blocks.rounding({**inputs, **extra}, g, a64, scale, kv_map, stages=stages,
+                                               lse=None if not lse_on else (grad_lse, ref["lse"]))
     rule = precision.Policy.for_dtype(computes_in)
     rng_inv = np.random.default_rng([sc.seed, SeedStream.INVARIANTS])
 
@@ -218,7 +255,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     copy_bytes = 3 * a64.size * dt.itemsize + o.size * dt.itemsize + (k.size + v.size + q.size) * dt.itemsize
     return Problem(
         inputs={**inputs, **extra},
-        loss=lambda name, x: np.sum(copies_forward(name, x) * g, axis=(-4, -3, -2, -1), dtype=np.float64),
+        loss=lambda name, x: np.sum(np.asarray(copies_forward(name, x), dtype=np.float64) * g_out,
+                                    axis=(-4, -3, -2, -1)),  # in float64: the LSE's terms dwarf O's
         gradients={"q": dq, "k": dk, "v": dv, **dict(zip(extra, dparams))},
         rounding=rounding,
         rounding_total=rounding_total,
@@ -227,10 +265,12 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
                 "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
                 "analytic_q": dq, "analytic_k": dk, "analytic_v": dv, "reference_output": ref["o"],
-                **extra, **{f"analytic_{t}": x for t, x in zip(extra, dparams)}},
-        output=o,
+                **extra, **{f"analytic_{t}": x for t, x in zip(extra, dparams)},
+                **({"lse": results["lse"], "reference_lse": ref["lse"], "grad_lse": grad_lse} if lse_on else {})},
+        output=o if not lse_on else y,  # with the LSE an output, O and the LSE side by side
         parts=blocks.parts,
-        loss_parts=lambda name, x: blocks.sums(name, copies_forward(name, x) * g),
+        loss_parts=lambda name, x: blocks.sums(name, fold(np.asarray(copies_forward(name, x), dtype=np.float64)
+                                                          * g_out)),
         compute_dtype=None if computes_in == sc.dtype else computes_in,
         analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in names},
         nondeterministic=varies(o, again["o"], sc.nondet_tol),
@@ -291,11 +331,13 @@ def _low(sc, impl, inputs: dict, g, interface: Interface, results: dict, determi
     )
 
 
-def _peer(sc, inputs: dict, g, args: Args, precision: str):
+def _peer(sc, inputs: dict, g, args: Args, precision: str, grad_lse=None):
     """The plain computation in ``precision`` that the implementation's rounding is judged against, in its own
     framework: torch autograd (in half precision also the torch closed forms and SDPA) for torch code, the
     plain forward in jax.numpy differentiated by jax.vjp for JAX code in half precision, the built-in closed
     forms in NumPy otherwise."""
+    if grad_lse is not None:  # the LSE an output: the closed forms with G_L (float64 and float32 only)
+        return plain(inputs, g, args, precision, grad_lse)
     if sc.backend == "torch":
         from .torch_engine import peers
         return peers.plain(inputs, g, args, sc.heads_q, sc.device, precision)

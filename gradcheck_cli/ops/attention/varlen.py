@@ -119,7 +119,8 @@ def schema() -> dict:
 # --- faults: the visible set a bug makes ---------------------------------------------------------------------
 
 _LEAK_CHECKS = ("attention is 0 off the visible set", "documents do not see each other",
-                "forward agrees with the reference", "backward agrees with the reference",
+                "forward agrees with the reference", "lse agrees with the reference",
+                "backward agrees with the reference",
                 "hidden K/V rows do not change O", "unseen K/V rows get zero gradient",
                 "row 0's unseen K/V rows get zero gradient", "O rows in the range of visible V rows")
 _ADDED = ("adds to the implementation's output and gradients the change this bug makes to the float64 reference's "
@@ -137,7 +138,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     # reference sees it, so it applies to your code (against the float64 reference), not to the built-in engines
     Fault("varlen-top-left", "varlen: each document aligned top-left (query i' sees its keys 0..i'), not "
                              "bottom-right, where a document has more keys than queries",
-          ("forward agrees with the reference", "backward agrees with the reference",
+          ("forward agrees with the reference", "lse agrees with the reference", "backward agrees with the reference",
            # your code's O plus the change of the reference's is no attention output: its invariants may break too
            "O rows in the range of visible V rows", "hidden K/V rows do not change O",
            "unseen K/V rows get zero gradient", "row 0's unseen K/V rows get zero gradient"),

@@ -34,6 +34,7 @@ from .context import (
     Context,
     _alternative,
     _convention,
+    _lse_hints,
     _mask_backward,
     _missing_keys,
     _mixing,
@@ -184,13 +185,15 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
             out.append("the errors sit only where the mask matters (query rows with hidden keys, key rows hidden "
                        "from some queries) while rows the mask does not touch are right: the backward ignores or "
                        "misapplies the visible set (e.g. recomputes A without it)")
+        lse_hints = _lse_hints(sc, context, kv_map, failed, broken) if context is not None else []
+        out.extend(lse_hints)
         sink_backward = _sink_backward(sc, context, kv_map, failed) if context is not None else None
         if sink_backward:
             out.append(sink_backward)
         swapped = _swapped(evidence, failed)
         if swapped:
             out.append(swapped)
-        else:
+        elif not lse_hints and "lse" not in (sc.p("outputs") or ()):  # the LSE output is not shift invariant
             shift = _shift_violation(evidence, failed, verdicts, broken, sc.tolerance)
             if shift:
                 out.append(shift)

@@ -42,6 +42,7 @@ class Context:
     inputs: dict[str, np.ndarray]
     g: np.ndarray | None = None                      # the upstream gradient, float64
     stages: tuple = ()                               # the score stages in force (reference(stages=...) replaces them)
+    lse: tuple | None = None                         # (the implementation's LSE, the reference's, G_L), float64
 
 
 def _matches(o: np.ndarray, alternative: np.ndarray, reference: np.ndarray) -> bool:
@@ -307,6 +308,37 @@ def _p_without_sink(x, sc, kv_map, g, stages, without, d_right: bool = True) -> 
     return {"q": (g_s @ k_rep) * sc.scale,
             "k": sum_groups((np.swapaxes(g_s, -1, -2) @ q) * sc.scale, kv_map, heads_kv),
             "v": sum_groups(np.swapaxes(a, -1, -2) @ g, kv_map, heads_kv)}
+
+
+def _lse_hints(sc, context: Context, kv_map, failed, broken) -> list[str]:
+    """With the log-sum-exp an output: its value exactly another convention's (log2 units, the row maximum left
+    out), or gradients exactly those of a backward that ignores its upstream gradient G_L."""
+    if context.lse is None:
+        return []
+    mine, ref, g_l = context.lse
+    out = []
+    if "lse agrees with the reference" in broken and mine is not None:
+        from .. import lse as lse_output
+        s = raw_scores(*(np.asarray(context.inputs[t], dtype=np.float64) for t in "qk"), sc.scale, kv_map)
+        if context.stages:
+            from .. import stages as score_stages
+            s = score_stages.apply(context.stages, s)
+        top = np.max(s, axis=-1, initial=-np.inf, where=sc.visible)
+        if _matches(mine, ref / lse_output.LN2, ref):
+            out.append("the implementation returns the log-sum-exp in log2 units (LSE / ln 2, as kernels that use "
+                       "exp2 keep it; pytorch #181645): return it in natural log (multiply by ln 2)")
+        elif _matches(mine, ref - top, ref):
+            out.append("the implementation returns the log-sum-exp without the row maximum: log(sum_j exp(S_ij - m_i)) "
+                       "where LSE_i = m_i + log(sum_j exp(S_ij - m_i)) (add m back)")
+    qkv = [t for t in "qkv" if t in failed]
+    if qkv and context.g is not None:
+        x = {t: np.asarray(context.inputs[t], dtype=np.float64) for t in "qkv"}
+        without = backward(x["q"], x["k"], x["v"], sc.visible, sc.scale, kv_map, context.g, stages=context.stages)
+        if all(_matches(context.gradients[t], getattr(without, t), context.reference_gradients[t]) for t in qkv):
+            out.append("the backward ignores the log-sum-exp's upstream gradient (its dQ, dK are those of the loss on "
+                       "O alone, as FlashAttention 2/3's Python interface computes them): dS = P (dP - D + G_L), "
+                       "G_L the gradient of the returned LSE")
+    return out
 
 
 def _mask_backward(sc, context, evidence, failed, broken, sees_all, kv_map) -> bool:

@@ -203,6 +203,17 @@ def pull_back(stages, s, g_out, rows=ALL, cols=ALL, xp=np):
     return g, grads
 
 
+def lse_terms(stages, params: dict, grad_lse, sink) -> dict:
+    """``params`` (the stages' parameters' gradients) with the log-sum-exp's share of a normaliser stage's (the
+    sinks': its column of the softmax's input gradient gains p_i G_L_i, and the others' row sums G_L_i (1 - p_i):
+    -sum dS misses G_L_i), when the LSE is an output; ``sink``: p [..., B, Hq, n_q]."""
+    out = dict(params)
+    for st in stages:
+        if st.normaliser and st.param is not None and st.param in out:
+            out[st.param] = out[st.param] + st.lse_grad(np.asarray(grad_lse), np.asarray(sink))
+    return out
+
+
 def error(stages, size, s, rows=ALL, cols=ALL):
     """The error of the final scores (units of eps) when the first stage's input ``s`` carries ``size``."""
     for st in stages:

@@ -66,6 +66,12 @@ class Sinks(Stage):
         g = np.asarray(g_out)
         return -g.reshape((-1,) + g.shape[-3:]).sum(axis=(0, 2, 3))
 
+    def lse_grad(self, grad_lse, p):
+        """The log-sum-exp's share of ds_h when it is an output: -sum dS misses sum_{b,i} G_L_i (the full softmax's
+        input gradient sums to G_L_i over a row, the sink's column included), [Hq]."""
+        g = np.asarray(grad_lse)
+        return g.reshape((-1,) + g.shape[-2:]).sum(axis=(0, 2))
+
     def param_terms(self, t, rows=ALL, cols=ALL, power: int = 1):
         t = np.asarray(t)
         return t.reshape((-1,) + t.shape[-3:]).sum(axis=(0, 2, 3))
@@ -101,6 +107,9 @@ class _Dropped(Sinks):
     def param_grad(self, g_out, s, rows=ALL, cols=ALL):
         return np.zeros(np.shape(g_out)[-3])
 
+    def lse_grad(self, grad_lse, p):
+        return np.zeros(np.shape(grad_lse)[-2])
+
 
 class _FirstBatch(Sinks):
     """sink-grad-batch: the gradient from the first batch element alone."""
@@ -108,12 +117,26 @@ class _FirstBatch(Sinks):
     def param_grad(self, g_out, s, rows=ALL, cols=ALL):
         return super().param_grad(np.asarray(g_out)[..., :1, :, :, :], s, rows, cols)
 
+    def lse_grad(self, grad_lse, p):
+        return super().lse_grad(np.asarray(grad_lse)[..., :1, :, :], p)
+
 
 class _SignFlipped(Sinks):
     """sink-grad-sign: ds_h = +sum p_i D_i (the row sum of dS taken for the sink's own gradient)."""
 
     def param_grad(self, g_out, s, rows=ALL, cols=ALL):
         return -super().param_grad(g_out, s, rows, cols)
+
+    def lse_grad(self, grad_lse, p):
+        return -super().lse_grad(grad_lse, p)
+
+
+class _NoLseTerm(Sinks):
+    """sink-grad-lse: ds_h = -sum p_i D_i, the log-sum-exp's term p_i G_L_i dropped (flash-attention #2706)."""
+
+    def lse_grad(self, grad_lse, p):
+        g = np.asarray(grad_lse) * (1.0 - np.asarray(p))
+        return g.reshape((-1,) + g.shape[-2:]).sum(axis=(0, 2))
 
 
 class _Scaled(Sinks):
@@ -158,6 +181,10 @@ def _applies(sc, fault: str) -> str | None:
     params = dict(sc.p(KEY))
     if fault in ("sink-grad-dropped", "sink-grad-batch", "sink-grad-sign") and not params["grad"]:
         return f"the sinks' gradient is not checked ({KEY}.grad: false)"
+    if fault == "sink-grad-lse" and not params["grad"]:
+        return f"the sinks' gradient is not checked ({KEY}.grad: false)"
+    if fault == "sink-grad-lse" and "lse" not in (dict(sc.params).get("outputs") or ()):
+        return "the log-sum-exp is no output (outputs: [o, lse]): its term of the sinks' gradient is 0"
     if fault == "sink-grad-batch" and sc.batch == 1:
         return "batch 1: the first batch element is the whole batch"
     if fault == "sink-scaled" and sc.scale == 1:
@@ -189,17 +216,22 @@ REGISTRATION = Registration(
                                  "the batch", _CAUGHT, user=_ADDED, scenario=_LEARNED, backends=("numpy",)),
         Fault("sink-grad-sign", "sinks: ds_h = +sum_i p_i D_i, the sign of the sink column's dS dropped", _CAUGHT,
               user=_ADDED, scenario=_LEARNED, backends=("numpy",)),
+        Fault("sink-grad-lse", "sinks: ds_h = -sum_{b,i} p_i D_i, the log-sum-exp's term p_i G_L_i dropped "
+                               "(flash-attention #2706)", _CAUGHT, user=_ADDED,
+              scenario=((KEY, {"grad": True}), ("outputs", ["o", "lse"])), backends=("numpy",)),
         Fault("sink-scaled", "sinks: the sink logit multiplied by the softmax scale, as the scores are (forward "
                              "and backward)",
-              ("forward agrees with the reference", "backward agrees with the reference", "gradient sinks"),
+              ("forward agrees with the reference", "lse agrees with the reference",
+               "backward agrees with the reference", "gradient sinks"),
               forward=True, user="passes the implementation scale * sinks (sinks=)", scenario=_LEARNED,
               backends=("numpy",)),
     )},
     wrong={"sink-grad-dropped": lambda st, visible: (st._same(st.sinks, _Dropped), visible),
            "sink-grad-batch": lambda st, visible: (st._same(st.sinks, _FirstBatch), visible),
            "sink-grad-sign": lambda st, visible: (st._same(st.sinks, _SignFlipped), visible),
+           "sink-grad-lse": lambda st, visible: (st._same(st.sinks, _NoLseTerm), visible),
            "sink-scaled": lambda st, visible: (st._same(st.sinks, _Scaled), visible)},
-    backward_only=("sink-grad-dropped", "sink-grad-batch", "sink-grad-sign"),
+    backward_only=("sink-grad-dropped", "sink-grad-batch", "sink-grad-sign", "sink-grad-lse"),
     applies=_applies,
     validate=validate,
     normaliser=True,
