@@ -158,7 +158,8 @@ def draw_derivative(rng, category: str) -> dict:
 VARIANTS = ("softcap", "alibi", "softcap+alibi", "bias", "softcap+bias+alibi", "relative_bias",
             "softcap+bias+relative_bias+alibi", "varlen", "softcap+varlen", "softcap+bias+varlen", "alibi+varlen",
             "softcap+relative_bias+alibi+varlen", "sinks", "softcap+alibi+sinks", "softcap+bias+sinks", "sinks+varlen",
-            "softcap+alibi+sinks+varlen", "lse", "sinks+lse", "softcap+alibi+sinks+lse", "bias+lse", "lse+varlen")
+            "softcap+alibi+sinks+varlen", "lse", "sinks+lse", "softcap+alibi+sinks+lse", "bias+lse", "lse+varlen",
+            "dropout", "sinks+dropout", "softcap+alibi+sinks+lse+dropout", "dropout+varlen")
 #: The LSE as an output: float64/float32 along the VJP, on the NumPy engines and user code.
 LSE_PLACES = ("naive", "tiled", "impl/numpy", "impl/torch", "impl/jax")
 
@@ -198,7 +199,7 @@ def variant_categories(with_torch: bool) -> list[tuple[str, float]]:
         where += [("impl/jax", 0.06), ("jvp/impl/jax", 0.02)]
     cats = [(f"{variant}/{w}", p) for variant in VARIANTS for w, p in where
             if not (variant in ENGINES_ONLY and w.split("/")[-2:-1] == ["impl"])
-            and not ("lse" in variant and w not in LSE_PLACES)]
+            and not (("lse" in variant or "dropout" in variant) and w not in LSE_PLACES)]
     total = sum(w for _, w in cats)
     return [(c, w / total) for c, w in cats]
 
@@ -213,7 +214,7 @@ def draw_variant(rng, category: str) -> dict:
     mode = parts[0] if parts[0] in ("jvp", "hvp") else None
     rest = "/".join(parts[1:] if mode else parts)
     torch = rest in ("torch", "impl/torch")
-    half = not mode and (torch or rest == "impl/jax") and "lse" not in variant
+    half = not mode and (torch or rest == "impl/jax") and "lse" not in variant and "dropout" not in variant
     dtype = str(rng.choice(["float64", "float32", "float16", "bfloat16"] if half else ["float64", "float32"]))
     sc = _attention(rng, dtype, small=mode is not None)
     if "varlen" in variant:
@@ -252,6 +253,8 @@ def draw_variant(rng, category: str) -> dict:
         sc["sinks"] = sinks
     if "lse" in variant:
         sc["outputs"] = ["o", "lse"]
+    if "dropout" in variant:
+        sc["dropout"] = {"p": float(np.round(rng.uniform(0.05, 0.7), 3))}
     if mode:
         sc["check"] = {"mode": mode}
     if rest == "tiled":

@@ -243,19 +243,22 @@ class _NumpyVariants:
         return e / total, t, (m + np.log(total))[..., 0]
 
     def forward(self, q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
-                attn_bias=None, relative_attention_bias=None, sinks=None, return_lse=False, **packed):
+                attn_bias=None, relative_attention_bias=None, sinks=None, return_lse=False, keep_mask=None,
+                dropout_p=None, **packed):
         p, _, lse = self._p(q, k[:, kv_map], visible, scale, softcap, alibi_slopes, alibi_form, attn_bias,
                             relative_attention_bias, sinks)
-        o = np.einsum("bhij,bhjd->bhid", p, v[:, kv_map])
+        w = 1.0 if keep_mask is None else (keep_mask / (1.0 - dropout_p)).astype(q.dtype)
+        o = np.einsum("bhij,bhjd->bhid", p * w, v[:, kv_map])
         return (o, lse) if return_lse else o
 
     def backward(self, q, k, v, visible, scale, kv_map, grad_o, softcap=None, alibi_slopes=None,
                  alibi_form="distance", attn_bias=None, relative_attention_bias=None, sinks=None, grad_lse=None,
-                 **packed):
+                 keep_mask=None, dropout_p=None, **packed):
         k_rep, v_rep = k[:, kv_map], v[:, kv_map]
         table = relative_attention_bias
         p, t, _ = self._p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form, attn_bias, table, sinks)
-        dp = np.einsum("bhid,bhjd->bhij", grad_o, v_rep)
+        w = 1.0 if keep_mask is None else (keep_mask / (1.0 - dropout_p)).astype(q.dtype)
+        dp = np.einsum("bhid,bhjd->bhij", grad_o, v_rep) * w
         ds = p * (dp - (p * dp).sum(-1, keepdims=True))
         if grad_lse is not None:  # the LSE an output: dLSE_i / dS_ij = P_ij
             ds = ds + p * grad_lse[..., None]
@@ -279,7 +282,7 @@ class _NumpyVariants:
             ds = ds * (1 - t * t)
         dk, dv = np.zeros_like(k), np.zeros_like(v)
         np.add.at(dk, (slice(None), kv_map), scale * np.einsum("bhij,bhid->bhjd", ds, q))
-        np.add.at(dv, (slice(None), kv_map), np.einsum("bhij,bhid->bhjd", p, grad_o))
+        np.add.at(dv, (slice(None), kv_map), np.einsum("bhij,bhid->bhjd", p * w, grad_o))
         out = (scale * np.einsum("bhij,bhjd->bhid", ds, k_rep), dk, dv)
         return out + tuple(x for x in (dbias, dtable, dslopes, dsinks) if x is not None)
 
@@ -303,7 +306,8 @@ numpy_variants_learned_slopes_sinks = _LearnedSlopesSinks()
 
 
 def torch_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
-                   attn_bias=None, relative_attention_bias=None, sinks=None, return_lse=False, **packed):
+                   attn_bias=None, relative_attention_bias=None, sinks=None, return_lse=False, keep_mask=None,
+                   dropout_p=None, **packed):
     import torch
     s = scale * (q @ k[:, kv_map].transpose(-1, -2))
     if softcap:
@@ -321,14 +325,18 @@ def torch_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=N
     if sinks is not None:  # gpt-oss's eager form: the sink a column of the softmax, then dropped
         col = sinks.to(s.dtype).reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
         s = torch.cat([s, col], dim=-1)
-        o = torch.softmax(s, dim=-1)[..., :-1] @ v[:, kv_map]
+        p = torch.softmax(s, dim=-1)[..., :-1]
     else:
-        o = torch.softmax(s, dim=-1) @ v[:, kv_map]
+        p = torch.softmax(s, dim=-1)
+    if keep_mask is not None:
+        p = p * keep_mask / (1.0 - dropout_p)
+    o = p @ v[:, kv_map]
     return (o, torch.logsumexp(s, dim=-1)) if return_lse else o
 
 
 def jax_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
-                 attn_bias=None, relative_attention_bias=None, sinks=None, return_lse=False, **packed):
+                 attn_bias=None, relative_attention_bias=None, sinks=None, return_lse=False, keep_mask=None,
+                 dropout_p=None, **packed):
     import jax
     import jax.numpy as jnp
     s = scale * (q @ jnp.swapaxes(k[:, kv_map], -1, -2))
@@ -346,9 +354,12 @@ def jax_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=Non
     if sinks is not None:
         col = jnp.broadcast_to(jnp.asarray(sinks, dtype=s.dtype)[None, :, None, None], s.shape[:-1] + (1,))
         s = jnp.concatenate([s, col], axis=-1)
-        o = jax.nn.softmax(s, axis=-1)[..., :-1] @ v[:, kv_map]
+        p = jax.nn.softmax(s, axis=-1)[..., :-1]
     else:
-        o = jax.nn.softmax(s, axis=-1) @ v[:, kv_map]
+        p = jax.nn.softmax(s, axis=-1)
+    if keep_mask is not None:
+        p = p * keep_mask / (1.0 - dropout_p)
+    o = p @ v[:, kv_map]
     return (o, jax.nn.logsumexp(s, axis=-1)) if return_lse else o
 
 

@@ -41,6 +41,7 @@ class SeedStream(enum.IntEnum):
     PRECISION = 13      # the direction the precision diagnosis moves the inputs along (``precision.nearby``)
     STAGES = 14         # the score stages' seeded parameters (an additive bias's values)
     LSE = 15            # the upstream gradient of attention's log-sum-exp, when it is an output (outputs: [o, lse])
+    DROPOUT = 16        # attention's dropout keep mask (dropout: {p})
 
 
 def quiet_numpy_arithmetic() -> None:

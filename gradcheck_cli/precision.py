@@ -137,6 +137,8 @@ def agreement(name: str, tensor: str, mine: np.ndarray, reference: np.ndarray, t
         plain_error = max(plain_error, policy.plain_floor(reference))
     diff = np.abs(mine64 - reference)
     allowed = np.broadcast_to(policy.allowed(plain_error, terms), diff.shape)
+    # values among the dtype's subnormals round absolutely, to a multiple of its smallest one: never allow less
+    allowed = np.maximum(allowed, policy.ulps * _smallest_subnormal(policy.dtype))
     scale = max(float(np.abs(reference).max(initial=0.0)), float(np.abs(mine64).max(initial=0.0)))
     if diff.size == 0:
         return Check(kind=Kind.REFERENCE, name=name, tensor=tensor, shape=tuple(mine64.shape), max_abs_error=0.0,
@@ -306,3 +308,11 @@ def _systematic(check, reference: np.ndarray, smooth: float, lower: str) -> str:
             f"smooth in the inputs (moved a little along a random direction, it moves by {smooth:.2g} of itself; "
             f"rounding's is about 1), so the code computes another function: a changed formula, or "
             f"constants (an eps, a scale, frequencies) made in {lower}; " + check.detail)
+
+
+def _smallest_subnormal(dtype: str) -> float:
+    """The dtype's smallest positive subnormal (bfloat16's 2^-133 where NumPy does not know it)."""
+    try:
+        return float(np.finfo(dtype).smallest_subnormal)
+    except (TypeError, ValueError):
+        return 2.0 ** -133

@@ -186,9 +186,9 @@ def test_ops_lists_the_attention_variants_with_the_keyword_your_code_is_passed()
     result = run("ops")
     variants = [line for line in result.stdout.splitlines() if line.startswith("    variant:")]
     assert [line.split()[1] for line in variants] == ["softcap:", "bias:", "relative_bias:", "alibi:", "sinks:",
-                                                           "varlen:"]
+                                                           "dropout:", "varlen:"]
     for line, keyword in zip(variants, ("softcap=", "attn_bias=", "relative_attention_bias=", "alibi_slopes=",
-                                        "sinks=", "cu_seqlens_q=")):
+                                        "sinks=", "keep_mask=", "cu_seqlens_q=")):
         assert f"your code is passed {keyword}" in line
 
 

@@ -132,7 +132,15 @@ class Forward:
                             np.copyto(e, 0, where=inner)
                         s[..., rows, :cols.start] = 0
                         s[..., rows, cols.stop:] = 0
-            if sink is None:
+            drop = score_stages.post(stages) if stages else None
+            if drop is not None:  # dropout: the row's sum before the keep mask weights the exponentials
+                with np.errstate(over="ignore", under="ignore"):
+                    total = s.sum(axis=-1, keepdims=True)
+                    if sink is not None:
+                        total = total + np.exp(sink if top is None else sink - top)
+                weighted = s * drop.weights(span, keys).astype(s.dtype, copy=False)
+                out[..., span, :] = np.matmul(weighted, v_rep[..., keys, :]) / total
+            elif sink is None:
                 block = np.matmul(s, v_rep[..., keys, :], out=out[..., span, :])
                 total = s.sum(axis=-1, keepdims=True)
                 block /= total

@@ -39,6 +39,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "row 0's unseen K/V rows get zero gradient", "hidden K/V rows do not change O",
            "O rows in the range of visible V rows", "documents do not see each other",
            "forward agrees with the reference", "lse agrees with the reference",
+           "shifting every V row shifts O by as much",
            "backward agrees with the reference"), forward=True,
           user="shows the implementation every key as visible, in its forward and its backward"),
     Fault("mask-backward", "only the backward ignores the visible set: it recomputes A without it",
@@ -210,6 +211,9 @@ def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), hidde
     ``hidden`` may pass ~visible precomputed (the projection and block ops call this many times; the
     attention op's finite differences evaluate the same function through ``copies.Forward``)."""
     e, l = _exp_scores(q, k, scale, kv_map, None if "mask" in faults else visible, hidden, stages, rows)
+    drop = score_stages.post(stages) if stages else None
+    if drop is not None:  # dropout: the weights after the softmax times M / (1 - p)
+        e = e * drop.weights(rows).astype(e.dtype, copy=False)
     o = np.matmul(e, repeat_kv(v, kv_map))
     o /= l
     return o
@@ -236,12 +240,22 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     k_rep, v_rep = repeat_kv(k, kv_map), repeat_kv(v, kv_map)
     a = attention_weights(q, k, visible, scale, kv_map, (*faults, "mask") if "mask-backward" in faults else faults,
                           stages, rows)
-    g_v = np.swapaxes(a, -1, -2) @ grad_o
-    g_a = grad_o @ np.swapaxes(v_rep, -1, -2)
+    drop = score_stages.post(stages) if stages else None
+    if drop is None:
+        g_v = np.swapaxes(a, -1, -2) @ grad_o
+        g_a = grad_o @ np.swapaxes(v_rep, -1, -2)
+        a_s = a
+    else:  # dropout: O = (A * W) V, so dV = (A * W)^T dO and dA = (dO V^T) * W
+        w_v = drop.backward_weights(rows)
+        w_v = None if w_v is None else w_v.astype(a.dtype, copy=False)
+        g_v = np.swapaxes(a if w_v is None else a * w_v, -1, -2) @ grad_o
+        g_a = (grad_o @ np.swapaxes(v_rep, -1, -2)) * drop.weights(rows).astype(a.dtype, copy=False)
+        w_s = drop.score_weights(rows)
+        a_s = a if w_s is None else a * w_s.astype(a.dtype, copy=False)
     if "softmax-term" in faults:
-        g_s = a * g_a
+        g_s = a_s * g_a
     else:
-        g_s = a * (g_a - (a * g_a).sum(axis=-1, keepdims=True))
+        g_s = a_s * (g_a - (a * g_a).sum(axis=-1, keepdims=True))
     if grad_lse is not None and "lse-grad-ignored" not in faults:  # dLSE_i / dS_ij = A_ij
         g_s = g_s + a * np.asarray(grad_lse)[..., None]
     s = 1.0 if "scale" in faults else scale

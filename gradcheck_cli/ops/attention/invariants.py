@@ -16,7 +16,7 @@ EPS64 = float(np.finfo(np.float64).eps)
 
 
 def engine_invariants(fwd, bwd, inputs, visible, kv_map, grads, rng, terms: dict[str, np.ndarray],
-                      g: np.ndarray, documents=None, sink=None) -> list[Check]:
+                      g: np.ndarray, documents=None, sink=None, dropout=None) -> list[Check]:
     """All attention invariants for the engine. ``fwd(q, k, v) -> (o, a)`` and
     ``bwd(q, k, v, grad_o) -> Gradients`` are the implementation under test; ``grads`` is its backward
     at ``inputs`` and upstream gradient ``g`` (with the A and G_A the backward used, and G_S); ``terms`` as
@@ -29,7 +29,7 @@ def engine_invariants(fwd, bwd, inputs, visible, kv_map, grads, rng, terms: dict
 
     return (weight_invariants(a, visible, grads, sink)
             + output_invariants(lambda q, k, v: fwd(q, k, v)[0], backward_kv, inputs, visible, kv_map, o, rng,
-                               terms, o.dtype.name, (g, grads.k, grads.v), documents, sink))
+                               terms, o.dtype.name, (g, grads.k, grads.v), documents, sink, dropout))
 
 
 def weight_invariants(a, visible, grads, sink=None) -> list[Check]:
@@ -78,7 +78,7 @@ UNSEEN, UNSEEN_BY_ROW_0 = "unseen K/V rows get zero gradient", "row 0's unseen K
 
 
 def output_invariants(forward, backward_kv, inputs, visible, kv_map, o, rng, terms: dict[str, np.ndarray],
-                      precision: str, checked, documents=None, sink=None) -> list[Check]:
+                      precision: str, checked, documents=None, sink=None, dropout=None) -> list[Check]:
     """Invariants that need only the output and the K/V gradients, so they apply to any
     implementation: ``forward(q, k, v) -> o``, ``backward_kv(q, k, v, grad_o) -> (g_k, g_v)``, and
     ``checked`` = (g, g_k, g_v), the scenario's upstream gradient and the K/V gradients under test at it.
@@ -86,7 +86,9 @@ def output_invariants(forward, backward_kv, inputs, visible, kv_map, o, rng, ter
     ``o_convex`` (sum_j A_ij |V_jc|), in float64; ``precision``: the dtype the computation rounds in; ``documents``:
     a packed batch's (``varlen.Documents``), whose independence is checked too; ``sink``: the sinks' weight per row
     [B, Hq, n_q] (the reference's, float64) or None: O rows then lie in the range of the visible V rows and 0 (the
-    sink's value row), and shifting V moves O by (1 - p_i) c."""
+    sink's value row), and shifting V moves O by (1 - p_i) c; ``dropout``: (W, kept) of a keep mask, W [B, Hq, n_q, n_k]
+    the weights after the softmax and kept [B, Hq, n_q] = sum_j A_ij W_ij (the reference's): O rows then lie in the
+    range of W_ij V_j over the visible keys, and shifting V moves O by kept_i c."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     eps = machine_epsilon(precision)
     heads_kv = k.shape[-3]
@@ -137,10 +139,12 @@ def output_invariants(forward, backward_kv, inputs, visible, kv_map, o, rng, ter
     shift = (shift * max(float(np.abs(v).max(initial=0.0)), 1.0)).astype(v.dtype)
     o3 = np.asarray(forward(q, k, v + shift), dtype=np.float64)
     moved = np.take(shift.astype(np.float64), kv_map, axis=-3)  # [B, Hq, 1, d_v]: each query head's KV head
-    if sink is not None:  # the sink keeps its weight on its value row, 0
+    if dropout is not None:  # the weights after the keep mask sum to kept_i
+        moved = moved * np.asarray(dropout[1], dtype=np.float64)[..., None]
+    elif sink is not None:  # the sink keeps its weight on its value row, 0
         moved = moved * (1.0 - np.asarray(sink, dtype=np.float64))[..., None]
     allowed = ulps * eps * (terms["o_convex"] + 2 * np.abs(moved))
-    if sink is not None and "weights" in terms:  # the keys' total weight 1 - p_i rounds with their logits
+    if (sink is not None or dropout is not None) and "weights" in terms:  # the keys' total weight rounds with them
         c = np.abs(np.take(shift.astype(np.float64), kv_map, axis=-3))
         tiny = float(np.finfo(precision).tiny) if precision in ("float16", "float32", "float64") else 2.0 ** -126
         allowed = allowed + (ulps * eps * terms["weights"][..., None]
@@ -161,12 +165,14 @@ def output_invariants(forward, backward_kv, inputs, visible, kv_map, o, rng, ter
                                # and the sink by up to a few % of c: the check still sees a sink left out or
                                # misapplied (its violation ~ p c), but has no power to claim beyond; the reference
                                # agreement carries it there
-                               guarded=None if sink is not None and precision in ("float16", "bfloat16")
+                               guarded=None if (sink is not None or dropout is not None)
+                               and precision in ("float16", "bfloat16")
                                else float(np.abs(moved).max(initial=0.0))))
 
     # Each O row is a convex combination of its visible V rows (and of 0, the sink's value row, with sinks).
     checks.append(bounded_each("O rows in the range of visible V rows", "o",
-                               _outside_visible_range(o, v, visible, kv_map, zero=sink is not None),
+                               _outside_visible_range(o, v, visible, kv_map, zero=sink is not None,
+                                                      weights=None if dropout is None else dropout[0]),
                                ulps * eps * terms["o_convex"],
                                "distance of O_i outside [min, max] of the V rows visible to query i"
                                + (" and 0 (the sink's value row)" if sink is not None else "") + ", per column; "
@@ -179,7 +185,8 @@ def output_invariants(forward, backward_kv, inputs, visible, kv_map, o, rng, ter
     return checks
 
 
-def _outside_visible_range(o, v, visible, kv_map, block_elements: int = 1 << 22, zero: bool = False) -> np.ndarray:
+def _outside_visible_range(o, v, visible, kv_map, block_elements: int = 1 << 22, zero: bool = False,
+                           weights=None) -> np.ndarray:
     """Per element of o [B, Hq, n_q, d_v]: how far it lies outside [min, max] over the V rows
     visible to its query row (and 0 with ``zero``: a sink's value row). Evaluated in blocks of query rows to bound
     memory."""
@@ -191,8 +198,9 @@ def _outside_visible_range(o, v, visible, kv_map, block_elements: int = 1 << 22,
             vals = v[b, kv][None, :, :]                       # [1, n_k, d_v]
             for i0 in range(0, n_q, rows):
                 vis = visible[b, r, i0:i0 + rows, :, None]    # [rows, n_k, 1]
-                lo = np.where(vis, vals, np.inf).min(axis=1)
-                hi = np.where(vis, vals, -np.inf).max(axis=1)
+                row_vals = vals if weights is None else weights[b, r, i0:i0 + rows, :, None] * vals  # W_ij V_j
+                lo = np.where(vis, row_vals, np.inf).min(axis=1)
+                hi = np.where(vis, row_vals, -np.inf).max(axis=1)
                 if zero:
                     lo, hi = np.minimum(lo, 0.0), np.maximum(hi, 0.0)
                 oi = o[b, r, i0:i0 + rows]

@@ -6,10 +6,10 @@ The loss becomes L = sum(O * G) + sum(LSE * G_L), G_L seeded (its own stream; ze
 is), and the gradient at the softmax's input gains P_ij G_L_i: dS = P (dP - D + G_L). With sinks the sinks'
 gradient gains the term p_i G_L_i (flash-attention #2706): ds_h = sum_{b,i} p_i (G_L_i - D_i).
 
-Your code is called with ``return_lse=True`` and returns ``(o, lse)``, lse [B, Hq, n_q] (in the inputs' dtype or
-float32, as kernels keep it); a NumPy backward is passed ``grad_lse=`` beside grad_o. Faults: ``lse-grad-ignored``
-(the backward drops G_L, as FlashAttention 2/3's Python interface does) and ``lse-log2`` (the LSE returned in
-log2 units, pytorch #181645's kind: LSE / ln 2)."""
+Your code is called with ``return_lse=True`` and returns ``(o, lse)``, lse [B, Hq, n_q] in o's dtype (a kernel
+that keeps it in float32 is checked with dtype: float32); a NumPy backward is passed ``grad_lse=`` beside grad_o.
+Faults: ``lse-grad-ignored`` (the backward drops G_L, as FlashAttention 2/3's Python interface does) and ``lse-log2``
+(the LSE returned in log2 units, pytorch #181645's kind: LSE / ln 2)."""
 from __future__ import annotations
 
 import math
@@ -132,8 +132,14 @@ def _joined(impl, backend: str):
         def backward(self, *args, **kw):
             *given, grad = args
             grad = np.asarray(grad)
-            return impl.backward(*given, np.ascontiguousarray(grad[..., :-1]),
-                                 grad_lse=np.ascontiguousarray(grad[..., -1]), **kw)
+            try:
+                return impl.backward(*given, np.ascontiguousarray(grad[..., :-1]),
+                                     grad_lse=np.ascontiguousarray(grad[..., -1]), **kw)
+            except TypeError as exc:
+                if "grad_lse" not in str(exc):
+                    raise
+                raise TypeError(f"{exc}: with outputs: [o, lse] the backward is passed grad_lse= ([B, Hq, n_q], the "
+                                "LSE's upstream gradient) beside grad_o") from None
     return Joined()
 
 
@@ -143,7 +149,13 @@ def _pair(out):
         raise ValueError("with outputs: [o, lse] the code is called with return_lse=True and must return (o, lse), "
                          f"got {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (tuple, list)) else ""))
     o, values = out
+    if len(values.shape) == len(o.shape) + 1 and tuple(o.shape) == tuple(values.shape[:-1]):
+        raise ValueError(f"returned (lse, o)? the first is {list(o.shape)} and the second {list(values.shape)}: return "
+                         "(o, lse), lse [B, Hq, n_q]")
     if tuple(values.shape) != tuple(o.shape[:-1]):
         raise ValueError(f"with return_lse=True, lse must be [B, Hq, n_q] = {list(o.shape[:-1])} beside o "
                          f"{list(o.shape)}, got {list(values.shape)}")
+    if str(values.dtype) != str(o.dtype):  # a rounded LSE makes its finite differences blind to its gradient
+        raise ValueError(f"with return_lse=True, lse must be in o's dtype ({o.dtype}), got {values.dtype}: return it "
+                         "in the inputs' dtype (a kernel that keeps it in float32 is checked with dtype: float32)")
     return o, values

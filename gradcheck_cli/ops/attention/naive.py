@@ -69,6 +69,12 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                 / o.shape[-1])
 
     o, a = fwd(q, k, v)
+    drop = score_stages.post(right)  # dropout: O = (A * W) V (the term sizes take W from the stages)
+    dropout = None
+    if drop is not None:
+        w = drop.weights()
+        a64 = formulas.attention_weights(q.astype(np.float64), k.astype(np.float64), **true.kw)
+        dropout = (w, (a64 * w).sum(axis=-1))
     grads = bwd(q, k, v, g, grad_lse)
     lse_values = None if grad_lse is None else formulas.log_sum_exp(q, k, **seen.kw)
     rounding, rounding_total = blocks.rounding(inputs, g, a, scale, kv_map, stages=right,
@@ -106,7 +112,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                             output_terms(qkv, a, scale, kv_map, right), g, sc.documents,
                             formulas.sink_weight(q.astype(np.float64), k.astype(np.float64),
                                                  **seen.but(visible=None if "mask" in faults else shown).kw)
-                            if stages else None),
+                            if stages else None, dropout),
         arrays={"q": q, "k": k, "v": v, "visible": visible, "grad_output": g,
                 "scale": np.asarray(scale), "kv_map": kv_map, "output": o,
                 "analytic_q": grads.q, "analytic_k": grads.k, "analytic_v": grads.v,

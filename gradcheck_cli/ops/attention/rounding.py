@@ -66,7 +66,7 @@ class Blocks:
             terms = terms + share[..., None] / terms.shape[-1]
         # Moving V leaves the logits alone: both evaluations of a V difference round S (and A) the same
         # way, so only the product A V rounds differently (no logit term).
-        terms_v = g_abs * output_term_sizes(inputs, a_rows, scale, kv_map, rows, logits=False)
+        terms_v = g_abs * output_term_sizes(inputs, a_rows, scale, kv_map, rows, logits=False, stages=stages)
         # The worst case adds every term's bound; independent rounding errors add in quadrature, so a
         # block of many terms (K's: every query of its group) is charged RSS_FACTOR x their root sum of
         # squares when that is less (the worst case would hide real bugs on large float32 heads).
@@ -94,9 +94,12 @@ def output_term_sizes(inputs, a_rows, scale, kv_map, rows: int = TERM_ROWS, logi
     v = repeat_kv(inputs["v"], kv_map).astype(np.float64)
     va = np.abs(v)
     out = np.empty(qa.shape[:-1] + (va.shape[-1],))
+    drop = score_stages.post(stages) if stages else None
     for start in range(0, qa.shape[-2], rows):
         span = slice(start, min(start + rows, qa.shape[-2]))
         a = a_rows(span).astype(np.float64)
+        if drop is not None:  # dropout: O's weights are A W
+            a = a * drop.weights(span)
         out[..., span, :] = a @ va
         if logits:
             logit = _logit_error(inputs, qa, ka, scale, kv_map, span, stages)
@@ -138,11 +141,12 @@ def output_terms(inputs, a, scale, kv_map, stages=()) -> dict[str, np.ndarray]:
     ``o_convex`` without it (sum_j A_ij |V_jc|). ``a``: A, or ``a_rows(span)``."""
     a_rows = a if callable(a) else (lambda span: a[..., span, :])
     terms = {"o": output_term_sizes(inputs, a_rows, scale, kv_map, stages=stages),
-             "o_convex": output_term_sizes(inputs, a_rows, scale, kv_map, logits=False)}
+             "o_convex": output_term_sizes(inputs, a_rows, scale, kv_map, logits=False, stages=stages)}
     sink = score_stages.sink_logits(stages) if stages else None
-    if sink is not None:  # the keys' share of a row against the sink's carries their logits' rounding
-        terms["weights"], terms["sink_reference"] = _weight_terms(inputs, a_rows, scale, kv_map, stages,
-                                                                   np.abs(np.asarray(sink))[..., 0])
+    if sink is not None or (stages and score_stages.post(stages) is not None):
+        # the keys' share of a row (against the sink's, or after the keep mask) carries their logits' rounding
+        terms["weights"], terms["sink_reference"] = _weight_terms(
+            inputs, a_rows, scale, kv_map, stages, 0.0 if sink is None else np.abs(np.asarray(sink))[..., 0])
     return terms
 
 
@@ -159,8 +163,11 @@ def _weight_terms(inputs, a_rows, scale, kv_map, stages, sink, rows: int = TERM_
         span = slice(start, min(start + rows, qa.shape[-2]))
         a = a_rows(span).astype(np.float64)
         logit = np.broadcast_to(_logit_error(inputs, qa, ka, scale, kv_map, span, stages), a.shape)
+        p = np.clip(1.0 - a.sum(axis=-1), 0.0, 1.0)  # the sink's weight
+        drop = score_stages.post(stages) if stages else None
+        if drop is not None:  # the weights after the keep mask
+            a = a * drop.weights(span)
         kept = a.sum(axis=-1)
-        p = np.clip(1.0 - kept, 0.0, 1.0)
         mine[..., span] = (a * (1.0 + logit)).sum(axis=-1) + kept * sink
         ref[..., span] = p * (1.0 + sink + np.max(logit, axis=-1, initial=0.0) + np.log1p(a.shape[-1]))
     return mine, ref
@@ -193,12 +200,16 @@ def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: boo
     t_k, t_v = np.zeros(ka.shape), np.zeros(va.shape)
     owners = score_stages.owners(stages) if params else {}
     t_p = {name: np.zeros(st.values().shape) for name, st in owners.items()}
+    drop = score_stages.post(stages) if stages else None
     for start in range(0, qa.shape[-2], rows):
         span = slice(start, min(start + rows, qa.shape[-2]))
         a = a_rows(span).astype(np.float64)
         error, slope = _logit_error(inputs, q1, k1, scale, kv_map, span, stages, with_slope=True)
         a_err = a * (1.0 + error)
         g_a = g1[..., span, :] @ np.swapaxes(v1, -1, -2)
+        if drop is not None:  # dropout: dA = (dO V^T) W; O's and dV's weights are A W
+            w = drop.weights(span)
+            g_a = g_a * w
         t_s = a_err * (g_a + np.sum(a * g_a, axis=-1, keepdims=True))
         if grad_lse is not None:  # the log-sum-exp's upstream gradient: G_S gains A G_L
             t_s = t_s + a_err * np.abs(np.asarray(grad_lse, dtype=np.float64)[..., span, None])
@@ -206,6 +217,8 @@ def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: boo
             owners[name].param_add(total, owners[name].param_terms(t_s ** power, span, power=power), span)
         if slope is not None:
             t_s = t_s * slope
+        if drop is not None:
+            a_err = a_err * w
         a_err, t_s = a_err ** power, t_s ** power
         t_o[..., span, :] = a_err @ va
         t_q[..., span, :] = abs(scale) ** power * (t_s @ ka)

@@ -79,6 +79,7 @@ def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), block
     out = np.empty(lead + (n_q, v.shape[-1]), dtype=np.result_type(q, v))
     lse = np.empty(lead + (n_q,), dtype=out.dtype) if with_lse else None
     sink = score_stages.sink_logits(stages) if stages else None
+    drop = score_stages.post(stages) if stages else None
     for rows in _spans(n_q, block_q):
         q_blk = q[..., rows, :]
         m, l = _start(sink, lead + (rows.stop - rows.start, 1), out.dtype)
@@ -90,6 +91,8 @@ def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), block
             p, m_new, rescale = _online(_scores(q_blk, np.swapaxes(k_rep[..., cols, :], -1, -2), stages, rows, cols),
                                         vis, m)
             l = l * rescale + p.sum(axis=-1, keepdims=True)
+            if drop is not None:  # dropout: the accumulator takes the kept weights, the sum the softmax's
+                p = p * drop.weights(rows, cols).astype(p.dtype, copy=False)
             acc = acc * rescale + p @ v_rep[..., cols, :]
             m = m_new
         out[..., rows, :] = acc / l
@@ -256,6 +259,7 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     g_v = np.zeros(v_rep.shape, dtype=o.dtype)
     rowsum, rowscale = np.zeros(o.shape[:-1]), np.zeros(o.shape[:-1])
     sink = score_stages.sink_logits(stages) if stages else None
+    drop = score_stages.post(stages) if stages else None
     lse_grad = grad_lse is not None and "lse-grad-ignored" not in faults
     if lse_grad:  # a row of dS sums to G_L (1 - p) + D p, D here shifted by -G_L: its sum is -d_row + G_L - ...
         rowsum -= grad_lse
@@ -281,9 +285,18 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
             if vis is not None:
                 p = np.where(vis, p, 0.0)
             g_o = grad_o[..., rows, :]
-            g_v[..., cols, :] += np.swapaxes(p, -1, -2) @ g_o
-            g_p = g_o @ np.swapaxes(v_blk, -1, -2)
-            g_s = p * (g_p - d_row[..., rows, None])
+            p_s = p
+            if drop is None:
+                g_v[..., cols, :] += np.swapaxes(p, -1, -2) @ g_o
+                g_p = g_o @ np.swapaxes(v_blk, -1, -2)
+            else:  # dropout: dV = (P * W)^T dO, dP = (dO V^T) * W
+                w_v = drop.backward_weights(rows, cols)
+                w_v = None if w_v is None else w_v.astype(p.dtype, copy=False)
+                g_v[..., cols, :] += np.swapaxes(p if w_v is None else p * w_v, -1, -2) @ g_o
+                g_p = (g_o @ np.swapaxes(v_blk, -1, -2)) * drop.weights(rows, cols).astype(p.dtype, copy=False)
+                w_s = drop.score_weights(rows, cols)
+                p_s = p if w_s is None else p * w_s.astype(p.dtype, copy=False)
+            g_s = p_s * (g_p - d_row[..., rows, None])
             if stats is not None:  # P = exp(S - LSE) carries eps (1 + |S - LSE| + S's own rounding) relative
                 rowsum[..., rows] += g_s.sum(axis=-1)
                 logit = abs(scale) * (np.abs(q[..., rows, :]) @ np.swapaxes(np.abs(k_blk), -1, -2))

@@ -96,9 +96,12 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     param_grads: dict = {}
     g_q, g_k, g_v = backward(q, k, v, grad_o=g, faults=faults, block_q=bq, block_k=bk, saved=(o, lse), stats=stats,
                              params=param_grads, grad_lse=grad_lse, **seen.but(stages=back).kw)
+    drop = score_stages.post(right)  # dropout: O = (A * W) V (the term sizes take W from the stages)
+
     def a_rows(span):
-        return formulas.attention_weights(q[..., span, :], k, faults=faults, rows=span,
-                                          **seen.but(visible=shown[..., span, :]).kw)
+        a = formulas.attention_weights(q[..., span, :], k, faults=faults, rows=span,
+                                       **seen.but(visible=shown[..., span, :]).kw)
+        return a
 
     rounding, rounding_total = blocks.rounding(inputs, g, a_rows, scale, kv_map, stages=right,
                                                lse=None if grad_lse is None else (grad_lse, lse))
@@ -132,6 +135,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         terms = output_terms(qkv, a_rows, scale, kv_map, right)
         # D = rowsum(G_O * O) comes from the forward's O, which carries the rounding of its own terms
         scale_rows = stats["gs_rowscale"] + np.sum(np.abs(g).astype(np.float64) * terms["o"], axis=-1)
+        # weights among the dtype's subnormals round absolutely (a multiple of its smallest one per term)
+        scale_rows = scale_rows + sc.n_k * float(np.finfo(dt).smallest_subnormal) / eps
         rows = invariants.bounded("score-gradient rows sum to 0", "g_s",
                                   stats["gs_rowsum"] / np.maximum(scale_rows, np.finfo(np.float64).tiny),
                                   INVARIANT_ULPS * eps,
@@ -144,8 +149,16 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             lse64 = forward(*(x.astype(np.float64) for x in (q, k, v)), faults=faults, block_q=bq, block_k=bk,
                             with_lse=True, **seen.kw)[1]
             sink = np.exp(np.asarray(sink, dtype=np.float64)[..., 0] - lse64)
+        dropout = None
+        if drop is not None:  # the weights after the keep mask, and their row sums (float64, by row blocks)
+            w = drop.weights()
+            kept = np.concatenate([(formulas.attention_weights(
+                q[..., span, :].astype(np.float64), k.astype(np.float64), rows=span,
+                **true.but(visible=visible[..., span, :]).kw) * w[..., span, :]).sum(axis=-1)
+                for span in _spans(sc.n_q, TERM_ROWS)], axis=-1)
+            dropout = (w, kept)
         return agree + [rows] + output_invariants(fwd, backward_kv, qkv, visible, kv_map, o, rng_inv, terms,
-                                                  sc.dtype, (g, g_k, g_v), sc.documents, sink)
+                                                  sc.dtype, (g, g_k, g_v), sc.documents, sink, dropout)
 
     lead = sc.batch * sc.heads_q
     def o_dot(t: dict) -> np.ndarray:

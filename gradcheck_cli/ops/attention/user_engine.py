@@ -54,12 +54,14 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     # softcap=, alibi_slopes=, ... passed when the scenario has them (arrays in the precision computed in; a
     # torch implementation's as tensors on the scenario's device)
     given = np.float64 if sc.dtype == "float64" else np.float32
-    convert = lambda a, same: a.astype(sc.dtype if same else given)  # noqa: E731
+    # (a boolean array, dropout's keep mask, passes as it is)
+    convert = lambda a, same: a if a.dtype == bool else a.astype(sc.dtype if same else given)  # noqa: E731
     # a packed batch's cu_seqlens_q=, cu_seqlens_k= (int32), max_seqlen_q=, max_seqlen_k= (ints)
     documents = {} if sc.documents is None else sc.documents.kwargs()
     if sc.backend == "torch":
         from ...flavours import torch as torch_flavour
-        convert = lambda a, same: torch_flavour.tensor(a.astype(sc.dtype if same else given), sc.device)  # noqa: E731
+        convert = lambda a, same: torch_flavour.tensor(a if a.dtype == bool else a.astype(sc.dtype if same else given),  # noqa: E731
+                                                       sc.device)
         documents = {kw: torch_flavour.tensor(a, sc.device) for kw, a in documents.items()}
     impl = score_stages.bind(sc.implementation_object, score_stages.shown(stages, sc.visible, faults), convert,
                              f"{sc.backend}/{sc.device}/{np.dtype(given)}/{sc.dtype}", documents)
@@ -221,6 +223,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     if low:
         return _low(sc, impl, inputs, g, interface, results, deterministic, user_forward, user_backward)
     ref, terms, a64 = reference(inputs, g, args, grad_lse)
+    drop = score_stages.post(stages)  # dropout: O = (A * W) V, its terms A * W's
+    dropout = None if drop is None else (drop.weights(), (a64 * drop.weights()).sum(axis=-1))
 
     def results_at(xs: dict) -> dict | None:
         try:
@@ -247,7 +251,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                 lambda q, k, v: user_forward(q, k, v, interface.visible),
                 lambda q, k, v, go: user_backward(q, k, v, go)[1:3],
                 inputs, visible, kv_map, o, rng_inv, output_terms(inputs, a64, scale, kv_map, stages), computes_in,
-                (g, dk, dv), sc.documents, _sink_weight(inputs, args))
+                (g, dk, dv), sc.documents, _sink_weight(inputs, args), dropout)
         except implementation.ImplementationFailure as exc:
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
         return out + flavours.compiled_rows(impl)

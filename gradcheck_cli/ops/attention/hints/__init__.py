@@ -39,6 +39,7 @@ from .context import (
     _missing_keys,
     _mixing,
     _sink_backward,
+    _stage_faults,
 )
 from .patterns import _factor, _gqa, _reference_factor, _scale, _shift_violation, _swapped
 
@@ -188,6 +189,8 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
         lse_hints = _lse_hints(sc, context, kv_map, failed, broken) if context is not None else []
         out.extend(lse_hints)
         sink_backward = _sink_backward(sc, context, kv_map, failed) if context is not None else None
+        if not sink_backward and context is not None:
+            sink_backward = _stage_faults(sc, context, kv_map, failed)
         if sink_backward:
             out.append(sink_backward)
         swapped = _swapped(evidence, failed)
@@ -206,6 +209,8 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                         and factors.get(c.tensor) is None):
                     factors[c.tensor] = _reference_factor(context, c.tensor)
                     against[c.tensor] = "the float64 reference's"
+        if alternative is not None and sc.p("dropout") is not None:  # the factors follow from the forward's
+            factors = {}
         scale_hint = _scale(sc, factors, verdicts)
         if scale_hint:
             out.append(scale_hint)
@@ -224,9 +229,13 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
         if gqa:
             out.append(gqa)
         if failed == {"sinks"} and not sink_backward and factors.get("sinks") is None and not out:
-            out.append("the sinks' gradient alone is wrong while dQ, dK and dV pass: ds_h = -sum over every batch "
-                       "element and every query row (every block of a tiled backward) of p_i D_i, with "
-                       "p_i = exp(s_h - LSE_i) the sink's weight and D_i = rowsum(dO * O) (not rowsum(dP))")
+            lse_on = "lse" in (sc.p("outputs") or ())
+            out.append("the sinks' gradient alone is wrong while dQ, dK and dV pass: ds_h = "
+                       + ("sum over every batch element and every query row (every block of a tiled backward) of "
+                          "p_i (G_L_i - D_i), G_L the LSE's upstream gradient" if lse_on else
+                          "-sum over every batch element and every query row (every block of a tiled backward) of "
+                          "p_i D_i")
+                       + ", with p_i = exp(s_h - LSE_i) the sink's weight and D_i = rowsum(dO * O) (not rowsum(dP))")
         return out
 
     return structure, hints

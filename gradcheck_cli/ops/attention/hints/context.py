@@ -143,7 +143,7 @@ def _alternative(sc, context: Context, kv_map) -> str | None:
     KV-head layout."""
     ref = context.reference()
     o = context.output
-    sinks = _sinks_alternative(sc, context, kv_map, ref)
+    sinks = _sinks_alternative(sc, context, kv_map, ref) or _dropout_alternative(sc, context, ref)
     if sinks:
         return sinks
     dropped = ~sc.visible
@@ -339,6 +339,56 @@ def _lse_hints(sc, context: Context, kv_map, failed, broken) -> list[str]:
                        "O alone, as FlashAttention 2/3's Python interface computes them): dS = P (dP - D + G_L), "
                        "G_L the gradient of the returned LSE")
     return out
+
+
+def _stage_faults(sc, context: Context, kv_map, failed) -> str | None:
+    """The registered mistakes of the backward of the scenario's stages (``Registration.backward_only``: dropout's
+    dS from the dropped weights, its dV without the mask, ...) as candidates: when every failed gradient is
+    exactly the one a mistake gives, the hint names it."""
+    from .. import stages as score_stages
+    if not context.stages or not failed or context.g is None:
+        return None
+    x = {t: np.asarray(context.inputs[t], dtype=np.float64) for t in "qkv"}
+    right = backward(x["q"], x["k"], x["v"], sc.visible, sc.scale, kv_map, context.g, stages=context.stages)
+    named = [t for t in failed if t in "qkv"]
+    if not named:
+        return None
+    for r in score_stages.REGISTERED:
+        if not any(st.name == r.key for st in context.stages):
+            continue
+        for fault in r.backward_only:
+            wrong = backward(x["q"], x["k"], x["v"], sc.visible, sc.scale, kv_map, context.g,
+                             stages=score_stages.inject(context.stages, sc.visible, (fault,))[1])
+            if all(_matches(context.gradients[t], getattr(wrong, t), getattr(right, t)) for t in named):
+                return f"the gradients are exactly those of a known mistake: {r.faults[fault].breaks}"
+    return None
+
+
+def _dropout_alternative(sc, context: Context, ref) -> str | None:
+    """With dropout: what the forward computes instead, when it is attention with the kept weights scaled by p,
+    without the 1 / (1 - p) rescale, with the mask inverted, or without dropout."""
+    from .. import stages as score_stages
+    from ..stages import dropout as dropout_stage
+    drop = score_stages.post(context.stages)
+    if drop is None:
+        return None
+    at = context.stages.index(drop)
+
+    def reference_with(stage):
+        return context.reference(stages=context.stages[:at] + ((stage,) if stage is not None else ())
+                                 + context.stages[at + 1:])
+    p = drop.p
+    candidates = (
+        (dropout_stage._ScaledByP(drop.keep, p), f"the forward scales the kept weights by p = {p:g} instead of "
+                                                 f"1 / (1 - p) = {1 / (1 - p):.4g}"),
+        (dropout_stage.Dropout(drop.keep, 0.0), "the forward applies the keep mask without the 1 / (1 - p) rescale "
+                                                "of the kept weights (inverted dropout)"),
+        (dropout_stage.Dropout(~drop.keep, p), "the forward keeps the entries keep_mask drops (True = kept)"),
+        (None, "the forward ignores keep_mask: no dropout at all (a module left in eval mode?)"))
+    for stage, says in candidates:
+        if _matches(context.output, reference_with(stage), ref):
+            return says
+    return None
 
 
 def _mask_backward(sc, context, evidence, failed, broken, sees_all, kv_map) -> bool:

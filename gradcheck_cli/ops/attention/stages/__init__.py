@@ -30,7 +30,7 @@ from collections.abc import Collection
 import numpy as np
 
 from ...registry import Fault, Param
-from . import alibi, bias, relative_bias, sinks, softcap
+from . import alibi, bias, dropout, relative_bias, sinks, softcap
 from .base import ALL, LIMITS, Registration, Stage
 
 __all__ = ["ALL", "FAULTS", "KEYS", "LIMITS", "REGISTERED", "Stage", "apply", "from_scenario", "inject", "jet",
@@ -39,7 +39,7 @@ __all__ = ["ALL", "FAULTS", "KEYS", "LIMITS", "REGISTERED", "Stage", "apply", "f
 
 #: The stage modules, in the default order of the score path.
 REGISTERED: tuple[Registration, ...] = (softcap.REGISTRATION, bias.REGISTRATION, relative_bias.REGISTRATION,
-                                        alibi.REGISTRATION, sinks.REGISTRATION)
+                                        alibi.REGISTRATION, sinks.REGISTRATION, dropout.REGISTRATION)
 #: The elementwise stages, whose order a scenario may set (a normaliser, the sinks, comes after them all).
 ORDERED = tuple(r for r in REGISTERED if not r.normaliser)
 
@@ -64,8 +64,15 @@ def from_scenario(sc) -> tuple[Stage, ...]:
     if not any(params.get(r.key) is not None for r in REGISTERED):
         return ()
     made = {st.name: st for st in (r.make(sc) for r in REGISTERED) if st is not None}
-    order = params.get(ORDER_KEY) or tuple(name for name, st in made.items() if not st.normaliser)
-    return tuple(made[name] for name in order) + tuple(st for st in made.values() if st.normaliser)
+    order = params.get(ORDER_KEY) or tuple(name for name, st in made.items()
+                                           if not st.normaliser and not st.post_softmax)
+    return (tuple(made[name] for name in order) + tuple(st for st in made.values() if st.normaliser)
+            + tuple(st for st in made.values() if st.post_softmax))
+
+
+def post(stages):
+    """The stage that weights the softmax's output (dropout), or None."""
+    return next((st for st in stages if st.post_softmax), None)
 
 
 def sink_logits(stages):

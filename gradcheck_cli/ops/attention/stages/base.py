@@ -29,6 +29,8 @@ class Stage:
     input_dtype_kwargs: tuple[str, ...] = ()
     #: a stage that joins each row's normaliser (a sink's logit, :meth:`logits`) instead of mapping the scores
     normaliser = False
+    #: a stage that weights the softmax's output (dropout's keep mask, ``weights``) instead of mapping the scores
+    post_softmax = False
 
     def logits(self):
         """A normaliser stage's logit per query head, [..., Hq] (perturbed copies first); None for the others."""

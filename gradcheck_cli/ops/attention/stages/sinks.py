@@ -222,6 +222,7 @@ REGISTRATION = Registration(
         Fault("sink-scaled", "sinks: the sink logit multiplied by the softmax scale, as the scores are (forward "
                              "and backward)",
               ("forward agrees with the reference", "lse agrees with the reference",
+               "shifting every V row shifts O by as much",
                "backward agrees with the reference", "gradient sinks"),
               forward=True, user="passes the implementation scale * sinks (sinks=)", scenario=_LEARNED,
               backends=("numpy",)),

@@ -121,13 +121,14 @@ REGISTRATION = Registration(
               ("attention is 0 off the visible set", "unseen K/V rows get zero gradient",
                "row 0's unseen K/V rows get zero gradient", "hidden K/V rows do not change O",
                "O rows in the range of visible V rows", "forward agrees with the reference",
-               "lse agrees with the reference",
+               "lse agrees with the reference", "shifting every V row shifts O by as much",
                "documents do not see each other"),
               forward=True, scenario=((KEY, 1.5),)),
         Fault("softcap-tanh-s", "softcap: the forward computes S tanh(S) (flash-attention #2396), the backward "
                                 "the right tanh' factor",
               ("gradient q", "gradient k", "gradient v", "forward agrees with the reference",
-               "lse agrees with the reference", "backward agrees with the reference",
+               "lse agrees with the reference", "shifting every V row shifts O by as much",
+               "backward agrees with the reference",
                # in modes jvp and hvp the derivatives of the wrong forward are not the right stage's
                "jvp (random tangent)", "jvp q", "jvp k", "hvp q", "hvp k", "hvp v"),
               forward=True, scenario=((KEY, 1.5),)),

@@ -58,17 +58,23 @@ def forward_softmax(q, k, v, visible, scale, kv_map, stages=()):
         s = s.masked_fill(~visible, float("-inf"))
     sink = score_stages.sink_logits(stages) if stages else None
     if sink is None:
-        return torch.softmax(s, dim=-1) @ _repeat_kv(v, kv_map)
+        return _dropped(torch.softmax(s, dim=-1), stages) @ _repeat_kv(v, kv_map)
     sink = sink.to(s.dtype) if isinstance(sink, torch.Tensor) else torch.as_tensor(sink, dtype=s.dtype,
                                                                                     device=s.device)
     col = sink.expand(s.shape[:-1] + (1,))
-    return torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1] @ _repeat_kv(v, kv_map)
+    return _dropped(torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1], stages) @ _repeat_kv(v, kv_map)
+
+
+def _dropped(a, stages):
+    """A times dropout's weights W (the keep mask / (1 - p)) where a scenario has dropout."""
+    drop = score_stages.post(stages) if stages else None
+    return a if drop is None else a * torch.as_tensor(drop.weights(), dtype=a.dtype, device=a.device)
 
 
 def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), stages=()):
     """O = A V (A.10.1-A.10.3) on torch tensors; differentiable, so autograd gives a second opinion."""
     a = probabilities(q, k, None if "mask" in faults else visible, scale, kv_map, stages)
-    return a @ _repeat_kv(v, kv_map)
+    return _dropped(a, stages) @ _repeat_kv(v, kv_map)
 
 
 def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = (), stages=()):

@@ -1,0 +1,148 @@
+"""Attention dropout with a keep mask (``dropout: {p: 0.1}``): the weights after the softmax are multiplied by
+W = M / (1 - p), M a boolean keep mask the tool draws from the scenario's seed (its own stream), so
+
+    O = (A * W) V,    dV = (A * W)^T dO,    dA = (dO V^T) * W,    dS = A (dA - D),  D = rowsum(A * dA) = rowsum(dO * O)
+
+is a fixed function of q, k and v and finite differences are well defined. The stage is the identity on the scores
+and gives the engines its weights instead (:meth:`Dropout.weights`, a block of W for a block of rows and keys); A
+itself (what the softmax gives, its rows summing to 1) is unchanged. Your code is passed ``keep_mask=`` (bool
+[B, Hq, n_q, n_k], True = kept) and ``dropout_p=``.
+
+Faults: ``dropout-scale-p`` (the kept weights scaled by p instead of 1 / (1 - p), in forward and backward),
+``dropout-ds-dropped`` (the backward's dS built from the dropped weights A * W instead of A), ``dropout-dv-unmasked``
+(dV = A^T dO, the mask missing from dV)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ....numeric import SeedStream
+from ...registry import Fault, Param
+from .base import ALL, Registration, Stage
+
+KEY = "dropout"
+
+
+class Dropout(Stage):
+    name = KEY
+    batched_kwargs = ("keep_mask",)  # [B, ...]: stacked with the inputs' copies along the batch axis
+    post_softmax = True
+
+    def __init__(self, keep: np.ndarray, p: float):
+        self.keep, self.p = keep, float(p)
+
+    def _same(self, cls=None):
+        return (cls or Dropout)(self.keep, self.p)
+
+    def factor(self) -> float:
+        """The weight of a kept entry: 1 / (1 - p)."""
+        return 1.0 / (1.0 - self.p)
+
+    def weights(self, rows=ALL, cols=ALL):
+        """W on a block of rows and keys [B, Hq, len(rows), len(cols)] (float64): the kept entries' factor, 0 for
+        the dropped."""
+        return self.keep[..., rows, cols] * self.factor()
+
+    def backward_weights(self, rows=ALL, cols=ALL):
+        """The weights the backward applies to dV and dA (the same W; a fault's differ)."""
+        return self.weights(rows, cols)
+
+    def score_weights(self, rows=ALL, cols=ALL):
+        """The weights the backward's dS takes A with: None for A itself (a fault's: W)."""
+        return None
+
+    @property
+    def kwargs(self) -> dict:
+        return {"keep_mask": self.keep, "dropout_p": self.p}
+
+    @property
+    def key(self) -> tuple:
+        return (type(self).__name__, self.p, self.keep.shape, np.packbits(self.keep).tobytes())
+
+    @property
+    def label(self) -> str:
+        return f"dropout {self.p:g}"
+
+
+class _ScaledByP(Dropout):
+    """dropout-scale-p: kept entries weighted p instead of 1 / (1 - p), forward and backward."""
+
+    def factor(self) -> float:
+        return self.p
+
+
+class _DsDropped(Dropout):
+    """dropout-ds-dropped: the backward's dS = (A * W) (dA - D), built from the dropped weights."""
+
+    def score_weights(self, rows=ALL, cols=ALL):
+        return self.weights(rows, cols)
+
+
+class _DvUnmasked(Dropout):
+    """dropout-dv-unmasked: dV = A^T dO, the mask and its factor missing from dV."""
+
+    def backward_weights(self, rows=ALL, cols=ALL):
+        return None
+
+
+def make(sc) -> Dropout | None:
+    given = sc.p(KEY)
+    if given is None:
+        return None
+    p = float(dict(given)["p"])
+    rng = np.random.default_rng([sc.seed, SeedStream.DROPOUT])
+    keep = rng.random((sc.batch, sc.heads_q, sc.n_q, sc.n_k)) >= p
+    return Dropout(keep, p)
+
+
+def validate(sc_params: dict, attention: dict) -> list:
+    """(key, message, hint) for a p out of range, and where dropout is not built yet."""
+    given = sc_params.get(KEY)
+    if given is None:
+        return []
+    p = dict(given)["p"]
+    if not 0.0 < p < 1.0:
+        return [(f"{KEY}.p", f"is {p:g}; a dropout probability is in (0, 1)", "e.g. p: 0.1")]
+    fix = "remove dropout for this scenario"
+    if attention["mode"] in ("jvp", "hvp"):
+        return [(KEY, f"dropout is checked along the VJP, not check.mode {attention['mode']} yet", fix)]
+    if attention["backend"] == "torch" and not attention["implementation"]:
+        return [(KEY, "dropout runs on the NumPy engines (naive, tiled) and NumPy, torch and JAX implementations, not "
+                      "the torch closed forms yet", f"{fix}, or backend: numpy")]
+    if attention["dtype"] in ("float16", "bfloat16"):
+        return [(KEY, f"dropout is checked in float64 and float32, not {attention['dtype']} yet", f"{fix}, or dtype: "
+                                                                                                   "float32")]
+    return []
+
+
+_SCENARIO = ((KEY, {"p": 0.3}),)
+
+REGISTRATION = Registration(
+    key=KEY,
+    param=Param("mapping", None, "attention dropout with a keep mask the tool draws from the scenario's seed: the "
+                                 "weights after the softmax times M / (1 - p); your code is passed keep_mask= and "
+                                 "dropout_p=",
+                fields=(("p", Param("float", 0.1, "the dropout probability, in (0, 1)")),)),
+    make=make,
+    faults={f.name: f for f in (
+        Fault("dropout-scale-p", "dropout: the kept weights scaled by p instead of 1 / (1 - p) (forward and "
+                                 "backward)",
+              ("shifting every V row shifts O by as much", "O rows in the range of visible V rows"), forward=True,
+              scenario=_SCENARIO, backends=("numpy",)),
+        Fault("dropout-ds-dropped", "dropout: the backward's dS built from the dropped weights A * W instead of A",
+              ("gradient q", "gradient k", "score-gradient rows sum to 0", "backward agrees with the reference",
+               "gradient bias", "gradient relative_bias", "gradient alibi_slopes", "gradient sinks"),
+              user="adds to the implementation's gradients the change this bug makes to the float64 reference's",
+              scenario=_SCENARIO, backends=("numpy",)),
+        Fault("dropout-dv-unmasked", "dropout: dV = A^T dO, the keep mask and its factor missing from dV",
+              ("gradient v", "backward agrees with the reference"),
+              user="adds to the implementation's gradients the change this bug makes to the float64 reference's",
+              scenario=_SCENARIO, backends=("numpy",)),
+    )},
+    wrong={"dropout-scale-p": lambda st, visible: (st._same(_ScaledByP), visible),
+           "dropout-ds-dropped": lambda st, visible: (st._same(_DsDropped), visible),
+           "dropout-dv-unmasked": lambda st, visible: (st._same(_DvUnmasked), visible)},
+    backward_only=("dropout-ds-dropped", "dropout-dv-unmasked"),
+    validate=validate,
+    normaliser=True,
+    passes="keep_mask= (bool [B, Hq, n_q, n_k], True = kept) and dropout_p=",
+)
