@@ -121,7 +121,7 @@ OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradient
         + ((varlen.KEY, f"{varlen.schema()['description'].split('. Your code')[0]} (your code is passed "
                         f"{varlen.PASSES})"),),
         validate=lambda params, attention: score_stages.validate(params, attention) + lse.validate(params, attention),
-        limits=score_stages.LIMITS + (lse.LIMIT,),
+        limits=score_stages.LIMITS + (lse.LIMIT, score_stages.dropout.LIMIT),
         variant_labels=lambda sc: score_stages.labels(score_stages.from_scenario(sc))
         + ((sc.documents.label,) if sc.documents is not None else ()) + (("lse output",) if lse.wanted(sc) else ()),
         sets=lambda sc, key: key != varlen.KEY or sc.documents is not None)
