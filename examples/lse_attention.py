@@ -8,6 +8,7 @@ natural log:
     numpy_lse_ignored     broken: the backward ignores grad_lse (FlashAttention 2/3's Python interface)
     torch_lse_log2        broken: the LSE in log2 units (exp2-based kernels; pytorch #181645)
     torch_lse_no_max      broken: lse = log(sum exp(S - m)), the row maximum m not added back
+    torch_lse_unmasked    broken: the LSE over every key, the mask missing from it (O is right)
 """
 import math
 
@@ -39,6 +40,14 @@ def torch_lse_no_max(q, k, v, visible, scale, kv_map, *, return_lse=False):
     e = torch.exp(s - m)
     o = (e / e.sum(-1, keepdim=True)) @ v[:, kv_map]
     return (o, torch.log(e.sum(-1))) if return_lse else o
+
+
+def torch_lse_unmasked(q, k, v, visible, scale, kv_map, *, return_lse=False):
+    import torch
+    s = _torch_scores(q, k, visible, scale, kv_map)
+    o = torch.softmax(s, dim=-1) @ v[:, kv_map]
+    raw = scale * (q @ k[:, kv_map].transpose(-1, -2))
+    return (o, torch.logsumexp(raw, dim=-1)) if return_lse else o
 
 
 class NumpyLse:

@@ -92,7 +92,8 @@ def test_the_examples_pass(name, backend, keys):
 @pytest.mark.parametrize("name, backend, fails, hint", [
     ("numpy_lse_ignored", "numpy", "gradient q", "ignores the log-sum-exp's upstream gradient"),
     ("torch_lse_log2", "torch", "lse agrees with the reference", "log2 units"),
-    ("torch_lse_no_max", "torch", "lse agrees with the reference", "without the row maximum")])
+    ("torch_lse_no_max", "torch", "lse agrees with the reference", "without the row maximum"),
+    ("torch_lse_unmasked", "torch", "lse agrees with the reference", "the mask is missing from it")])
 def test_the_broken_examples_fail_with_the_cause_named(name, backend, fails, hint):
     pytest.importorskip({"numpy": "numpy", "torch": "torch"}[backend])
     sc = with_examples(implementation=f"lse_attention:{name}", backend=backend, batch=2, heads_q=4, heads_kv=2,

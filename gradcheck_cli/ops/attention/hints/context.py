@@ -14,7 +14,7 @@ from .... import masks
 from ....indices import ranges
 from ....numeric import SeedStream
 from ....tolerance import machine_epsilon
-from ..formulas import attention_weights, backward, raw_scores, repeat_kv, sum_groups
+from ..formulas import attention_weights, backward, log_sum_exp, raw_scores, repeat_kv, sum_groups
 
 #: An alternative explains the implementation's output when it is this many times closer to it than
 #: the reference is.
@@ -330,6 +330,24 @@ def _lse_hints(sc, context: Context, kv_map, failed, broken) -> list[str]:
         elif _matches(mine, ref - top, ref):
             out.append("the implementation returns the log-sum-exp without the row maximum: log(sum_j exp(S_ij - m_i)) "
                        "where LSE_i = m_i + log(sum_j exp(S_ij - m_i)) (add m back)")
+        else:
+            x = {t: np.asarray(context.inputs[t], dtype=np.float64) for t in "qk"}
+            others = [(np.ones_like(sc.visible), context.stages, sc.scale,
+                       "the implementation's log-sum-exp runs over every key: the mask is missing from it (hidden keys "
+                       "must not enter the LSE, as they do not enter the softmax)"),
+                      (sc.visible, tuple(st for st in context.stages if not st.normaliser), sc.scale,
+                       "the implementation's log-sum-exp leaves out the sinks: LSE_i = log(sum_j exp(S_ij) + "
+                       "exp(s_h)), the softmax's normaliser"),
+                      (sc.visible, context.stages, sc.scale * sc.scale,
+                       "the implementation's log-sum-exp takes the scores scaled twice (the softmax scale applied to "
+                       "already scaled scores)")]
+            for visible, stages, scale, says in others:
+                if stages == context.stages and visible is sc.visible and scale == sc.scale:
+                    continue
+                if (visible is not sc.visible or stages != context.stages or scale != sc.scale) and _matches(
+                        mine, log_sum_exp(x["q"], x["k"], visible, scale, kv_map, stages=stages), ref):
+                    out.append(says)
+                    break
     qkv = [t for t in "qkv" if t in failed]
     if qkv and context.g is not None:
         x = {t: np.asarray(context.inputs[t], dtype=np.float64) for t in "qkv"}
