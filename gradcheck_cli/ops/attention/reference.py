@@ -25,7 +25,8 @@ def diagnosis_fields(sc, context=None) -> dict:
     return {"structure": structure, "hints": hints}
 
 
-def hint_context(inputs: dict, g, args: Args, results: dict, reference_results: dict, impl_forward=None):
+def hint_context(inputs: dict, g, args: Args, results: dict, reference_results: dict, impl_forward=None,
+                 grad_lse=None):
     """What the hints may consult about an implementation (``hints.Context``)."""
     x = {t: val.astype(np.float64) for t, val in inputs.items()}
 
@@ -40,7 +41,7 @@ def hint_context(inputs: dict, g, args: Args, results: dict, reference_results: 
                    inputs=inputs, g=np.asarray(g, dtype=np.float64), stages=tuple(args.stages),
                    lse=None if "lse" not in reference_results else (
                        None if "lse" not in results else np.asarray(results["lse"], dtype=np.float64),
-                       reference_results["lse"], None))
+                       reference_results["lse"], None if grad_lse is None else np.asarray(grad_lse, np.float64)))
 
 
 def called_as(sc, call, inputs: dict):

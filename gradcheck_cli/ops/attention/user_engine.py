@@ -285,7 +285,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         second=None if sc.mode != "hvp" else implementation_second(
             inputs, g, moved_gradients, user_hvp, interface, precision.Policy.for_dtype(computes_in, sc.factor,
                                                                                         sc.slack)),
-        **diagnosis_fields(sc, hint_context(inputs, g, args, results, ref, user_forward)),
+        **diagnosis_fields(sc, hint_context(inputs, g, args, results, ref, user_forward, grad_lse)),
     )
 
 

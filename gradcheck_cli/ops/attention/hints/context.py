@@ -356,6 +356,12 @@ def _lse_hints(sc, context: Context, kv_map, failed, broken) -> list[str]:
             out.append("the backward ignores the log-sum-exp's upstream gradient (its dQ, dK are those of the loss on "
                        "O alone, as FlashAttention 2/3's Python interface computes them): dS = P (dP - D + G_L), "
                        "G_L the gradient of the returned LSE")
+        elif g_l is not None:
+            flipped = backward(x["q"], x["k"], x["v"], sc.visible, sc.scale, kv_map, context.g, stages=context.stages,
+                               grad_lse=-g_l)
+            if all(_matches(context.gradients[t], getattr(flipped, t), context.reference_gradients[t]) for t in qkv):
+                out.append("the log-sum-exp's upstream gradient enters the backward with the wrong sign: "
+                           "dS = P (dP - D + G_L), not P (dP - D - G_L)")
     return out
 
 
