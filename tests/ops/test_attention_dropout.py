@@ -103,3 +103,23 @@ def test_bad_dropout_is_refused_with_its_key(dropout, extra, words):
     with pytest.raises(ScenarioError) as err:
         make(heads_q=2, n_q=3, d_head=2, dropout=dropout, **extra)
     assert "dropout" in str(err.value.key) and words in str(err.value), str(err.value)
+
+
+def test_the_keep_mask_stays_boolean_on_stacked_copies(tmp_path):
+    """Code that uses the mask as a condition (torch.where, ~keep_mask) gets booleans on every call, the perturbed
+    copies stacked along the batch axis included (a cold trial's false FAIL)."""
+    pytest.importorskip("torch")
+    import yaml
+
+    from gradcheck_cli.scenario import loads
+    (tmp_path / "w.py").write_text(
+        "import torch\n"
+        "def where_drop(q, k, v, visible, scale, kv_map, *, keep_mask, dropout_p):\n"
+        "    assert keep_mask.dtype == torch.bool\n"
+        "    s = (scale * (q @ k[:, kv_map].transpose(-1, -2))).masked_fill(~visible, float('-inf'))\n"
+        "    return torch.where(keep_mask, torch.softmax(s, -1) / (1 - dropout_p), 0.0) @ v[:, kv_map]\n")
+    (sc,) = loads(yaml.safe_dump({"scenarios": [{"name": "w", "backend": "torch", "implementation": "w:where_drop",
+                                                 "heads_q": 4, "heads_kv": 2, "n_q": 5, "n_k": 7, "d_head": 4,
+                                                 "dropout": {"p": 0.3}}]}), base_dir=tmp_path)
+    result = checker.run_scenario(sc)
+    assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]

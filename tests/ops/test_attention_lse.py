@@ -116,7 +116,8 @@ def test_code_that_returns_o_alone_is_told_what_to_return():
 
 @pytest.mark.parametrize("extra, words", [
     ({"check": {"mode": "hvp"}}, "not check.mode hvp yet"), ({"backend": "torch"}, "not the torch closed forms"),
-    ({"outputs": ["lse"]}, "without o"), ({"outputs": ["o", "x"]}, "expected one of o, lse")])
+    ({"outputs": ["lse"]}, "o comes first"), ({"outputs": ["lse", "o"]}, "o comes first"),
+    ({"outputs": ["o", "x"]}, "expected one of o, lse")])
 def test_where_the_lse_output_is_not_built_it_is_refused_with_the_key(extra, words):
     if extra.get("backend") == "torch":
         pytest.importorskip("torch")

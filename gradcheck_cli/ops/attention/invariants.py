@@ -154,8 +154,9 @@ def output_invariants(forward, backward_kv, inputs, visible, kv_map, o, rng, ter
                                allowed,
                                "O(V + c) - O(V) - c per element, c one random vector per (batch, KV head) "
                                "added to every V "
-                               + ("row, times 1 - p_i (the sinks' weight): the attention weights and the sink's sum "
-                                  "to 1" if sink is not None else "row: the attention weights of each row sum to 1")
+                               + ("row, times sum_j A_ij W_ij (dropout's weights of the row)" if dropout is not None
+                                  else "row, times 1 - p_i (the sinks' weight): the attention weights and the sink's "
+                                  "sum to 1" if sink is not None else "row: the attention weights of each row sum to 1")
                                + f"; allowed {ulps:g} ulps of {precision} of sum_j A_ij |V_jc| + 2 |c|"
                                + (" + |c| sum_j A_ij (1 + L_ij + |s_h|) (the keys' weight against the sink's, L_ij "
                                   "their logits' rounding), the float64 reference's rounding of p_i, and n_k x the "

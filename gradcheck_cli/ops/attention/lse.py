@@ -75,8 +75,8 @@ def validate(params: dict, attention: dict) -> list:
     given = params.get(KEY)
     if given is None:
         return []
-    if "o" not in given:
-        return [(KEY, f"lists {', '.join(given)} without o", "list o first: [o] or [o, lse]")]
+    if "o" not in given or given[0] != "o":
+        return [(KEY, f"lists {', '.join(given)}: o comes first (your code returns (o, lse))", "[o] or [o, lse]")]
     if "lse" not in given:
         return []
     fix = "set outputs: [o] for this scenario"
@@ -144,7 +144,9 @@ def _joined(impl, backend: str):
 
 
 def _pair(out):
-    """(o, lse) of what the code returned with return_lse=True, or a message saying what it returned instead."""
+    """(o, lse) of what the code returned with return_lse=True, or a failure saying what it returned instead (the
+    implementation's, not an exception of the tool's own: no location in the tool)."""
+    from ...implementation import ImplementationFailure as ValueError  # noqa: A001 -- read as the code's failure
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise ValueError("with outputs: [o, lse] the code is called with return_lse=True and must return (o, lse), "
                          f"got {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (tuple, list)) else ""))

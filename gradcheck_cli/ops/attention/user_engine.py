@@ -175,7 +175,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                 x = moved.get(name, np.broadcast_to(value, (c,) + value.shape))
                 if total > c:
                     x = np.concatenate([x, np.broadcast_to(value, (total - c,) + x.shape[1:])])
-                x = np.broadcast_to(x, (total, batch) + x.shape[2:]).astype(sc.dtype)
+                x = np.broadcast_to(x, (total, batch) + x.shape[2:])
+                x = x.copy() if x.dtype == bool else x.astype(sc.dtype)  # dropout's keep mask stays boolean
                 given[kwarg] = x.reshape((total * batch,) + x.shape[2:])
         try:
             return user_joined(args["q"], args["k"], args["v"], vis, **given).reshape((total,) + g_out.shape)[:c]

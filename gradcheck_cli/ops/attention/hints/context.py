@@ -405,6 +405,8 @@ def _dropout_alternative(sc, context: Context, ref) -> str | None:
     candidates = (
         (dropout_stage._ScaledByP(drop.keep, p), f"the forward scales the kept weights by p = {p:g} instead of "
                                                  f"1 / (1 - p) = {1 / (1 - p):.4g}"),
+        (dropout_stage._OverP(drop.keep, p), f"the forward divides the kept weights by p = {p:g} instead of "
+                                             f"1 - p = {1 - p:g}"),
         (dropout_stage.Dropout(drop.keep, 0.0), "the forward applies the keep mask without the 1 / (1 - p) rescale "
                                                 "of the kept weights (inverted dropout)"),
         (dropout_stage.Dropout(~drop.keep, p), "the forward keeps the entries keep_mask drops (True = kept)"),

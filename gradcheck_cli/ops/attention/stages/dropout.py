@@ -73,6 +73,13 @@ class _ScaledByP(Dropout):
         return self.p
 
 
+class _OverP(Dropout):
+    """A mistake the hints know (no fault): kept weights divided by p instead of 1 - p."""
+
+    def factor(self) -> float:
+        return 1.0 / self.p
+
+
 class _DsDropped(Dropout):
     """dropout-ds-dropped: the backward's dS = (A * W) (dA - D), built from the dropped weights."""
 
@@ -122,8 +129,7 @@ _SCENARIO = ((KEY, {"p": 0.3}),)
 REGISTRATION = Registration(
     key=KEY,
     param=Param("mapping", None, "attention dropout with a keep mask the tool draws from the scenario's seed: the "
-                                 "weights after the softmax times M / (1 - p); your code is passed keep_mask= and "
-                                 "dropout_p=",
+                                 "weights after the softmax times M / (1 - p)",
                 fields=(("p", Param("float", 0.1, "the dropout probability, in (0, 1)")),)),
     make=make,
     faults={f.name: f for f in (
