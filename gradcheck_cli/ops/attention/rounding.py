@@ -224,6 +224,10 @@ def term_sizes(inputs, g, a_rows, scale, kv_map, rows: int = TERM_ROWS, rss: boo
         t_q[..., span, :] = abs(scale) ** power * (t_s @ ka)
         t_k += abs(scale) ** power * (np.swapaxes(t_s, -1, -2) @ qa[..., span, :])
         t_v += np.swapaxes(a_err, -1, -2) @ ga[..., span, :]
+    if grad_lse is not None:  # a sink's gradient gains sum_i G_L_i, beside -sum dS, where the LSE is an output
+        for name, st in owners.items():
+            if st.normaliser:
+                t_p[name] = t_p[name] + st.lse_grad(np.abs(np.asarray(grad_lse, dtype=np.float64)) ** power, 0.0)
     heads_kv = inputs["k"].shape[-3]
     out = {"o": t_o, "q": t_q, "k": sum_groups(t_k, kv_map, heads_kv), "v": sum_groups(t_v, kv_map, heads_kv), **t_p}
     if not rss:
