@@ -186,9 +186,9 @@ def test_ops_lists_the_attention_variants_with_the_keyword_your_code_is_passed()
     result = run("ops")
     variants = [line for line in result.stdout.splitlines() if line.startswith("    variant:")]
     assert [line.split()[1] for line in variants] == ["softcap:", "bias:", "relative_bias:", "alibi:", "sinks:",
-                                                           "dropout:", "varlen:"]
+                                                           "dropout:", "varlen:", "outputs:"]
     for line, keyword in zip(variants, ("softcap=", "attn_bias=", "relative_attention_bias=", "alibi_slopes=",
-                                        "sinks=", "keep_mask=", "cu_seqlens_q=")):
+                                        "sinks=", "keep_mask=", "cu_seqlens_q=", "return_lse=True")):
         assert f"your code is passed {keyword}" in line
 
 

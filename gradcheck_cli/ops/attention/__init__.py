@@ -119,7 +119,9 @@ OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradient
         tangent_flavours=("numpy", "torch", "jax"), second_engines=("naive",), second_flavours=("torch", "jax"),
         variants=tuple((r.key, f"{r.param.help} (your code is passed {r.passes})") for r in score_stages.REGISTERED)
         + ((varlen.KEY, f"{varlen.schema()['description'].split('. Your code')[0]} (your code is passed "
-                        f"{varlen.PASSES})"),),
+                        f"{varlen.PASSES})"),
+           (lse.KEY, "[o, lse]: the log-sum-exp of each row a second output with a seeded upstream gradient (your "
+                     "code is passed return_lse=True and returns (o, lse); a NumPy backward gets grad_lse=)")),
         validate=lambda params, attention: score_stages.validate(params, attention) + lse.validate(params, attention),
         limits=score_stages.LIMITS + (lse.LIMIT, score_stages.dropout.LIMIT),
         variant_labels=lambda sc: score_stages.labels(score_stages.from_scenario(sc))
