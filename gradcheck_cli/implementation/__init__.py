@@ -149,7 +149,9 @@ def _ctrl_c(exc: BaseException) -> bool:
 
 def raised_at(exc: BaseException) -> str:
     """' (at FILE:LINE in FUNCTION)': where ``exc`` was raised in the user's own code (the innermost frame
-    outside installed packages and this tool; else the innermost frame), or '' without a traceback."""
+    outside installed packages and this tool; else the innermost frame outside this tool), or '' without one (a
+    call the code refused, e.g. an unexpected keyword argument, raises in the tool's own call: no place of the
+    code's to name)."""
     import os
     import traceback
     try:
@@ -159,7 +161,8 @@ def raised_at(exc: BaseException) -> str:
     tool = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     own = [f for f in frames if "site-packages" not in f.filename and not f.filename.startswith(tool)
            and not f.filename.startswith("<")]
-    frame = (own or frames or [None])[-1]
+    outside = [f for f in frames if not f.filename.startswith(tool)]
+    frame = (own or outside or [None])[-1]
     if frame is None:
         return ""
     try:
