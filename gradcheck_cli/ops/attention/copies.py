@@ -106,6 +106,7 @@ class Forward:
         sink = score_stages.sink_logits(stages) if stages else None
         if sink is not None:
             sink = np.asarray(sink).astype(out.dtype, copy=False)
+        drop = score_stages.post(stages) if stages else None
         for span, keys, shown, hidden, pieces in self.blocks:
             s = np.matmul(q[..., span, :], k_t[..., keys])
             if stages:
@@ -132,7 +133,6 @@ class Forward:
                             np.copyto(e, 0, where=inner)
                         s[..., rows, :cols.start] = 0
                         s[..., rows, cols.stop:] = 0
-            drop = score_stages.post(stages) if stages else None
             if drop is not None:  # dropout: the row's sum before the keep mask weights the exponentials
                 with np.errstate(over="ignore", under="ignore"):
                     total = s.sum(axis=-1, keepdims=True)

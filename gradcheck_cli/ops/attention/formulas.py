@@ -189,12 +189,8 @@ def sink_weight(q, k, visible, scale, kv_map, stages=(), rows=slice(None)):
     sink = score_stages.sink_logits(stages) if stages else None
     if sink is None:
         return None
-    s = score_stages.apply(stages, raw_scores(q, k, scale, kv_map), rows)
-    shown = True if visible is None else visible
-    top = np.maximum(np.max(s, axis=-1, keepdims=True, where=shown, initial=-np.inf), sink)
     with np.errstate(over="ignore", under="ignore"):
-        total = np.sum(np.exp(s - top), axis=-1, keepdims=True, where=shown) + np.exp(sink - top)
-        return (np.exp(sink - top) / total)[..., 0]
+        return np.exp(np.asarray(sink)[..., 0] - log_sum_exp(q, k, visible, scale, kv_map, stages=stages, rows=rows))
 
 
 def attention_weights(q, k, visible, scale, kv_map, faults: Collection[str] = (), stages=(), rows=slice(None)):

@@ -146,18 +146,18 @@ def _joined(impl, backend: str):
 def _pair(out):
     """(o, lse) of what the code returned with return_lse=True, or a failure saying what it returned instead (the
     implementation's, not an exception of the tool's own: no location in the tool)."""
-    from ...implementation import ImplementationFailure as ValueError  # noqa: A001 -- read as the code's failure
+    from ...implementation import ImplementationFailure as Failure
     if not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise ValueError("with outputs: [o, lse] the code is called with return_lse=True and must return (o, lse), "
-                         f"got {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (tuple, list)) else ""))
+        raise Failure("with outputs: [o, lse] the code is called with return_lse=True and must return (o, lse), "
+                      f"got {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (tuple, list)) else ""))
     o, values = out
     if len(values.shape) == len(o.shape) + 1 and tuple(o.shape) == tuple(values.shape[:-1]):
-        raise ValueError(f"returned (lse, o)? the first is {list(o.shape)} and the second {list(values.shape)}: return "
-                         "(o, lse), lse [B, Hq, n_q]")
+        raise Failure(f"returned (lse, o)? the first is {list(o.shape)} and the second {list(values.shape)}: return "
+                      "(o, lse), lse [B, Hq, n_q]")
     if tuple(values.shape) != tuple(o.shape[:-1]):
-        raise ValueError(f"with return_lse=True, lse must be [B, Hq, n_q] = {list(o.shape[:-1])} beside o "
-                         f"{list(o.shape)}, got {list(values.shape)}")
+        raise Failure(f"with return_lse=True, lse must be [B, Hq, n_q] = {list(o.shape[:-1])} beside o "
+                      f"{list(o.shape)}, got {list(values.shape)}")
     if str(values.dtype) != str(o.dtype):  # a rounded LSE makes its finite differences blind to its gradient
-        raise ValueError(f"with return_lse=True, lse must be in o's dtype ({o.dtype}), got {values.dtype}: return it "
-                         "in the inputs' dtype (a kernel that keeps it in float32 is checked with dtype: float32)")
+        raise Failure(f"with return_lse=True, lse must be in o's dtype ({o.dtype}), got {values.dtype}: return it "
+                      "in the inputs' dtype (a kernel that keeps it in float32 is checked with dtype: float32)")
     return o, values

@@ -342,10 +342,9 @@ def _lse_hints(sc, context: Context, kv_map, failed, broken) -> list[str]:
                        "the implementation's log-sum-exp takes the scores scaled twice (the softmax scale applied to "
                        "already scaled scores)")]
             for visible, stages, scale, says in others:
-                if stages == context.stages and visible is sc.visible and scale == sc.scale:
-                    continue
-                if (visible is not sc.visible or stages != context.stages or scale != sc.scale) and _matches(
-                        mine, log_sum_exp(x["q"], x["k"], visible, scale, kv_map, stages=stages), ref):
+                same = visible is sc.visible and stages == context.stages and scale == sc.scale
+                if not same and _matches(mine, log_sum_exp(x["q"], x["k"], visible, scale, kv_map, stages=stages),
+                                         ref):
                     out.append(says)
                     break
     qkv = [t for t in "qkv" if t in failed]

@@ -27,21 +27,29 @@ def _sum_groups(g, kv_map, heads_kv: int, overwrite: bool = False):
     return out
 
 
-def probabilities(q, k, visible, scale, kv_map, stages=()):
-    """A: softmax over each row's visible set of scale * q k^T (through the score ``stages``), with the row max
-    subtracted."""
+def _masked_scores(q, k, visible, scale, kv_map, stages):
+    """(scale * q k^T through the score ``stages``, -inf off the visible set; the sinks' logits as a tensor beside
+    them (a leaf of autograd where their gradient is checked), or None)."""
     s = (q @ _repeat_kv(k, kv_map).transpose(-1, -2)) * scale
     if stages:
         s = score_stages.apply(stages, s, xp=torch)
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
     sink = score_stages.sink_logits(stages) if stages else None
+    if sink is not None:
+        sink = sink.to(s.dtype) if isinstance(sink, torch.Tensor) else torch.as_tensor(sink, dtype=s.dtype,
+                                                                                        device=s.device)
+    return s, sink
+
+
+def probabilities(q, k, visible, scale, kv_map, stages=()):
+    """A: softmax over each row's visible set of scale * q k^T (through the score ``stages``), with the row max
+    subtracted."""
+    s, sink = _masked_scores(q, k, visible, scale, kv_map, stages)
     if sink is None:
         e = torch.exp(s - s.amax(dim=-1, keepdim=True))
         return e / e.sum(dim=-1, keepdim=True)
-    # the sinks' logits join each row's normaliser (a leaf of autograd where their gradient is checked)
-    sink = sink.to(s.dtype) if isinstance(sink, torch.Tensor) else torch.as_tensor(sink, dtype=s.dtype,
-                                                                                    device=s.device)
+    # the sinks' logits join each row's normaliser
     top = torch.maximum(s.amax(dim=-1, keepdim=True), sink).detach()
     e = torch.exp(s - top)
     return e / (e.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
@@ -51,16 +59,9 @@ def forward_softmax(q, k, v, visible, scale, kv_map, stages=()):
     """O through ``torch.softmax`` (torch's own kernel, which accumulates half precision in float32, with its own
     backward): the library way a torch attention is most often written, whose half-precision rounding differs from
     the explicit exponentials' (the sinks as one more column, dropped after, as gpt-oss does)."""
-    s = (q @ _repeat_kv(k, kv_map).transpose(-1, -2)) * scale
-    if stages:
-        s = score_stages.apply(stages, s, xp=torch)
-    if visible is not None:
-        s = s.masked_fill(~visible, float("-inf"))
-    sink = score_stages.sink_logits(stages) if stages else None
+    s, sink = _masked_scores(q, k, visible, scale, kv_map, stages)
     if sink is None:
         return _dropped(torch.softmax(s, dim=-1), stages) @ _repeat_kv(v, kv_map)
-    sink = sink.to(s.dtype) if isinstance(sink, torch.Tensor) else torch.as_tensor(sink, dtype=s.dtype,
-                                                                                    device=s.device)
     col = sink.expand(s.shape[:-1] + (1,))
     return _dropped(torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1], stages) @ _repeat_kv(v, kv_map)
 
