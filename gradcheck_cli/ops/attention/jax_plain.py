@@ -10,15 +10,22 @@ import numpy as np
 from . import stages as score_stages
 
 
-def _softmax(s, stages):
-    """The softmax of the masked scores ``s`` over each row, with the sinks' logits in its normaliser (gpt-oss's
-    way: one more column, dropped after), in the scores' dtype."""
+def _sink_column(s, stages):
+    """The masked scores ``s`` with the sinks' logits as one more column (gpt-oss's way, the column dropped after
+    the softmax), in the scores' dtype; None without sinks."""
     sink = score_stages.sink_logits(stages) if stages else None
     if sink is None:
+        return None
+    col = jnp.broadcast_to(jnp.asarray(sink, dtype=s.dtype)[..., 0], s.shape[:-1])[..., None]
+    return jnp.concatenate([s, col], axis=-1)
+
+
+def _softmax(s, stages):
+    """The softmax of the masked scores ``s`` over each row, with the sinks' logits in its normaliser."""
+    full = _sink_column(s, stages)
+    if full is None:
         e = jnp.exp(s - s.max(axis=-1, keepdims=True))
         return e / e.sum(axis=-1, keepdims=True)
-    col = jnp.broadcast_to(jnp.asarray(sink, dtype=s.dtype)[..., 0], s.shape[:-1])[..., None]
-    full = jnp.concatenate([s, col], axis=-1)
     e = jnp.exp(full - full.max(axis=-1, keepdims=True))
     return (e / e.sum(axis=-1, keepdims=True))[..., :-1]
 
@@ -41,10 +48,9 @@ def forward_softmax(q, k, v, visible, scale: float, kv_map, stages=()):
     if stages:
         s = score_stages.apply(stages, s, xp=jnp)
     s = jnp.where(visible, s, -jnp.inf)
-    sink = score_stages.sink_logits(stages) if stages else None
-    if sink is not None:  # the sink as one more column of jax.nn.softmax, dropped after
-        col = jnp.broadcast_to(jnp.asarray(sink, dtype=s.dtype)[..., 0], s.shape[:-1])[..., None]
-        return jax.nn.softmax(jnp.concatenate([s, col], axis=-1), axis=-1)[..., :-1] @ v
+    full = _sink_column(s, stages)
+    if full is not None:  # the sink as one more column of jax.nn.softmax, dropped after
+        return jax.nn.softmax(full, axis=-1)[..., :-1] @ v
     return jax.nn.softmax(s, axis=-1) @ v
 
 
