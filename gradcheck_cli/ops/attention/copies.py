@@ -138,7 +138,7 @@ class Forward:
                     total = s.sum(axis=-1, keepdims=True)
                     if sink is not None:
                         total = total + np.exp(sink if top is None else sink - top)
-                weighted = s * drop.weights(span, keys).astype(s.dtype, copy=False)
+                weighted = s * drop.weights(span, keys, s.dtype)
                 out[..., span, :] = np.matmul(weighted, v_rep[..., keys, :]) / total
             elif sink is None:
                 block = np.matmul(s, v_rep[..., keys, :], out=out[..., span, :])

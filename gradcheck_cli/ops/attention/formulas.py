@@ -209,7 +209,7 @@ def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), hidde
     e, l = _exp_scores(q, k, scale, kv_map, None if "mask" in faults else visible, hidden, stages, rows)
     drop = score_stages.post(stages) if stages else None
     if drop is not None:  # dropout: the weights after the softmax times M / (1 - p)
-        e = e * drop.weights(rows).astype(e.dtype, copy=False)
+        e = e * drop.weights(rows, dtype=e.dtype)
     o = np.matmul(e, repeat_kv(v, kv_map))
     o /= l
     return o
@@ -245,7 +245,7 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
         w_v = drop.backward_weights(rows)
         w_v = None if w_v is None else w_v.astype(a.dtype, copy=False)
         g_v = np.swapaxes(a if w_v is None else a * w_v, -1, -2) @ grad_o
-        g_a = (grad_o @ np.swapaxes(v_rep, -1, -2)) * drop.weights(rows).astype(a.dtype, copy=False)
+        g_a = (grad_o @ np.swapaxes(v_rep, -1, -2)) * drop.weights(rows, dtype=a.dtype)
         w_s = drop.score_weights(rows)
         a_s = a if w_s is None else a * w_s.astype(a.dtype, copy=False)
     if "softmax-term" in faults:

@@ -92,7 +92,7 @@ def forward(q, k, v, visible, scale, kv_map, faults: Collection[str] = (), block
                                         vis, m)
             l = l * rescale + p.sum(axis=-1, keepdims=True)
             if drop is not None:  # dropout: the accumulator takes the kept weights, the sum the softmax's
-                p = p * drop.weights(rows, cols).astype(p.dtype, copy=False)
+                p = p * drop.weights(rows, cols, p.dtype)
             acc = acc * rescale + p @ v_rep[..., cols, :]
             m = m_new
         out[..., rows, :] = acc / l
@@ -293,7 +293,7 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
                 w_v = drop.backward_weights(rows, cols)
                 w_v = None if w_v is None else w_v.astype(p.dtype, copy=False)
                 g_v[..., cols, :] += np.swapaxes(p if w_v is None else p * w_v, -1, -2) @ g_o
-                g_p = (g_o @ np.swapaxes(v_blk, -1, -2)) * drop.weights(rows, cols).astype(p.dtype, copy=False)
+                g_p = (g_o @ np.swapaxes(v_blk, -1, -2)) * drop.weights(rows, cols, p.dtype)
                 w_s = drop.score_weights(rows, cols)
                 p_s = p if w_s is None else p * w_s.astype(p.dtype, copy=False)
             g_s = p_s * (g_p - d_row[..., rows, None])

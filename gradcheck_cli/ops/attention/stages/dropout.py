@@ -20,6 +20,8 @@ from ...registry import Fault, Param
 from .base import ALL, Registration, Stage
 
 KEY = "dropout"
+#: Bytes of weight blocks kept for reuse.
+CACHE_BYTES = 32 * 2**20
 #: What dropout does not cover yet (``attn-gradcheck ops``; ``validate`` refuses it with the key).
 LIMIT = ("dropout: {p} is checked in float64 and float32 along the VJP, with the keep mask the tool draws: not yet in "
          "half precision, on the torch closed forms, along check.mode jvp / hvp, or with a mask your code draws")
@@ -32,6 +34,8 @@ class Dropout(Stage):
 
     def __init__(self, keep: np.ndarray, p: float):
         self.keep, self.p = keep, float(p)
+        self._cache: dict = {}  # blocks of W by (rows, cols, dtype), asked for again and again
+        self._cached = 0
 
     def _same(self, cls=None):
         return (cls or Dropout)(self.keep, self.p)
@@ -40,10 +44,17 @@ class Dropout(Stage):
         """The weight of a kept entry: 1 / (1 - p)."""
         return 1.0 / (1.0 - self.p)
 
-    def weights(self, rows=ALL, cols=ALL):
-        """W on a block of rows and keys [B, Hq, len(rows), len(cols)] (float64): the kept entries' factor, 0 for
-        the dropped."""
-        return self.keep[..., rows, cols] * self.factor()
+    def weights(self, rows=ALL, cols=ALL, dtype=np.float64):
+        """W on a block of rows and keys [B, Hq, len(rows), len(cols)] in ``dtype``: the kept entries' factor, 0 for
+        the dropped (kept for reuse up to ``CACHE_BYTES``: the fast forward asks for the same blocks every call)."""
+        key = (rows.start, rows.stop, cols.start, cols.stop, np.dtype(dtype).str)
+        if key in self._cache:
+            return self._cache[key]
+        w = (self.keep[..., rows, cols] * self.factor()).astype(dtype, copy=False)
+        if self._cached + w.nbytes <= CACHE_BYTES:
+            self._cache[key] = w
+            self._cached += w.nbytes
+        return w
 
     def backward_weights(self, rows=ALL, cols=ALL):
         """The weights the backward applies to dV and dA (the same W; a fault's differ)."""
