@@ -255,6 +255,8 @@ def draw_variant(rng, category: str) -> dict:
         sc["outputs"] = ["o", "lse"]
     if "dropout" in variant:
         sc["dropout"] = {"p": float(np.round(rng.uniform(0.05, 0.7), 3))}
+        if rest.startswith("impl/") and rng.random() < 0.4:
+            sc["dropout"]["drawn_by"] = "code"  # the code draws its mask from dropout_seed and returns it
     if mode:
         sc["check"] = {"mode": mode}
     if rest == "tiled":

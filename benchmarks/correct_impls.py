@@ -244,19 +244,25 @@ class _NumpyVariants:
 
     def forward(self, q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
                 attn_bias=None, relative_attention_bias=None, sinks=None, return_lse=False, keep_mask=None,
-                dropout_p=None, **packed):
+                dropout_p=None, dropout_seed=None, **packed):
         p, _, lse = self._p(q, k[:, kv_map], visible, scale, softcap, alibi_slopes, alibi_form, attn_bias,
                             relative_attention_bias, sinks)
+        if dropout_seed is not None:  # dropout: {drawn_by: code}: the mask drawn here, returned last
+            keep_mask = np.random.default_rng(dropout_seed).random(p.shape) >= dropout_p
         w = 1.0 if keep_mask is None else (keep_mask / (1.0 - dropout_p)).astype(q.dtype)
         o = np.einsum("bhij,bhjd->bhid", p * w, v[:, kv_map])
-        return (o, lse) if return_lse else o
+        out = (o, lse) if return_lse else (o,)
+        out += (keep_mask,) if dropout_seed is not None else ()
+        return out if len(out) > 1 else o
 
     def backward(self, q, k, v, visible, scale, kv_map, grad_o, softcap=None, alibi_slopes=None,
                  alibi_form="distance", attn_bias=None, relative_attention_bias=None, sinks=None, grad_lse=None,
-                 keep_mask=None, dropout_p=None, **packed):
+                 keep_mask=None, dropout_p=None, dropout_seed=None, **packed):
         k_rep, v_rep = k[:, kv_map], v[:, kv_map]
         table = relative_attention_bias
         p, t, _ = self._p(q, k_rep, visible, scale, softcap, alibi_slopes, alibi_form, attn_bias, table, sinks)
+        if dropout_seed is not None:
+            keep_mask = np.random.default_rng(dropout_seed).random(p.shape) >= dropout_p
         w = 1.0 if keep_mask is None else (keep_mask / (1.0 - dropout_p)).astype(q.dtype)
         dp = np.einsum("bhid,bhjd->bhij", grad_o, v_rep) * w
         ds = p * (dp - (p * dp).sum(-1, keepdims=True))
@@ -307,7 +313,7 @@ numpy_variants_learned_slopes_sinks = _LearnedSlopesSinks()
 
 def torch_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
                    attn_bias=None, relative_attention_bias=None, sinks=None, return_lse=False, keep_mask=None,
-                   dropout_p=None, **packed):
+                   dropout_p=None, dropout_seed=None, **packed):
     import torch
     s = scale * (q @ k[:, kv_map].transpose(-1, -2))
     if softcap:
@@ -328,15 +334,19 @@ def torch_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=N
         p = torch.softmax(s, dim=-1)[..., :-1]
     else:
         p = torch.softmax(s, dim=-1)
+    if dropout_seed is not None:  # dropout: {drawn_by: code}: from torch's global generator (the tool seeds it)
+        keep_mask = torch.rand(p.shape, dtype=torch.float64, device=p.device) >= dropout_p
     if keep_mask is not None:
         p = p * keep_mask / (1.0 - dropout_p)
     o = p @ v[:, kv_map]
-    return (o, torch.logsumexp(s, dim=-1)) if return_lse else o
+    out = (o, torch.logsumexp(s, dim=-1)) if return_lse else (o,)
+    out += (keep_mask,) if dropout_seed is not None else ()
+    return out if len(out) > 1 else o
 
 
 def jax_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=None, alibi_form="distance",
                  attn_bias=None, relative_attention_bias=None, sinks=None, return_lse=False, keep_mask=None,
-                 dropout_p=None, **packed):
+                 dropout_p=None, dropout_seed=None, **packed):
     import jax
     import jax.numpy as jnp
     s = scale * (q @ jnp.swapaxes(k[:, kv_map], -1, -2))
@@ -357,10 +367,14 @@ def jax_variants(q, k, v, visible, scale, kv_map, softcap=None, alibi_slopes=Non
         p = jax.nn.softmax(s, axis=-1)[..., :-1]
     else:
         p = jax.nn.softmax(s, axis=-1)
+    if dropout_seed is not None:
+        keep_mask = jax.random.bernoulli(jax.random.key(dropout_seed), 1.0 - dropout_p, p.shape)
     if keep_mask is not None:
         p = p * keep_mask / (1.0 - dropout_p)
     o = p @ v[:, kv_map]
-    return (o, jax.nn.logsumexp(s, axis=-1)) if return_lse else o
+    out = (o, jax.nn.logsumexp(s, axis=-1)) if return_lse else (o,)
+    out += (keep_mask,) if dropout_seed is not None else ()
+    return out if len(out) > 1 else o
 
 
 # A packed batch (``varlen:``) written as FlashAttention's varlen users write it: a loop over the documents of

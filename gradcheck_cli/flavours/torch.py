@@ -8,6 +8,7 @@ change is seen there. Imported only when a scenario names a torch implementation
 the top)."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 from types import SimpleNamespace
 
@@ -232,6 +233,14 @@ def _unread(t: torch.Tensor) -> str | None:
     if t.numel() == 0:
         return f"empty, {list(t.shape)}"
     return None
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """torch's global generator (the CPU's) seeded with ``seed`` for the block, its state restored after."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def side_by_side(a, b):

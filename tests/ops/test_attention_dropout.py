@@ -123,3 +123,73 @@ def test_the_keep_mask_stays_boolean_on_stacked_copies(tmp_path):
                                                  "dropout": {"p": 0.3}}]}), base_dir=tmp_path)
     result = checker.run_scenario(sc)
     assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
+
+
+# --- a keep mask the code draws (dropout: {p, drawn_by: code}) ---
+
+_DRAWN = {"dropout": {"p": 0.25, "drawn_by": "code"}, "heads_q": 4, "heads_kv": 2, "n_q": 5, "n_k": 7, "d_head": 4,
+          "mask": {"causal": "lower-right"}}
+
+
+@pytest.mark.parametrize("name, backend, extra", [
+    ("torch_global", "torch", {}), ("torch_generator", "torch", {"batch": 3}),
+    ("numpy_drawn", "numpy", {"batch": 2}), ("jax_drawn", "jax", {"dtype": "float32"})])
+def test_code_that_draws_its_mask_from_dropout_seed_passes(name, backend, extra):
+    pytest.importorskip({"numpy": "numpy", "torch": "torch", "jax": "jax"}[backend])
+    sc = with_examples(implementation=f"dropout_drawn:{name}", backend=backend, **{**_DRAWN, **extra})
+    result = checker.run_scenario(sc)
+    assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
+    kept = next(c for c in result.checks if c.name == "keep mask keeps 1 - p of the weights")
+    assert "the same mask on all" in kept.detail
+
+
+@pytest.mark.parametrize("name, failed, hint", [
+    ("torch_unseeded", "keep mask the same on every call", "changes from call to call"),
+    ("torch_keeps_p", "keep mask keeps 1 - p of the weights", None),
+    ("torch_mask_flipped", "forward agrees with the reference", "keeps the entries keep_mask drops")])
+def test_a_mask_drawn_wrongly_fails_the_check_that_names_it(name, failed, hint):
+    pytest.importorskip("torch")
+    result = checker.run_scenario(with_examples(implementation=f"dropout_drawn:{name}", backend="torch", **_DRAWN))
+    assert failed in {c.name for c in result.checks if c.verdict == "fail"}
+    assert hint is None or any(hint in h for h in result.hints), result.hints
+
+
+def _drawn_code(tmp_path, body: str, **keys):
+    import yaml
+
+    from gradcheck_cli.scenario import loads
+    (tmp_path / "d.py").write_text(
+        "import torch\n"
+        "def f(q, k, v, visible, scale, kv_map, *, dropout_p, dropout_seed, return_lse=False):\n"
+        "    g = torch.Generator().manual_seed(dropout_seed)\n"
+        "    keep = torch.rand(q.shape[:-1] + (k.shape[-2],), generator=g, dtype=q.dtype) >= dropout_p\n"
+        "    s = (scale * (q @ k[:, kv_map].transpose(-1, -2))).masked_fill(~visible, float('-inf'))\n"
+        "    o = (torch.softmax(s, -1) * keep / (1 - dropout_p)) @ v[:, kv_map]\n"
+        "    lse = torch.logsumexp(s, -1)\n" + body)
+    (sc,) = loads(yaml.safe_dump({"scenarios": [{"name": "d", "backend": "torch", "implementation": "d:f",
+                                                 **_DRAWN, **keys}]}), base_dir=tmp_path)
+    return checker.run_scenario(sc)
+
+
+def test_a_drawn_mask_with_the_lse_output_and_as_float_zeros_and_ones_passes(tmp_path):
+    pytest.importorskip("torch")
+    result = _drawn_code(tmp_path, "    return o, lse, keep.to(q.dtype)\n", outputs=["o", "lse"])
+    assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
+
+
+@pytest.mark.parametrize("body, words", [
+    ("    return o\n", "returns (o, keep_mask)"),
+    ("    return o, keep / (1 - dropout_p)\n", "already scaled by 1 / (1 - p)"),
+    ("    return o, keep[0]\n", "keep_mask must be [B, Hq, n_q, n_k]")])
+def test_a_drawn_mask_returned_wrongly_is_a_failed_check_that_says_so(tmp_path, body, words):
+    pytest.importorskip("torch")
+    result = _drawn_code(tmp_path, body)
+    assert result.verdict == "fail"
+    assert any(words in c.detail for c in result.checks if c.verdict == "fail"), \
+        [(c.name, c.detail) for c in result.checks if c.verdict == "fail"]
+
+
+def test_drawn_by_code_without_code_is_refused_with_its_key():
+    with pytest.raises(ScenarioError) as err:
+        make(heads_q=2, n_q=3, d_head=2, dropout={"p": 0.1, "drawn_by": "code"})
+    assert err.value.key.endswith("dropout.drawn_by") and "no code of yours" in str(err.value), str(err.value)

@@ -65,6 +65,8 @@ def called_as(sc, call, inputs: dict):
                         "(keyword arguments): accept them (docs/variants.md), or remove the key to check it as plain "
                         "attention")
             raise
+        if any(getattr(st, "drawn", None) is not None for st in stages):
+            raise  # a keep mask the code draws: no reference without the code's mask
         x = {t: val.astype(np.float64) for t, val in inputs.items()}
         ref = forward(x["q"], x["k"], x["v"], **Args.of(sc, stages).kw)
         exc.hint = _convention(sc, call, ref)

@@ -18,6 +18,7 @@ from . import formulas, varlen
 from . import lse as lse_output
 from . import stages as score_stages
 from .args import Args
+from .drawn_mask import Drawn, own_mask
 from .inputs import seeded_inputs
 from .invariants import output_invariants
 from .reference import (
@@ -70,6 +71,11 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                             "kv_map, dq, dk, dv) -> do beside forward and backward (docs/jvp-and-hvp.md "
                             "\"JVP of your own code\")", file=sc.file, line=sc.implementation_line or sc.line,
                             key=f"scenarios[{sc.index}].implementation")
+    drop = score_stages.post(stages)
+    # dropout: {drawn_by: code}: the code's mask taken from each call
+    drawn = None if drop is None or drop.drawn is None else Drawn(drop.drawn)
+    if drawn is not None:
+        impl = own_mask(impl, sc.backend, drawn)
     lse_on = lse_output.wanted(sc)  # the log-sum-exp a second output: the code's (o, lse) joined as one
     if lse_on:
         if sc.convention.layout != "bhnd":
@@ -152,10 +158,12 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         copies to one fixed size (``stack``), so that one compiled program serves every small stack."""
         c = next(iter(moved.values())).shape[0]
         alone = [t for t in moved if t in extra and t not in carried]
-        if alone:  # a parameter without a batch axis (a relative-bias table): one call per copy
+        if alone or drawn is not None:  # a parameter without a batch axis (a relative-bias table), or a keep mask
+            # the code draws (for a stack it would draw one per copy): one call per copy
             kwarg = score_stages.param_kwargs(stages)
             try:
-                return np.stack([user_joined(q, k, v, interface.visible,
+                return np.stack([user_joined(*(moved[t][i] if t in moved else inputs[t] for t in "qkv"),
+                                              interface.visible,
                                               **{kwarg[t]: moved[t][i].astype(sc.dtype) for t in alone})
                                  for i in range(c)])
             except implementation.ImplementationFailure as exc:
@@ -212,6 +220,9 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             conv.names() + ("dq", "dk", "dv"))["o_dot"])
 
     y = called_as(sc, lambda conv: user_joined(q, k, v, interface.visible, conv), inputs)
+    if drawn is not None and (drawn.failure() or drawn.mask is None):
+        raise drawn.failure() or implementation.ImplementationFailure(
+            "the code's keep mask never reached the tool (dropout: {drawn_by: code})", "keep_mask")
     o = y if not lse_on else np.ascontiguousarray(y[..., :-1])
     dq, dk, dv, *dparams = user_backward(q, k, v, g, with_lse=True)
     names = ("q", "k", "v", *extra)
@@ -224,7 +235,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     if low:
         return _low(sc, impl, inputs, g, interface, results, deterministic, user_forward, user_backward)
     ref, terms, a64 = reference(inputs, g, args, grad_lse)
-    drop = score_stages.post(stages)  # dropout: O = (A * W) V, its terms A * W's
+    # dropout: O = (A * W) V, its terms A * W's
     dropout = None if drop is None else (drop.weights(), (a64 * drop.weights()).sum(axis=-1))
 
     def results_at(xs: dict) -> dict | None:
@@ -255,7 +266,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                 (g, dk, dv), sc.documents, _sink_weight(inputs, args), dropout)
         except implementation.ImplementationFailure as exc:
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
-        return out + flavours.compiled_rows(impl)
+        return out + ([] if drawn is None else drawn.checks(visible)) + flavours.compiled_rows(impl)
 
     copy_bytes = 3 * a64.size * dt.itemsize + o.size * dt.itemsize + (k.size + v.size + q.size) * dt.itemsize
     return Problem(

@@ -110,6 +110,12 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                        f"than that), so a {sc.dtype} scenario cannot check it to {sc.tolerance:g}; run it with "
                        f"dtype: {precision} to check it at that precision")
         nondeterministic = [c for c in checks if c.name == "deterministic" and c.verdict == "fail"]
+        if any(c.name == "keep mask the same on every call" and c.verdict == "fail" for c in checks):
+            out.append("the keep mask your code draws changes from call to call: draw it from dropout_seed= (a "
+                       "torch.Generator or np.random.default_rng seeded with it, jax.random.key(dropout_seed); "
+                       "torch's and NumPy's global generators are seeded with it for each call), the same for any "
+                       "batch size; every other failure may reflect only that")
+            return out
         if nondeterministic:  # every other test compares separate calls: their failures may be this alone
             differing = nondeterministic[0].facts.get("differing") or ()
             which = ", ".join("O" if t == "o" else "d" + t.upper() for t in differing) or "results"
