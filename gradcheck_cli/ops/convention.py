@@ -18,6 +18,8 @@ LAYOUTS = ("bhnd", "bnhd")
 MASKS = ("keep", "drop", "additive", "additive-min")
 MASK_HEADS = ("per-head", "shared")
 SCALES = ("passed", "omitted")
+#: How a log-sum-exp output is laid out (``outputs: [o, lse]``), whatever the layout of q, k, v and o.
+LSE_LAYOUTS = ("bhn", "bnh")
 #: The named values of ``kv_map`` (besides a list of KV head indices).
 KV_LAYOUTS = ("contiguous", "interleaved")
 
@@ -34,6 +36,10 @@ MEANING = {
     ("mask_heads", "shared"): "one mask for every head, [B, 1, n_q, n_k]",
     ("scale", "passed"): "the scale is passed after the mask",
     ("scale", "omitted"): "no scale argument: the implementation uses 1/sqrt(d_head) itself",
+    ("lse_layout", "bhn"): "with outputs: [o, lse], lse as [B, H, n_q] (FlashAttention's softmax_lse, xformers', "
+                           "torch's flash kernel's), in either layout",
+    ("lse_layout", "bnh"): "with outputs: [o, lse], lse as [B, n_q, H] (jax.nn.dot_product_attention's "
+                           "return_residual)",
 }
 
 
@@ -44,6 +50,11 @@ class Convention:
     mask: str = MASKS[0]
     mask_heads: str = MASK_HEADS[0]
     scale: str = SCALES[0]
+    lse_layout: str = LSE_LAYOUTS[0]
+
+    def lse_swapped(self) -> bool:
+        """Whether the code's LSE has its head and row axes the other way round from its O's (without d)."""
+        return self.layout[1:3] != self.lse_layout[1:3]
 
     def names(self) -> tuple[str, ...]:
         """The names of the forward's arguments, in order."""

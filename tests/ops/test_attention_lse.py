@@ -124,3 +124,39 @@ def test_where_the_lse_output_is_not_built_it_is_refused_with_the_key(extra, wor
     with pytest.raises(ScenarioError) as err:
         make(heads_q=2, n_q=3, d_head=2, **{"outputs": ["o", "lse"], **extra})
     assert "outputs" in str(err.value.key) and words in str(err.value), str(err.value)
+
+
+def _flash_style(tmp_path, lse_axes: str, **convention):
+    """Torch code in FlashAttention's layout (q, k, v, o [B, n, H, d]) returning its LSE as ``lse_axes``."""
+    import yaml
+
+    from gradcheck_cli.scenario import loads
+    (tmp_path / "fa.py").write_text(
+        "import torch\n"
+        "def f(q, k, v, visible, scale, kv_map, *, return_lse=False):\n"
+        "    q, k, v = (t.transpose(1, 2) for t in (q, k[:, :, kv_map], v[:, :, kv_map]))\n"
+        "    s = (scale * q @ k.transpose(-1, -2)).masked_fill(~visible, float('-inf'))\n"
+        "    o = (torch.softmax(s, -1) @ v).transpose(1, 2)\n"
+        "    lse = torch.logsumexp(s, -1)\n"
+        f"    return (o, lse if {lse_axes!r} == 'bhn' else lse.transpose(1, 2)) if return_lse else o\n")
+    (sc,) = loads(yaml.safe_dump({"scenarios": [{
+        "name": "fa", "backend": "torch", "implementation": "fa:f", "outputs": ["o", "lse"], "heads_q": 4,
+        "heads_kv": 2, "n_q": 5, "n_k": 7, "d_head": 4, "mask": {"causal": "lower-right"},
+        "convention": {"layout": "bnhd", **convention}}]}), base_dir=tmp_path)
+    return checker.run_scenario(sc)
+
+
+@pytest.mark.parametrize("lse_axes, convention", [("bhn", {}), ("bnh", {"lse_layout": "bnh"})])
+def test_the_lse_in_either_order_beside_o_in_flash_attention_layout_passes(tmp_path, lse_axes, convention):
+    """q, k, v, o as [B, n, H, d] with softmax_lse [B, H, n] (FlashAttention's, the default lse_layout) or
+    [B, n, H] (jax.nn.dot_product_attention's residual: lse_layout bnh)."""
+    pytest.importorskip("torch")
+    result = _flash_style(tmp_path, lse_axes, **convention)
+    assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
+
+
+def test_an_lse_in_the_other_order_is_told_which_lse_layout_to_set(tmp_path):
+    pytest.importorskip("torch")
+    result = _flash_style(tmp_path, "bnh")
+    detail = " ".join(c.detail for c in result.checks if c.verdict == "fail")
+    assert "lse must be [B, Hq, n_q] = [1, 4, 5]" in detail and "lse_layout: bnh" in detail, detail

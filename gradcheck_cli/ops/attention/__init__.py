@@ -100,7 +100,7 @@ INTERFACE = Interface(
               "dv) -> do); torch: a callable (q, k, v, visible, scale, kv_map) -> o, "
               "differentiated by autograd; jax: the same function on JAX arrays, differentiated by jax.vjp",
     args=("visible", "scale", "kv_map"), modules=False,
-    conventions=("layout", "mask", "mask_heads", "scale"))
+    conventions=("layout", "mask", "mask_heads", "scale", "lse_layout"))
 
 #: A small scenario on which every fault of the built-in engines applies (the fault contract's).
 EXAMPLE = {"batch": 2, "heads_q": 4, "heads_kv": 2, "n_q": 3, "n_k": 10, "d_head": 8,

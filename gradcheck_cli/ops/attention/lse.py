@@ -25,8 +25,8 @@ CHECK = "lse agrees with the reference"
 LN2 = math.log(2.0)
 #: What the LSE output does not cover yet (``attn-gradcheck ops``; ``validate`` refuses it with the key).
 LIMIT = ("outputs: [o, lse] is checked in float64 and float32 along the VJP on the NumPy engines and your NumPy, "
-         "torch and JAX code in the default layout: not yet in half precision, on the torch closed forms, along "
-         "check.mode jvp / hvp, or with convention: {layout: bnhd}")
+         "torch and JAX code (either layout; convention.lse_layout bhn or bnh): not yet in half precision, on the "
+         "torch closed forms, or along check.mode jvp / hvp")
 
 PARAM = Param("choice-list", None, "the outputs of attention: [o] (the default) or [o, lse], the log-sum-exp of "
                                    "each row's scores (natural log, [B, Hq, n_q]) as a second output: its upstream "
@@ -103,38 +103,48 @@ def why_not(sc, fault: str) -> str | None:
 _JOINED: dict[tuple, tuple] = {}
 
 
-def joined(impl, backend: str):
-    key = (id(impl), backend)
+def joined(impl, backend: str, convention=None):
+    """(see :func:`_joined`; ``convention``: the code's, its ``lse_layout``)."""
+    lse_layout = "bhn" if convention is None else convention.lse_layout
+    swapped = convention is not None and convention.lse_swapped()
+    key = (id(impl), backend, lse_layout, swapped)
     if key not in _JOINED:
-        _JOINED[key] = (impl, _joined(impl, backend))  # the implementation kept: its id stays its own
+        _JOINED[key] = (impl, _joined(impl, backend, swapped, lse_layout))  # the implementation kept: its id too
     return _JOINED[key][1]
 
 
-def _joined(impl, backend: str):
+def _joined(impl, backend: str, swapped: bool, lse_layout: str):
     """The user's implementation as one with a single output, O and the LSE side by side: [B, Hq, n_q, d_value + 1]
-    (the LSE the last column), so that every path of the engine (the flavours' autograd and jax.vjp, stacked copies,
-    finite differences) carries both; its upstream gradient is [G, G_L] likewise. A NumPy object's backward is passed
-    ``grad_lse=`` (the last column of the joined gradient)."""
+    in the code's layout (the LSE the last column), so that every path of the engine (the flavours' autograd and
+    jax.vjp, stacked copies, finite differences) carries both; its upstream gradient is [G, G_L] likewise. A NumPy
+    object's backward is passed ``grad_lse=`` (the last column of the joined gradient). ``swapped``: the code's LSE
+    has its head and row axes the other way round from its O's (``convention.lse_layout``: FlashAttention's
+    [B, H, n_q] beside an O of [B, n_q, H, d]); it is swapped to O's order before joining, its gradient back."""
+    def turned(x):
+        return x.swapaxes(1, 2) if swapped else x
+
     if backend in ("torch", "jax"):
         def both(*args, **kw):
             out = impl(*args, return_lse=True, **kw)
-            o, values = _pair(out)
+            o, values = _pair(out, swapped, lse_layout)
             from ... import flavours
+            if swapped:
+                values = values.swapaxes(1, 2) if backend == "torch" else _jax_swap(values)
             return flavours.side_by_side(backend, o, values)
         return both
 
     class Joined:
         def forward(self, *args, **kw):
-            o, values = _pair(impl.forward(*args, return_lse=True, **kw))
+            o, values = _pair(impl.forward(*args, return_lse=True, **kw), swapped, lse_layout)
             o = np.asarray(o)
-            return np.concatenate([o, np.asarray(values, dtype=o.dtype)[..., None]], axis=-1)
+            return np.concatenate([o, turned(np.asarray(values, dtype=o.dtype))[..., None]], axis=-1)
 
         def backward(self, *args, **kw):
             *given, grad = args
             grad = np.asarray(grad)
             try:
                 return impl.backward(*given, np.ascontiguousarray(grad[..., :-1]),
-                                     grad_lse=np.ascontiguousarray(grad[..., -1]), **kw)
+                                     grad_lse=np.ascontiguousarray(turned(grad[..., -1])), **kw)
             except TypeError as exc:
                 if "grad_lse" not in str(exc):
                     raise
@@ -143,9 +153,18 @@ def _joined(impl, backend: str):
     return Joined()
 
 
-def _pair(out):
+def _jax_swap(x):
+    import jax.numpy as jnp
+    return jnp.swapaxes(x, 1, 2)
+
+
+_AXES = {"bhn": "[B, Hq, n_q]", "bnh": "[B, n_q, Hq]"}
+
+
+def _pair(out, swapped: bool = False, lse_layout: str = "bhn"):
     """(o, lse) of what the code returned with return_lse=True, or a failure saying what it returned instead (the
-    implementation's, not an exception of the tool's own: no location in the tool)."""
+    implementation's, not an exception of the tool's own: no location in the tool). ``swapped``: lse's head and row
+    axes the other way round from o's."""
     from ...implementation import ImplementationFailure as Failure
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise Failure("with outputs: [o, lse] the code is called with return_lse=True and must return (o, lse), "
@@ -154,9 +173,17 @@ def _pair(out):
     if len(values.shape) == len(o.shape) + 1 and tuple(o.shape) == tuple(values.shape[:-1]):
         raise Failure(f"returned (lse, o)? the first is {list(o.shape)} and the second {list(values.shape)}: return "
                       "(o, lse), lse [B, Hq, n_q]")
-    if tuple(values.shape) != tuple(o.shape[:-1]):
-        raise Failure(f"with return_lse=True, lse must be [B, Hq, n_q] = {list(o.shape[:-1])} beside o "
-                      f"{list(o.shape)}, got {list(values.shape)}")
+    want = tuple(o.shape[:-1])
+    if swapped:
+        want = (want[0], want[2], want[1]) + want[3:]
+    if tuple(values.shape) != want:
+        other = (want[0], want[2], want[1]) + want[3:]
+        hint = ""
+        if tuple(values.shape) == other and want != other:
+            hint = ("; the other order: set convention: {lse_layout: " + ("bhn" if lse_layout == "bnh" else "bnh")
+                    + "} if your code returns it so")
+        raise Failure(f"with return_lse=True, lse must be {_AXES[lse_layout]} = {list(want)} beside o "
+                      f"{list(o.shape)}, got {list(values.shape)}{hint}")
     if str(values.dtype) != str(o.dtype):  # a rounded LSE makes its finite differences blind to its gradient
         raise Failure(f"with return_lse=True, lse must be in o's dtype ({o.dtype}), got {values.dtype}: return it "
                       "in the inputs' dtype (a kernel that keeps it in float32 is checked with dtype: float32)")

@@ -11,6 +11,7 @@ from ...keys import Fields, show
 from ..convention import (
     KV_LAYOUTS,
     LAYOUTS,
+    LSE_LAYOUTS,
     MASK_HEADS,
     MASKS,
     MEANING,
@@ -27,7 +28,7 @@ from . import mask_keys, varlen
 KEYS = ("heads_q", "heads_kv", "kv_map", "n_q", "n_k", "d_head", "d_value", "scale", "mask", "loss_rows", "varlen")
 MASK_KEYS = mask_keys.MASK_KEYS
 #: The calling convention of an attention implementation (``ops.convention``), with an implementation only.
-CONVENTION_KEYS = ("layout", "mask", "mask_heads", "scale")
+CONVENTION_KEYS = ("layout", "mask", "mask_heads", "scale", "lse_layout")
 NESTED = {"mask": MASK_KEYS, "convention": CONVENTION_KEYS, "varlen": varlen.NESTED}
 #: The keys only op attention takes (a packed batch's documents: its user interface passes cu_seqlens).
 ATTENTION_ONLY = ("varlen",)
@@ -146,7 +147,7 @@ def _convention(f: Fields, visible, scale: float, d_head: int, op_spec) -> Conve
                 raise f.error(key, "applies to a scenario with an implementation: it says how your code takes its "
                               "arguments", hint="remove it, or add 'implementation: module:attribute'")
         return Convention()
-    values = {"layout": LAYOUTS, "mask": MASKS, "mask_heads": MASK_HEADS, "scale": SCALES}
+    values = {"layout": LAYOUTS, "mask": MASKS, "mask_heads": MASK_HEADS, "scale": SCALES, "lse_layout": LSE_LAYOUTS}
     convention = Convention(**{key: f.choice(f"convention.{key}", choices, choices[0])
                                for key, choices in values.items()})
     if convention.mask_heads == "shared":
@@ -183,7 +184,8 @@ def schema() -> dict:
                   "description": "how your attention implementation takes its arguments (with implementation)",
                   "properties": {"layout": described("layout", LAYOUTS), "mask": described("mask", MASKS),
                                  "mask_heads": described("mask_heads", MASK_HEADS),
-                                 "scale": described("scale", SCALES)}}
+                                 "scale": described("scale", SCALES),
+                                 "lse_layout": described("lse_layout", LSE_LAYOUTS)}}
     kv_map = {"oneOf": [ints, {"enum": list(KV_LAYOUTS)}],
               "description": "KV head of each query head, or contiguous (r // (heads_q / heads_kv), the default) "
                              "or interleaved (r % heads_kv)"}

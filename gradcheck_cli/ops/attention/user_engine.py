@@ -78,12 +78,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         impl = own_mask(impl, sc.backend, drawn)
     lse_on = lse_output.wanted(sc)  # the log-sum-exp a second output: the code's (o, lse) joined as one
     if lse_on:
-        if sc.convention.layout != "bhnd":
-            raise ScenarioError(f"outputs: [o, lse] is checked in the default layout (bhnd) for now, not layout "
-                                f"{sc.convention.layout}", file=sc.file, line=sc.line,
-                                key=f"scenarios[{sc.index}].outputs",
-                                hint="remove convention.layout, or set outputs: [o]")
-        impl = lse_output.joined(impl, sc.backend)
+        impl = lse_output.joined(impl, sc.backend, sc.convention)
     if sc.backend in ("torch", "jax"):  # one function, differentiated by autograd or jax.vjp (and along a bias)
         kwarg = score_stages.param_kwargs(stages)
         impl = flavours.wrap(impl, 3, sc.backend, sc.dtype, sc.device, output="o",

@@ -354,7 +354,10 @@ def _lse_hints(sc, context: Context, kv_map, failed, broken) -> list[str]:
         if all(_matches(context.gradients[t], getattr(without, t), context.reference_gradients[t]) for t in qkv):
             out.append("the backward ignores the log-sum-exp's upstream gradient (its dQ, dK are those of the loss on "
                        "O alone, as FlashAttention 2/3's Python interface computes them): dS = P (dP - D + G_L), "
-                       "G_L the gradient of the returned LSE")
+                       "G_L the gradient of the returned LSE"
+                       + ("; with code differentiated by autograd: the LSE is returned detached (lax.stop_gradient, as "
+                          "jax.nn.dot_product_attention's return_residual does, or .detach())"
+                          if sc.implementation and sc.backend in ("torch", "jax") else ""))
         elif g_l is not None:
             flipped = backward(x["q"], x["k"], x["v"], sc.visible, sc.scale, kv_map, context.g, stages=context.stages,
                                grad_lse=-g_l)
