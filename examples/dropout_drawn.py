@@ -72,13 +72,13 @@ class NumpyDrawn:
 
     def forward(self, q, k, v, visible, scale, kv_map, *, dropout_p, dropout_seed):
         keep = self._keep(q, k, dropout_p, dropout_seed)
-        w = keep / (1.0 - dropout_p)
+        w = (keep / (1.0 - dropout_p)).astype(q.dtype)
         return np.einsum("bhij,bhjd->bhid", self._p(q, k, visible, scale, kv_map) * w, v[:, kv_map]), keep
 
     def backward(self, q, k, v, visible, scale, kv_map, grad_o, *, dropout_p, dropout_seed):
         k_rep, v_rep = k[:, kv_map], v[:, kv_map]
         p = self._p(q, k, visible, scale, kv_map)
-        w = self._keep(q, k, dropout_p, dropout_seed) / (1.0 - dropout_p)
+        w = (self._keep(q, k, dropout_p, dropout_seed) / (1.0 - dropout_p)).astype(q.dtype)
         dp = np.einsum("bhid,bhjd->bhij", grad_o, v_rep) * w
         ds = p * (dp - (p * dp).sum(-1, keepdims=True))
         dk, dv = np.zeros_like(k), np.zeros_like(v)

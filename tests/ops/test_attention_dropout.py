@@ -146,7 +146,7 @@ def test_code_that_draws_its_mask_from_dropout_seed_passes(name, backend, extra)
 @pytest.mark.parametrize("name, failed, hint", [
     ("torch_unseeded", "keep mask the same on every call", "changes from call to call"),
     ("torch_keeps_p", "keep mask keeps 1 - p of the weights", None),
-    ("torch_mask_flipped", "forward agrees with the reference", "keeps the entries keep_mask drops")])
+    ("torch_mask_flipped", "forward agrees with the reference", "keeps the entries the keep_mask it returns drops")])
 def test_a_mask_drawn_wrongly_fails_the_check_that_names_it(name, failed, hint):
     pytest.importorskip("torch")
     result = checker.run_scenario(with_examples(implementation=f"dropout_drawn:{name}", backend="torch", **_DRAWN))

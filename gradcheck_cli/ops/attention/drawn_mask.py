@@ -46,7 +46,7 @@ class Drawn:
         if m.dtype != bool:
             if not np.isin(m, (0, 1)).all():
                 odd = float(m[~np.isin(m, (0, 1))].ravel()[0])
-                self.problem = self.problem or (f"keep_mask must be boolean (or 0 / 1), got a value {odd:g}"
+                self.problem = self.problem or (f"keep_mask must be boolean (or exactly 0 / 1), got a value {odd!r}"
                                                 + (" (the mask already scaled by 1 / (1 - p)?)"
                                                    if abs(odd * (1 - self.p) - 1) < 1e-3 else ""))
                 return

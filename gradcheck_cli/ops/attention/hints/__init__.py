@@ -182,6 +182,13 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                        "by (1 - p_i) c" + ("; O rows in the range of visible V rows" if outside else "") + "): the "
                        "sinks' share of the rows is wrong (a sink applied to some rows or heads only, read for the "
                        "wrong head, or rounded to another precision), or the softmax's normalisation is")
+        elif quiet and shifted and sc.p("dropout") is not None:  # the weights sum to sum_j A_ij W_ij
+            out.append("the dropped weights of a row do not sum to what the keep mask gives (shifting every V row "
+                       "shifts O by sum_j A_ij W_ij c" + ("; O rows in the range of visible V rows" if outside else "")
+                       + "): the forward applies another mask than " + ("the one it returns" if
+                                                                        dict(sc.p("dropout")).get("drawn_by") == "code"
+                                                                        else "keep_mask")
+                       + ", applies it before the softmax, or rescales the kept weights otherwise than by 1 / (1 - p)")
         elif quiet and shifted:
             out.append("the attention weights of a row do not sum to 1 (shifting every V row shifts O by as much"
                        + ("; O rows in the range of visible V rows" if outside else "") + "): the softmax's "

@@ -411,8 +411,11 @@ def _dropout_alternative(sc, context: Context, ref) -> str | None:
                                              f"1 - p = {1 - p:g}"),
         (dropout_stage.Dropout(drop.keep, 0.0), "the forward applies the keep mask without the 1 / (1 - p) rescale "
                                                 "of the kept weights (inverted dropout)"),
-        (dropout_stage.Dropout(~drop.keep, p), "the forward keeps the entries keep_mask drops (True = kept)"),
-        (None, "the forward ignores keep_mask: no dropout at all (a module left in eval mode?)"))
+        (dropout_stage.Dropout(~drop.keep, p), "the forward keeps the entries " + ("the keep_mask it returns drops"
+                                                                                 if drop.drawn else "keep_mask drops")
+         + " (True = kept)"),
+        (None, "the forward applies no dropout at all" + (" (though it returns a keep mask)" if drop.drawn else
+                                                          ": it ignores keep_mask") + " (a module left in eval mode?)"))
     for stage, says in candidates:
         if _matches(context.output, reference_with(stage), ref):
             return says
