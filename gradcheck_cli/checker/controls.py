@@ -56,7 +56,15 @@ def fault_effect(sc: Scenario, fault: str, sizes: dict[str, float] | None = None
     sizes = {fault: sizes[fault]} if sizes and fault in sizes else None
     if sizes and not np.isfinite(sizes[fault]):
         return 0.0
-    clean, broken = build(sc, (), None), build(sc, (fault,), sizes)
+    from ..implementation import ImplementationFailure
+    try:
+        clean = build(sc, (), None)
+    except ImplementationFailure:  # the clean run fails: no fault can be told apart from that
+        return 0.0
+    try:
+        broken = build(sc, (fault,), sizes)
+    except ImplementationFailure:  # the fault makes the code fail: it changes everything
+        return float("inf")
     largest = max([float(np.abs(g).max(initial=0.0)) for g in clean.gradients.values()] + [0.0])
     least = largest * max(float(np.sqrt(machine_epsilon(sc.dtype))), sc.tolerance)
     effects = [relative_error(clean.output, broken.output)[1]] if clean.output is not None else []

@@ -70,8 +70,8 @@ def _parse_scenario(doc: _Doc, f: _Fields, base_dir: Path, memory_limit: int) ->
                         hint=f"reduce {reduce}" + (f" (or {', '.join(sizes)})" if sizes else ""))
     spec, spec_line, module = _implementation(doc, f, base_dir)
     built = group.build(f, shape, batch, base_dir, op_spec)  # the KV map, the visible set, the convention
-    context = {**shape, "batch": batch, "mode": mode, "backend": backend, "dtype": dtype,
-               "implementation": spec is not None, "base_dir": Path(base_dir)}
+    context = {**shape, "batch": batch, "mode": mode, "backend": backend, "dtype": dtype, "device": device,
+               "implementation": spec is not None, "base_dir": Path(base_dir), "built": built}
     for key, message, hint in (op_spec.validate(params, context) if op_spec.validate else []):
         raise f.error(key, message, hint=hint)
     sc = Scenario(name=name, op=op, batch=batch, **built, mode=mode, samples=samples, directions=directions,

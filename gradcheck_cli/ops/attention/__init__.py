@@ -10,13 +10,16 @@ package but the shared machinery below ``ops``):
   reference  seeded inputs, the float64 reference, the faults' interface variants
   invariants semantic checks of attention       hints  likely causes of a failure
   copies     the fast forward of the finite differences
-  user_engine  a user's implementation (NumPy, torch or JAX, through ``flavours``), above the engines
+  distributed  context-parallel code on real ranks (``distributed:``): keys, ranks, sharding, the built-in ring
+  user_engine  a user's implementation (NumPy, torch or JAX, through ``flavours``, or per-rank code through
+             ``distributed.proxy``), above the engines
   naive, tiled_engine (over tiled), torch_engine   the built-in engines, resolved by name from ``OP.engines``
 """
 from __future__ import annotations
 
 from ..registry import Engine, Interface, Op
 from . import lse, scenario_keys, varlen
+from .distributed import keys as distributed
 from . import stages as score_stages
 from .directional import hvp, jvp
 from .formulas import (
@@ -54,6 +57,12 @@ def why_not(sc, fault: str) -> str | None:
         return varlen.why_not(sc, fault)
     if fault in lse.FAULTS:
         return lse.why_not(sc, fault)
+    why = distributed.why_not(sc, fault)
+    if why:
+        return why
+    if (distributed.settings(sc) is not None and sc.implementation is None and OP.faults[fault].user is None
+            and fault not in distributed.FAULTS):
+        return "the built-in ring hosts the context-parallel faults and the interface faults, not this engine's"
     if fault == "swap-dk-dv" and sc.d_head != sc.d_value:
         return f"dK and dV differ in shape (d_head {sc.d_head}, d_value {sc.d_value}): they cannot be swapped"
     if fault in ("mask", "mask-backward", "leak-hidden-key") and sc.visible.all():
@@ -85,8 +94,8 @@ ENGINES = {e.name: e for e in (
 
 def engine_for(sc) -> str:
     """The engine that checks scenario ``sc``."""
-    if sc.implementation is not None:
-        return "implementation"
+    if sc.implementation is not None or distributed.settings(sc) is not None:
+        return "implementation"  # per-rank code, or the built-in ring, on its ranks
     if sc.backend == "torch":
         return "torch"
     return sc.engine
@@ -108,8 +117,8 @@ EXAMPLE = {"batch": 2, "heads_q": 4, "heads_kv": 2, "n_q": 3, "n_k": 10, "d_head
 
 OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradients of q, k, v",
         tensors=("q", "k", "v"),
-        faults={**FAULTS, **score_stages.FAULTS, **varlen.FAULTS, **lse.FAULTS},
-        keys={**score_stages.KEYS, lse.KEY: lse.PARAM},
+        faults={**FAULTS, **score_stages.FAULTS, **varlen.FAULTS, **lse.FAULTS, **distributed.FAULTS},
+        keys={**score_stages.KEYS, lse.KEY: lse.PARAM, distributed.KEY: distributed.PARAM},
         engines=ENGINES,
         engine_for=engine_for, shared_keys=scenario_keys.KEY_GROUP,
         shapes=shapes, why_not=why_not, non_finite=non_finite, memory=memory_need,
@@ -122,8 +131,10 @@ OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradient
                         f"{varlen.PASSES})"),
            (lse.KEY, "[o, lse]: the log-sum-exp of each row a second output with a seeded upstream gradient (your "
                      "code is passed return_lse=True and returns (o, lse); a NumPy backward gets grad_lse=)")),
-        validate=lambda params, attention: score_stages.validate(params, attention) + lse.validate(params, attention),
-        limits=score_stages.LIMITS + (lse.LIMIT, score_stages.dropout.LIMIT),
+        validate=lambda params, attention: (score_stages.validate(params, attention) + lse.validate(params, attention)
+                                            + distributed.validate(params, attention)),
+        limits=score_stages.LIMITS + (lse.LIMIT, score_stages.dropout.LIMIT, distributed.LIMIT),
         variant_labels=lambda sc: score_stages.labels(score_stages.from_scenario(sc))
-        + ((sc.documents.label,) if sc.documents is not None else ()) + (("lse output",) if lse.wanted(sc) else ()),
+        + ((sc.documents.label,) if sc.documents is not None else ()) + (("lse output",) if lse.wanted(sc) else ())
+        + ((distributed.label(sc),) if distributed.settings(sc) is not None else ()),
         sets=lambda sc, key: key != varlen.KEY or sc.documents is not None)

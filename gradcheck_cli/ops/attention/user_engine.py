@@ -18,6 +18,7 @@ from . import formulas, varlen
 from . import lse as lse_output
 from . import stages as score_stages
 from .args import Args
+from .distributed import keys as distributed_keys
 from .drawn_mask import Drawn, own_mask
 from .inputs import seeded_inputs
 from .invariants import output_invariants
@@ -48,7 +49,10 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     In float16/bfloat16 (torch and JAX: the loader refuses a NumPy implementation there) that agreement
     replaces the finite differences (``_low``)."""
     stages = score_stages.from_scenario(sc)
-    if sc.backend == "jax":  # JAX imported first: its ml_dtypes gives NumPy a bfloat16
+    # per-rank code (or the built-in ring) on its ranks: presented as a NumPy implementation on the global arrays
+    ranks = distributed_keys.settings(sc) is not None
+    backend = "numpy" if ranks else sc.backend  # the flavour the engine calls it through
+    if backend == "jax":  # JAX imported first: its ml_dtypes gives NumPy a bfloat16
         from ...flavours import jax as _  # noqa: F401
     elif sc.dtype == "bfloat16":
         _bfloat16(sc)
@@ -59,14 +63,20 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     convert = lambda a, same: a if a.dtype == bool else a.astype(sc.dtype if same else given)  # noqa: E731
     # a packed batch's cu_seqlens_q=, cu_seqlens_k= (int32), max_seqlen_q=, max_seqlen_k= (ints)
     documents = {} if sc.documents is None else sc.documents.kwargs()
-    if sc.backend == "torch":
+    if backend == "torch":
         from ...flavours import torch as torch_flavour
         convert = lambda a, same: torch_flavour.tensor(a if a.dtype == bool else a.astype(sc.dtype if same else given),  # noqa: E731
                                                        sc.device)
         documents = {kw: torch_flavour.tensor(a, sc.device) for kw, a in documents.items()}
-    impl = score_stages.bind(sc.implementation_object, score_stages.shown(stages, sc.visible, faults), convert,
-                             f"{sc.backend}/{sc.device}/{np.dtype(given)}/{sc.dtype}", documents)
-    if sc.mode == "jvp" and sc.backend == "numpy" and not callable(getattr(impl, "jvp", None)):
+    code = sc.implementation_object
+    if ranks:
+        from .distributed.proxy import Proxy
+        kwarg = score_stages.param_kwargs(stages)
+        code = Proxy(sc, tuple(kwarg[t] for t in score_stages.params(stages)),
+                     tuple(f for f in faults if f in distributed_keys.FAULTS))
+    impl = score_stages.bind(code, score_stages.shown(stages, sc.visible, faults), convert,
+                             f"{backend}/{sc.device}/{np.dtype(given)}/{sc.dtype}", documents)
+    if sc.mode == "jvp" and backend == "numpy" and not callable(getattr(impl, "jvp", None)):
         raise ScenarioError(f"{sc.implementation} has no callable jvp: mode jvp needs jvp(q, k, v, visible, scale, "
                             "kv_map, dq, dk, dv) -> do beside forward and backward (docs/jvp-and-hvp.md "
                             "\"JVP of your own code\")", file=sc.file, line=sc.implementation_line or sc.line,
@@ -75,11 +85,11 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
     # dropout: {drawn_by: code}: the code's mask taken from each call
     drawn = None if drop is None or drop.drawn is None else Drawn(drop.drawn)
     if drawn is not None:
-        impl = own_mask(impl, sc.backend, drawn)
+        impl = own_mask(impl, backend, drawn)
     lse_on = lse_output.wanted(sc)  # the log-sum-exp a second output: the code's (o, lse) joined as one
     if lse_on:
-        impl = lse_output.joined(impl, sc.backend, sc.convention)
-    if sc.backend in ("torch", "jax"):  # one function, differentiated by autograd or jax.vjp (and along a bias)
+        impl = lse_output.joined(impl, backend, sc.convention)
+    if backend in ("torch", "jax"):  # one function, differentiated by autograd or jax.vjp (and along a bias)
         kwarg = score_stages.param_kwargs(stages)
         impl = flavours.wrap(impl, 3, sc.backend, sc.dtype, sc.device, output="o",
                              grad_kw={kwarg[t]: x.astype(sc.dtype) for t, x in score_stages.params(stages).items()})
@@ -145,7 +155,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                                    *(out[f"d{t}"] for t in extra), grad_lse=grad_lse if with_lse else None)
 
     stacked_bytes = sum(x.nbytes for x in inputs.values()) + visible.size + g_out.nbytes  # a copy's arguments, O
-    stack = impl.stack if sc.backend == "jax" else None  # the flavour's own object; a NumPy one is the user's
+    stack = impl.stack if backend == "jax" else None  # the flavour's own object; a NumPy one is the user's
 
     def moved_forward(**moved) -> np.ndarray:
         """O of C copies of the inputs, the ``moved`` ones replaced ([C, B, ...] each), stacked along the batch

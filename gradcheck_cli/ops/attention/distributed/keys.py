@@ -1,0 +1,171 @@
+"""The ``distributed:`` scenario key (attention): ``{world_size, sharding, backend}``, what it may be combined with
+(:func:`validate`, each refusal naming its key), and the mask as FlashAttention's arguments (:func:`band`)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ...registry import Fault, Param
+from .sharding import SHARDINGS
+
+KEY = "distributed"
+BACKENDS = ("gloo", "nccl")
+
+PARAM = Param("mapping", None, "context-parallel attention on real ranks: your per-rank function runs on world_size "
+                               "processes joined by torch.distributed, each holding its shard of the sequence "
+                               "(docs/distributed.md)",
+              fields=(("world_size", Param("int", 2, "the number of ranks (processes)")),
+                      ("sharding", Param("choice", "contiguous", "how the sequence is split: contiguous, zigzag "
+                                                                "(rank r holds chunks r and 2 ws - 1 - r) or ulysses "
+                                                                "(contiguous; heads divisible by world_size)",
+                                         choices=SHARDINGS)),
+                      ("backend", Param("choice", "gloo", "gloo (CPU) or nccl (device: cuda)", choices=BACKENDS))))
+
+#: What distributed checks do not cover yet (``attn-gradcheck ops``; ``validate`` refuses it with the key).
+LIMIT = ("distributed: torch per-rank code (or the built-in ring) in float64 and float32 along the VJP, self-attention "
+         "(n_q = n_k) with a causal mask and/or a window: not yet JAX shard_map code, half precision, JVP/HVP, "
+         "padding (key_lengths), packed batches, a bias, T5's bias or dropout")
+
+
+def settings(sc_or_params) -> dict | None:
+    """The scenario's distributed settings with their defaults, or None."""
+    params = dict(sc_or_params.params) if hasattr(sc_or_params, "params") else sc_or_params
+    given = params.get(KEY)
+    if given is None:
+        return None
+    given = dict(given)
+    return {"world_size": int(given.get("world_size", 2)), "sharding": given.get("sharding", "contiguous"),
+            "backend": given.get("backend", "gloo")}
+
+
+def label(sc) -> str:
+    """How reports name the scenario's distribution: ``ring x4 zigzag``."""
+    given = settings(sc)
+    algorithm = "ulysses" if given["sharding"] == "ulysses" else "ring" if sc.implementation is None else "ranks"
+    return f"{algorithm} x{given['world_size']}" + (f" {given['sharding']}" if given["sharding"] != "ulysses" else "")
+
+
+def band(visible: np.ndarray) -> tuple[int, int] | None:
+    """FlashAttention's ``window_size`` (left, right) of the visible set: query i sees key j exactly when
+    -left <= j - i <= right (-1: unbounded; right 0 is causal), the same for every batch element and head; None
+    when the visible set is not such a band."""
+    n = visible.shape[-1]
+    if visible.shape[-2] != n or not (visible == visible[:1, :1]).all():
+        return None
+    offsets = np.arange(n)[None, :] - np.arange(n)[:, None]  # j - i
+    seen = offsets[visible[0, 0]]
+    if seen.size == 0:
+        return None
+    lo, hi = int(seen.min()), int(seen.max())
+    if not np.array_equal(visible[0, 0], (offsets >= lo) & (offsets <= hi)):
+        return None
+    left = -1 if lo <= -(n - 1) else -lo
+    right = -1 if hi >= n - 1 else hi
+    return left, right
+
+
+def validate(params: dict, attention: dict) -> list:
+    """(key, message, hint) for settings out of range and what distributed checks do not cover yet."""
+    given = settings(params)
+    if given is None:
+        return []
+    ws, sharding = given["world_size"], given["sharding"]
+    fix = "remove distributed for this scenario"
+    if ws < 1 or ws > 16:
+        return [(f"{KEY}.world_size", f"is {ws}; between 1 and 16 ranks", "e.g. world_size: 2")]
+    if attention.get("implementation") and attention["backend"] != "torch":
+        return [(KEY, f"checks torch per-rank code (backend: torch), not backend {attention['backend']} yet",
+                 "backend: torch, or remove implementation to check the built-in ring")]
+    if attention["mode"] in ("jvp", "hvp"):
+        return [(KEY, f"distributed attention is checked along the VJP, not check.mode {attention['mode']} yet", fix)]
+    if attention["dtype"] in ("float16", "bfloat16"):
+        return [(KEY, f"distributed attention is checked in float64 and float32, not {attention['dtype']} yet",
+                 f"{fix}, or dtype: float32")]
+    if given["backend"] == "nccl" and attention.get("device", "cpu") != "cuda":
+        return [(f"{KEY}.backend", "is nccl, which needs device: cuda", "backend: gloo on the CPU")]
+    n_q, n_k = attention.get("n_q"), attention.get("n_k")
+    if n_q != n_k:
+        return [(KEY, f"context parallelism splits one sequence: n_q must equal n_k (here {n_q} and {n_k})",
+                 "set n_k equal to n_q")]
+    least = 2 * ws if sharding == "zigzag" else ws
+    if n_q is not None and n_q < least:
+        return [(KEY, f"n_q = {n_q} leaves a rank without rows: {sharding} sharding over {ws} ranks needs at least "
+                      f"{least}", f"n_q >= {least}")]
+    if sharding == "ulysses":
+        for key in ("heads_q", "heads_kv"):
+            if attention.get(key) is not None and attention[key] % ws:
+                return [(f"{KEY}.sharding", f"is ulysses, which splits the heads over the ranks: {key} = "
+                                            f"{attention[key]} is not divisible by world_size {ws}",
+                         f"a {key} divisible by {ws}")]
+    for key in ("bias", "relative_bias", "dropout", "varlen"):
+        if params.get(key) is not None:
+            return [(KEY, f"{key} is not split over ranks yet", f"{fix}, or remove {key}")]
+    built = attention.get("built") or {}
+    visible = built.get("visible")
+    if visible is not None and band(visible) is None:
+        return [(KEY, "the mask must be causal and/or a window, the same for every batch element and head (the ranks "
+                      "are passed causal= and window_size=): key_lengths and mask files are not split over ranks yet",
+                 "mask: {causal: lower-right, window: [left, right]} only")]
+    kv_map = built.get("kv_map")
+    if kv_map is not None and attention.get("heads_kv"):
+        group = attention["heads_q"] // attention["heads_kv"]
+        if tuple(kv_map) != tuple(r // group for r in range(attention["heads_q"])):
+            return [(KEY, "GQA across ranks takes contiguous groups (query head r reads KV head r // group, "
+                          "FlashAttention's), not this kv_map", "remove kv_map")]
+    convention = built.get("convention")
+    if convention is not None and (convention.mask, convention.mask_heads, convention.scale) != ("keep", "per-head",
+                                                                                              "passed"):
+        return [("convention", "with distributed the ranks get causal= and window_size=, not a mask, and "
+                               "softmax_scale= always: only convention.layout and lse_layout apply",
+                 "remove convention.mask, mask_heads and scale")]
+    return []
+
+
+_SCENARIO = ((KEY, {"world_size": 2}),)
+_GRADS = ("gradient q", "gradient k", "gradient v", "backward agrees with the reference")
+
+#: The context-parallel faults, hosted by the built-in ring and Ulysses (``distributed/ring.py``): each leaves the
+#: forward exact (but the zigzag one) and breaks the gradients.
+FAULTS: dict[str, Fault] = {f.name: f for f in (
+    Fault("cp-stale-kv", "ring: the backward computes every step with the rank's own K/V, not the rotated block's "
+                         "(diffusers #14265)", _GRADS, scenario=_SCENARIO),
+    Fault("cp-local-lse", "ring: the backward recomputes each block's P from that block's own LSE instead of the merged "
+                          "one", _GRADS, scenario=_SCENARIO),
+    Fault("cp-lse-grad-dropped", "ring: the backward drops the merged LSE's upstream gradient",
+          ("gradient q", "gradient k", "backward agrees with the reference"),
+          scenario=_SCENARIO + (("outputs", ["o", "lse"]),)),
+    Fault("cp-dkv-not-returned", "ring: dK/dV are not sent back to their owner after the last step",
+          ("gradient k", "gradient v", "backward agrees with the reference"), scenario=_SCENARIO),
+    Fault("cp-zigzag-chunk", "zigzag ring: a rotated block's positions recomputed with its second chunk off by one "
+                             "(EasyContext #47's kind)",
+          ("gradient q", "gradient k", "gradient v", "forward agrees with the reference",
+           "backward agrees with the reference"), forward=True, scenario=_SCENARIO),
+    Fault("cp-ulysses-order", "Ulysses: the backward all-to-all gathers its chunks in reversed rank order",
+          _GRADS, scenario=_SCENARIO),
+)}
+
+_SHARDING_OF = {"cp-zigzag-chunk": "zigzag", "cp-ulysses-order": "ulysses"}
+
+
+def why_not(sc, fault: str) -> str | None:
+    """Why a fault does not apply to a distributed scenario (or a context-parallel fault to another), or None."""
+    given = settings(sc)
+    if fault in FAULTS:
+        if given is None:
+            return "the scenario is not distributed (key distributed)"
+        if sc.implementation is not None:
+            return "the context-parallel faults are the built-in ring's; your code is checked as it is"
+        if given["world_size"] < 2:
+            return "one rank: nothing is sent between ranks"
+        want = _SHARDING_OF.get(fault)
+        if want and given["sharding"] != want:
+            return f"the scenario's sharding is {given['sharding']}, not {want}"
+        if fault != "cp-ulysses-order" and given["sharding"] == "ulysses":
+            return "Ulysses has no ring"
+        return None
+    if given is not None and fault in VISIBLE_FAULTS:
+        return "the ranks are passed causal= and window_size=, not the visible set this fault changes"
+    return None
+
+
+#: Faults of a user's interface that change the visible set it is shown (the ranks never see it).
+VISIBLE_FAULTS = ("mask", "leak-hidden-key")

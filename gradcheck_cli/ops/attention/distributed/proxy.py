@@ -1,0 +1,99 @@
+"""Per-rank attention code on its ranks, presented to attention's engine for user code as a NumPy implementation
+(``forward``/``backward`` on the global arrays): each call shards the inputs (and the loss's upstream gradients) by
+the scenario's sharding, runs every rank at once (:class:`.ranks.Ranks`), and puts the ranks' outputs and gradients
+back at their global rows. Replicated parameters (sinks, ALiBi slopes) have their gradients summed over the ranks.
+So everything the engine does for one process (the float64 reference, finite differences of the gathered forward on
+copies stacked along the batch axis, the invariants, the hints) checks the distributed code as it is.
+
+The ranks get FlashAttention's arguments: ``group``, ``q_positions`` and ``k_positions`` (the global rows of the
+local shard, int64), ``softmax_scale``, ``causal`` and ``window_size`` (from the scenario's mask, :func:`keys.band`),
+the stage arguments the scenario sets (``softcap=``, ``sinks=``, ``alibi_slopes=``) and ``return_lse=True`` with
+``outputs: [o, lse]``."""
+from __future__ import annotations
+
+import atexit
+import time
+
+import numpy as np
+
+from . import keys, sharding
+from .ranks import Ranks
+
+#: The per-rank function of the tool's own ring attention (the scenario names no implementation).
+BUILT_IN = {"contiguous": "gradcheck_cli.ops.attention.distributed.ring:ring_attention",
+            "zigzag": "gradcheck_cli.ops.attention.distributed.ring:ring_attention",
+            "ulysses": "gradcheck_cli.ops.attention.distributed.ring:ulysses_attention"}
+
+#: The ranks of this process by what they run (world size, backend, the code, its folder, dtype, device): started
+#: once and reused by every build of the scenario (its negative controls pass their fault with each call); ranks of
+#: other settings are stopped first, and all of them at exit.
+_LIVE: dict = {}
+
+
+def _ranks(key: tuple, deadline: float) -> Ranks:
+    ranks = _LIVE.get(key)
+    if ranks is None or ranks.dead:
+        stop_all()
+        ranks = _LIVE[key] = Ranks(*key, deadline)
+        ranks.fresh = True
+    else:
+        ranks.fresh = False
+    ranks.deadline = deadline
+    return ranks
+
+
+class Proxy:
+    def __init__(self, sc, param_kwargs: tuple[str, ...] = (), faults: tuple[str, ...] = ()):
+        """``param_kwargs``: the keyword arguments whose gradients the backward returns after dq, dk, dv (summed over
+        ranks), in that order; ``faults``: the built-in ring's faults to switch on."""
+        given = keys.settings(sc)
+        self.ws, self.kind = given["world_size"], given["sharding"]
+        spec = sc.implementation or BUILT_IN[self.kind]
+        self.ranks = _ranks((self.ws, given["backend"], spec, str(sc.base_dir), sc.dtype, sc.device),
+                            time.monotonic() + 0.8 * sc.timeout)
+        self.index = sharding.rows(sc.n_q, self.ws, self.kind)
+        self.n = sc.n_q
+        self.axis = 2 if sc.convention.layout == "bhnd" else 1
+        self.lse_axis = 2 if sc.convention.lse_layout == "bhn" else 1
+        left, right = keys.band(sc.visible)
+        self.base = {"softmax_scale": float(sc.scale), "causal": right == 0, "window_size": (left, right)}
+        if sc.implementation is None and faults:
+            self.base["fault"] = ",".join(faults)
+        self.param_kwargs = tuple(param_kwargs)
+        self.startup_s = self.ranks.startup_s if self.ranks.fresh else 0.0
+
+    def _payloads(self, q, k, v, given: dict, backward: bool, return_lse: bool, grads: dict) -> list:
+        out = []
+        for idx in self.index:
+            part = {t: sharding.shard(x, idx, self.axis) for t, x in (("q", q), ("k", k), ("v", v))}
+            for name, (x, axis) in grads.items():
+                part[name] = sharding.shard(x, idx, axis)
+            out.append({**part, "backward": backward, "return_lse": return_lse,
+                        "params": self.param_kwargs if backward else (),
+                        "kwargs": {**self.base, **given, "q_positions": idx, "k_positions": idx}})
+        return out
+
+    def forward(self, q, k, v, visible, scale, kv_map, return_lse: bool = False, **given):
+        answers = self.ranks.call(self._payloads(q, k, v, given, False, return_lse, {}), what="forward")
+        o = sharding.gather([a["o"] for a in answers], self.index, self.axis, self.n)
+        if not return_lse:
+            return o
+        return o, sharding.gather([a["lse"] for a in answers], self.index, self.lse_axis, self.n)
+
+    def backward(self, q, k, v, visible, scale, kv_map, grad_o, grad_lse=None, **given):
+        grads = {"grad_o": (grad_o, self.axis)}
+        if grad_lse is not None:
+            grads["grad_lse"] = (grad_lse, self.lse_axis)
+        answers = self.ranks.call(self._payloads(q, k, v, given, True, grad_lse is not None, grads), what="backward")
+        out = tuple(sharding.gather([a[t] for a in answers], self.index, self.axis, self.n) for t in "qkv")
+        return out + tuple(np.sum([a[p] for a in answers], axis=0) for p in self.param_kwargs)
+
+
+def stop_all() -> None:
+    """Stop every rank this process started."""
+    for ranks in _LIVE.values():
+        ranks.stop()
+    _LIVE.clear()
+
+
+atexit.register(stop_all)

@@ -1,0 +1,105 @@
+"""One rank of a context-parallel check (started by :class:`gradcheck_cli.distributed.ranks.Ranks`): join the
+process group, load the per-rank function, then answer calls until told to stop. A call is one forward, or one
+forward and backward by autograd on the local loss ``<G, O_local> (+ <G_L, LSE_local>)``; the answer is NumPy arrays.
+Whatever the code raises is sent back as text (the tool stops every rank)."""
+from __future__ import annotations
+
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+
+def _describe(exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "gradcheck_cli" not in f.filename]
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _start(config: dict):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from gradcheck_cli import implementation
+    torch.set_num_threads(1)
+    store = dist.FileStore(config["store"], config["world_size"])
+    dist.init_process_group(config["backend"], store=store, rank=config["rank"], world_size=config["world_size"],
+                            timeout=datetime.timedelta(seconds=config["timeout"]))
+    from pathlib import Path
+    fn = implementation.load(config["spec"], Path(config["base_dir"]), flavour="torch")
+    return fn, dist.group.WORLD
+
+
+def _run(fn, group, call: dict, device: str) -> dict:
+    """One call: the forward (``call["backward"]`` False) or the forward and the gradients of the local loss."""
+    import numpy as np
+    import torch
+
+    def t(a):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    q, k, v = (t(call[name]) for name in ("q", "k", "v"))
+    kw = {name: t(x) if isinstance(x, np.ndarray) else x for name, x in call["kwargs"].items()}
+    want_lse = bool(call.get("return_lse"))
+    if want_lse:
+        kw["return_lse"] = True
+    params = list(call.get("params", ()))  # replicated parameters whose gradients are taken (sinks=, ...)
+
+    def split(out):
+        if want_lse:
+            if not isinstance(out, (tuple, list)) or len(out) != 2:
+                raise TypeError(f"with return_lse=True the code returns (o, lse), got {type(out).__name__}")
+            return out[0], out[1]
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"the code returns o (a torch.Tensor), got {type(out).__name__}")
+        return out, None
+
+    if not call["backward"]:
+        with torch.no_grad():
+            o, lse = split(fn(q, k, v, group=group, **kw))
+        return {"o": o.detach().cpu().numpy(), **({"lse": lse.detach().cpu().numpy()} if want_lse else {})}
+    leaves = [x.requires_grad_(True) for x in (q, k, v)] + [kw[p].requires_grad_(True) for p in params]
+    with torch.enable_grad():
+        o, lse = split(fn(q, k, v, group=group, **kw))
+        loss = (o * t(call["grad_o"])).sum()
+        if want_lse:
+            loss = loss + (lse * t(call["grad_lse"])).sum()
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True) if loss.requires_grad else [None] * len(leaves)
+    names = ["q", "k", "v"] + params
+    out = {n: (torch.zeros_like(x) if g is None else g).detach().cpu().numpy()
+           for n, x, g in zip(names, leaves, grads)}
+    out["no_gradient"] = [n for n, g in zip(names, grads) if g is None]
+    return out
+
+
+def main(fd: int, rank: int) -> None:
+    conn = Connection(fd)
+    fn = group = None
+    device = "cpu"
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message is None:
+            break
+        try:
+            if fn is None:  # the first message: the configuration
+                device = message["device"]
+                fn, group = _start({**message, "rank": rank})
+                conn.send(("ok", None))
+                continue
+            conn.send(("ok", _run(fn, group, message, device)))
+        except BaseException as exc:  # noqa: BLE001 -- whatever the code raises goes back to the tool as text
+            conn.send(("error", _describe(exc)))
+    try:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 -- leaving anyway
+        pass
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))

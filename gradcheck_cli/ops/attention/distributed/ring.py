@@ -1,0 +1,210 @@
+"""The tool's own context-parallel attention, per rank (the shipped example, and the host of the context-parallel
+faults): ``ring_attention`` (contiguous or zigzag shards: K/V blocks rotate around the ring by send/recv, partial
+outputs merge by their log-sum-exp; a hand-written backward recomputes each block's P from the *global* LSE and a
+second rotation carries dK/dV with their block back to its owner) and ``ulysses_attention`` (an all-to-all from
+sequence-sharded to head-sharded, attention over the whole sequence, and back; the backward is the all-to-all with
+its axes swapped).
+
+Both take FlashAttention's arguments: local q [B, Hq, n_r, d], k/v [B, Hkv, n_r, d] (GQA by contiguous groups),
+``group``, ``q_positions``/``k_positions`` (the global rows of the shard), ``softmax_scale``, ``causal``,
+``window_size`` and ``return_lse``. ``fault`` switches on the named faults (comma-separated):
+
+- ``cp-stale-kv``: the backward computes every step with the rank's own K/V block (diffusers #14265);
+- ``cp-local-lse``: the backward recomputes each block's P from that block's own LSE, not the merged one;
+- ``cp-lse-grad-dropped``: the backward drops the LSE's upstream gradient (the merge's dLSE);
+- ``cp-dkv-not-returned``: dK/dV are not sent back to their owner after the last step;
+- ``cp-zigzag-chunk``: the zigzag positions of a rotated block are recomputed with the second chunk off by one;
+- ``cp-ulysses-order``: the Ulysses backward all-to-all puts the gathered chunks in reversed rank order.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _allowed(q_pos, k_pos, causal: bool, window_size) -> torch.Tensor:
+    """[n_q, n_k] True where query position i sees key position j (FlashAttention's window, causal right = 0)."""
+    d = k_pos[None, :] - q_pos[:, None]  # j - i
+    ok = torch.ones(d.shape, dtype=torch.bool, device=d.device)
+    left, right = window_size
+    if causal:
+        ok &= d <= 0
+    if right >= 0:
+        ok &= d <= right
+    if left >= 0:
+        ok &= d >= -left
+    return ok
+
+
+def _scores(q, k, q_pos, k_pos, scale, causal, window_size):
+    """S [B, Hq, n_q, n_k] with the hidden entries -inf (k's heads repeated for GQA)."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = scale * q @ k.transpose(-1, -2)
+    return s.masked_fill(~_allowed(q_pos, k_pos, causal, window_size), float("-inf"))
+
+
+def _finite(lse):
+    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+
+
+def _rotate(group, tensors, length: int, axes):
+    """Send ``tensors`` to the next rank and receive the previous rank's, whose sequence axes (``axes``, one per
+    tensor) hold ``length`` rows (shards may be uneven); world size 1: themselves."""
+    ws, rank = dist.get_world_size(group), dist.get_rank(group)
+    if ws == 1:
+        return tensors
+    out = []
+    for t, axis in zip(tensors, axes):
+        shape = list(t.shape)
+        shape[axis] = length
+        out.append(torch.empty(shape, dtype=t.dtype, device=t.device))
+    nxt, prv = dist.get_global_rank(group, (rank + 1) % ws), dist.get_global_rank(group, (rank - 1) % ws)
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, t, prv, group) for t in out]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return out
+
+
+def _lengths(group, n: int, device) -> list[int]:
+    """Every rank's shard length."""
+    ws = dist.get_world_size(group)
+    sizes = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(ws)]
+    dist.all_gather(sizes, torch.tensor([n], device=device), group=group)
+    return [int(x.item()) for x in sizes]
+
+
+def _zigzag_rows(n: int, ws: int, rank: int, device) -> torch.Tensor:
+    """The fault's zigzag positions of rank ``rank``: its second chunk taken one chunk early (2 ws - 2 - r instead of
+    2 ws - 1 - r; as long as the right one: chunk lengths differ by at most one, earlier ones longer)."""
+    chunks = torch.arange(n, device=device).tensor_split(2 * ws)
+    right = chunks[2 * ws - 1 - rank]
+    return torch.cat([chunks[rank], chunks[2 * ws - 2 - rank][:right.numel()]])
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, k_pos, group, scale, causal, window_size, faults):
+        ws, rank = dist.get_world_size(group), dist.get_rank(group)
+        b, h, n_r, _ = q.shape
+        o = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+        lse = torch.full((b, h, n_r), float("-inf"), dtype=q.dtype, device=q.device)
+        block_lses = []
+        kb, vb, pb = k, v, k_pos
+        lengths = _lengths(group, k.shape[2], q.device)
+        zigzag_n = sum(lengths) if "cp-zigzag-chunk" in faults else None
+        for step in range(ws):
+            if step < ws - 1:  # the next block: the one owned by rank r - step - 1
+                nxt = _rotate(group, [kb, vb, pb], lengths[(rank - step - 1) % ws], (2, 2, 0))
+            if zigzag_n is not None and step > 0:  # the block's positions recomputed from its owner's rank
+                pb = _zigzag_rows(zigzag_n, ws, (rank - step) % ws, q.device)
+            s = _scores(q, kb, q_pos, pb, scale, causal, window_size)
+            lse_b = torch.logsumexp(s, dim=-1)
+            p = torch.exp(s - _finite(lse_b)[..., None])
+            o_b = p @ vb.repeat_interleave(h // vb.shape[1], dim=1)
+            new = torch.logaddexp(lse, lse_b)
+            fin = _finite(new)
+            o = torch.exp(lse - fin)[..., None] * o + torch.exp(lse_b - fin)[..., None] * o_b
+            lse = new
+            block_lses.append(lse_b)
+            if step < ws - 1:
+                kb, vb, pb = nxt
+        ctx.save_for_backward(q, k, v, q_pos, k_pos, o, lse, *block_lses)
+        ctx.args = (group, scale, causal, window_size, faults, zigzag_n, lengths)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        q, k, v, q_pos, k_pos, o, lse, *block_lses = ctx.saved_tensors
+        group, scale, causal, window_size, faults, zigzag_n, lengths = ctx.args
+        ws, rank = dist.get_world_size(group), dist.get_rank(group)
+        h, h_kv = q.shape[1], k.shape[1]
+        rep = h // h_kv
+        if grad_lse is None or "cp-lse-grad-dropped" in faults:
+            grad_lse = torch.zeros_like(lse)
+        d_row = (grad_o * o).sum(-1) - grad_lse  # dS = P (dP - D + G_L)
+        dq = torch.zeros_like(q)
+        kb, vb, pb = k, v, k_pos
+        dkb, dvb = torch.zeros_like(k), torch.zeros_like(v)
+        for step in range(ws):
+            kc, vc, pc = (k, v, k_pos) if "cp-stale-kv" in faults else (kb, vb, pb)
+            if zigzag_n is not None and step > 0:
+                pc = _zigzag_rows(zigzag_n, ws, (rank - step) % ws, q.device)
+            s = _scores(q, kc, q_pos, pc, scale, causal, window_size)
+            ref = block_lses[step] if "cp-local-lse" in faults else lse
+            p = torch.exp(s - _finite(ref)[..., None])
+            v_rep = vc.repeat_interleave(rep, dim=1)
+            dp = grad_o @ v_rep.transpose(-1, -2)
+            ds = p * (dp - d_row[..., None])
+            dq = dq + scale * ds @ kc.repeat_interleave(rep, dim=1)
+            dk_blk = (scale * ds.transpose(-1, -2) @ q).unflatten(1, (h_kv, rep)).sum(2)
+            dv_blk = (p.transpose(-1, -2) @ grad_o).unflatten(1, (h_kv, rep)).sum(2)
+            dkb, dvb = dkb + dk_blk, dvb + dv_blk
+            if step < ws - 1:
+                kb, vb, pb, dkb, dvb = _rotate(group, [kb, vb, pb, dkb, dvb], lengths[(rank - step - 1) % ws],
+                                               (2, 2, 0, 2, 2))
+        if ws > 1 and "cp-dkv-not-returned" not in faults:  # home: the last block belongs to the next rank
+            dkb, dvb = _rotate(group, [dkb, dvb], lengths[rank], (2, 2))
+        elif ws > 1 and dkb.shape != k.shape:  # kept by the wrong rank: shaped as this rank's, the rest lost
+            dkb, dvb = (torch.zeros_like(x) for x in (k, v))
+        return dq, dkb, dvb, None, None, None, None, None, None, None
+
+
+def ring_attention(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal, window_size,
+                   return_lse=False, fault=""):
+    """Ring attention on this rank's shard (contiguous or zigzag: the positions say which rows it holds)."""
+    faults = tuple(f for f in fault.split(",") if f)
+    o, lse = _Ring.apply(q, k, v, q_positions, k_positions, group, softmax_scale, causal, tuple(window_size), faults)
+    return (o, lse) if return_lse else o
+
+
+class _AllToAll(torch.autograd.Function):
+    """x split along ``scatter`` over the ranks and gathered along ``gather``; the backward the inverse (with the
+    fault: its chunks gathered in reversed rank order)."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter: int, gather: int, wrong: bool):
+        ctx.args = (group, scatter, gather, wrong)
+        return _all_to_all(x, group, scatter, gather)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, scatter, gather, wrong = ctx.args
+        return _all_to_all(grad, group, gather, scatter, reverse=wrong), None, None, None, None
+
+
+def _all_to_all(x, group, scatter: int, gather: int, reverse: bool = False):
+    ws = dist.get_world_size(group)
+    if ws == 1:
+        return x
+    parts = [p.contiguous() for p in x.tensor_split(ws, dim=scatter)]
+    sizes = [torch.empty(1, dtype=torch.int64) for _ in range(ws)]
+    dist.all_gather(sizes, torch.tensor([x.shape[gather]]), group=group)
+    out = []
+    for r, part in enumerate(parts):
+        shape = list(part.shape)
+        shape[gather] = int(sizes[r].item())
+        out.append(torch.empty(shape, dtype=x.dtype, device=x.device))
+    dist.all_to_all(out, parts, group=group)
+    return torch.cat(out[::-1] if reverse else out, dim=gather)
+
+
+def ulysses_attention(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal, window_size,
+                      return_lse=False, fault=""):
+    """Ulysses: [B, H, n_r, d] -> [B, H / ws, n, d] by an all-to-all, attention over the whole sequence with this
+    rank's heads, and the inverse all-to-all."""
+    wrong = "cp-ulysses-order" in fault
+    ws = dist.get_world_size(group)
+    sizes = [torch.empty(1, dtype=torch.int64) for _ in range(ws)]
+    dist.all_gather(sizes, torch.tensor([q_positions.numel()]), group=group)
+    every = [torch.empty(int(s.item()), dtype=q_positions.dtype) for s in sizes]
+    dist.all_gather(every, q_positions.contiguous(), group=group)
+    pos = torch.cat(every)
+    qh, kh, vh = (_AllToAll.apply(x, group, 1, 2, wrong) for x in (q, k, v))
+    s = _scores(qh, kh, pos, pos, softmax_scale, causal, tuple(window_size))
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.softmax(s, dim=-1) @ vh.repeat_interleave(qh.shape[1] // vh.shape[1], dim=1)
+    o = _AllToAll.apply(o, group, 2, 1, wrong)
+    if not return_lse:
+        return o
+    return o, _AllToAll.apply(lse[..., None], group, 2, 1, wrong)[..., 0]
