@@ -199,8 +199,9 @@ def test_ops_lists_what_is_not_checked_yet_and_the_loader_refuses_it():
     from gradcheck_cli.scenario import loads
     result = run("ops")
     limits = [line for line in result.stdout.splitlines() if line.startswith("    not yet:")]
-    assert len(limits) == 4 and "half precision" in limits[0] and "attention-projections" in limits[1]
+    assert len(limits) == 5 and "half precision" in limits[0] and "attention-projections" in limits[1]
     assert "sinks.grad" in limits[0] and "outputs: [o, lse]" in limits[2] and "dropout" in limits[3]
+    assert "distributed" in limits[4]
     base = "scenarios:\n  - {name: a, n_q: 3, d_head: 2, bias: {grad: true}, "
     for extra, says in (("check: {mode: jvp}}", "JVP along a bias is not built"),
                         ("backend: torch}", "not the torch closed forms"),

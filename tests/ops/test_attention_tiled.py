@@ -125,7 +125,9 @@ def _attention_scenarios():
             continue
         for sc in scs:
             # the double backward (mode hvp) is the naive engine's only
-            if sc.op == "attention" and sc.backend == "numpy" and sc.implementation is None and sc.mode != "hvp":
+            # (a distributed scenario runs its ranks' code, not an engine)
+            if (sc.op == "attention" and sc.backend == "numpy" and sc.implementation is None and sc.mode != "hvp"
+                    and dict(sc.params).get("distributed") is None):
                 yield sc
 
 

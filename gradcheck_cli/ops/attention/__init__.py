@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from ..registry import Engine, Interface, Op
 from . import lse, scenario_keys, varlen
-from .distributed import keys as distributed
 from . import stages as score_stages
 from .directional import hvp, jvp
+from .distributed import keys as distributed
 from .formulas import (
     ENGINE_FAULTS,
     FAULTS,

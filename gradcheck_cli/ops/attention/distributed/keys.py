@@ -70,6 +70,10 @@ def validate(params: dict, attention: dict) -> list:
         return []
     ws, sharding = given["world_size"], given["sharding"]
     fix = "remove distributed for this scenario"
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:  # the ranks run torch.distributed, whoever's code they run
+        return [(KEY, "the ranks run torch.distributed, and torch is not installed",
+                 "pip install 'attn-gradcheck[torch]'")]
     if ws < 1 or ws > 16:
         return [(f"{KEY}.world_size", f"is {ws}; between 1 and 16 ranks", "e.g. world_size: 2")]
     if attention.get("implementation") and attention["backend"] != "torch":
@@ -120,27 +124,36 @@ def validate(params: dict, attention: dict) -> list:
     return []
 
 
-_SCENARIO = ((KEY, {"world_size": 2}),)
-_GRADS = ("gradient q", "gradient k", "gradient v", "backward agrees with the reference")
+def _on(n: int = 9, **given) -> tuple:
+    """A fault's scenario keys (the fault contract's example: one sequence of 9 rows, causal, over the ranks)."""
+    return (("n_q", n), ("n_k", n), ("mask", {"causal": "lower-right"}), (KEY, {"world_size": 3, **given}))
+
+
+_SCENARIO = _on()
+_GRADS = ("gradient q", "gradient k", "gradient v", "backward agrees with the reference",
+          "row 0's unseen K/V rows get zero gradient", "unseen K/V rows get zero gradient")
 
 #: The context-parallel faults, hosted by the built-in ring and Ulysses (``distributed/ring.py``): each leaves the
 #: forward exact (but the zigzag one) and breaks the gradients.
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("cp-stale-kv", "ring: the backward computes every step with the rank's own K/V, not the rotated block's "
-                         "(diffusers #14265)", _GRADS, scenario=_SCENARIO),
-    Fault("cp-local-lse", "ring: the backward recomputes each block's P from that block's own LSE instead of the merged "
-                          "one", _GRADS, scenario=_SCENARIO),
+                         "(diffusers #14265)", _GRADS, scenario=_SCENARIO, backends=("numpy",)),
+    Fault("cp-local-lse", "ring: the backward recomputes each block's P from that block's own LSE instead of the "
+                          "merged one", _GRADS, scenario=_SCENARIO, backends=("numpy",)),
     Fault("cp-lse-grad-dropped", "ring: the backward drops the merged LSE's upstream gradient",
           ("gradient q", "gradient k", "backward agrees with the reference"),
-          scenario=_SCENARIO + (("outputs", ["o", "lse"]),)),
+          scenario=_SCENARIO + (("outputs", ["o", "lse"]),), backends=("numpy",)),
     Fault("cp-dkv-not-returned", "ring: dK/dV are not sent back to their owner after the last step",
-          ("gradient k", "gradient v", "backward agrees with the reference"), scenario=_SCENARIO),
+          ("gradient k", "gradient v", "backward agrees with the reference",
+           "row 0's unseen K/V rows get zero gradient", "unseen K/V rows get zero gradient"), scenario=_SCENARIO,
+          backends=("numpy",)),
     Fault("cp-zigzag-chunk", "zigzag ring: a rotated block's positions recomputed with its second chunk off by one "
                              "(EasyContext #47's kind)",
-          ("gradient q", "gradient k", "gradient v", "forward agrees with the reference",
-           "backward agrees with the reference"), forward=True, scenario=_SCENARIO),
+          ("forward agrees with the reference", "backward agrees with the reference", "gradient q", "gradient k",
+           "gradient v", "O rows in the range of visible V rows", "hidden K/V rows do not change O"), forward=True,
+          scenario=_on(sharding="zigzag"), backends=("numpy",)),
     Fault("cp-ulysses-order", "Ulysses: the backward all-to-all gathers its chunks in reversed rank order",
-          _GRADS, scenario=_SCENARIO),
+          _GRADS, scenario=_on(8, sharding="ulysses", world_size=2), backends=("numpy",)),
 )}
 
 _SHARDING_OF = {"cp-zigzag-chunk": "zigzag", "cp-ulysses-order": "ulysses"}

@@ -1,4 +1,4 @@
-"""One rank of a context-parallel check (started by :class:`gradcheck_cli.distributed.ranks.Ranks`): join the
+"""One rank of a context-parallel check (started by :class:`.ranks.Ranks`): join the
 process group, load the per-rank function, then answer calls until told to stop. A call is one forward, or one
 forward and backward by autograd on the local loss ``<G, O_local> (+ <G_L, LSE_local>)``; the answer is NumPy arrays.
 Whatever the code raises is sent back as text (the tool stops every rank)."""

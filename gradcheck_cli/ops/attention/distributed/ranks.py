@@ -1,8 +1,7 @@
-"""The ranks of a context-parallel check: ``world_size`` processes started by the tool (``python -m
-gradcheck_cli.distributed.rank``, in the scenario worker's process group, so they die with it), joined in one
-torch.distributed process group through a file store in a private temporary folder (gloo bound to the loopback
-interface: nothing listens beyond this machine), each connected to the tool by its own socket pair (inherited, no
-listener).
+"""The ranks of a context-parallel check: ``world_size`` processes started by the tool (``RANK_MODULE``, in the
+scenario worker's process group, so they die with it), joined in one torch.distributed process group through a file
+store in a private temporary folder (gloo bound to the loopback interface: nothing listens beyond this machine), each
+connected to the tool by its own socket pair (inherited, no listener).
 
 :class:`Ranks` sends every rank its part of one call (its shards, the loss's upstream gradients), waits for all of
 them until the scenario's deadline, and returns their answers. A rank that raises, exits, or does not answer in time
@@ -21,6 +20,8 @@ from multiprocessing.connection import wait
 
 from ....implementation import ImplementationFailure
 
+#: The module each rank runs.
+RANK_MODULE = "gradcheck_cli.ops.attention.distributed.rank"
 #: How often the tool looks at ranks that have not answered (seconds).
 POLL_S = 0.05
 
@@ -47,7 +48,7 @@ class Ranks:
                 mine, theirs = multiprocessing.Pipe()
                 with open(os.path.join(self.folder, f"rank{r}.err"), "wb") as err:
                     self.procs.append(subprocess.Popen(
-                        [sys.executable, "-m", "gradcheck_cli.ops.attention.distributed.rank", str(theirs.fileno()), str(r)],
+                        [sys.executable, "-m", RANK_MODULE, str(theirs.fileno()), str(r)],
                         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                         pass_fds=(theirs.fileno(),)))
                 theirs.close()

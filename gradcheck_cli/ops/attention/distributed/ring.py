@@ -174,19 +174,24 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _all_to_all(x, group, scatter: int, gather: int, reverse: bool = False):
-    ws = dist.get_world_size(group)
+    """x's chunk r along ``scatter`` sent to rank r, the chunks received concatenated along ``gather`` in rank order
+    (uneven along ``gather``: flattened through ``all_to_all_single``, which gloo takes with uneven splits)."""
+    ws, me = dist.get_world_size(group), dist.get_rank(group)
     if ws == 1:
         return x
     parts = [p.contiguous() for p in x.tensor_split(ws, dim=scatter)]
-    sizes = [torch.empty(1, dtype=torch.int64) for _ in range(ws)]
-    dist.all_gather(sizes, torch.tensor([x.shape[gather]]), group=group)
-    out = []
-    for r, part in enumerate(parts):
-        shape = list(part.shape)
-        shape[gather] = int(sizes[r].item())
-        out.append(torch.empty(shape, dtype=x.dtype, device=x.device))
-    dist.all_to_all(out, parts, group=group)
-    return torch.cat(out[::-1] if reverse else out, dim=gather)
+    lengths = _lengths(group, x.shape[gather], x.device)
+    shapes = []
+    for r in range(ws):  # what rank r sends this rank: its chunk ``me``, its own length along ``gather``
+        shape = list(x.shape)
+        shape[scatter], shape[gather] = parts[me].shape[scatter], lengths[r]
+        shapes.append(shape)
+    sizes = [int(torch.Size(shape).numel()) for shape in shapes]
+    out = torch.empty(sum(sizes), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, torch.cat([p.reshape(-1) for p in parts]), sizes, [p.numel() for p in parts],
+                           group=group)
+    pieces = [piece.reshape(shape) for piece, shape in zip(out.split(sizes), shapes)]
+    return torch.cat(pieces[::-1] if reverse else pieces, dim=gather)
 
 
 def ulysses_attention(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal, window_size,
@@ -194,12 +199,12 @@ def ulysses_attention(q, k, v, *, group, q_positions, k_positions, softmax_scale
     """Ulysses: [B, H, n_r, d] -> [B, H / ws, n, d] by an all-to-all, attention over the whole sequence with this
     rank's heads, and the inverse all-to-all."""
     wrong = "cp-ulysses-order" in fault
-    ws = dist.get_world_size(group)
-    sizes = [torch.empty(1, dtype=torch.int64) for _ in range(ws)]
-    dist.all_gather(sizes, torch.tensor([q_positions.numel()]), group=group)
-    every = [torch.empty(int(s.item()), dtype=q_positions.dtype) for s in sizes]
-    dist.all_gather(every, q_positions.contiguous(), group=group)
-    pos = torch.cat(every)
+    lengths = _lengths(group, q_positions.numel(), q.device)
+    padded = torch.full((max(lengths),), -1, dtype=q_positions.dtype, device=q.device)  # gloo gathers equal sizes
+    padded[:q_positions.numel()] = q_positions
+    every = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(every, padded, group=group)
+    pos = torch.cat([x[:n] for x, n in zip(every, lengths)])
     qh, kh, vh = (_AllToAll.apply(x, group, 1, 2, wrong) for x in (q, k, v))
     s = _scores(qh, kh, pos, pos, softmax_scale, causal, tuple(window_size))
     lse = torch.logsumexp(s, dim=-1)

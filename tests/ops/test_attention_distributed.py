@@ -1,0 +1,131 @@
+"""Context-parallel attention on real ranks (``distributed:``): the sharding's index arithmetic and the mask as
+FlashAttention's window (hypothesis properties); the built-in ring, zigzag ring and Ulysses checked on gloo ranks
+against one process; each context-parallel fault failing its checks; per-rank code that raises, exits or deadlocks
+being a failed check naming the rank, with no rank left behind; the loader's refusals."""
+import subprocess
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gradcheck_cli import checker, masks
+from gradcheck_cli.errors import ScenarioError
+from gradcheck_cli.ops.attention.distributed import keys, sharding
+
+from helpers import make
+
+
+@given(n=st.integers(1, 60), ws=st.integers(1, 8), kind=st.sampled_from(sharding.SHARDINGS))
+def test_every_row_is_held_by_exactly_one_rank_and_gather_undoes_shard(n, ws, kind):
+    rows = sharding.rows(n, ws, kind)
+    assert len(rows) == ws
+    assert sorted(np.concatenate(rows).tolist()) == list(range(n))
+    x = np.random.default_rng(n).standard_normal((2, 3, n, 4))
+    parts = [sharding.shard(x, r, 2) for r in rows]
+    np.testing.assert_array_equal(sharding.gather(parts, rows, 2, n), x)
+
+
+def test_zigzag_gives_rank_r_chunks_r_and_2ws_minus_1_minus_r():
+    assert [r.tolist() for r in sharding.rows(8, 2, "zigzag")] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert [r.tolist() for r in sharding.rows(7, 3, "contiguous")] == [[0, 1, 2], [3, 4], [5, 6]]
+
+
+@given(n=st.integers(1, 12), left=st.integers(-1, 12), right=st.integers(-1, 12), causal=st.booleans())
+def test_band_reads_back_the_window_that_made_the_visible_set(n, left, right, causal):
+    window = (None if left < 0 else left, None if right < 0 else right)
+    visible = masks.build_visible(1, 2, n, n, causal="lower-right" if causal else None, window=window)
+    got = keys.band(visible)
+    d = np.arange(n)[None, :] - np.arange(n)[:, None]
+    lo, hi = got
+    rebuilt = np.ones((n, n), bool) & ((d >= -lo) if lo >= 0 else True) & ((d <= hi) if hi >= 0 else True)
+    np.testing.assert_array_equal(rebuilt, visible[0, 0])
+
+
+def test_a_visible_set_that_is_not_a_band_has_none():
+    visible = masks.build_visible(2, 1, 5, 5, causal="lower-right", key_lengths=[5, 3])
+    assert keys.band(visible) is None
+
+
+@pytest.mark.parametrize("extra, key, words", [
+    ({"n_k": 10}, "distributed", "n_q must equal n_k"),
+    ({"mask": {"causal": "lower-right", "key_lengths": [6]}, "batch": 1}, "distributed", "causal and/or a window"),
+    ({"distributed": {"world_size": 0}}, "distributed.world_size", "must be >= 1"),
+    ({"distributed": {"world_size": 17}}, "distributed.world_size", "between 1 and 16"),
+    ({"distributed": {"world_size": 3, "sharding": "ulysses"}}, "distributed.sharding", "not divisible"),
+    ({"distributed": {"world_size": 5, "sharding": "zigzag"}}, "distributed", "leaves a rank without rows"),
+    ({"check": {"mode": "jvp"}}, "distributed", "along the VJP"),
+    ({"dropout": {"p": 0.1}}, "distributed", "dropout is not split over ranks"),
+    ({"distributed": {"world_size": 2, "backend": "nccl"}}, "distributed.backend", "needs device: cuda")])
+def test_what_distributed_does_not_cover_is_refused_with_its_key(extra, key, words):
+    doc = {"heads_q": 4, "heads_kv": 2, "n_q": 8, "d_head": 4, "distributed": {"world_size": 2}, **extra}
+    with pytest.raises(ScenarioError) as err:
+        make(**doc)
+    assert str(err.value.key).endswith(key) and words in str(err.value), str(err.value)
+
+
+def _ranks_left() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "gradcheck_cli.ops.attention.distributed.rank" in line]
+
+
+def test_the_built_in_ring_on_two_ranks_passes_and_a_stale_kv_backward_fails_it():
+    pytest.importorskip("torch")
+    sc = make(batch=1, heads_q=4, heads_kv=2, n_q=8, d_head=4, mask={"causal": "lower-right"},
+              distributed={"world_size": 2})
+    result = checker.run_scenario(sc)
+    assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
+    assert "ring x2 contiguous" in sc.describe()
+    failed = {c.name for c in checker.run_scenario(sc, ("cp-stale-kv",)).checks if c.verdict == "fail"}
+    assert {"gradient k", "backward agrees with the reference"} <= failed, failed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("distributed, extra", [
+    ({"world_size": 3}, {"outputs": ["o", "lse"], "n_q": 10}),
+    ({"world_size": 4, "sharding": "zigzag"}, {"n_q": 13, "mask": {"causal": "lower-right", "window": [5, 0]}}),
+    ({"world_size": 2, "sharding": "ulysses"}, {"dtype": "float32", "mask": {"causal": None}}),
+    ({"world_size": 1}, {})])
+def test_the_built_in_ring_zigzag_and_ulysses_pass(distributed, extra):
+    pytest.importorskip("torch")
+    sc = make(**{"batch": 2, "heads_q": 4, "heads_kv": 2, "n_q": 9, "d_head": 4, "mask": {"causal": "lower-right"},
+                 "distributed": distributed, **extra})
+    result = checker.run_scenario(sc)
+    assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
+
+
+_MISBEHAVING = '''
+import os, sys, torch, torch.distributed as dist
+
+def attention(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal, window_size):
+    how = os.environ.get("HOW", "")
+    if dist.get_rank(group) == 1:
+        if HOW == "raise":
+            raise ValueError("rank one is unhappy")
+        if HOW == "exit":
+            os._exit(3)
+        if HOW == "deadlock":
+            buf = torch.empty(1)
+            dist.recv(buf, src=0, group=group)  # no rank sends it
+    return q * 0
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how, words", [("raise", "rank 1 raised during the forward: ValueError: rank one is unhappy"),
+                                        ("exit", "rank 1 exited with code 3"),
+                                        ("deadlock", "rank 1 did not answer the forward")])
+def test_a_rank_that_raises_exits_or_deadlocks_is_a_failed_check_naming_it(tmp_path, how, words):
+    pytest.importorskip("torch")
+    import yaml
+
+    from gradcheck_cli.scenario import loads
+    (tmp_path / "bad.py").write_text(_MISBEHAVING.replace("HOW ==", f"{how!r} =="))
+    (sc,) = loads(yaml.safe_dump({"scenarios": [{
+        "name": "bad", "backend": "torch", "implementation": "bad:attention", "heads_q": 2, "n_q": 6, "d_head": 4,
+        "distributed": {"world_size": 2}, "check": {"timeout": 20}}]}), base_dir=tmp_path)
+    result = checker.run_scenario(sc)
+    assert result.verdict == "fail"
+    detail = " ".join(c.detail for c in result.checks if c.verdict == "fail")
+    assert words in detail and "every rank was stopped" in detail, detail
+    assert not _ranks_left()
