@@ -6,6 +6,7 @@ benchmarks/correct_impls.py), runs each through the Python API and counts verdic
     python benchmarks/correct_grid.py [--count 1000] [--seed 0] [--jobs 2] [--json out.json] [--only PREFIX]
     python benchmarks/correct_grid.py --derivatives [...]   # modes jvp and hvp instead (their own categories)
     python benchmarks/correct_grid.py --variants [...]      # the score stages (softcap, bias, T5's, ALiBi) everywhere
+    python benchmarks/correct_grid.py --distributed [...]   # context-parallel attention on real ranks (needs torch)
 
 Exit 1 when any scenario FAILs. Without torch the torch categories are skipped. The counts of a full run
 are in docs/verdicts.md ("How verdicts, power and precision work").
@@ -282,6 +283,44 @@ IMPLS = {"impl/numpy-einsum": "correct_impls:einsum", "impl/numpy-flash": "corre
          "impl/torch-softmax32": "correct_impls:torch_softmax32"}
 
 
+def distributed_categories(with_torch: bool) -> list[tuple[str, float]]:
+    """``--distributed``: context-parallel attention on real ranks: the built-in ring, zigzag ring and Ulysses, and a
+    per-rank all-gather attention written as users write it (correct_impls.cp_allgather)."""
+    if not with_torch:
+        return []
+    cats = [("cp/ring", 0.3), ("cp/zigzag", 0.25), ("cp/ulysses", 0.2), ("cp/impl/allgather", 0.25)]
+    return cats
+
+
+def draw_distributed(rng, category: str) -> dict:
+    kind = category.split("/")[1] if not category.startswith("cp/impl") else str(rng.choice(
+        ["contiguous", "zigzag"]))
+    sharding = {"ring": "contiguous"}.get(kind, kind)
+    ws = int(rng.choice([1, 2, 2, 3, 3, 4]))
+    if sharding == "ulysses":
+        heads_kv = ws * int(rng.choice([1, 2]))
+        heads_q = heads_kv * int(rng.choice([1, 2]))
+    else:
+        heads_kv = int(rng.choice([1, 2, 3]))
+        heads_q = heads_kv * int(rng.choice([1, 2, 3]))
+    least = 2 * ws if sharding == "zigzag" else ws
+    n = int(rng.integers(max(least, 2), 21))
+    mask = {"causal": str(rng.choice(["lower-right", "upper-left"])) if rng.random() < 0.7 else None}
+    if rng.random() < 0.3:
+        mask["window"] = [int(rng.integers(0, n)), 0 if mask["causal"] else int(rng.integers(0, n))]
+    doc = {"op": "attention", "batch": int(rng.choice([1, 2])), "heads_q": heads_q, "heads_kv": heads_kv, "n_q": n,
+           "n_k": n, "d_head": int(rng.choice([2, 4, 8])), "dtype": str(rng.choice(["float64", "float64", "float32"])),
+           "seed": int(rng.integers(2**31)), "mask": mask,
+           "distributed": {"world_size": ws, "sharding": sharding}}
+    if rng.random() < 0.35:
+        doc["outputs"] = ["o", "lse"]
+    if rng.random() < 0.3:
+        doc["scale"] = float(np.round(rng.uniform(0.05, 2.0), 4))
+    if category.startswith("cp/impl"):
+        doc.update(backend="torch", implementation="correct_impls:cp_allgather")
+    return doc
+
+
 def draw(rng, category: str) -> dict:
     half = ["float64", "float32", "float16", "bfloat16"]
     if category == "ops":
@@ -329,13 +368,16 @@ def main() -> int:
     ap.add_argument("--show", type=int, default=20, help="list this many non-passing cases")
     ap.add_argument("--derivatives", action="store_true", help="modes jvp and hvp (JVP and double backward)")
     ap.add_argument("--variants", action="store_true", help="the score stages (soft-capping), every engine/flavour")
+    ap.add_argument("--distributed", action="store_true", help="context-parallel attention on real ranks")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
     rng = np.random.default_rng(args.seed)
-    kind = "variants" if args.variants else "derivatives" if args.derivatives else "plain"
-    cats = {"variants": variant_categories, "derivatives": derivative_categories, "plain": categories}[kind](
-        _has_torch())
-    pick = {"variants": draw_variant, "derivatives": draw_derivative, "plain": draw}[kind]
+    kind = ("variants" if args.variants else "derivatives" if args.derivatives else "distributed"
+            if args.distributed else "plain")
+    cats = {"variants": variant_categories, "derivatives": derivative_categories, "plain": categories,
+            "distributed": distributed_categories}[kind](_has_torch())
+    pick = {"variants": draw_variant, "derivatives": draw_derivative, "plain": draw,
+            "distributed": draw_distributed}[kind]
     if args.only or args.having:
         cats = [(c, w) for c, w in cats if c.startswith(args.only or "") and (args.having or "") in c]
         total = sum(w for _, w in cats)
@@ -354,7 +396,8 @@ def main() -> int:
     counts = collections.defaultdict(collections.Counter)
     for r in results:
         counts[r["category"]][r["verdict"]] += 1
-        if r["category"].startswith(("attention", "impl", "jvp", "hvp", "softcap", "alibi", "bias", "relative_bias")):
+        if r["category"].startswith(("attention", "impl", "jvp", "hvp", "softcap", "alibi", "bias", "relative_bias",
+                                     "cp")):
             counts[f"  dtype {r['doc']['dtype']}"][r["verdict"]] += 1
         else:
             counts[f"  op {r['doc']['op']}"][r["verdict"]] += 1

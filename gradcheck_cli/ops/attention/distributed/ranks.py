@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from multiprocessing.connection import wait
 
@@ -38,6 +39,7 @@ class Ranks:
         self.world_size, self.deadline = world_size, deadline
         self.folder = tempfile.mkdtemp(prefix="attn-gradcheck-ranks-")
         self.procs: list[subprocess.Popen] = []
+        self._lock = threading.RLock()
         self.conns: list = []
         self.dead: str | None = None
         started = time.perf_counter()
@@ -56,7 +58,7 @@ class Ranks:
             config = {"world_size": world_size, "backend": backend, "spec": spec, "base_dir": base_dir,
                       "dtype": dtype, "device": device, "store": os.path.join(self.folder, "store"),
                       "timeout": max(1.0, deadline - time.monotonic())}
-            self.call([config] * world_size, what="start-up")
+            self._call([config] * world_size, what="start-up")
         except BaseException:
             self.stop()
             raise
@@ -76,7 +78,12 @@ class Ranks:
         return f" (its last words: {tail.splitlines()[-1]})" if tail else ""
 
     def call(self, payloads: list, what: str = "call") -> list:
-        """Each rank's answer to its payload (rank r gets ``payloads[r]``), all ranks running at once."""
+        """Each rank's answer to its payload (rank r gets ``payloads[r]``), all ranks running at once; one call at a
+        time (the finite differences call from several threads, and the ranks answer one call after another)."""
+        with self._lock:
+            return self._call(payloads, what)
+
+    def _call(self, payloads: list, what: str) -> list:
         if self.dead:
             raise RankFailure(self.dead)
         for conn, payload in zip(self.conns, payloads):
