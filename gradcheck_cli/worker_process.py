@@ -64,6 +64,14 @@ def _describe(exc: BaseException) -> str:
 
 
 def _leave() -> None:
+    # os._exit skips atexit: what a scenario started beside it (a distributed check's ranks, their folder) is
+    # stopped here
+    ranks = sys.modules.get("gradcheck_cli.ops.attention.distributed.proxy")
+    if ranks is not None:
+        try:
+            ranks.stop_all()
+        except BaseException:  # noqa: BLE001 -- leaving anyway; the ranks die with the process group
+            pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

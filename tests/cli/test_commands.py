@@ -135,10 +135,12 @@ def test_pre_commit_hooks_are_well_formed(root):
     assert all(h["entry"].split()[0] == "attn-gradcheck" and h["language"] == "python" for h in hooks)
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+# the context-parallel config starts ranks for each of its scenarios (about 30 s here): in the slow set
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if "distributed:" in p.read_text() else p
+                                  for p in CONFIGS], ids=lambda p: p.name)
 def test_every_shipped_config_writes_its_reports(path, tmp_path):
     """Every shipped config runs through the whole CLI with every report (JSON that parses, JUnit, arrays)."""
-    if "backend: torch" in path.read_text():
+    if "backend: torch" in path.read_text() or "distributed:" in path.read_text():
         pytest.importorskip("torch")
     result = run("run", path, "--json", tmp_path / "r.json", "--junit", tmp_path / "r.xml",
                  "--save-arrays", tmp_path / "arrays")

@@ -65,8 +65,11 @@ def test_what_distributed_does_not_cover_is_refused_with_its_key(extra, key, wor
 
 
 def _ranks_left() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "gradcheck_cli.ops.attention.distributed.rank" in line]
+    """Rank processes this test process started that are still alive (other test processes may run their own)."""
+    import os
+    out = subprocess.run(["ps", "-eo", "ppid=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines()
+            if "gradcheck_cli.ops.attention.distributed.rank" in line and int(line.split()[0]) == os.getpid()]
 
 
 def test_the_built_in_ring_on_two_ranks_passes_and_a_stale_kv_backward_fails_it():

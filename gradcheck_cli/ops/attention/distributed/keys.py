@@ -150,7 +150,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("cp-zigzag-chunk", "zigzag ring: a rotated block's positions recomputed with its second chunk off by one "
                              "(EasyContext #47's kind)",
           ("forward agrees with the reference", "backward agrees with the reference", "gradient q", "gradient k",
-           "gradient v", "O rows in the range of visible V rows", "hidden K/V rows do not change O"), forward=True,
+           "gradient v", "O rows in the range of visible V rows", "hidden K/V rows do not change O",
+           "lse agrees with the reference"), forward=True,
           scenario=_on(sharding="zigzag"), backends=("numpy",)),
     Fault("cp-ulysses-order", "Ulysses: the backward all-to-all gathers its chunks in reversed rank order",
           _GRADS, scenario=_on(8, sharding="ulysses", world_size=2), backends=("numpy",)),

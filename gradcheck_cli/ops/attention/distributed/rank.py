@@ -10,6 +10,8 @@ from multiprocessing.connection import Connection
 
 
 def _describe(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r})"
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if "gradcheck_cli" not in f.filename]
     where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     return f"{type(exc).__name__}: {exc}{where}"

@@ -139,6 +139,10 @@ class _Ring(torch.autograd.Function):
             dq = dq + scale * ds @ kc.repeat_interleave(rep, dim=1)
             dk_blk = (scale * ds.transpose(-1, -2) @ q).unflatten(1, (h_kv, rep)).sum(2)
             dv_blk = (p.transpose(-1, -2) @ grad_o).unflatten(1, (h_kv, rep)).sum(2)
+            if dk_blk.shape[2] != dkb.shape[2]:  # the stale fault on uneven shards: its own block's rows, fitted
+                n = dkb.shape[2]
+                dk_blk, dv_blk = (torch.nn.functional.pad(x, (0, 0, 0, max(0, n - x.shape[2])))[:, :, :n]
+                                  for x in (dk_blk, dv_blk))
             dkb, dvb = dkb + dk_blk, dvb + dv_blk
             if step < ws - 1:
                 kb, vb, pb, dkb, dvb = _rotate(group, [kb, vb, pb, dkb, dvb], lengths[(rank - step - 1) % ws],

@@ -29,6 +29,7 @@ import numpy as np
 
 from .... import masks
 from ...registry import Structure
+from ..distributed.hints import rank_hints
 from .context import (
     DROP_MASK,
     Context,
@@ -201,6 +202,7 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                        "misapplies the visible set (e.g. recomputes A without it)")
         lse_hints = _lse_hints(sc, context, kv_map, failed, broken) if context is not None else []
         out.extend(lse_hints)
+        out.extend(rank_hints(sc, context, failed, forward_wrong))
         sink_backward = _sink_backward(sc, context, kv_map, failed) if context is not None else None
         if not sink_backward and context is not None:
             sink_backward = _stage_faults(sc, context, kv_map, failed)
@@ -236,7 +238,7 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                            "the code was given)")
             elif c is not None and not (scale_hint and t in "qk"):
                 out.append(f"G_{name} is {c:.6g} x {against[t]} everywhere: a constant factor on "
-                           f"d{name} alone (a scale applied {'too often' if c > 1 else 'too rarely'}, a wrong "
+                           f"d{name} alone (a scale applied once too often or too rarely, a wrong "
                            "divisor, or an averaged instead of summed reduction)")
         gqa = _gqa(sc, evidence, verdicts, kv_map, factors)
         if gqa:
