@@ -274,6 +274,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         return out + ([] if drawn is None else drawn.checks(visible)) + flavours.compiled_rows(impl)
 
     copy_bytes = 3 * a64.size * dt.itemsize + o.size * dt.itemsize + (k.size + v.size + q.size) * dt.itemsize
+    if ranks:  # the scores live on the ranks, a block at a time; here a copy is its inputs and output, and each
+        copy_bytes = 2 * (o.size + q.size + k.size + v.size) * dt.itemsize  # call's round trip is the cost
     return Problem(
         inputs={**inputs, **extra},
         loss=lambda name, x: np.sum(np.asarray(copies_forward(name, x), dtype=np.float64) * g_out,
