@@ -13,7 +13,7 @@ from gradcheck_cli import checker, masks
 from gradcheck_cli.errors import ScenarioError
 from gradcheck_cli.ops.attention.distributed import keys, sharding
 
-from helpers import make
+from helpers import ROOT, make
 
 
 @given(n=st.integers(1, 60), ws=st.integers(1, 8), kind=st.sampled_from(sharding.SHARDINGS))
@@ -132,3 +132,19 @@ def test_a_rank_that_raises_exits_or_deadlocks_is_a_failed_check_naming_it(tmp_p
     detail = " ".join(c.detail for c in result.checks if c.verdict == "fail")
     assert words in detail and "every rank was stopped" in detail, detail
     assert not _ranks_left()
+
+
+_EXAMPLES = [(name, doc["name"]) for name in ("context_parallel.yaml", "context_parallel_ring.yaml")
+             for doc in __import__("yaml").safe_load((ROOT / "examples" / name).read_text())["scenarios"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path, name", _EXAMPLES, ids=[f"{p}-{n}" for p, n in _EXAMPLES])
+def test_the_per_rank_examples_pass_and_their_broken_variants_fail(path, name):
+    """Per-rank code as users write it (all-gather, ring, zigzag ring, Ulysses): mine-* pass, broken-* fail."""
+    pytest.importorskip("torch")
+    from gradcheck_cli.scenario import load
+    (sc,) = [sc for sc in load(ROOT / "examples" / path) if sc.name == name]
+    result = checker.run_scenario(sc)
+    assert result.verdict == ("fail" if name.startswith("broken-") else "pass"), \
+        [(c.name, c.detail) for c in result.checks if c.verdict != "pass"]
