@@ -47,9 +47,11 @@ def _user_code_policy(f: _Fields) -> tuple[float, float | None, float, float]:
                       f"{nondet_tol:.0%} of their size; at most {MAX_TOLERANCE:g}",
                       hint="0 (the default) requires two calls on the same inputs to agree bit for bit")
     timeout = f.float("check.timeout", 900.0)
-    if f.has("check.timeout") and not f.has("implementation") and f.where("check.timeout")[0] != "defaults":
+    if (f.has("check.timeout") and not f.has("implementation") and not f.has("distributed")
+            and f.where("check.timeout")[0] != "defaults"):
         raise f.error("check.timeout", "applies to a scenario with an implementation (run in a process of its own, "
-                      "stopped after this many seconds)", hint="remove it, or add 'implementation: module:attribute'")
+                      "stopped after this many seconds) or distributed ranks", hint="remove it, or add "
+                      "'implementation: module:attribute'")
     return factor, slack, nondet_tol, timeout
 
 

@@ -64,6 +64,12 @@ def test_what_distributed_does_not_cover_is_refused_with_its_key(extra, key, wor
     assert str(err.value.key).endswith(key) and words in str(err.value), str(err.value)
 
 
+def test_check_timeout_applies_to_the_built_in_ring_on_its_ranks():
+    assert make(heads_q=2, n_q=6, d_head=2, distributed={"world_size": 2}, check={"timeout": 30}).timeout == 30
+    with pytest.raises(ScenarioError, match="applies to a scenario with an implementation"):
+        make(heads_q=2, n_q=6, d_head=2, check={"timeout": 30})
+
+
 def _ranks_left() -> list[str]:
     """Rank processes this test process started that are still alive (other test processes may run their own)."""
     import os
