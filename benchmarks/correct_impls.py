@@ -17,6 +17,10 @@ Torch flavour (one callable each, gradients by autograd):
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 
 
@@ -418,49 +422,18 @@ def torch_varlen(q, k, v, visible, scale, kv_map, *, cu_seqlens_q, cu_seqlens_k,
     return torch.cat(out, dim=2)
 
 
-# Context-parallel attention per rank (``distributed:``), as users write it: K and V gathered from every rank in
-# ONE all_gather (two separate ones may run in different orders on different ranks in the backward), the mask built
-# from global positions, autograd through torch.distributed.nn.functional. Its all_gather's backward on gloo
-# (torch 2.13) returns wrong gradients when the gradient reaching it is not contiguous (attn-gradcheck found it:
-# docs/distributed.md), so the gathered parts pass through an identity whose backward makes it contiguous.
+# Context-parallel attention per rank (``distributed:``), as users write it: examples/context_parallel.py's
+# all-gather attention (K and V in one all_gather, padded for uneven shards, its gradient made contiguous for
+# torch.distributed.nn.functional's gloo backward, the mask from global positions).
 
-def _contiguous_grad():
-    import torch
-
-    class ContiguousGrad(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad.contiguous()
-    return ContiguousGrad
+@functools.lru_cache(maxsize=1)
+def _context_parallel_example():
+    path = Path(__file__).resolve().parents[1] / "examples" / "context_parallel.py"
+    spec = importlib.util.spec_from_file_location("context_parallel_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def cp_allgather(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal, window_size, return_lse=False):
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.nn.functional as dnn
-    fix = _contiguous_grad()
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(lengths, torch.tensor([k.shape[2]]), group=group)  # shards may be uneven: gloo gathers
-    lengths = [int(x) for x in lengths]  # equal sizes, so every rank pads to the longest and trims after
-    pad = max(lengths) - k.shape[2]
-    kv = torch.nn.functional.pad(torch.stack([k, v]), (0, 0, 0, pad)).transpose(0, 3).contiguous()  # [n_max, ...]
-    parts = [fix.apply(x)[:n] for x, n in zip(dnn.all_gather(kv, group=group), lengths)]
-    gathered = torch.cat(parts).transpose(0, 3)  # [2, B, Hkv, n, d]
-    padded = torch.nn.functional.pad(k_positions, (0, pad), value=-1)
-    positions = torch.cat([x[:n] for x, n in zip(dnn.all_gather(padded, group=group), lengths)])
-    keys, values = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in gathered)
-    d = positions[None, :] - q_positions[:, None]  # j - i
-    ok = torch.ones(d.shape, dtype=torch.bool)
-    if causal:
-        ok &= d <= 0
-    if window_size[0] >= 0:
-        ok &= d >= -window_size[0]
-    if window_size[1] >= 0:
-        ok &= d <= window_size[1]
-    s = (softmax_scale * q @ keys.transpose(-1, -2)).masked_fill(~ok, float("-inf"))
-    o = torch.softmax(s, dim=-1) @ values
-    return (o, torch.logsumexp(s, dim=-1)) if return_lse else o
+def cp_allgather(*args, **kw):
+    return _context_parallel_example().allgather_attention(*args, **kw)

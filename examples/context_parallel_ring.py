@@ -468,18 +468,14 @@ def ulysses_attention(q, k, v, *, group, q_positions, k_positions, softmax_scale
 
 
 # =============================================================================================== BUGGY ONES
-def bug_stale_kv(q, k, v, **kw):
-    """Ring backward recomputes every step with iteration-0 (own) K/V (diffusers #14265)."""
-    return _ring(q, k, v, kw["group"], kw["q_positions"], kw["k_positions"], kw["softmax_scale"], kw["causal"],
-                 kw["window_size"], kw.get("return_lse", False), "stale_kv")
-
-
 def _ringbug(bug):
     def f(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal, window_size, return_lse=False):
         return _ring(q, k, v, group, q_positions, k_positions, softmax_scale, causal, window_size, return_lse, bug)
     return f
 
 
+# the backward recomputes every step with iteration 0's (own) K/V (diffusers #14265)
+bug_stale_kv = _ringbug("stale_kv")
 bug_local_lse = _ringbug("local_lse")            # backward P from the block's own LSE
 bug_lse_grad_dropped = _ringbug("lse_grad_dropped")  # dLSE ignored in D
 bug_dkv_not_returned = _ringbug("dkv_not_returned")  # no final rotation of dK/dV
@@ -488,32 +484,26 @@ bug_local_positions = _ringbug("local_positions")  # causal mask from local row 
 bug_scale_twice = _ringbug("scale_twice")        # dq scaled by softmax_scale twice
 
 
-def bug_zigzag_branch(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal, window_size,
-                      return_lse=False):
-    """Zigzag: 'kv first chunk' branch taken for step < rank instead of step <= rank (off by one)."""
-    return _zigzag(q, k, v, group, q_positions, k_positions, softmax_scale, causal, window_size, return_lse,
-                   "zigzag_branch")
+def _zigzagbug(bug):
+    def f(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal, window_size, return_lse=False):
+        return _zigzag(q, k, v, group, q_positions, k_positions, softmax_scale, causal, window_size, return_lse, bug)
+    return f
 
 
-def bug_zigzag_chunk(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal, window_size,
-                     return_lse=False):
-    """Zigzag: peer block's positions recomputed with second chunk 2ws-2-src (off by one)."""
-    return _zigzag(q, k, v, group, q_positions, k_positions, softmax_scale, causal, window_size, return_lse,
-                   "zigzag_chunk")
+def _ulyssesbug(bug):
+    def f(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal, window_size, return_lse=False):
+        return _ulysses(q, k, v, group, q_positions, k_positions, softmax_scale, causal, window_size, return_lse, bug)
+    return f
 
 
-def bug_ulysses_axes(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal, window_size,
-                     return_lse=False):
-    """Ulysses backward all_to_all with the head axes mixed up ([hl, ws] instead of [ws, hl])."""
-    return _ulysses(q, k, v, group, q_positions, k_positions, softmax_scale, causal, window_size, return_lse,
-                    "ulysses_axes")
-
-
-def bug_gqa_tile(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal, window_size,
-                 return_lse=False):
-    """Ulysses GQA: local KV heads tiled (h % Hkv_local) instead of grouped (h // group) (needs Hkv/ws > 1)."""
-    return _ulysses(q, k, v, group, q_positions, k_positions, softmax_scale, causal, window_size, return_lse,
-                    "gqa_tile")
+# zigzag: the 'kv first chunk' branch taken for step < rank instead of step <= rank (off by one)
+bug_zigzag_branch = _zigzagbug("zigzag_branch")
+# zigzag: a peer block's positions recomputed with its second chunk 2 ws - 2 - src (off by one)
+bug_zigzag_chunk = _zigzagbug("zigzag_chunk")
+# Ulysses: the backward all_to_all with the head axes mixed up ([hl, ws] instead of [ws, hl])
+bug_ulysses_axes = _ulyssesbug("ulysses_axes")
+# Ulysses GQA: local KV heads tiled (h % Hkv_local) instead of grouped (h // group) (needs Hkv / ws > 1)
+bug_gqa_tile = _ulyssesbug("gqa_tile")
 
 
 def bug_separate_allgathers(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal, window_size,

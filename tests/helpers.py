@@ -1,5 +1,6 @@
 """Helpers the test modules import (``from helpers import make``): tests/ is on pytest's ``pythonpath``
 (pyproject.toml), so modules in tests/ops/, tests/scenario/, ... import them the same way."""
+import re
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,16 @@ def with_examples(**keys) -> scenario.Scenario:
     """One scenario whose ``implementation`` is found in examples/ (as a YAML there would find it)."""
     keys.setdefault("name", "mine")
     return scenario.loads(yaml.safe_dump({"scenarios": [keys]}), base_dir=ROOT / "examples")[0]
+
+
+def with_code(tmp_path, source: str, function: str, **keys) -> scenario.Scenario:
+    """One scenario whose implementation is ``function`` of ``source``, written as a module of its own in
+    ``tmp_path`` (a name no other test uses), loaded as a YAML beside it would be."""
+    module = "mine_" + re.sub(r"\W", "_", tmp_path.name)
+    (tmp_path / f"{module}.py").write_text(source)
+    keys.setdefault("name", "t")
+    keys["implementation"] = f"{module}:{function}"
+    return scenario.loads(yaml.safe_dump({"scenarios": [keys]}), base_dir=tmp_path)[0]
 
 
 def random_inputs(sc, seed=0):

@@ -6,6 +6,7 @@ import subprocess
 
 import numpy as np
 import pytest
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -13,7 +14,7 @@ from gradcheck_cli import checker, masks
 from gradcheck_cli.errors import ScenarioError
 from gradcheck_cli.ops.attention.distributed import keys, sharding
 
-from helpers import ROOT, make
+from helpers import ROOT, make, with_code
 
 
 @given(n=st.integers(1, 60), ws=st.integers(1, 8), kind=st.sampled_from(sharding.SHARDINGS))
@@ -104,10 +105,9 @@ def test_the_built_in_ring_zigzag_and_ulysses_pass(distributed, extra):
 
 
 _MISBEHAVING = '''
-import os, sys, torch, torch.distributed as dist
+import os, torch, torch.distributed as dist
 
 def attention(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal, window_size):
-    how = os.environ.get("HOW", "")
     if dist.get_rank(group) == 1:
         if HOW == "raise":
             raise ValueError("rank one is unhappy")
@@ -126,13 +126,9 @@ def attention(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal
                                         ("deadlock", "rank 1 did not answer the forward")])
 def test_a_rank_that_raises_exits_or_deadlocks_is_a_failed_check_naming_it(tmp_path, how, words):
     pytest.importorskip("torch")
-    import yaml
-
-    from gradcheck_cli.scenario import loads
-    (tmp_path / "bad.py").write_text(_MISBEHAVING.replace("HOW ==", f"{how!r} =="))
-    (sc,) = loads(yaml.safe_dump({"scenarios": [{
-        "name": "bad", "backend": "torch", "implementation": "bad:attention", "heads_q": 2, "n_q": 6, "d_head": 4,
-        "distributed": {"world_size": 2}, "check": {"timeout": 20}}]}), base_dir=tmp_path)
+    sc = with_code(tmp_path, _MISBEHAVING.replace("HOW ==", f"{how!r} =="), backend="torch",
+                   function="attention", heads_q=2, n_q=6, d_head=4, distributed={"world_size": 2},
+                   check={"timeout": 20})
     result = checker.run_scenario(sc)
     assert result.verdict == "fail"
     detail = " ".join(c.detail for c in result.checks if c.verdict == "fail")
@@ -141,7 +137,7 @@ def test_a_rank_that_raises_exits_or_deadlocks_is_a_failed_check_naming_it(tmp_p
 
 
 _EXAMPLES = [(name, doc["name"]) for name in ("context_parallel.yaml", "context_parallel_ring.yaml")
-             for doc in __import__("yaml").safe_load((ROOT / "examples" / name).read_text())["scenarios"]]
+             for doc in yaml.safe_load((ROOT / "examples" / name).read_text())["scenarios"]]
 
 
 @pytest.mark.slow

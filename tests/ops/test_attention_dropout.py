@@ -11,7 +11,7 @@ from gradcheck_cli.ops.attention import copies, formulas, tiled
 from gradcheck_cli.ops.attention.stages.dropout import Dropout
 from gradcheck_cli.ops.attention.stages.sinks import Sinks
 
-from helpers import make, with_examples
+from helpers import make, with_code, with_examples
 
 
 @pytest.mark.parametrize("with_sinks", [False, True])
@@ -109,18 +109,15 @@ def test_the_keep_mask_stays_boolean_on_stacked_copies(tmp_path):
     """Code that uses the mask as a condition (torch.where, ~keep_mask) gets booleans on every call, the perturbed
     copies stacked along the batch axis included (a cold trial's false FAIL)."""
     pytest.importorskip("torch")
-    import yaml
-
-    from gradcheck_cli.scenario import loads
-    (tmp_path / "w.py").write_text(
+    sc = with_code(
+        tmp_path,
         "import torch\n"
         "def where_drop(q, k, v, visible, scale, kv_map, *, keep_mask, dropout_p):\n"
         "    assert keep_mask.dtype == torch.bool\n"
         "    s = (scale * (q @ k[:, kv_map].transpose(-1, -2))).masked_fill(~visible, float('-inf'))\n"
-        "    return torch.where(keep_mask, torch.softmax(s, -1) / (1 - dropout_p), 0.0) @ v[:, kv_map]\n")
-    (sc,) = loads(yaml.safe_dump({"scenarios": [{"name": "w", "backend": "torch", "implementation": "w:where_drop",
-                                                 "heads_q": 4, "heads_kv": 2, "n_q": 5, "n_k": 7, "d_head": 4,
-                                                 "dropout": {"p": 0.3}}]}), base_dir=tmp_path)
+        "    return torch.where(keep_mask, torch.softmax(s, -1) / (1 - dropout_p), 0.0) @ v[:, kv_map]\n",
+        backend="torch", function="where_drop", heads_q=4, heads_kv=2, n_q=5, n_k=7, d_head=4,
+        dropout={"p": 0.3})
     result = checker.run_scenario(sc)
     assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
 
@@ -155,20 +152,16 @@ def test_a_mask_drawn_wrongly_fails_the_check_that_names_it(name, failed, hint):
 
 
 def _drawn_code(tmp_path, body: str, **keys):
-    import yaml
-
-    from gradcheck_cli.scenario import loads
-    (tmp_path / "d.py").write_text(
+    return checker.run_scenario(with_code(
+        tmp_path,
         "import torch\n"
         "def f(q, k, v, visible, scale, kv_map, *, dropout_p, dropout_seed, return_lse=False):\n"
         "    g = torch.Generator().manual_seed(dropout_seed)\n"
         "    keep = torch.rand(q.shape[:-1] + (k.shape[-2],), generator=g, dtype=q.dtype) >= dropout_p\n"
         "    s = (scale * (q @ k[:, kv_map].transpose(-1, -2))).masked_fill(~visible, float('-inf'))\n"
         "    o = (torch.softmax(s, -1) * keep / (1 - dropout_p)) @ v[:, kv_map]\n"
-        "    lse = torch.logsumexp(s, -1)\n" + body)
-    (sc,) = loads(yaml.safe_dump({"scenarios": [{"name": "d", "backend": "torch", "implementation": "d:f",
-                                                 **_DRAWN, **keys}]}), base_dir=tmp_path)
-    return checker.run_scenario(sc)
+        "    lse = torch.logsumexp(s, -1)\n" + body,
+        backend="torch", function="f", **_DRAWN, **keys))
 
 
 def test_a_drawn_mask_with_the_lse_output_and_as_float_zeros_and_ones_passes(tmp_path):

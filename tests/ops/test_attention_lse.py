@@ -10,7 +10,7 @@ from gradcheck_cli.errors import ScenarioError
 from gradcheck_cli.ops.attention import copies, formulas, tiled
 from gradcheck_cli.ops.attention.stages.sinks import Sinks
 
-from helpers import make, with_examples
+from helpers import make, with_code, with_examples
 
 
 def _inputs(seed=0, b=2, h=4, hkv=2, n=5, m=9, d=4):
@@ -128,22 +128,17 @@ def test_where_the_lse_output_is_not_built_it_is_refused_with_the_key(extra, wor
 
 def _flash_style(tmp_path, lse_axes: str, **convention):
     """Torch code in FlashAttention's layout (q, k, v, o [B, n, H, d]) returning its LSE as ``lse_axes``."""
-    import yaml
-
-    from gradcheck_cli.scenario import loads
-    (tmp_path / "fa.py").write_text(
+    return checker.run_scenario(with_code(
+        tmp_path,
         "import torch\n"
         "def f(q, k, v, visible, scale, kv_map, *, return_lse=False):\n"
         "    q, k, v = (t.transpose(1, 2) for t in (q, k[:, :, kv_map], v[:, :, kv_map]))\n"
         "    s = (scale * q @ k.transpose(-1, -2)).masked_fill(~visible, float('-inf'))\n"
         "    o = (torch.softmax(s, -1) @ v).transpose(1, 2)\n"
         "    lse = torch.logsumexp(s, -1)\n"
-        f"    return (o, lse if {lse_axes!r} == 'bhn' else lse.transpose(1, 2)) if return_lse else o\n")
-    (sc,) = loads(yaml.safe_dump({"scenarios": [{
-        "name": "fa", "backend": "torch", "implementation": "fa:f", "outputs": ["o", "lse"], "heads_q": 4,
-        "heads_kv": 2, "n_q": 5, "n_k": 7, "d_head": 4, "mask": {"causal": "lower-right"},
-        "convention": {"layout": "bnhd", **convention}}]}), base_dir=tmp_path)
-    return checker.run_scenario(sc)
+        f"    return (o, lse if {lse_axes!r} == 'bhn' else lse.transpose(1, 2)) if return_lse else o\n",
+        backend="torch", function="f", outputs=["o", "lse"], heads_q=4, heads_kv=2, n_q=5, n_k=7,
+        d_head=4, mask={"causal": "lower-right"}, convention={"layout": "bnhd", **convention}))
 
 
 @pytest.mark.parametrize("lse_axes, convention", [("bhn", {}), ("bnh", {"lse_layout": "bnh"})])

@@ -15,7 +15,7 @@ from gradcheck_cli.ops.attention.stages.alibi import Alibi, geometric
 from gradcheck_cli.ops.attention.stages.sinks import Sinks
 from gradcheck_cli.ops.attention.stages.softcap import Softcap
 
-from helpers import make, with_examples
+from helpers import make, with_code, with_examples
 
 
 def _inputs(seed=0, b=2, h=4, hkv=2, n=5, m=9, d=4):
@@ -249,20 +249,15 @@ def test_the_sinks_are_passed_in_the_inputs_dtype_as_a_models_parameter_is(tmp_p
     """gpt-oss's eager form concatenates its sinks parameter (bf16 in a bf16 model) to the scores without a cast:
     the tool passes the sinks in the inputs' dtype, so that code runs as it is (torch.cat refuses mixed dtypes)."""
     pytest.importorskip("torch")
-    import yaml
-
-    from gradcheck_cli.scenario import loads
-    (tmp_path / "probe.py").write_text(
-        "import torch\n"
-        "def gpt_oss(q, k, v, visible, scale, kv_map, *, sinks):\n"
-        "    assert sinks.dtype == q.dtype, (sinks.dtype, q.dtype)\n"
-        "    s = (scale * (q @ k[:, kv_map].transpose(-1, -2))).masked_fill(~visible, float('-inf'))\n"
-        "    col = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)\n"
-        "    return torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1] @ v[:, kv_map]\n")
+    source = ("import torch\n"
+              "def gpt_oss(q, k, v, visible, scale, kv_map, *, sinks):\n"
+              "    assert sinks.dtype == q.dtype, (sinks.dtype, q.dtype)\n"
+              "    s = (scale * (q @ k[:, kv_map].transpose(-1, -2))).masked_fill(~visible, float('-inf'))\n"
+              "    col = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)\n"
+              "    return torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1] @ v[:, kv_map]\n")
     for dtype in ("bfloat16", "float16", "float32"):
-        (sc,) = loads(yaml.safe_dump({"scenarios": [{
-            "name": dtype, "backend": "torch", "implementation": "probe:gpt_oss", "dtype": dtype, "heads_q": 4,
-            "heads_kv": 2, "n_q": 4, "n_k": 6, "d_head": 4, "sinks": {"values": [0.5, -1.0, 2.0, 0.0]},
-            "mask": {"causal": "lower-right"}}]}), base_dir=tmp_path)
+        sc = with_code(tmp_path, source, name=dtype, backend="torch", function="gpt_oss", dtype=dtype,
+                       heads_q=4, heads_kv=2, n_q=4, n_k=6, d_head=4, sinks={"values": [0.5, -1.0, 2.0, 0.0]},
+                       mask={"causal": "lower-right"})
         result = checker.run_scenario(sc)
         assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]

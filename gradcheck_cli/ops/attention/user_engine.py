@@ -273,9 +273,9 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
         return out + ([] if drawn is None else drawn.checks(visible)) + flavours.compiled_rows(impl)
 
-    copy_bytes = 3 * a64.size * dt.itemsize + o.size * dt.itemsize + (k.size + v.size + q.size) * dt.itemsize
-    if ranks:  # the scores live on the ranks, a block at a time; here a copy is its inputs and output, and each
-        copy_bytes = 2 * (o.size + q.size + k.size + v.size) * dt.itemsize  # call's round trip is the cost
+    copy_bytes = (o.size + k.size + v.size + q.size) * dt.itemsize  # a copy's inputs and output
+    # its scores and weights too, here; on ranks they live there, a block at a time, and each round trip is the cost
+    copy_bytes += copy_bytes if ranks else 3 * a64.size * dt.itemsize
     return Problem(
         inputs={**inputs, **extra},
         loss=lambda name, x: np.sum(np.asarray(copies_forward(name, x), dtype=np.float64) * g_out,

@@ -2,6 +2,8 @@
 (:func:`validate`, each refusal naming its key), and the mask as FlashAttention's arguments (:func:`band`)."""
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 
 from ...registry import Fault, Param
@@ -70,7 +72,6 @@ def validate(params: dict, attention: dict) -> list:
         return []
     ws, sharding = given["world_size"], given["sharding"]
     fix = "remove distributed for this scenario"
-    import importlib.util
     if importlib.util.find_spec("torch") is None:  # the ranks run torch.distributed, whoever's code they run
         return [(KEY, "the ranks run torch.distributed, and torch is not installed",
                  "pip install 'attn-gradcheck[torch]'")]

@@ -30,16 +30,15 @@ BUILT_IN = {"contiguous": "gradcheck_cli.ops.attention.distributed.ring:ring_att
 _LIVE: dict = {}
 
 
-def _ranks(key: tuple, deadline: float) -> Ranks:
+def _ranks(key: tuple, deadline: float) -> tuple[Ranks, bool]:
+    """(the ranks for ``key``, whether they were started now)."""
     ranks = _LIVE.get(key)
-    if ranks is None or ranks.dead:
+    fresh = ranks is None or bool(ranks.dead)
+    if fresh:
         stop_all()
         ranks = _LIVE[key] = Ranks(*key, deadline)
-        ranks.fresh = True
-    else:
-        ranks.fresh = False
     ranks.deadline = deadline
-    return ranks
+    return ranks, fresh
 
 
 class Proxy:
@@ -49,8 +48,8 @@ class Proxy:
         given = keys.settings(sc)
         self.ws, self.kind = given["world_size"], given["sharding"]
         spec = sc.implementation or BUILT_IN[self.kind]
-        self.ranks = _ranks((self.ws, given["backend"], spec, str(sc.base_dir), sc.dtype, sc.device),
-                            time.monotonic() + 0.8 * sc.timeout)
+        self.ranks, fresh = _ranks((self.ws, given["backend"], spec, str(sc.base_dir), sc.dtype, sc.device),
+                                   time.monotonic() + 0.8 * sc.timeout)
         self.index = sharding.rows(sc.n_q, self.ws, self.kind)
         self.n = sc.n_q
         self.axis = 2 if sc.convention.layout == "bhnd" else 1
@@ -60,7 +59,7 @@ class Proxy:
         if sc.implementation is None and faults:
             self.base["fault"] = ",".join(faults)
         self.param_kwargs = tuple(param_kwargs)
-        self.startup_s = self.ranks.startup_s if self.ranks.fresh else 0.0
+        self.startup_s = self.ranks.startup_s if fresh else 0.0
 
     def _payloads(self, q, k, v, given: dict, backward: bool, return_lse: bool, grads: dict) -> list:
         out = []
