@@ -53,6 +53,7 @@ def test_torch_is_imported_only_where_a_scenario_asks_for_it():
     allowed = ("gradcheck_cli.ops.attention.torch_engine", "gradcheck_cli.ops.attention.overflow",
                "gradcheck_cli.flavours.torch", "gradcheck_cli.scenario",
                # the per-rank code of a distributed check: run in the rank processes only
-               "gradcheck_cli.ops.attention.distributed.rank", "gradcheck_cli.ops.attention.distributed.ring")
+               "gradcheck_cli.ops.attention.distributed.rank", "gradcheck_cli.ops.attention.distributed.ring",
+               "gradcheck_cli.ops.attention.distributed.scores")
     importers = {m for m in ext.find_modules_that_directly_import("torch") if not m.startswith(allowed)}
     assert not importers

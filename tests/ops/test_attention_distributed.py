@@ -57,7 +57,8 @@ def test_a_visible_set_that_is_not_a_band_has_none():
     ({"distributed": {"world_size": 5, "sharding": "zigzag"}}, "distributed", "leaves a rank without rows"),
     ({"check": {"mode": "jvp"}}, "distributed", "along the VJP"),
     ({"dropout": {"p": 0.1}}, "distributed", "dropout is not split over ranks"),
-    ({"distributed": {"world_size": 2, "backend": "nccl"}}, "distributed.backend", "needs device: cuda")])
+    ({"distributed": {"world_size": 2, "backend": "nccl"}}, "distributed.backend", "needs device: cuda"),
+    ({"softcap": 3.0, "alibi": {}, "stages": ["alibi", "softcap"]}, "stages", "default order")])
 def test_what_distributed_does_not_cover_is_refused_with_its_key(extra, key, words):
     doc = {"heads_q": 4, "heads_kv": 2, "n_q": 8, "d_head": 4, "distributed": {"world_size": 2}, **extra}
     with pytest.raises(ScenarioError) as err:
@@ -88,6 +89,24 @@ def test_the_built_in_ring_on_two_ranks_passes_and_a_stale_kv_backward_fails_it(
     assert "ring x2 contiguous" in sc.describe()
     failed = {c.name for c in checker.run_scenario(sc, ("cp-stale-kv",)).checks if c.verdict == "fail"}
     assert {"gradient k", "backward agrees with the reference"} <= failed, failed
+
+
+@pytest.mark.parametrize("distributed", [pytest.param({"world_size": 3, "sharding": "zigzag"}, marks=pytest.mark.slow),
+                                         {"world_size": 2, "sharding": "ulysses"}])
+def test_the_built_in_ring_and_ulysses_take_the_variants_and_sum_their_parameters_over_the_ranks(distributed):
+    """Softcap, learned ALiBi slopes and learned sinks on the ranks: the gathered output, LSE and gradients agree
+    with one process in float64; with the parameters' gradients as rank 0 holds them, those checks fail."""
+    pytest.importorskip("torch")
+    sc = make(batch=1, heads_q=4, heads_kv=2, n_q=8, d_head=4, mask={"causal": "lower-right"}, softcap=3.0,
+              alibi={"grad": True}, sinks={"grad": True}, outputs=["o", "lse"], distributed=distributed)
+    result = checker.run_scenario(sc)
+    assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
+    names = {(c.name, c.tensor) for c in result.checks}
+    assert {("gradient sinks", "sinks"), ("gradient alibi_slopes", "alibi_slopes")} <= names
+    failed = {(c.name, c.tensor) for c in checker.run_scenario(sc, ("cp-param-not-summed",)).checks
+              if c.verdict == "fail"}
+    assert {("gradient sinks", "sinks"), ("gradient alibi_slopes", "alibi_slopes")} <= failed, failed
+    assert not {t for _, t in failed} & {"q", "k", "v", "o", "lse"}, failed
 
 
 @pytest.mark.slow
@@ -136,17 +155,30 @@ def test_a_rank_that_raises_exits_or_deadlocks_is_a_failed_check_naming_it(tmp_p
     assert not _ranks_left()
 
 
-_EXAMPLES = [(name, doc["name"]) for name in ("context_parallel.yaml", "context_parallel_ring.yaml")
+_EXAMPLES = [(name, doc["name"]) for name in ("context_parallel.yaml", "context_parallel_ring.yaml",
+                                              "recipes/torch_context_parallel.yaml")
              for doc in yaml.safe_load((ROOT / "examples" / name).read_text())["scenarios"]]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path, name", _EXAMPLES, ids=[f"{p}-{n}" for p, n in _EXAMPLES])
 def test_the_per_rank_examples_pass_and_their_broken_variants_fail(path, name):
-    """Per-rank code as users write it (all-gather, ring, zigzag ring, Ulysses): mine-* pass, broken-* fail."""
+    """Per-rank code as users write it (all-gather, ring, zigzag ring, Ulysses) and torch's own ring internals (both
+    rotate methods, head-tail load balancing): the correct ones pass, broken-* fail."""
     pytest.importorskip("torch")
     from gradcheck_cli.scenario import load
     (sc,) = [sc for sc in load(ROOT / "examples" / path) if sc.name == name]
     result = checker.run_scenario(sc)
     assert result.verdict == ("fail" if name.startswith("broken-") else "pass"), \
         [(c.name, c.detail) for c in result.checks if c.verdict != "pass"]
+
+
+@pytest.mark.slow
+def test_the_public_context_parallel_recipe_is_refused_on_a_machine_without_cuda():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs it")
+    config = ROOT / "examples" / "recipes" / "torch_context_parallel_cuda.yaml"
+    out = subprocess.run(["attn-gradcheck", "run", str(config)], capture_output=True, text=True)
+    assert out.returncode == 2 and "torch sees no CUDA device" in out.stderr + out.stdout, out
+    assert "Traceback" not in out.stderr

@@ -101,6 +101,9 @@ def validate(params: dict, attention: dict) -> list:
                 return [(f"{KEY}.sharding", f"is ulysses, which splits the heads over the ranks: {key} = "
                                             f"{attention[key]} is not divisible by world_size {ws}",
                          f"a {key} divisible by {ws}")]
+    if params.get("stages") is not None and not attention.get("implementation"):
+        return [("stages", "the built-in ring applies the stages in their default order (the cap before ALiBi, the "
+                           "sinks in the normaliser)", "remove stages, or check your own per-rank code")]
     for key in ("bias", "relative_bias", "dropout", "varlen"):
         if params.get(key) is not None:
             return [(KEY, f"{key} is not split over ranks yet", f"{fix}, or remove {key}")]
@@ -154,6 +157,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "gradient v", "O rows in the range of visible V rows", "hidden K/V rows do not change O",
            "lse agrees with the reference"), forward=True,
           scenario=_on(sharding="zigzag"), backends=("numpy",)),
+    Fault("cp-param-not-summed", "a replicated parameter's gradient (the sinks, learned ALiBi slopes) taken from "
+                                 "rank 0 as it holds it, not summed over the ranks (the context-parallel group left "
+                                 "out of the gradient all-reduce)",
+          ("gradient sinks", "gradient alibi_slopes", "backward agrees with the reference"),
+          scenario=_SCENARIO + (("sinks", {"grad": True}),), backends=("numpy",)),
     Fault("cp-ulysses-order", "Ulysses: the backward all-to-all gathers its chunks in reversed rank order",
           _GRADS, scenario=_on(8, sharding="ulysses", world_size=2), backends=("numpy",)),
 )}
@@ -174,6 +182,10 @@ def why_not(sc, fault: str) -> str | None:
         want = _SHARDING_OF.get(fault)
         if want and given["sharding"] != want:
             return f"the scenario's sharding is {given['sharding']}, not {want}"
+        if fault == "cp-param-not-summed":
+            params = dict(sc.params)
+            learned = any(isinstance(params.get(key), dict) and params[key].get("grad") for key in ("sinks", "alibi"))
+            return None if learned else "no replicated parameter: the scenario learns no sinks or ALiBi slopes"
         if fault != "cp-ulysses-order" and given["sharding"] == "ulysses":
             return "Ulysses has no ring"
         return None

@@ -59,6 +59,8 @@ class Proxy:
         if sc.implementation is None and faults:
             self.base["fault"] = ",".join(faults)
         self.param_kwargs = tuple(param_kwargs)
+        # the fault of the gathering itself: a replicated parameter's gradient as one rank holds it, not summed
+        self.summed = "cp-param-not-summed" not in faults
         self.startup_s = self.ranks.startup_s if fresh else 0.0
 
     def _payloads(self, q, k, v, given: dict, backward: bool, return_lse: bool, grads: dict) -> list:
@@ -85,7 +87,8 @@ class Proxy:
             grads["grad_lse"] = (grad_lse, self.lse_axis)
         answers = self.ranks.call(self._payloads(q, k, v, given, True, grad_lse is not None, grads), what="backward")
         out = tuple(sharding.gather([a[t] for a in answers], self.index, self.axis, self.n) for t in "qkv")
-        return out + tuple(np.sum([a[p] for a in answers], axis=0) for p in self.param_kwargs)
+        return out + tuple(np.sum([a[p] for a in answers], axis=0) if self.summed else answers[0][p]
+                           for p in self.param_kwargs)
 
 
 def stop_all() -> None:

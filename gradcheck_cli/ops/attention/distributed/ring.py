@@ -7,13 +7,16 @@ its axes swapped).
 
 Both take FlashAttention's arguments: local q [B, Hq, n_r, d], k/v [B, Hkv, n_r, d] (GQA by contiguous groups),
 ``group``, ``q_positions``/``k_positions`` (the global rows of the shard), ``softmax_scale``, ``causal``,
-``window_size`` and ``return_lse``. ``fault`` switches on the named faults (comma-separated):
+``window_size`` and ``return_lse``, and the variants' ``softcap=``, ``alibi_slopes=`` (``alibi_form=``) and
+``sinks=`` (the score path in ``scores.py``; the sinks join the normaliser after the merge). ``fault`` switches on
+the named faults (comma-separated):
 
 - ``cp-stale-kv``: the backward computes every step with the rank's own K/V block (diffusers #14265);
 - ``cp-local-lse``: the backward recomputes each block's P from that block's own LSE, not the merged one;
 - ``cp-lse-grad-dropped``: the backward drops the LSE's upstream gradient (the merge's dLSE);
 - ``cp-dkv-not-returned``: dK/dV are not sent back to their owner after the last step;
 - ``cp-zigzag-chunk``: the zigzag positions of a rotated block are recomputed with the second chunk off by one;
+- ``cp-param-not-summed`` is the gathering's (``proxy.py``): the sinks' and slopes' gradients as rank 0 holds them;
 - ``cp-ulysses-order``: the Ulysses backward all-to-all puts the gathered chunks in reversed rank order.
 """
 from __future__ import annotations
@@ -21,26 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-def _allowed(q_pos, k_pos, causal: bool, window_size) -> torch.Tensor:
-    """[n_q, n_k] True where query position i sees key position j (FlashAttention's window, causal right = 0)."""
-    d = k_pos[None, :] - q_pos[:, None]  # j - i
-    ok = torch.ones(d.shape, dtype=torch.bool, device=d.device)
-    left, right = window_size
-    if causal:
-        ok &= d <= 0
-    if right >= 0:
-        ok &= d <= right
-    if left >= 0:
-        ok &= d >= -left
-    return ok
-
-
-def _scores(q, k, q_pos, k_pos, scale, causal, window_size):
-    """S [B, Hq, n_q, n_k] with the hidden entries -inf (k's heads repeated for GQA)."""
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    s = scale * q @ k.transpose(-1, -2)
-    return s.masked_fill(~_allowed(q_pos, k_pos, causal, window_size), float("-inf"))
+from .scores import Scores
 
 
 def _finite(lse):
@@ -84,7 +68,7 @@ def _zigzag_rows(n: int, ws: int, rank: int, device) -> torch.Tensor:
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, group, scale, causal, window_size, faults):
+    def forward(ctx, q, k, v, slopes, q_pos, k_pos, group, scores: Scores, faults):
         ws, rank = dist.get_world_size(group), dist.get_rank(group)
         b, h, n_r, _ = q.shape
         o = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
@@ -98,7 +82,7 @@ class _Ring(torch.autograd.Function):
                 nxt = _rotate(group, [kb, vb, pb], lengths[(rank - step - 1) % ws], (2, 2, 0))
             if zigzag_n is not None and step > 0:  # the block's positions recomputed from its owner's rank
                 pb = _zigzag_rows(zigzag_n, ws, (rank - step) % ws, q.device)
-            s = _scores(q, kb, q_pos, pb, scale, causal, window_size)
+            s, _ = scores(q, kb, q_pos, pb)
             lse_b = torch.logsumexp(s, dim=-1)
             p = torch.exp(s - _finite(lse_b)[..., None])
             o_b = p @ vb.repeat_interleave(h // vb.shape[1], dim=1)
@@ -110,13 +94,14 @@ class _Ring(torch.autograd.Function):
             if step < ws - 1:
                 kb, vb, pb = nxt
         ctx.save_for_backward(q, k, v, q_pos, k_pos, o, lse, *block_lses)
-        ctx.args = (group, scale, causal, window_size, faults, zigzag_n, lengths)
+        ctx.args = (group, scores, faults, zigzag_n, lengths)
         return o, lse
 
     @staticmethod
     def backward(ctx, grad_o, grad_lse):
         q, k, v, q_pos, k_pos, o, lse, *block_lses = ctx.saved_tensors
-        group, scale, causal, window_size, faults, zigzag_n, lengths = ctx.args
+        group, scores, faults, zigzag_n, lengths = ctx.args
+        scale = scores.scale
         ws, rank = dist.get_world_size(group), dist.get_rank(group)
         h, h_kv = q.shape[1], k.shape[1]
         rep = h // h_kv
@@ -124,18 +109,22 @@ class _Ring(torch.autograd.Function):
             grad_lse = torch.zeros_like(lse)
         d_row = (grad_o * o).sum(-1) - grad_lse  # dS = P (dP - D + G_L)
         dq = torch.zeros_like(q)
+        dm = 0
         kb, vb, pb = k, v, k_pos
         dkb, dvb = torch.zeros_like(k), torch.zeros_like(v)
         for step in range(ws):
             kc, vc, pc = (k, v, k_pos) if "cp-stale-kv" in faults else (kb, vb, pb)
             if zigzag_n is not None and step > 0:
                 pc = _zigzag_rows(zigzag_n, ws, (rank - step) % ws, q.device)
-            s = _scores(q, kc, q_pos, pc, scale, causal, window_size)
+            s, t = scores(q, kc, q_pos, pc)
             ref = block_lses[step] if "cp-local-lse" in faults else lse
             p = torch.exp(s - _finite(ref)[..., None])
             v_rep = vc.repeat_interleave(rep, dim=1)
             dp = grad_o @ v_rep.transpose(-1, -2)
-            ds = p * (dp - d_row[..., None])
+            ds = p * (dp - d_row[..., None])  # at the softmax's input
+            if scores.slopes is not None:
+                dm = dm + scores.slope_grad(ds, q_pos, pc)
+            ds = scores.raw(ds, t)
             dq = dq + scale * ds @ kc.repeat_interleave(rep, dim=1)
             dk_blk = (scale * ds.transpose(-1, -2) @ q).unflatten(1, (h_kv, rep)).sum(2)
             dv_blk = (p.transpose(-1, -2) @ grad_o).unflatten(1, (h_kv, rep)).sum(2)
@@ -151,14 +140,26 @@ class _Ring(torch.autograd.Function):
             dkb, dvb = _rotate(group, [dkb, dvb], lengths[rank], (2, 2))
         elif ws > 1 and dkb.shape != k.shape:  # kept by the wrong rank: shaped as this rank's, the rest lost
             dkb, dvb = (torch.zeros_like(x) for x in (k, v))
-        return dq, dkb, dvb, None, None, None, None, None, None, None
+        dm = dm if ctx.needs_input_grad[3] else None
+        return dq, dkb, dvb, dm, None, None, None, None, None
+
+
+def _with_sinks(o, lse, sinks):
+    """The sinks joined to each row's normaliser after the merge: L = logaddexp(LSE, s_h), O scaled by exp(LSE - L)
+    (autograd carries the gradients back into the ring's O and LSE, and to the sinks)."""
+    if sinks is None:
+        return o, lse
+    total = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None].expand_as(lse))
+    return o * torch.exp(lse - total)[..., None], total
 
 
 def ring_attention(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal, window_size,
-                   return_lse=False, fault=""):
+                   return_lse=False, softcap=None, alibi_slopes=None, alibi_form="distance", sinks=None, fault=""):
     """Ring attention on this rank's shard (contiguous or zigzag: the positions say which rows it holds)."""
     faults = tuple(f for f in fault.split(",") if f)
-    o, lse = _Ring.apply(q, k, v, q_positions, k_positions, group, softmax_scale, causal, tuple(window_size), faults)
+    scores = Scores(softmax_scale, causal, window_size, softcap, alibi_slopes, alibi_form == "column")
+    o, lse = _Ring.apply(q, k, v, alibi_slopes, q_positions, k_positions, group, scores, faults)
+    o, lse = _with_sinks(o, lse, sinks)
     return (o, lse) if return_lse else o
 
 
@@ -199,7 +200,7 @@ def _all_to_all(x, group, scatter: int, gather: int, reverse: bool = False):
 
 
 def ulysses_attention(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal, window_size,
-                      return_lse=False, fault=""):
+                      return_lse=False, softcap=None, alibi_slopes=None, alibi_form="distance", sinks=None, fault=""):
     """Ulysses: [B, H, n_r, d] -> [B, H / ws, n, d] by an all-to-all, attention over the whole sequence with this
     rank's heads, and the inverse all-to-all."""
     wrong = "cp-ulysses-order" in fault
@@ -210,9 +211,13 @@ def ulysses_attention(q, k, v, *, group, q_positions, k_positions, softmax_scale
     dist.all_gather(every, padded, group=group)
     pos = torch.cat([x[:n] for x, n in zip(every, lengths)])
     qh, kh, vh = (_AllToAll.apply(x, group, 1, 2, wrong) for x in (q, k, v))
-    s = _scores(qh, kh, pos, pos, softmax_scale, causal, tuple(window_size))
+    mine = torch.arange(q.shape[1], device=q.device).tensor_split(dist.get_world_size(group))[dist.get_rank(group)]
+    scores = Scores(softmax_scale, causal, window_size, softcap, alibi_slopes, alibi_form == "column")
+    s, _ = scores(qh, kh, pos, pos, None if alibi_slopes is None else alibi_slopes[mine])
     lse = torch.logsumexp(s, dim=-1)
-    o = torch.softmax(s, dim=-1) @ vh.repeat_interleave(qh.shape[1] // vh.shape[1], dim=1)
+    if sinks is not None:  # this rank's heads' sinks in the normaliser (autograd gives their gradient)
+        lse = torch.logaddexp(lse, sinks[mine].to(s.dtype)[:, None].expand_as(lse))
+    o = torch.exp(s - lse[..., None]) @ vh.repeat_interleave(qh.shape[1] // vh.shape[1], dim=1)
     o = _AllToAll.apply(o, group, 2, 1, wrong)
     if not return_lse:
         return o
