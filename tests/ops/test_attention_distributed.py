@@ -14,7 +14,7 @@ from gradcheck_cli import checker, masks
 from gradcheck_cli.errors import ScenarioError
 from gradcheck_cli.ops.attention.distributed import keys, sharding
 
-from helpers import ROOT, make, with_code
+from helpers import ROOT, make, with_code, with_examples
 
 
 @given(n=st.integers(1, 60), ws=st.integers(1, 8), kind=st.sampled_from(sharding.SHARDINGS))
@@ -58,11 +58,16 @@ def test_a_visible_set_that_is_not_a_band_has_none():
     ({"check": {"mode": "jvp"}}, "distributed", "along the VJP"),
     ({"dropout": {"p": 0.1}}, "distributed", "dropout is not split over ranks"),
     ({"distributed": {"world_size": 2, "backend": "nccl"}}, "distributed.backend", "needs device: cuda"),
-    ({"softcap": 3.0, "alibi": {}, "stages": ["alibi", "softcap"]}, "stages", "default order")])
+    ({"softcap": 3.0, "alibi": {}, "stages": ["alibi", "softcap"]}, "stages", "default order"),
+    ({"backend": "jax", "implementation": "context_parallel_jax:ring_attention", "n_q": 9,
+      "distributed": {"world_size": 2}}, "distributed", "not divisible by 2"),
+    ({"backend": "jax", "implementation": "context_parallel_jax:ring_attention",
+      "distributed": {"world_size": 2, "sharding": "zigzag", "backend": "nccl"}}, "distributed.backend",
+     "jax.shard_map")])
 def test_what_distributed_does_not_cover_is_refused_with_its_key(extra, key, words):
     doc = {"heads_q": 4, "heads_kv": 2, "n_q": 8, "d_head": 4, "distributed": {"world_size": 2}, **extra}
     with pytest.raises(ScenarioError) as err:
-        make(**doc)
+        with_examples(**doc)
     assert str(err.value.key).endswith(key) and words in str(err.value), str(err.value)
 
 
@@ -107,6 +112,20 @@ def test_the_built_in_ring_and_ulysses_take_the_variants_and_sum_their_parameter
               if c.verdict == "fail"}
     assert {("gradient sinks", "sinks"), ("gradient alibi_slopes", "alibi_slopes")} <= failed, failed
     assert not {t for _, t in failed} & {"q", "k", "v", "o", "lse"}, failed
+
+
+def test_jax_per_shard_code_runs_under_shard_map_and_a_hand_written_ring_backward_that_keeps_dkv_fails(tmp_path):
+    """JAX: one process holding world_size emulated devices; the sinks' cotangent summed over the devices by JAX."""
+    pytest.importorskip("jax")
+    from gradcheck_cli.scenario import load
+    scenarios = {sc.name: sc for sc in load(ROOT / "examples" / "context_parallel_jax.yaml")}
+    result = checker.run_scenario(scenarios["mine-allgather-sinks-float32"])
+    assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
+    assert {"gradient sinks", "lse agrees with the reference"} <= {c.name for c in result.checks}
+    broken = checker.run_scenario(scenarios["broken-ring-vjp-dkv-not-home"])
+    failed = {c.name for c in broken.checks if c.verdict == "fail"}
+    assert {"gradient k", "gradient v"} <= failed and "gradient q" not in failed, failed
+    assert any("sends each K/V block's accumulated dK/dV home" in h for h in broken.hints), broken.hints
 
 
 @pytest.mark.slow
@@ -156,7 +175,7 @@ def test_a_rank_that_raises_exits_or_deadlocks_is_a_failed_check_naming_it(tmp_p
 
 
 _EXAMPLES = [(name, doc["name"]) for name in ("context_parallel.yaml", "context_parallel_ring.yaml",
-                                              "recipes/torch_context_parallel.yaml")
+                                              "recipes/torch_context_parallel.yaml", "context_parallel_jax.yaml")
              for doc in yaml.safe_load((ROOT / "examples" / name).read_text())["scenarios"]]
 
 
@@ -164,8 +183,9 @@ _EXAMPLES = [(name, doc["name"]) for name in ("context_parallel.yaml", "context_
 @pytest.mark.parametrize("path, name", _EXAMPLES, ids=[f"{p}-{n}" for p, n in _EXAMPLES])
 def test_the_per_rank_examples_pass_and_their_broken_variants_fail(path, name):
     """Per-rank code as users write it (all-gather, ring, zigzag ring, Ulysses) and torch's own ring internals (both
-    rotate methods, head-tail load balancing): the correct ones pass, broken-* fail."""
-    pytest.importorskip("torch")
+    rotate methods, head-tail load balancing), and JAX per-shard code under shard_map: the correct ones pass,
+    broken-* fail."""
+    pytest.importorskip("jax" if "jax" in path else "torch")
     from gradcheck_cli.scenario import load
     (sc,) = [sc for sc in load(ROOT / "examples" / path) if sc.name == name]
     result = checker.run_scenario(sc)

@@ -23,9 +23,10 @@ PARAM = Param("mapping", None, "context-parallel attention on real ranks: your p
                       ("backend", Param("choice", "gloo", "gloo (CPU) or nccl (device: cuda)", choices=BACKENDS))))
 
 #: What distributed checks do not cover yet (``attn-gradcheck ops``; ``validate`` refuses it with the key).
-LIMIT = ("distributed: torch per-rank code (or the built-in ring) in float64 and float32 along the VJP, self-attention "
-         "(n_q = n_k) with a causal mask and/or a window: not yet JAX shard_map code, half precision, JVP/HVP, "
-         "padding (key_lengths), packed batches, a bias, T5's bias or dropout")
+LIMIT = ("distributed: torch per-rank code (or the built-in ring) and JAX per-shard code under shard_map (equal "
+         "shards) in float64 and float32 along the VJP, self-attention (n_q = n_k) with a causal mask and/or a "
+         "window: not yet half precision, JVP/HVP, padding (key_lengths), packed batches, a bias, T5's bias or "
+         "dropout")
 
 
 def settings(sc_or_params) -> dict | None:
@@ -72,14 +73,19 @@ def validate(params: dict, attention: dict) -> list:
         return []
     ws, sharding = given["world_size"], given["sharding"]
     fix = "remove distributed for this scenario"
-    if importlib.util.find_spec("torch") is None:  # the ranks run torch.distributed, whoever's code they run
+    jax = bool(attention.get("implementation")) and attention["backend"] == "jax"
+    if not jax and importlib.util.find_spec("torch") is None:  # the ranks run torch.distributed
         return [(KEY, "the ranks run torch.distributed, and torch is not installed",
                  "pip install 'attn-gradcheck[torch]'")]
     if ws < 1 or ws > 16:
         return [(f"{KEY}.world_size", f"is {ws}; between 1 and 16 ranks", "e.g. world_size: 2")]
-    if attention.get("implementation") and attention["backend"] != "torch":
-        return [(KEY, f"checks torch per-rank code (backend: torch), not backend {attention['backend']} yet",
-                 "backend: torch, or remove implementation to check the built-in ring")]
+    if attention.get("implementation") and attention["backend"] not in ("torch", "jax"):
+        return [(KEY, f"checks per-rank torch code or per-shard JAX code, not backend {attention['backend']}",
+                 "backend: torch or jax, or remove implementation to check the built-in ring")]
+    if jax:
+        refused = _jax_refusal(given, params, attention)
+        if refused:
+            return [refused]
     if attention["mode"] in ("jvp", "hvp"):
         return [(KEY, f"distributed attention is checked along the VJP, not check.mode {attention['mode']} yet", fix)]
     if attention["dtype"] in ("float16", "bfloat16"):
@@ -126,6 +132,22 @@ def validate(params: dict, attention: dict) -> list:
                                "softmax_scale= always: only convention.layout and lse_layout apply",
                  "remove convention.mask, mask_heads and scale")]
     return []
+
+
+def _jax_refusal(given: dict, params: dict, attention: dict) -> tuple | None:
+    """What JAX code under shard_map cannot be given: shards of different lengths, a torch backend, a GPU."""
+    ws, n = given["world_size"], attention.get("n_q")
+    if given["backend"] == "nccl":
+        return (f"{KEY}.backend", "nccl applies to torch ranks; JAX code runs under jax.shard_map over XLA devices",
+                "remove distributed.backend")
+    if attention.get("device", "cpu") != "cpu":
+        return (KEY, "JAX code is checked on emulated CPU devices here, not on GPUs yet", "device: cpu")
+    chunks = 2 * ws if given["sharding"] == "zigzag" else ws
+    if n is not None and n % chunks:
+        return (KEY, f"jax.shard_map splits the sequence into equal shards: n_q = {n} is not divisible by {chunks}"
+                     + (" (2 x world_size zigzag chunks)" if given["sharding"] == "zigzag" else ""),
+                f"n_q = {n - n % chunks or chunks}")
+    return None
 
 
 def _on(n: int = 9, **given) -> tuple:

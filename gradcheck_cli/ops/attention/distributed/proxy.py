@@ -48,9 +48,13 @@ class Proxy:
         given = keys.settings(sc)
         self.ws, self.kind = given["world_size"], given["sharding"]
         spec = sc.implementation or BUILT_IN[self.kind]
-        self.ranks, fresh = _ranks((self.ws, given["backend"], spec, str(sc.base_dir), sc.dtype, sc.device),
-                                   time.monotonic() + 0.8 * sc.timeout)
+        # JAX code: one process holding world_size devices, the rows in rank order along one sharded axis
+        self.jax = sc.implementation is not None and sc.backend == "jax"
+        self.ranks, fresh = _ranks((self.ws, "jax" if self.jax else given["backend"], spec, str(sc.base_dir),
+                                    sc.dtype, sc.device), time.monotonic() + 0.8 * sc.timeout)
         self.index = sharding.rows(sc.n_q, self.ws, self.kind)
+        if self.jax:
+            self.index = [np.concatenate(self.index)]
         self.n = sc.n_q
         self.axis = 2 if sc.convention.layout == "bhnd" else 1
         self.lse_axis = 2 if sc.convention.lse_layout == "bhn" else 1
@@ -72,6 +76,10 @@ class Proxy:
             out.append({**part, "backward": backward, "return_lse": return_lse,
                         "params": self.param_kwargs if backward else (),
                         "kwargs": {**self.base, **given, "q_positions": idx, "k_positions": idx}})
+        if self.jax:  # the positions a sharded input, the arrays' axes named
+            kwargs = out[0].pop("kwargs")
+            out[0].update(positions=kwargs.pop("q_positions"), axis=self.axis, lse_axis=self.lse_axis,
+                          kwargs={k: x for k, x in kwargs.items() if k != "k_positions"})
         return out
 
     def forward(self, q, k, v, visible, scale, kv_map, return_lse: bool = False, **given):

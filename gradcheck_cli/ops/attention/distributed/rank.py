@@ -14,7 +14,9 @@ def _describe(exc: BaseException) -> str:
         return f"called sys.exit({exc.code!r})"
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if "gradcheck_cli" not in f.filename]
     where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    return f"{type(exc).__name__}: {exc}{where}"
+    lines = str(exc).strip().splitlines() or [""]
+    more = " (...)" if len(lines) > 1 else ""  # JAX's errors run to pages: their first line says what
+    return f"{type(exc).__name__}: {lines[0]}{more}{where}"
 
 
 def _start(config: dict):
@@ -75,26 +77,35 @@ def _run(fn, group, call: dict, device: str) -> dict:
     return out
 
 
-def main(fd: int, rank: int) -> None:
+def serve(fd: int, start, run) -> bool:
+    """Answer the tool on connection ``fd``: the first message is the configuration (``start(config)`` -> state),
+    each later one a call (``run(state, call)`` -> answer), None the end. Whatever raises goes back as text.
+    False when the tool went away."""
     conn = Connection(fd)
-    fn = group = None
-    device = "cpu"
+    state = None
     while True:
         try:
             message = conn.recv()
         except EOFError:
-            return
+            return False
         if message is None:
-            break
+            return True
         try:
-            if fn is None:  # the first message: the configuration
-                device = message["device"]
-                fn, group = _start({**message, "rank": rank})
+            if state is None:
+                state = start(message)
                 conn.send(("ok", None))
                 continue
-            conn.send(("ok", _run(fn, group, message, device)))
+            conn.send(("ok", run(state, message)))
         except BaseException as exc:  # noqa: BLE001 -- whatever the code raises goes back to the tool as text
             conn.send(("error", _describe(exc)))
+
+
+def main(fd: int, rank: int) -> None:
+    def start(config):
+        return (*_start({**config, "rank": rank}), config["device"])
+
+    if not serve(fd, start, lambda state, call: _run(state[0], state[1], call, state[2])):
+        return
     try:
         import torch.distributed as dist
         if dist.is_initialized():

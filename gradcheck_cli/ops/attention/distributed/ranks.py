@@ -21,8 +21,9 @@ from multiprocessing.connection import wait
 
 from ....implementation import ImplementationFailure
 
-#: The module each rank runs.
+#: The module each rank runs (torch.distributed), and the one process of JAX code under shard_map.
 RANK_MODULE = "gradcheck_cli.ops.attention.distributed.rank"
+JAX_MODULE = "gradcheck_cli.ops.attention.distributed.jax_host"
 #: How often the tool looks at ranks that have not answered (seconds).
 POLL_S = 0.05
 
@@ -36,7 +37,17 @@ class Ranks:
 
     def __init__(self, world_size: int, backend: str, spec: str, base_dir: str, dtype: str, device: str,
                  deadline: float):
-        self.world_size, self.deadline = world_size, deadline
+        """``backend`` gloo or nccl: ``world_size`` processes of torch.distributed; jax: one process holding
+        ``world_size`` devices (:mod:`.jax_host`; on the CPU, emulated by XLA)."""
+        self.deadline = deadline
+        processes, module, extra = world_size, RANK_MODULE, {}
+        if backend == "jax":
+            processes, module = 1, JAX_MODULE
+            extra = {"JAX_ENABLE_X64": "1", "XLA_FLAGS": " ".join(
+                [os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={world_size}"]).strip()}
+            if device == "cpu":
+                extra["JAX_PLATFORMS"] = "cpu"
+        self.world_size = processes
         self.folder = tempfile.mkdtemp(prefix="attn-gradcheck-ranks-")
         self.procs: list[subprocess.Popen] = []
         self._lock = threading.RLock()
@@ -44,13 +55,13 @@ class Ranks:
         self.dead: str | None = None
         started = time.perf_counter()
         env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **extra}
         try:
-            for r in range(world_size):
+            for r in range(processes):
                 mine, theirs = multiprocessing.Pipe()
                 with open(os.path.join(self.folder, f"rank{r}.err"), "wb") as err:
                     self.procs.append(subprocess.Popen(
-                        [sys.executable, "-m", RANK_MODULE, str(theirs.fileno()), str(r)],
+                        [sys.executable, "-m", module, str(theirs.fileno()), str(r)],
                         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                         pass_fds=(theirs.fileno(),)))
                 theirs.close()
@@ -58,7 +69,7 @@ class Ranks:
             config = {"world_size": world_size, "backend": backend, "spec": spec, "base_dir": base_dir,
                       "dtype": dtype, "device": device, "store": os.path.join(self.folder, "store"),
                       "timeout": max(1.0, deadline - time.monotonic())}
-            self._call([config] * world_size, what="start-up")
+            self._call([config] * processes, what="start-up")
         except BaseException:
             self.stop()
             raise
