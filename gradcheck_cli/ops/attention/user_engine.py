@@ -271,6 +271,10 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
                 (g, dk, dv), sc.documents, _sink_weight(inputs, args), dropout)
         except implementation.ImplementationFailure as exc:
             out = [deterministic] + agree + [implementation.failure_check("invariants", exc)]
+        if ranks:  # the gathered result against the same code's on one rank
+            from .distributed.invariants import one_rank_checks
+            out += one_rank_checks(sc, faults, results, ref, {t: rule.ulps * rule.eps * terms[t] for t in results},
+                                   build)
         return out + ([] if drawn is None else drawn.checks(visible)) + flavours.compiled_rows(impl)
 
     copy_bytes = (o.size + k.size + v.size + q.size) * dt.itemsize  # a copy's inputs and output

@@ -10,11 +10,41 @@ from . import keys, sharding
 WRONG = 1e-3
 
 
-def rank_hints(sc, context, failed: set[str], forward_wrong: bool) -> list[str]:
-    """The ranks whose rows of O, dQ, dK, dV are wrong (where some are right), and a known mistake's fingerprint."""
+def rank_hints(sc, context, failed: set[str], forward_wrong: bool, checks=()) -> list[str]:
+    """Where the bug lives (the same code on one rank right or wrong), the ranks whose rows of O, dQ, dK, dV are
+    wrong (where some are right), and a known mistake's fingerprint."""
     given = keys.settings(sc)
     if given is None or context is None:
         return []
+    ws = given["world_size"]
+    where = _where(checks, ws)
+    if where:
+        return [where, *_rows_and_fingerprints(sc, context, failed, forward_wrong, given)]
+    return _rows_and_fingerprints(sc, context, failed, forward_wrong, given)
+
+
+def _where(checks, ws: int) -> str | None:
+    """On one rank right and on several wrong: the exchange; on one rank just as wrong: the attention itself."""
+    one = [c for c in checks if c.name == keys.ONE_RANK]
+    if not one:
+        return None
+    differ = [c for c in one if c.verdict == "fail"]
+    wrong = any(c.verdict == "fail" and c.name in ("forward agrees with the reference",
+                                                   "backward agrees with the reference",
+                                                   "lse agrees with the reference") for c in checks)
+    if differ and all(c.facts.get("one_rank_right") for c in differ):
+        names = ", ".join("O" if c.tensor == "o" else "the LSE" if c.tensor == "lse" else "d" + c.tensor.upper()
+                          if len(c.tensor) == 1 else "d" + c.tensor for c in differ)
+        return (f"the same code on one rank is right, on {ws} ranks it is not ({names}): the bug is in what the ranks "
+                "exchange or how their parts merge (the rotation and its direction, the LSE merge, dK/dV sent home, "
+                "a rotated block's positions, a collective's axes), not in the attention of one block")
+    if not differ and wrong:
+        return ("the same code gives the same wrong result on one rank (distributed: {world_size: 1}): the bug is in "
+                "the attention itself, not in what the ranks exchange")
+    return None
+
+
+def _rows_and_fingerprints(sc, context, failed: set[str], forward_wrong: bool, given: dict) -> list[str]:
     ws = given["world_size"]
     rows = sharding.rows(sc.n_q, ws, given["sharding"])
     pairs = {t: (context.gradients[t], context.reference_gradients[t]) for t in "qkv" if t in failed}

@@ -26,7 +26,7 @@ BUILT_IN = {"contiguous": "gradcheck_cli.ops.attention.distributed.ring:ring_att
 
 #: The ranks of this process by what they run (world size, backend, the code, its folder, dtype, device): started
 #: once and reused by every build of the scenario (its negative controls pass their fault with each call); ranks of
-#: other settings are stopped first, and all of them at exit.
+#: other code or settings are stopped first (other world sizes of the same code are kept), and all of them at exit.
 _LIVE: dict = {}
 
 
@@ -34,8 +34,10 @@ def _ranks(key: tuple, deadline: float) -> tuple[Ranks, bool]:
     """(the ranks for ``key``, whether they were started now)."""
     ranks = _LIVE.get(key)
     fresh = ranks is None or bool(ranks.dead)
-    if fresh:
-        stop_all()
+    if fresh:  # ranks of other code or settings stopped; the same code on another world size kept (one rank's
+        # answers are an invariant of every distributed scenario)
+        for other in [k for k in _LIVE if k[1:] != key[1:] or k == key]:
+            _LIVE.pop(other).stop()
         ranks = _LIVE[key] = Ranks(*key, deadline)
     ranks.deadline = deadline
     return ranks, fresh

@@ -202,7 +202,7 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                        "misapplies the visible set (e.g. recomputes A without it)")
         lse_hints = _lse_hints(sc, context, kv_map, failed, broken) if context is not None else []
         out.extend(lse_hints)
-        out.extend(rank_hints(sc, context, failed, forward_wrong))
+        out.extend(rank_hints(sc, context, failed, forward_wrong, checks))
         sink_backward = _sink_backward(sc, context, kv_map, failed) if context is not None else None
         if not sink_backward and context is not None:
             sink_backward = _stage_faults(sc, context, kv_map, failed)
