@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -26,6 +27,10 @@ import numpy as np
 import yaml
 
 HERE = Path(__file__).resolve().parent
+
+
+def _has_jax() -> bool:
+    return importlib.util.find_spec("jax") is not None
 
 
 def _has_torch() -> bool:
@@ -284,17 +289,29 @@ IMPLS = {"impl/numpy-einsum": "correct_impls:einsum", "impl/numpy-flash": "corre
 
 
 def distributed_categories(with_torch: bool) -> list[tuple[str, float]]:
-    """``--distributed``: context-parallel attention on real ranks: the built-in ring, zigzag ring and Ulysses, and a
-    per-rank all-gather attention written as users write it (correct_impls.cp_allgather)."""
-    if not with_torch:
-        return []
-    cats = [("cp/ring", 0.3), ("cp/zigzag", 0.25), ("cp/ulysses", 0.2), ("cp/impl/allgather", 0.25)]
+    """``--distributed``: context-parallel attention on real ranks: the built-in ring, zigzag ring and Ulysses (with
+    softcap, ALiBi and learned sinks drawn in), a per-rank all-gather attention written as users write it
+    (correct_impls.cp_allgather), and JAX per-shard code under shard_map (examples/context_parallel_jax.py)."""
+    cats = []
+    if with_torch:
+        cats += [("cp/ring", 0.17), ("cp/zigzag", 0.14), ("cp/ulysses", 0.12), ("cp/per-document", 0.08),
+                 ("cp/impl/allgather", 0.14)]
+    if _has_jax():
+        cats += [("cp/jax/ring", 0.08), ("cp/jax/ring-vjp", 0.1), ("cp/jax/allgather", 0.09), ("cp/jax/ulysses", 0.08)]
     return cats
 
 
+_JAX_CP = {"cp/jax/ring": "cp_jax_ring", "cp/jax/ring-vjp": "cp_jax_ring_vjp", "cp/jax/allgather": "cp_jax_allgather",
+           "cp/jax/ulysses": "cp_jax_ulysses"}
+
+
 def draw_distributed(rng, category: str) -> dict:
-    kind = category.split("/")[1] if not category.startswith("cp/impl") else str(rng.choice(
-        ["contiguous", "zigzag"]))
+    jax = category in _JAX_CP
+    if jax:
+        kind = "ulysses" if category == "cp/jax/ulysses" else str(rng.choice(["contiguous", "zigzag"]))
+    else:
+        kind = category.split("/")[1] if not category.startswith("cp/impl") else str(rng.choice(
+            ["contiguous", "zigzag"]))
     sharding = {"ring": "contiguous"}.get(kind, kind)
     ws = int(rng.choice([1, 2, 2, 3, 3, 4]))
     if sharding == "ulysses":
@@ -305,6 +322,14 @@ def draw_distributed(rng, category: str) -> dict:
         heads_q = heads_kv * int(rng.choice([1, 2, 3]))
     least = 2 * ws if sharding == "zigzag" else ws
     n = int(rng.integers(max(least, 2), 21))
+    if jax:  # shard_map: equal shards
+        n = least * int(rng.integers(max(1, -(-2 // least)), 20 // least + 1))
+    documents = None
+    if sharding == "per-document":  # a packed batch: one document long enough to give every rank rows
+        documents = [int(rng.integers(2 * ws, 2 * ws + 8))] + [int(x) for x in rng.integers(1, 9,
+                                                                                           int(rng.integers(0, 3)))]
+        rng.shuffle(documents)
+        n = sum(documents)
     mask = {"causal": str(rng.choice(["lower-right", "upper-left"])) if rng.random() < 0.7 else None}
     if rng.random() < 0.3:
         mask["window"] = [int(rng.integers(0, n)), 0 if mask["causal"] else int(rng.integers(0, n))]
@@ -316,8 +341,22 @@ def draw_distributed(rng, category: str) -> dict:
         doc["outputs"] = ["o", "lse"]
     if rng.random() < 0.3:
         doc["scale"] = float(np.round(rng.uniform(0.05, 2.0), 4))
+    if documents is not None:
+        doc.update(batch=1, varlen={"seqlens_q": documents})
+        del doc["n_q"], doc["n_k"]
     if category.startswith("cp/impl"):
         doc.update(backend="torch", implementation="correct_impls:cp_allgather")
+    elif jax:
+        doc.update(backend="jax", implementation=f"correct_impls:{_JAX_CP[category]}")
+        if category == "cp/jax/allgather" and rng.random() < 0.4:
+            doc["sinks"] = {"grad": bool(rng.random() < 0.7)}
+    else:  # the built-in ring and Ulysses take the variants (their parameters replicated on every rank)
+        if rng.random() < 0.25:
+            doc["softcap"] = float(np.round(rng.uniform(1.0, 20.0), 2))
+        if rng.random() < 0.25:
+            doc["alibi"] = {"grad": bool(rng.random() < 0.6), "form": str(rng.choice(["distance", "column"]))}
+        if rng.random() < 0.25:
+            doc["sinks"] = {"grad": bool(rng.random() < 0.7)}
     return doc
 
 

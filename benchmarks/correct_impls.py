@@ -119,10 +119,9 @@ def torch_plain(q, k, v, visible, scale, kv_map):
     return s.softmax(dim=-1) @ v_rep
 
 
+@functools.cache
 def _example(file: str, name: str):
     """Attribute ``name`` of examples/``file``, imported once under a name of its own."""
-    import importlib.util
-    from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "examples" / file
     spec = importlib.util.spec_from_file_location(f"_example_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
@@ -426,14 +425,25 @@ def torch_varlen(q, k, v, visible, scale, kv_map, *, cu_seqlens_q, cu_seqlens_k,
 # all-gather attention (K and V in one all_gather, padded for uneven shards, its gradient made contiguous for
 # torch.distributed.nn.functional's gloo backward, the mask from global positions).
 
-@functools.lru_cache(maxsize=1)
-def _context_parallel_example():
-    path = Path(__file__).resolve().parents[1] / "examples" / "context_parallel.py"
-    spec = importlib.util.spec_from_file_location("context_parallel_example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def cp_allgather(*args, **kw):
-    return _context_parallel_example().allgather_attention(*args, **kw)
+    return _example("context_parallel.py", "allgather_attention")(*args, **kw)
+
+
+def cp_jax_ring(*args, **kw):
+    """JAX per-shard code under shard_map: a ppermute ring differentiated by JAX."""
+    return _example("context_parallel_jax.py", "ring_attention")(*args, **kw)
+
+
+def cp_jax_ring_vjp(*args, **kw):
+    """The same ring with a hand-written two-ring backward (jax.custom_vjp)."""
+    return _example("context_parallel_jax.py", "ring_attention_vjp")(*args, **kw)
+
+
+def cp_jax_allgather(*args, **kw):
+    """lax.all_gather of K/V (takes sinks=)."""
+    return _example("context_parallel_jax.py", "allgather_attention")(*args, **kw)
+
+
+def cp_jax_ulysses(*args, **kw):
+    """lax.all_to_all to head-sharded and back."""
+    return _example("context_parallel_jax.py", "ulysses_attention")(*args, **kw)

@@ -17,9 +17,11 @@ from gradcheck_cli.ops.attention.distributed import keys, sharding
 from helpers import ROOT, make, with_code, with_examples
 
 
-@given(n=st.integers(1, 60), ws=st.integers(1, 8), kind=st.sampled_from(sharding.SHARDINGS))
-def test_every_row_is_held_by_exactly_one_rank_and_gather_undoes_shard(n, ws, kind):
-    rows = sharding.rows(n, ws, kind)
+@given(lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4), ws=st.integers(1, 8),
+       kind=st.sampled_from(sharding.SHARDINGS))
+def test_every_row_is_held_by_exactly_one_rank_and_gather_undoes_shard(lengths, ws, kind):
+    n, cu = sum(lengths), np.concatenate([[0], np.cumsum(lengths)])
+    rows = sharding.rows(n, ws, kind, cu)
     assert len(rows) == ws
     assert sorted(np.concatenate(rows).tolist()) == list(range(n))
     x = np.random.default_rng(n).standard_normal((2, 3, n, 4))
@@ -29,6 +31,9 @@ def test_every_row_is_held_by_exactly_one_rank_and_gather_undoes_shard(n, ws, ki
 
 def test_zigzag_gives_rank_r_chunks_r_and_2ws_minus_1_minus_r():
     assert [r.tolist() for r in sharding.rows(8, 2, "zigzag")] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    # per document: each document's own 2 ws chunks (documents of 8 and 3 rows, the second one too short for all)
+    assert [r.tolist() for r in sharding.rows(11, 2, "per-document", [0, 8, 11])] == [[0, 1, 6, 7, 8],
+                                                                                      [2, 3, 4, 5, 9, 10]]
     assert [r.tolist() for r in sharding.rows(7, 3, "contiguous")] == [[0, 1, 2], [3, 4], [5, 6]]
 
 
@@ -59,6 +64,11 @@ def test_a_visible_set_that_is_not_a_band_has_none():
     ({"dropout": {"p": 0.1}}, "distributed", "dropout is not split over ranks"),
     ({"distributed": {"world_size": 2, "backend": "nccl"}}, "distributed.backend", "needs device: cuda"),
     ({"softcap": 3.0, "alibi": {}, "stages": ["alibi", "softcap"]}, "stages", "default order"),
+    ({"distributed": {"world_size": 2, "sharding": "per-document"}}, "distributed.sharding", "has none"),
+    ({"n_q": None, "varlen": {"seqlens_q": [3, 5]}, "batch": 1}, "distributed", "document by document"),
+    ({"n_q": None, "varlen": {"seqlens_q": [2, 1]}, "batch": 1, "distributed": {"world_size": 4,
+                                                                               "sharding": "per-document"}},
+     "distributed", "without rows"),
     ({"backend": "jax", "implementation": "context_parallel_jax:ring_attention", "n_q": 9,
       "distributed": {"world_size": 2}}, "distributed", "not divisible by 2"),
     ({"backend": "jax", "implementation": "context_parallel_jax:ring_attention",
@@ -66,6 +76,7 @@ def test_a_visible_set_that_is_not_a_band_has_none():
      "jax.shard_map")])
 def test_what_distributed_does_not_cover_is_refused_with_its_key(extra, key, words):
     doc = {"heads_q": 4, "heads_kv": 2, "n_q": 8, "d_head": 4, "distributed": {"world_size": 2}, **extra}
+    doc = {key: value for key, value in doc.items() if value is not None}
     with pytest.raises(ScenarioError) as err:
         with_examples(**doc)
     assert str(err.value.key).endswith(key) and words in str(err.value), str(err.value)
@@ -130,15 +141,19 @@ def test_jax_per_shard_code_runs_under_shard_map_and_a_hand_written_ring_backwar
 
 @pytest.mark.slow
 @pytest.mark.parametrize("distributed, extra", [
+    ({"world_size": 3, "sharding": "per-document"}, {"batch": 1, "varlen": {"seqlens_q": [6, 1, 8]},
+                                                     "mask": {"causal": "lower-right", "window": [3, 0]}}),
     ({"world_size": 3}, {"outputs": ["o", "lse"], "n_q": 10}),
     ({"world_size": 4, "sharding": "zigzag"}, {"n_q": 13, "mask": {"causal": "lower-right", "window": [5, 0]}}),
     ({"world_size": 2, "sharding": "ulysses"}, {"dtype": "float32", "mask": {"causal": None}}),
     ({"world_size": 1}, {})])
-def test_the_built_in_ring_zigzag_and_ulysses_pass(distributed, extra):
+def test_the_built_in_ring_zigzag_ulysses_and_per_document_pass(distributed, extra):
     pytest.importorskip("torch")
-    sc = make(**{"batch": 2, "heads_q": 4, "heads_kv": 2, "n_q": 9, "d_head": 4, "mask": {"causal": "lower-right"},
-                 "distributed": distributed, **extra})
-    result = checker.run_scenario(sc)
+    doc = {"batch": 2, "heads_q": 4, "heads_kv": 2, "n_q": 9, "d_head": 4, "mask": {"causal": "lower-right"},
+           "distributed": distributed, **extra}
+    if "varlen" in doc:  # a packed batch: n_q is its documents' total
+        del doc["n_q"]
+    result = checker.run_scenario(make(**doc))
     assert result.passed, [(c.name, c.detail) for c in result.checks if not c.passed]
 
 

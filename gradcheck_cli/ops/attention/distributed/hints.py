@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import keys, sharding
+from . import keys
 
 #: A rank's rows are wrong when their largest error exceeds this fraction of the tensor's largest error.
 WRONG = 1e-3
@@ -46,7 +46,7 @@ def _where(checks, ws: int) -> str | None:
 
 def _rows_and_fingerprints(sc, context, failed: set[str], forward_wrong: bool, given: dict) -> list[str]:
     ws = given["world_size"]
-    rows = sharding.rows(sc.n_q, ws, given["sharding"])
+    rows = keys.rows_of(sc)
     pairs = {t: (context.gradients[t], context.reference_gradients[t]) for t in "qkv" if t in failed}
     if forward_wrong:
         pairs = {"o": (context.output, context.reference()), **pairs}

@@ -7,6 +7,7 @@ import importlib.util
 import numpy as np
 
 from ...registry import Fault, Param
+from . import sharding
 from .sharding import SHARDINGS
 
 KEY = "distributed"
@@ -17,8 +18,10 @@ PARAM = Param("mapping", None, "context-parallel attention on real ranks: your p
                                "(docs/distributed.md)",
               fields=(("world_size", Param("int", 2, "the number of ranks (processes)")),
                       ("sharding", Param("choice", "contiguous", "how the sequence is split: contiguous, zigzag "
-                                                                "(rank r holds chunks r and 2 ws - 1 - r) or ulysses "
-                                                                "(contiguous; heads divisible by world_size)",
+                                                                "(rank r holds chunks r and 2 ws - 1 - r), ulysses "
+                                                                "(contiguous; heads divisible by world_size) or "
+                                                                "per-document (a packed batch, varlen: each document "
+                                                                "zigzagged over the ranks)",
                                          choices=SHARDINGS)),
                       ("backend", Param("choice", "gloo", "gloo (CPU) or nccl (device: cuda)", choices=BACKENDS))))
 
@@ -47,7 +50,19 @@ def label(sc) -> str:
     return f"{algorithm} x{given['world_size']}" + (f" {given['sharding']}" if given["sharding"] != "ulysses" else "")
 
 
-def band(visible: np.ndarray) -> tuple[int, int] | None:
+def rows_of(sc) -> list[np.ndarray]:
+    """The global rows each rank of the scenario holds."""
+    given = settings(sc)
+    cu = None if sc.documents is None else sc.documents.cu_q
+    return sharding.rows(sc.n_q, given["world_size"], given["sharding"], cu)
+
+
+def band_of(sc) -> tuple[int, int] | None:
+    """The scenario's mask as FlashAttention's ``window_size``: within each document for a packed batch."""
+    return band(sc.visible, None if sc.documents is None else sc.documents.cu_q)
+
+
+def band(visible: np.ndarray, cu_seqlens=None) -> tuple[int, int] | None:
     """FlashAttention's ``window_size`` (left, right) of the visible set: query i sees key j exactly when
     -left <= j - i <= right (-1: unbounded; right 0 is causal), the same for every batch element and head; None
     when the visible set is not such a band."""
@@ -55,11 +70,15 @@ def band(visible: np.ndarray) -> tuple[int, int] | None:
     if visible.shape[-2] != n or not (visible == visible[:1, :1]).all():
         return None
     offsets = np.arange(n)[None, :] - np.arange(n)[:, None]  # j - i
+    same = np.ones((n, n), dtype=bool)
+    if cu_seqlens is not None:  # a packed batch: the band within each document, nothing across
+        doc = np.searchsorted(np.asarray(cu_seqlens)[1:], np.arange(n), side="right")
+        same = doc[:, None] == doc[None, :]
     seen = offsets[visible[0, 0]]
     if seen.size == 0:
         return None
     lo, hi = int(seen.min()), int(seen.max())
-    if not np.array_equal(visible[0, 0], (offsets >= lo) & (offsets <= hi)):
+    if not np.array_equal(visible[0, 0], (offsets >= lo) & (offsets <= hi) & same):
         return None
     left = -1 if lo <= -(n - 1) else -lo
     right = -1 if hi >= n - 1 else hi
@@ -98,7 +117,7 @@ def validate(params: dict, attention: dict) -> list:
         return [(KEY, f"context parallelism splits one sequence: n_q must equal n_k (here {n_q} and {n_k})",
                  "set n_k equal to n_q")]
     least = 2 * ws if sharding == "zigzag" else ws
-    if n_q is not None and n_q < least:
+    if n_q is not None and n_q < least and sharding != "per-document":
         return [(KEY, f"n_q = {n_q} leaves a rank without rows: {sharding} sharding over {ws} ranks needs at least "
                       f"{least}", f"n_q >= {least}")]
     if sharding == "ulysses":
@@ -110,12 +129,17 @@ def validate(params: dict, attention: dict) -> list:
     if params.get("stages") is not None and not attention.get("implementation"):
         return [("stages", "the built-in ring applies the stages in their default order (the cap before ALiBi, the "
                            "sinks in the normaliser)", "remove stages, or check your own per-rank code")]
-    for key in ("bias", "relative_bias", "dropout", "varlen"):
+    built = attention.get("built") or {}
+    documents = built.get("documents")
+    if sharding == "per-document" or documents is not None:
+        refused = _per_document_refusal(sharding, documents) or _empty_rank(sharding, ws, n_q, documents)
+        if refused:
+            return [refused]
+    for key in ("bias", "relative_bias", "dropout"):
         if params.get(key) is not None:
             return [(KEY, f"{key} is not split over ranks yet", f"{fix}, or remove {key}")]
-    built = attention.get("built") or {}
     visible = built.get("visible")
-    if visible is not None and band(visible) is None:
+    if visible is not None and band(visible, None if documents is None else documents.cu_q) is None:
         return [(KEY, "the mask must be causal and/or a window, the same for every batch element and head (the ranks "
                       "are passed causal= and window_size=): key_lengths and mask files are not split over ranks yet",
                  "mask: {causal: lower-right, window: [left, right]} only")]
@@ -132,6 +156,31 @@ def validate(params: dict, attention: dict) -> list:
                                "softmax_scale= always: only convention.layout and lse_layout apply",
                  "remove convention.mask, mask_heads and scale")]
     return []
+
+
+def _per_document_refusal(sharding_kind: str, documents) -> tuple | None:
+    """A packed batch goes over the ranks document by document, and only so."""
+    if documents is None:
+        return (f"{KEY}.sharding", "is per-document, which splits the documents of a packed batch: the scenario has "
+                                   "none", "varlen: {seqlens_q: [...]}, or another sharding")
+    if sharding_kind != "per-document":
+        return (KEY, f"a packed batch (varlen) is split over the ranks document by document, not {sharding_kind}",
+                "distributed: {sharding: per-document}")
+    if documents.seqlens_q != documents.seqlens_k:
+        return ("varlen.seqlens_k", "differs from seqlens_q: context parallelism splits one sequence per document "
+                                    "(self-attention)", "remove seqlens_k")
+    return None
+
+
+def _empty_rank(sharding_kind: str, ws: int, n: int, documents) -> tuple | None:
+    """A rank the sharding leaves without rows (short documents)."""
+    held = sharding.rows(n, ws, sharding_kind, documents.cu_q)
+    empty = [r for r, idx in enumerate(held) if idx.size == 0]
+    if empty:
+        return (KEY, f"per-document sharding over {ws} ranks leaves rank{'s' if len(empty) > 1 else ''} "
+                     f"{', '.join(map(str, empty))} without rows: the documents are too short",
+                "longer documents or fewer ranks")
+    return None
 
 
 def _jax_refusal(given: dict, params: dict, attention: dict) -> tuple | None:
@@ -158,8 +207,11 @@ def _on(n: int = 9, **given) -> tuple:
 _SCENARIO = _on()
 #: The invariant every context-parallel fault fails: the same code on one rank is right (``invariants.py``).
 ONE_RANK = "same result on one rank"
+#: With learned sinks or ALiBi slopes, a wrong backward is wrong in their gradients too.
+_PARAMS = ("gradient sinks", "gradient alibi_slopes")
 _GRADS = ("gradient q", "gradient k", "gradient v", "backward agrees with the reference",
-          "row 0's unseen K/V rows get zero gradient", "unseen K/V rows get zero gradient", ONE_RANK)
+          "row 0's unseen K/V rows get zero gradient", "unseen K/V rows get zero gradient",
+          "shifting every V row shifts O by as much", ONE_RANK) + _PARAMS
 
 #: The context-parallel faults, hosted by the built-in ring and Ulysses (``distributed/ring.py``): each leaves the
 #: forward exact (but the zigzag one) and breaks the gradients.
@@ -169,7 +221,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("cp-local-lse", "ring: the backward recomputes each block's P from that block's own LSE instead of the "
                           "merged one", _GRADS, scenario=_SCENARIO, backends=("numpy",)),
     Fault("cp-lse-grad-dropped", "ring: the backward drops the merged LSE's upstream gradient",
-          ("gradient q", "gradient k", "backward agrees with the reference", ONE_RANK),
+          ("gradient q", "gradient k", "backward agrees with the reference", ONE_RANK) + _PARAMS,
           scenario=_SCENARIO + (("outputs", ["o", "lse"]),), backends=("numpy",)),
     Fault("cp-dkv-not-returned", "ring: dK/dV are not sent back to their owner after the last step",
           ("gradient k", "gradient v", "backward agrees with the reference",
@@ -180,7 +232,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
                              "(EasyContext #47's kind)",
           ("forward agrees with the reference", "backward agrees with the reference", "gradient q", "gradient k",
            "gradient v", "O rows in the range of visible V rows", "hidden K/V rows do not change O",
-           "lse agrees with the reference", ONE_RANK), forward=True,
+           "lse agrees with the reference", "shifting every V row shifts O by as much", ONE_RANK) + _PARAMS,
+          forward=True,
           scenario=_on(sharding="zigzag"), backends=("numpy",)),
     Fault("cp-param-not-summed", "a replicated parameter's gradient (the sinks, learned ALiBi slopes) taken from "
                                  "rank 0 as it holds it, not summed over the ranks (the context-parallel group left "
@@ -209,7 +262,7 @@ def why_not(sc, fault: str) -> str | None:
             return f"the scenario's sharding is {given['sharding']}, not {want}"
         if fault == "cp-param-not-summed":
             params = dict(sc.params)
-            learned = any(isinstance(params.get(key), dict) and params[key].get("grad") for key in ("sinks", "alibi"))
+            learned = any(dict(params.get(key) or ()).get("grad") for key in ("sinks", "alibi"))
             return None if learned else "no replicated parameter: the scenario learns no sinks or ALiBi slopes"
         if fault != "cp-ulysses-order" and given["sharding"] == "ulysses":
             return "Ulysses has no ring"

@@ -6,9 +6,10 @@ So everything the engine does for one process (the float64 reference, finite dif
 copies stacked along the batch axis, the invariants, the hints) checks the distributed code as it is.
 
 The ranks get FlashAttention's arguments: ``group``, ``q_positions`` and ``k_positions`` (the global rows of the
-local shard, int64), ``softmax_scale``, ``causal`` and ``window_size`` (from the scenario's mask, :func:`keys.band`),
-the stage arguments the scenario sets (``softcap=``, ``sinks=``, ``alibi_slopes=``) and ``return_lse=True`` with
-``outputs: [o, lse]``."""
+local shard, int64), ``softmax_scale``, ``causal`` and ``window_size`` (from the scenario's mask,
+:func:`keys.band_of`: within each document of a packed batch, whose ``cu_seqlens_q=`` and ``cu_seqlens_k=`` are the
+global offsets), the stage arguments the scenario sets (``softcap=``, ``sinks=``, ``alibi_slopes=``) and
+``return_lse=True`` with ``outputs: [o, lse]``."""
 from __future__ import annotations
 
 import atexit
@@ -22,6 +23,7 @@ from .ranks import Ranks
 #: The per-rank function of the tool's own ring attention (the scenario names no implementation).
 BUILT_IN = {"contiguous": "gradcheck_cli.ops.attention.distributed.ring:ring_attention",
             "zigzag": "gradcheck_cli.ops.attention.distributed.ring:ring_attention",
+            "per-document": "gradcheck_cli.ops.attention.distributed.ring:ring_attention",
             "ulysses": "gradcheck_cli.ops.attention.distributed.ring:ulysses_attention"}
 
 #: The ranks of this process by what they run (world size, backend, the code, its folder, dtype, device): started
@@ -54,13 +56,13 @@ class Proxy:
         self.jax = sc.implementation is not None and sc.backend == "jax"
         self.ranks, fresh = _ranks((self.ws, "jax" if self.jax else given["backend"], spec, str(sc.base_dir),
                                     sc.dtype, sc.device), time.monotonic() + 0.8 * sc.timeout)
-        self.index = sharding.rows(sc.n_q, self.ws, self.kind)
+        self.index = keys.rows_of(sc)
         if self.jax:
             self.index = [np.concatenate(self.index)]
         self.n = sc.n_q
         self.axis = 2 if sc.convention.layout == "bhnd" else 1
         self.lse_axis = 2 if sc.convention.lse_layout == "bhn" else 1
-        left, right = keys.band(sc.visible)
+        left, right = keys.band_of(sc)
         self.base = {"softmax_scale": float(sc.scale), "causal": right == 0, "window_size": (left, right)}
         if sc.implementation is None and faults:
             self.base["fault"] = ",".join(faults)

@@ -82,15 +82,16 @@ class _Ring(torch.autograd.Function):
                 nxt = _rotate(group, [kb, vb, pb], lengths[(rank - step - 1) % ws], (2, 2, 0))
             if zigzag_n is not None and step > 0:  # the block's positions recomputed from its owner's rank
                 pb = _zigzag_rows(zigzag_n, ws, (rank - step) % ws, q.device)
-            s, _ = scores(q, kb, q_pos, pb)
-            lse_b = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - _finite(lse_b)[..., None])
-            o_b = p @ vb.repeat_interleave(h // vb.shape[1], dim=1)
-            new = torch.logaddexp(lse, lse_b)
-            fin = _finite(new)
-            o = torch.exp(lse - fin)[..., None] * o + torch.exp(lse_b - fin)[..., None] * o_b
-            lse = new
-            block_lses.append(lse_b)
+            part = scores.block(q, kb, vb, q_pos, pb)
+            if part is None:  # every key of the block hidden from every row here: it adds nothing
+                block_lses.append(torch.full_like(lse, float("-inf")))
+            else:
+                o_b, lse_b = part
+                new = torch.logaddexp(lse, lse_b)
+                fin = _finite(new)
+                o = torch.exp(lse - fin)[..., None] * o + torch.exp(lse_b - fin)[..., None] * o_b
+                lse = new
+                block_lses.append(lse_b)
             if step < ws - 1:
                 kb, vb, pb = nxt
         ctx.save_for_backward(q, k, v, q_pos, k_pos, o, lse, *block_lses)
@@ -154,10 +155,12 @@ def _with_sinks(o, lse, sinks):
 
 
 def ring_attention(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal, window_size,
-                   return_lse=False, softcap=None, alibi_slopes=None, alibi_form="distance", sinks=None, fault=""):
-    """Ring attention on this rank's shard (contiguous or zigzag: the positions say which rows it holds)."""
+                   return_lse=False, softcap=None, alibi_slopes=None, alibi_form="distance", sinks=None,
+                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, fault=""):
+    """Ring attention on this rank's shard (contiguous, zigzag or per-document: the positions say which rows it
+    holds; a packed batch's documents by their global offsets ``cu_seqlens_q``)."""
     faults = tuple(f for f in fault.split(",") if f)
-    scores = Scores(softmax_scale, causal, window_size, softcap, alibi_slopes, alibi_form == "column")
+    scores = Scores(softmax_scale, causal, window_size, softcap, alibi_slopes, alibi_form == "column", cu_seqlens_q)
     o, lse = _Ring.apply(q, k, v, alibi_slopes, q_positions, k_positions, group, scores, faults)
     o, lse = _with_sinks(o, lse, sinks)
     return (o, lse) if return_lse else o

@@ -4,7 +4,10 @@
   first ranks one row longer), as ring attention and Ulysses shard a sequence;
 - ``zigzag``: the sequence cut into 2 ws chunks, rank r holding chunks r and 2 ws - 1 - r (load balancing under a
   causal mask: every rank gets an early and a late chunk), lengths uneven when 2 ws does not divide n;
-- ``ulysses``: contiguous rows (the all-to-all inside the code moves heads, not rows).
+- ``ulysses``: contiguous rows (the all-to-all inside the code moves heads, not rows);
+- ``per-document``: a packed batch (``varlen:``) with every document cut into 2 ws chunks, rank r holding chunks r and
+  2 ws - 1 - r of each document, in document order (TransformerEngine's THD layout for context parallelism: every
+  rank gets an early and a late part of every document).
 
 Everything is index arithmetic on NumPy arrays: :func:`rows` gives each rank's global row indices (its
 ``q_positions``), :func:`shard` and :func:`gather` move an array along its sequence axis."""
@@ -12,12 +15,20 @@ from __future__ import annotations
 
 import numpy as np
 
-SHARDINGS = ("contiguous", "zigzag", "ulysses")
+SHARDINGS = ("contiguous", "zigzag", "ulysses", "per-document")
 
 
-def rows(n: int, world_size: int, sharding: str) -> list[np.ndarray]:
-    """The global row indices each rank holds, in the order it holds them (int64)."""
+def rows(n: int, world_size: int, sharding: str, cu_seqlens=None) -> list[np.ndarray]:
+    """The global row indices each rank holds, in the order it holds them (int64); ``cu_seqlens``: the documents'
+    offsets, for ``per-document``."""
     every = np.arange(n, dtype=np.int64)
+    if sharding == "per-document":
+        per_rank = [[] for _ in range(world_size)]
+        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            chunks = np.array_split(every[int(a):int(b)], 2 * world_size)
+            for r in range(world_size):
+                per_rank[r] += [chunks[r], chunks[2 * world_size - 1 - r]]
+        return [np.concatenate(parts) for parts in per_rank]
     if sharding == "zigzag":
         chunks = np.array_split(every, 2 * world_size)
         return [np.concatenate([chunks[r], chunks[2 * world_size - 1 - r]]) for r in range(world_size)]
