@@ -59,6 +59,8 @@ def test_a_visible_set_that_is_not_a_band_has_none():
     ({"distributed": {"world_size": 0}}, "distributed.world_size", "must be >= 1"),
     ({"distributed": {"world_size": 17}}, "distributed.world_size", "between 1 and 16"),
     ({"distributed": {"world_size": 3, "sharding": "ulysses"}}, "distributed.sharding", "not divisible"),
+    ({"heads_kv": 1, "distributed": {"world_size": 2, "sharding": "ulysses"}}, "distributed.sharding",
+     "heads_kv = 1 is not divisible"),
     ({"distributed": {"world_size": 5, "sharding": "zigzag"}}, "distributed", "leaves a rank without rows"),
     ({"check": {"mode": "jvp"}}, "distributed", "along the VJP"),
     ({"dropout": {"p": 0.1}}, "distributed", "dropout is not split over ranks"),
@@ -262,3 +264,34 @@ def test_the_same_code_on_one_rank_says_whether_the_bug_is_in_the_exchange_or_in
     assert {c.tensor for c in stale.checks if c.name == "same result on one rank" and c.verdict == "fail"} \
         == {"q", "k", "v"}
     assert any("the same code on one rank is right, on 2 ranks it is not" in h for h in stale.hints), stale.hints
+
+
+_WRONG_OUTPUT = """
+def jax_wrong_shape(q, k, v, *, axis_name, q_positions, k_positions, softmax_scale, causal, window_size):
+    return q[:, :, :-1]
+
+
+def jax_none(q, k, v, *, axis_name, q_positions, k_positions, softmax_scale, causal, window_size):
+    return None
+
+
+def torch_wrong_shape(q, k, v, *, group, q_positions, k_positions, softmax_scale, causal, window_size):
+    return q[:, :, :-1] * 1.0
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, function, words", [
+    ("jax", "jax_wrong_shape", "the JAX code raised during the forward: ValueError: the code returned o of shape "
+                               "[1, 2, 3, 4] on each shard, expected [1, 2, 4, 4] (its process was stopped)"),
+    ("jax", "jax_none", "the code returns o (an array), got None"),
+    ("torch", "torch_wrong_shape", "raised during the forward: ValueError: the code returned o of shape "
+                                   "[1, 2, 3, 4] on this rank, expected [1, 2, 4, 4]")])
+def test_a_per_rank_output_of_the_wrong_shape_or_none_is_named_in_the_shard_s_terms(tmp_path, backend, function,
+                                                                                    words):
+    pytest.importorskip(backend)
+    sc = with_code(tmp_path, _WRONG_OUTPUT, backend=backend, function=function, heads_q=2, n_q=8, d_head=4,
+                   distributed={"world_size": 2})
+    result = checker.run_scenario(sc)
+    detail = " ".join(c.detail for c in result.checks if c.verdict == "fail")
+    assert words in detail, detail

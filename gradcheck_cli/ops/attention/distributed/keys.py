@@ -14,14 +14,15 @@ KEY = "distributed"
 BACKENDS = ("gloo", "nccl")
 
 PARAM = Param("mapping", None, "context-parallel attention on real ranks: your per-rank function runs on world_size "
-                               "processes joined by torch.distributed, each holding its shard of the sequence "
-                               "(docs/distributed.md)",
+                               "processes joined by torch.distributed (torch code, or the built-in ring), or your "
+                               "per-shard JAX code under jax.shard_map over world_size devices, each holding its "
+                               "shard of the sequence (docs/distributed.md)",
               fields=(("world_size", Param("int", 2, "the number of ranks (processes)")),
-                      ("sharding", Param("choice", "contiguous", "how the sequence is split: contiguous, zigzag "
-                                                                "(rank r holds chunks r and 2 ws - 1 - r), ulysses "
-                                                                "(contiguous; heads divisible by world_size) or "
-                                                                "per-document (a packed batch, varlen: each document "
-                                                                "zigzagged over the ranks)",
+                      ("sharding", Param("choice", "contiguous",
+                                         "how the sequence is split: contiguous, zigzag (rank r holds chunks r and "
+                                         "2 ws - 1 - r), ulysses (contiguous; heads_q divisible by world_size, and "
+                                         "heads_kv for the built-in Ulysses) or per-document (a packed batch, varlen: "
+                                         "each document zigzagged over the ranks)",
                                          choices=SHARDINGS)),
                       ("backend", Param("choice", "gloo", "gloo (CPU) or nccl (device: cuda)", choices=BACKENDS))))
 
@@ -120,8 +121,8 @@ def validate(params: dict, attention: dict) -> list:
     if n_q is not None and n_q < least and sharding != "per-document":
         return [(KEY, f"n_q = {n_q} leaves a rank without rows: {sharding} sharding over {ws} ranks needs at least "
                       f"{least}", f"n_q >= {least}")]
-    if sharding == "ulysses":
-        for key in ("heads_q", "heads_kv"):
+    if sharding == "ulysses":  # the built-in Ulysses splits both; code of one's own may repeat K/V first (MQA)
+        for key in ("heads_q", "heads_kv") if not attention.get("implementation") else ("heads_q",):
             if attention.get(key) is not None and attention[key] % ws:
                 return [(f"{KEY}.sharding", f"is ulysses, which splits the heads over the ranks: {key} = "
                                             f"{attention[key]} is not divisible by world_size {ws}",

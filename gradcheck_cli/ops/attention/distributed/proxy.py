@@ -77,7 +77,9 @@ class Proxy:
             part = {t: sharding.shard(x, idx, self.axis) for t, x in (("q", q), ("k", k), ("v", v))}
             for name, (x, axis) in grads.items():
                 part[name] = sharding.shard(x, idx, axis)
+            b, n_r, h = part["q"].shape[0], part["q"].shape[self.axis], part["q"].shape[3 - self.axis]
             out.append({**part, "backward": backward, "return_lse": return_lse,
+                        "lse_shape": [b, h, n_r] if self.lse_axis == 2 else [b, n_r, h],
                         "params": self.param_kwargs if backward else (),
                         "kwargs": {**self.base, **given, "q_positions": idx, "k_positions": idx}})
         if self.jax:  # the positions a sharded input, the arrays' axes named
@@ -87,11 +89,14 @@ class Proxy:
         return out
 
     def forward(self, q, k, v, visible, scale, kv_map, return_lse: bool = False, **given):
+        batch = q.shape[0]
+        if self.jax:  # the batch (perturbed copies) padded to a power of two: a few compiled programs serve them all
+            q, k, v = (_padded(x, 1 << (batch - 1).bit_length()) for x in (q, k, v))
         answers = self.ranks.call(self._payloads(q, k, v, given, False, return_lse, {}), what="forward")
-        o = sharding.gather([a["o"] for a in answers], self.index, self.axis, self.n)
+        o = sharding.gather([a["o"][:batch] for a in answers], self.index, self.axis, self.n)
         if not return_lse:
             return o
-        return o, sharding.gather([a["lse"] for a in answers], self.index, self.lse_axis, self.n)
+        return o, sharding.gather([a["lse"][:batch] for a in answers], self.index, self.lse_axis, self.n)
 
     def backward(self, q, k, v, visible, scale, kv_map, grad_o, grad_lse=None, **given):
         grads = {"grad_o": (grad_o, self.axis)}
@@ -101,6 +106,13 @@ class Proxy:
         out = tuple(sharding.gather([a[t] for a in answers], self.index, self.axis, self.n) for t in "qkv")
         return out + tuple(np.sum([a[p] for a in answers], axis=0) if self.summed else answers[0][p]
                            for p in self.param_kwargs)
+
+
+def _padded(x: np.ndarray, size: int) -> np.ndarray:
+    """x with its first axis padded to ``size`` by repeating its first element."""
+    if x.shape[0] == size:
+        return x
+    return np.concatenate([x, np.broadcast_to(x[:1], (size - x.shape[0],) + x.shape[1:])])
 
 
 def stop_all() -> None:

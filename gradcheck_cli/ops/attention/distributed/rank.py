@@ -50,14 +50,22 @@ def _run(fn, group, call: dict, device: str) -> dict:
         kw["return_lse"] = True
     params = list(call.get("params", ()))  # replicated parameters whose gradients are taken (sinks=, ...)
 
+    o_shape = list(q.shape)
+    o_shape[-1] = v.shape[-1]
+
+    def shaped(name, x, shape):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"the code returns {name} as a torch.Tensor, got {type(x).__name__}")
+        if list(x.shape) != list(shape):
+            raise ValueError(f"the code returned {name} of shape {list(x.shape)} on this rank, expected {list(shape)}")
+        return x
+
     def split(out):
         if want_lse:
             if not isinstance(out, (tuple, list)) or len(out) != 2:
                 raise TypeError(f"with return_lse=True the code returns (o, lse), got {type(out).__name__}")
-            return out[0], out[1]
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"the code returns o (a torch.Tensor), got {type(out).__name__}")
-        return out, None
+            return shaped("o", out[0], o_shape), shaped("lse", out[1], call["lse_shape"])
+        return shaped("o", out, o_shape), None
 
     if not call["backward"]:
         with torch.no_grad():

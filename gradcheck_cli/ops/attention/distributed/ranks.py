@@ -40,6 +40,7 @@ class Ranks:
         """``backend`` gloo or nccl: ``world_size`` processes of torch.distributed; jax: one process holding
         ``world_size`` devices (:mod:`.jax_host`; on the CPU, emulated by XLA)."""
         self.deadline = deadline
+        self.jax = backend == "jax"
         processes, module, extra = world_size, RANK_MODULE, {}
         if backend == "jax":
             processes, module = 1, JAX_MODULE
@@ -78,7 +79,7 @@ class Ranks:
     def _check_exits(self, what: str, answered) -> None:
         for r, proc in enumerate(self.procs):
             if r not in answered and proc.poll() is not None:
-                self._fail(f"rank {r} exited with code {proc.returncode} during the {what}" + self._stderr(r))
+                self._fail(f"{self._who(r)} exited with code {proc.returncode} during the {what}" + self._stderr(r))
 
     def _stderr(self, r: int) -> str:
         try:
@@ -104,6 +105,10 @@ class Ranks:
             left = self.deadline - time.monotonic()
             if left <= 0:
                 silent = [r for r in range(self.world_size) if r not in answers]
+                if self.jax:
+                    self._fail(f"the JAX code did not answer the {what} before the scenario's deadline (check.timeout, "
+                               "which includes JAX's compilation of the sharded function): a hang in the code, or a "
+                               "compilation slower than the timeout (raise check.timeout)")
                 self._fail(f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not answer the "
                            f"{what} before the scenario's deadline (check.timeout): a deadlock in a collective (a "
                            "send without its receive, ranks calling collectives in different orders) or a hang"
@@ -119,15 +124,19 @@ class Ranks:
                     except subprocess.TimeoutExpired:
                         pass
                     self._check_exits(what, answers)
-                    self._fail(f"rank {r} closed its connection during the {what}" + self._stderr(r))
+                    self._fail(f"{self._who(r)} closed its connection during the {what}" + self._stderr(r))
                 if status == "error":
-                    self._fail(f"rank {r} raised during the {what}: {value}")
+                    self._fail(f"{self._who(r)} raised during the {what}: {value}")
                 answers[r] = value
             self._check_exits(what, answers)
         return [answers[r] for r in range(self.world_size)]
 
+    def _who(self, r: int) -> str:
+        """How a failure names the process: rank r, or the JAX code (one process holding every device)."""
+        return "the JAX code" if self.jax else f"rank {r}"
+
     def _fail(self, message: str):
-        self.dead = f"{message} (every rank was stopped)"
+        self.dead = f"{message} ({'its process' if self.jax else 'every rank'} was stopped)"
         self.stop()
         raise RankFailure(self.dead)
 
