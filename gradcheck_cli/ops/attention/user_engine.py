@@ -274,7 +274,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         if ranks:  # the gathered result against the same code's on one rank
             from .distributed.invariants import one_rank_checks
             out += one_rank_checks(sc, faults, results, ref, {t: rule.ulps * rule.eps * terms[t] for t in results},
-                                   build)
+                                   rule.ulps * rule.eps, build)
         return out + ([] if drawn is None else drawn.checks(visible)) + flavours.compiled_rows(impl)
 
     copy_bytes = (o.size + k.size + v.size + q.size) * dt.itemsize  # a copy's inputs and output

@@ -29,9 +29,10 @@ def on_ranks(sc, world_size: int):
     return dataclasses.replace(sc, params=params)
 
 
-def one_rank_checks(sc, faults, results: dict, reference: dict, allowed: dict, build) -> list[Check]:
+def one_rank_checks(sc, faults, results: dict, reference: dict, allowed: dict, unit: float, build) -> list[Check]:
     """One check per result (o, lse, q, k, v, the parameters): the scenario's ``results`` against the same code's
-    on one rank (``build``: the engine's build of a scenario), each element within ``allowed`` (per element)."""
+    on one rank (``build``: the engine's build of a scenario), each element within twice ``allowed`` (per element,
+    the rounding of the reference's terms) or ``unit`` times its own size, whichever is larger."""
     given = keys.settings(sc)
     ws = given["world_size"]
     if ws < 2:
@@ -49,7 +50,11 @@ def one_rank_checks(sc, faults, results: dict, reference: dict, allowed: dict, b
         if theirs is None:
             continue
         mine64, theirs64 = np.asarray(mine, dtype=np.float64), np.asarray(theirs, dtype=np.float64)
-        bound = np.broadcast_to(2.0 * np.asarray(allowed[t], dtype=np.float64), mine64.shape)
+        # twice the rounding of its terms, or of the values themselves where code that is wrong makes them larger
+        # than the reference's terms (the same wrong result on one rank rounds as much)
+        scale = np.maximum(np.abs(mine64), np.abs(theirs64))
+        bound = 2.0 * np.maximum(np.broadcast_to(np.asarray(allowed[t], dtype=np.float64), mine64.shape),
+                                 unit * np.where(np.isfinite(scale), scale, 0.0))
         with np.errstate(invalid="ignore"):
             diff = np.abs(mine64 - theirs64)
             over = np.where(np.isfinite(diff), diff / np.maximum(bound, np.finfo(np.float64).tiny), np.inf)
