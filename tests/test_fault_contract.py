@@ -65,7 +65,11 @@ def _cases():
                 if dict(record.scenario).get("distributed") is not None and engine != "naive":
                     continue  # a context-parallel fault runs on the ranks, whatever the engine key says: once
                 if record.engine and (computes is None or engine in computes[0]):
-                    cases.append(pytest.param(op_name, engine, fault, id=f"{op_name}-{engine}-{fault}"))
+                    # on real ranks (two sets: the scenario's and one rank's), seconds each: with the slow tests
+                    # (the default run checks the built-in ring and one fault in test_attention_distributed)
+                    ranks = dict(record.scenario).get("distributed") is not None
+                    cases.append(pytest.param(op_name, engine, fault, id=f"{op_name}-{engine}-{fault}",
+                                              marks=(pytest.mark.slow,) if ranks else ()))
     return cases
 
 

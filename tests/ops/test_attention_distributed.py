@@ -109,7 +109,8 @@ def test_the_built_in_ring_on_two_ranks_passes_and_a_stale_kv_backward_fails_it(
     assert {"gradient k", "backward agrees with the reference"} <= failed, failed
 
 
-@pytest.mark.parametrize("distributed", [pytest.param({"world_size": 3, "sharding": "zigzag"}, marks=pytest.mark.slow),
+@pytest.mark.slow
+@pytest.mark.parametrize("distributed", [{"world_size": 3, "sharding": "zigzag"},
                                          {"world_size": 2, "sharding": "ulysses"}])
 def test_the_built_in_ring_and_ulysses_take_the_variants_and_sum_their_parameters_over_the_ranks(distributed):
     """Softcap, learned ALiBi slopes and learned sinks on the ranks: the gathered output, LSE and gradients agree
@@ -127,6 +128,7 @@ def test_the_built_in_ring_and_ulysses_take_the_variants_and_sum_their_parameter
     assert not {t for _, t in failed} & {"q", "k", "v", "o", "lse"}, failed
 
 
+@pytest.mark.slow
 def test_jax_per_shard_code_runs_under_shard_map_and_a_hand_written_ring_backward_that_keeps_dkv_fails():
     """JAX: one process holding world_size emulated devices (the correct examples, learned sinks among them, pass
     in the slow suite); dK/dV kept on the rank that computed them last fails dK and dV only, with the hints that
