@@ -28,9 +28,9 @@ PARAM = Param("mapping", None, "context-parallel attention on real ranks: your p
 
 #: What distributed checks do not cover yet (``attn-gradcheck ops``; ``validate`` refuses it with the key).
 LIMIT = ("distributed: torch per-rank code (or the built-in ring) and JAX per-shard code under shard_map (equal "
-         "shards) in float64 and float32 along the VJP, self-attention (n_q = n_k) with a causal mask and/or a "
-         "window: not yet half precision, JVP/HVP, padding (key_lengths), packed batches, a bias, T5's bias or "
-         "dropout")
+         "shards) in float64 and float32 along the VJP, self-attention (n_q = n_k) with a causal mask, a window, "
+         "both or neither, packed batches per document: not yet half precision, JVP/HVP, padding (key_lengths), a "
+         "bias, T5's bias or dropout")
 
 
 def settings(sc_or_params) -> dict | None:
