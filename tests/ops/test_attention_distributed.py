@@ -2,6 +2,7 @@
 FlashAttention's window (hypothesis properties); the built-in ring, zigzag ring and Ulysses checked on gloo ranks
 against one process; each context-parallel fault failing its checks; per-rank code that raises, exits or deadlocks
 being a failed check naming the rank, with no rank left behind; the loader's refusals."""
+import importlib.util
 import subprocess
 
 import numpy as np
@@ -48,6 +49,13 @@ def test_band_reads_back_the_window_that_made_the_visible_set(n, left, right, ca
     np.testing.assert_array_equal(rebuilt, visible[0, 0])
 
 
+def test_without_torch_a_distributed_scenario_is_refused_naming_what_to_install():
+    if importlib.util.find_spec("torch") is not None:
+        pytest.skip("torch is installed")
+    with pytest.raises(ScenarioError, match=r"torch is not installed \(pip install 'attn-gradcheck\[torch\]'\)"):
+        make(heads_q=2, n_q=6, d_head=2, distributed={"world_size": 2})
+
+
 def test_a_visible_set_that_is_not_a_band_has_none():
     visible = masks.build_visible(2, 1, 5, 5, causal="lower-right", key_lengths=[5, 3])
     assert keys.band(visible) is None
@@ -77,6 +85,8 @@ def test_a_visible_set_that_is_not_a_band_has_none():
       "distributed": {"world_size": 2, "sharding": "zigzag", "backend": "nccl"}}, "distributed.backend",
      "jax.shard_map")])
 def test_what_distributed_does_not_cover_is_refused_with_its_key(extra, key, words):
+    # without torch (or JAX, for JAX code) the one refusal is that it is not installed
+    pytest.importorskip("jax" if extra.get("backend") == "jax" else "torch")
     doc = {"heads_q": 4, "heads_kv": 2, "n_q": 8, "d_head": 4, "distributed": {"world_size": 2}, **extra}
     doc = {key: value for key, value in doc.items() if value is not None}
     with pytest.raises(ScenarioError) as err:
@@ -85,6 +95,7 @@ def test_what_distributed_does_not_cover_is_refused_with_its_key(extra, key, wor
 
 
 def test_check_timeout_applies_to_the_built_in_ring_on_its_ranks():
+    pytest.importorskip("torch")
     assert make(heads_q=2, n_q=6, d_head=2, distributed={"world_size": 2}, check={"timeout": 30}).timeout == 30
     with pytest.raises(ScenarioError, match="applies to a scenario with an implementation"):
         make(heads_q=2, n_q=6, d_head=2, check={"timeout": 30})
