@@ -54,7 +54,7 @@ def why_not(sc, fault: str) -> str | None:
     if fault in score_stages.FAULTS:
         return score_stages.why_not(sc, fault)
     if fault in varlen.FAULTS:
-        return varlen.why_not(sc, fault)
+        return distributed.why_not(sc, fault) or varlen.why_not(sc, fault)
     if fault in lse.FAULTS:
         return lse.why_not(sc, fault)
     why = distributed.why_not(sc, fault)

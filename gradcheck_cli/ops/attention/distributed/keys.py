@@ -269,9 +269,11 @@ def why_not(sc, fault: str) -> str | None:
             return "Ulysses has no ring"
         return None
     if given is not None and fault in VISIBLE_FAULTS:
-        return "the ranks are passed causal= and window_size=, not the visible set this fault changes"
+        return ("the ranks are passed causal=, window_size= (and a packed batch's cu_seqlens), not the visible set "
+                "this fault changes")
     return None
 
 
-#: Faults of a user's interface that change the visible set it is shown (the ranks never see it).
-VISIBLE_FAULTS = ("mask", "leak-hidden-key")
+#: Faults of a user's interface that change the visible set it is shown (the ranks never see it: they are passed
+#: causal=, window_size= and a packed batch's cu_seqlens).
+VISIBLE_FAULTS = ("mask", "leak-hidden-key", "varlen-packed-causal", "varlen-top-left", "varlen-single-query")
