@@ -50,16 +50,17 @@ def shapes(sc) -> dict:
 
 
 def why_not(sc, fault: str) -> str | None:
-    """Why a fault cannot apply to a scenario, where its structure says so."""
-    if fault in score_stages.FAULTS:
-        return score_stages.why_not(sc, fault)
-    if fault in varlen.FAULTS:
-        return distributed.why_not(sc, fault) or varlen.why_not(sc, fault)
-    if fault in lse.FAULTS:
-        return lse.why_not(sc, fault)
+    """Why a fault cannot apply to a scenario, where its structure says so (what the ranks of a distributed scenario
+    are never given first, whichever family the fault is of)."""
     why = distributed.why_not(sc, fault)
     if why:
         return why
+    if fault in score_stages.FAULTS:
+        return score_stages.why_not(sc, fault)
+    if fault in varlen.FAULTS:
+        return varlen.why_not(sc, fault)
+    if fault in lse.FAULTS:
+        return lse.why_not(sc, fault)
     if (distributed.settings(sc) is not None and sc.implementation is None and OP.faults[fault].user is None
             and fault not in distributed.FAULTS):
         return "the built-in ring hosts the context-parallel faults and the interface faults, not this engine's"

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .rank import serve
+from .rank import check_shape, serve
+from .sharding import lse_shape
 
 AXIS = "cp"
+ON_SHARD = "on each shard"
 
 
 def _start(config: dict) -> dict:
@@ -35,20 +37,6 @@ def _spec(ndim: int, axis: int):
     return P(*[AXIS if i == axis else None for i in range(ndim)])
 
 
-def _shaped(name: str, x, shape: list) -> None:
-    """The code's per-shard output must have the shard's shape."""
-    got = list(getattr(x, "shape", ()))
-    if got != list(shape):
-        raise ValueError(f"the code returned {name} of shape {got} on each shard, expected {list(shape)}")
-
-
-def _lse_shape(q_shape, axis: int, lse_axis: int) -> list:
-    """A shard's LSE: [B, H, n_r] (lse_layout bhn) or [B, n_r, H] (bnh), from q's shard in its layout."""
-    b = q_shape[0]
-    n, h = (q_shape[2], q_shape[1]) if axis == 2 else (q_shape[1], q_shape[2])
-    return [b, h, n] if lse_axis == 2 else [b, n, h]
-
-
 def _compiled(state: dict, call: dict, arrays: tuple[str, ...], static: dict):
     """(the sharded forward, its VJP) for this call's settings, jitted once."""
     import jax
@@ -67,13 +55,13 @@ def _compiled(state: dict, call: dict, arrays: tuple[str, ...], static: dict):
         if want_lse:
             if not isinstance(out, (tuple, list)) or len(out) != 2:
                 raise TypeError(f"with return_lse=True the code returns (o, lse), got {type(out).__name__}")
-            _shaped("o", out[0], o_shape)
-            _shaped("lse", out[1], _lse_shape(q.shape, call["axis"], call["lse_axis"]))
+            check_shape("o", out[0], o_shape, ON_SHARD)
+            check_shape("lse", out[1], lse_shape(q.shape, call["axis"], call["lse_axis"]), ON_SHARD)
             return tuple(out)
         if isinstance(out, (tuple, list)) or out is None:
             got = "None" if out is None else f"a {type(out).__name__} of {len(out)}"
             raise TypeError(f"the code returns o (an array), got {got}")
-        _shaped("o", out, o_shape)
+        check_shape("o", out, o_shape, ON_SHARD)
         return out
 
     seq = _spec(4, call["axis"])

@@ -103,7 +103,7 @@ def validate(params: dict, attention: dict) -> list:
         return [(KEY, f"checks per-rank torch code or per-shard JAX code, not backend {attention['backend']}",
                  "backend: torch or jax, or remove implementation to check the built-in ring")]
     if jax:
-        refused = _jax_refusal(given, params, attention)
+        refused = _jax_refusal(given, attention)
         if refused:
             return [refused]
     if attention["mode"] in ("jvp", "hvp"):
@@ -184,7 +184,7 @@ def _empty_rank(sharding_kind: str, ws: int, n: int, documents) -> tuple | None:
     return None
 
 
-def _jax_refusal(given: dict, params: dict, attention: dict) -> tuple | None:
+def _jax_refusal(given: dict, attention: dict) -> tuple | None:
     """What JAX code under shard_map cannot be given: shards of different lengths, a torch backend, a GPU."""
     ws, n = given["world_size"], attention.get("n_q")
     if given["backend"] == "nccl":

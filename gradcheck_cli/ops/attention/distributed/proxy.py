@@ -77,9 +77,8 @@ class Proxy:
             part = {t: sharding.shard(x, idx, self.axis) for t, x in (("q", q), ("k", k), ("v", v))}
             for name, (x, axis) in grads.items():
                 part[name] = sharding.shard(x, idx, axis)
-            b, n_r, h = part["q"].shape[0], part["q"].shape[self.axis], part["q"].shape[3 - self.axis]
             out.append({**part, "backward": backward, "return_lse": return_lse,
-                        "lse_shape": [b, h, n_r] if self.lse_axis == 2 else [b, n_r, h],
+                        "lse_shape": sharding.lse_shape(part["q"].shape, self.axis, self.lse_axis),
                         "params": self.param_kwargs if backward else (),
                         "kwargs": {**self.base, **given, "q_positions": idx, "k_positions": idx}})
         if self.jax:  # the positions a sharded input, the arrays' axes named

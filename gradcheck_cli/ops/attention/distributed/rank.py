@@ -19,6 +19,14 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}{more}{where}"
 
 
+def check_shape(name: str, x, shape, where: str):
+    """``x`` when the code's output ``name`` has the shard's ``shape``; a ValueError naming both otherwise."""
+    got = list(getattr(x, "shape", ()))
+    if got != list(shape):
+        raise ValueError(f"the code returned {name} of shape {got} {where}, expected {list(shape)}")
+    return x
+
+
 def _start(config: dict):
     import datetime
 
@@ -56,9 +64,7 @@ def _run(fn, group, call: dict, device: str) -> dict:
     def shaped(name, x, shape):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"the code returns {name} as a torch.Tensor, got {type(x).__name__}")
-        if list(x.shape) != list(shape):
-            raise ValueError(f"the code returned {name} of shape {list(x.shape)} on this rank, expected {list(shape)}")
-        return x
+        return check_shape(name, x, shape, "on this rank")
 
     def split(out):
         if want_lse:

@@ -44,46 +44,47 @@ class Scores:
             return (k_pos - start).to(dtype)[None, :].expand(q_pos.numel(), -1)
         return -(k_pos[None, :] - q_pos[:, None]).abs().to(dtype)
 
-    def __call__(self, q, k, q_pos, k_pos, slopes=None):
-        """(S [B, Hq, n_q, n_k] with the hidden entries -inf, tanh(S_raw / c) or None): k's heads repeated for GQA;
-        ``slopes`` the heads' own slopes when they are not all of them (Ulysses)."""
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        s = self.scale * q @ k.transpose(-1, -2)
+    def __call__(self, q, k, q_pos, k_pos, slopes=None, ok=None, inplace: bool = False):
+        """(S [B, Hq, n_q, n_k] with the hidden entries -inf, tanh(S_raw / c) or None). GQA without copies of K: the
+        query heads of a group as one [rep n_q] matrix; ``slopes`` the heads' own slopes when they are not all of
+        them (Ulysses); ``ok`` the visible block when known; ``inplace`` (no autograd through it, no tanh kept):
+        every step on S itself."""
+        b, h, n_q, d = q.shape
+        h_kv = k.shape[1]
+        s = torch.matmul(q.reshape(b, h_kv, (h // h_kv) * n_q, d), k.transpose(-1, -2)).view(b, h, n_q, -1)
+        s = s.mul_(self.scale) if inplace else self.scale * s
         t = None
-        if self.cap is not None:
+        if self.cap is not None and inplace:
+            s.div_(self.cap).tanh_().mul_(self.cap)
+        elif self.cap is not None:
             t = torch.tanh(s / self.cap)
             s = self.cap * t
         m = self.slopes if slopes is None else slopes
         if m is not None:
-            s = s + m.to(s.dtype)[:, None, None] * self.distance(q_pos, k_pos, s.dtype)
-        return s.masked_fill(~allowed(q_pos, k_pos, self.causal, self.window, self.cu), float("-inf")), t
+            bias = m.to(s.dtype)[:, None, None] * self.distance(q_pos, k_pos, s.dtype)
+            s = s.add_(bias) if inplace else s + bias
+        ok = allowed(q_pos, k_pos, self.causal, self.window, self.cu) if ok is None else ok
+        if not bool(ok.all()):
+            s = s.masked_fill_(~ok, float("-inf")) if inplace else s.masked_fill(~ok, float("-inf"))
+        return s, t
 
     def block(self, q, k, v, q_pos, k_pos):
         """(O_b [B, Hq, n_q, d_v], LSE_b [B, Hq, n_q]) of one K/V block, or None when the mask hides all of it (the
-        ring's forward: the finite differences call it thousands of times). GQA without copies of K and V (the
-        query heads of a group as one [rep n_q] matrix), one exponential, in place; a row that sees none of the block
-        has O_b 0 and LSE_b -inf."""
+        ring's forward: the finite differences call it thousands of times). One exponential, in place; a row that
+        sees none of the block has O_b 0 and LSE_b -inf."""
         ok = allowed(q_pos, k_pos, self.causal, self.window, self.cu)
         if not bool(ok.any()):
             return None
-        b, h, n_q, d = q.shape
-        h_kv, rep = k.shape[1], h // k.shape[1]
-        s = torch.matmul(q.reshape(b, h_kv, rep * n_q, d), k.transpose(-1, -2)).mul_(self.scale)
-        grouped = s.view(b, h_kv, rep, n_q, -1)
-        if self.cap is not None:
-            s.div_(self.cap).tanh_().mul_(self.cap)
-        if self.slopes is not None:
-            m = self.slopes.to(s.dtype).view(h_kv, rep, 1, 1)
-            grouped.add_(m * self.distance(q_pos, k_pos, s.dtype))
-        if not bool(ok.all()):
-            grouped.masked_fill_(~ok, float("-inf"))
+        b, h, n_q, _ = q.shape
+        h_kv = k.shape[1]
+        s, _ = self(q, k, q_pos, k_pos, ok=ok, inplace=True)
         top = s.amax(dim=-1, keepdim=True)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
         s.sub_(top).exp_()
         total = s.sum(dim=-1)
-        o = torch.matmul(s, v).div_(torch.where(total > 0, total, torch.ones_like(total))[..., None])
-        lse = top[..., 0] + total.log()
-        return o.view(b, h, n_q, -1), lse.view(b, h, n_q)
+        o = torch.matmul(s.view(b, h_kv, -1, s.shape[-1]), v).view(b, h, n_q, -1)
+        o = o.div_(torch.where(total > 0, total, torch.ones_like(total))[..., None])
+        return o, top[..., 0] + total.log()
 
     def raw(self, ds, t):
         """The gradient at the raw scores from the one at the softmax's input."""

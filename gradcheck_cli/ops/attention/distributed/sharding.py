@@ -51,3 +51,10 @@ def gather(parts: list[np.ndarray], indices: list[np.ndarray], axis: int, n: int
         sl[axis] = index
         out[tuple(sl)] = part
     return out
+
+
+def lse_shape(q_shape, axis: int, lse_axis: int) -> list[int]:
+    """The LSE's shape beside q of ``q_shape`` (its sequence axis ``axis``: 2 in bhnd, 1 in bnhd): [B, H, n] with
+    ``lse_axis`` 2 (lse_layout bhn), [B, n, H] with 1 (bnh)."""
+    b, n, h = q_shape[0], q_shape[axis], q_shape[3 - axis]
+    return [b, h, n] if lse_axis == 2 else [b, n, h]
