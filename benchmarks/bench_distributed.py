@@ -3,11 +3,12 @@ d = 32 (float64, B = 1, Hq = 4, Hkv = 2) by the built-in ring on 4 gloo ranks, a
 one process (the naive engine, and the same ring on one rank), timed in the same run. The ranks' start-up is
 reported separately (it is paid once per scenario); the target is the 4-rank check within 3x the one-process check.
 
-    python benchmarks/bench_distributed.py [--n 256] [--d 32] [--world-size 4]
+    python benchmarks/bench_distributed.py [--n 256] [--d 32] [--world-size 4] [--repeat 3]
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import yaml
@@ -39,20 +40,25 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=256)
     ap.add_argument("--d", type=int, default=32)
     ap.add_argument("--world-size", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=1, help="rounds, one after another (each row: its median)")
     args = ap.parse_args()
-    rows = []
-    for label, given in (("one process, naive engine", None), ("ring on 1 rank", {"world_size": 1}),
-                         (f"ring on {args.world_size} ranks", {"world_size": args.world_size}),
-                         (f"zigzag ring on {args.world_size} ranks", {"world_size": args.world_size,
-                                                                      "sharding": "zigzag"})):
-        total, startup, verdict = _timed(_scenario(args.n, args.d, given))
-        rows.append((label, total, startup, verdict))
-    base = rows[0][1]
-    print(f"full-mode check, causal, B=1 Hq=4 Hkv=2 n={args.n} d={args.d} float64:")
-    for label, total, startup, verdict in rows:
-        check = total - startup
-        print(f"  {label:28s} {total:7.2f} s  (rank start-up {startup:5.2f} s, check {check:6.2f} s = "
-              f"{check / base:4.2f}x one process)  {verdict}")
+    runs = (("one process, naive engine", None), ("ring on 1 rank", {"world_size": 1}),
+            (f"ring on {args.world_size} ranks", {"world_size": args.world_size}),
+            (f"zigzag ring on {args.world_size} ranks", {"world_size": args.world_size, "sharding": "zigzag"}))
+    times: dict[str, list] = {label: [] for label, _ in runs}
+    for _ in range(args.repeat):  # the rounds interleaved: a slower spell of a shared machine hits every row
+        for label, given in runs:
+            total, startup, verdict = _timed(_scenario(args.n, args.d, given))
+            times[label].append((total - startup, startup, verdict))
+    base = statistics.median(t[0] for t in times[runs[0][0]])
+    print(f"full-mode check, causal, B=1 Hq=4 Hkv=2 n={args.n} d={args.d} float64"
+          + (f", median of {args.repeat} rounds" if args.repeat > 1 else "") + ":")
+    for label, rows in times.items():
+        check = statistics.median(t[0] for t in rows)
+        startup = statistics.median(t[1] for t in rows)
+        verdicts = ",".join(sorted({t[2].value for t in rows}))
+        print(f"  {label:28s} {check + startup:7.2f} s  (rank start-up {startup:5.2f} s, check {check:6.2f} s = "
+              f"{check / base:4.2f}x one process)  {verdicts}")
     print("target: the check on the ranks (start-up apart) within 3x one process")
     proxy.stop_all()
 

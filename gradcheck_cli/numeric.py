@@ -82,10 +82,13 @@ class Chunking:
     workers: int = 1
 
 
-def plan(copy_bytes: int, budget_bytes: int) -> Chunking:
-    """Fit the calls in flight into the memory budget; at least one pair, on one worker, always runs."""
+def plan(copy_bytes: int, budget_bytes: int, serial: bool = False) -> Chunking:
+    """Fit the calls in flight into the memory budget; at least one pair, on one worker, always runs. ``serial``:
+    the calls run one at a time anyway (the ranks of a distributed check): one worker, one chunk of the whole
+    budget (a second worker only overlapped the tool's share of the work, for half as many copies a call: at
+    world size 4, n = 256, 41.2 s with two workers against 35.9 s with one)."""
     pair = 2 * max(1, copy_bytes)
-    workers = WORKERS if WORKERS * pair <= budget_bytes else 1
+    workers = WORKERS if WORKERS * pair <= budget_bytes and not serial else 1
     return Chunking(pairs=max(1, int(budget_bytes // (workers * pair))), workers=workers)
 
 

@@ -47,7 +47,7 @@ def sweep(sc: Scenario, steps=DEFAULT_STEPS, samples: int = DEFAULT_SAMPLES,
     """Difference ``samples`` elements of every input at each step (the scenario's own seed picks them)."""
     problem = OPS[sc.op].problem(sc)
     steps = tuple(sorted(set(float(s) for s in steps) | {float(sc.epsilon)}, reverse=True))
-    chunking = numeric.plan(problem.copy_bytes, memory_budget)
+    chunking = numeric.plan(problem.copy_bytes, memory_budget, problem.serial)
     rng = np.random.default_rng([sc.seed, numeric.SeedStream.STEP_SWEEP])
     errors = {}
     for name, x in problem.inputs.items():

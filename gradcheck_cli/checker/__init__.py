@@ -95,7 +95,7 @@ def _run(sc: Scenario, faults: Sequence[str], memory_budget: int, progress: Prog
     if broken:  # differences of NaN/inf say nothing: report where they first appear, and stop there
         return result(broken, arrays=dict(problem.arrays), hints=(_range_hint(sc),))
     rng = np.random.default_rng([sc.seed, numeric.SeedStream.DIFFERENCES])
-    chunking = numeric.plan(problem.copy_bytes, memory_budget)
+    chunking = numeric.plan(problem.copy_bytes, memory_budget, problem.serial)
     checks: list[Check] = []
     evidence: dict[str, diagnose.Evidence] = {}
     arrays = dict(problem.arrays)

@@ -101,6 +101,8 @@ class Problem:
       identically in both evaluations, and L is accumulated in float64).
     rounding_total: the same over every term of L (a direction moves every element).
     copy_bytes: bytes of work memory one perturbed copy needs in ``loss`` (for chunking).
+    serial: its ``loss`` calls run one at a time whatever calls them (the ranks of a distributed check answer
+      one call after another): the finite differences then run one chunk at a time, of the whole budget.
     invariants: computes the semantic checks (list of ``result.Check``).
     arrays: what ``--save-arrays`` writes.
     output: the op's output (for the applicability of faults).
@@ -133,6 +135,7 @@ class Problem:
     compute_dtype: str | None = None  # the precision the forward was measured to compute in (default: its dtype)
     analytic_rounding: dict[str, np.ndarray] | None = None  # allowed rounding of each analytic gradient element
     nondeterministic: bool = False  # the implementation's forward changes from call to call
+    serial: bool = False  # its calls run one at a time (ranks): one worker, the whole budget to each call
     compile_s: Callable[[], float] | None = None  # seconds a compiled flavour (JAX) has spent compiling so far
     second: SecondOrder | None = None  # the engine's Hessian-vector product (mode hvp); None: it has none
     tangents: Tangents | None = None  # the engine's forward-mode derivative (mode jvp); None: it has none

@@ -13,9 +13,55 @@ from hypothesis import strategies as st
 
 from gradcheck_cli import checker, masks
 from gradcheck_cli.errors import ScenarioError
-from gradcheck_cli.ops.attention.distributed import keys, sharding
+from gradcheck_cli.ops.attention.distributed import keys, sharding, wire
 
 from helpers import ROOT, make, with_code, with_examples
+
+
+@given(copies=st.integers(1, 6), batch=st.integers(1, 3), n=st.integers(1, 12), ws=st.integers(1, 4),
+       moved=st.integers(0, 40), axis=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_a_rank_rebuilds_exactly_the_shard_of_the_copies_it_was_sent(copies, batch, n, ws, moved, axis, seed):
+    """wire.pack/unpack against sharding.shard: perturbed copies (a few entries each, NaN and -0.0 among them) or
+    dense ones, every sharding's rows, both sequence axes."""
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal((batch, 3, n, 2) if axis == 2 else (batch, n, 3, 2))
+    x = np.repeat(base, copies, axis=0).reshape((copies * batch,) + base.shape[1:])
+    flat = x.reshape(-1)
+    at = rng.choice(flat.size, size=min(moved, flat.size), replace=False)
+    flat[at] = rng.choice([np.nan, -0.0, 1e300, 0.5], size=at.size)
+    diff = wire.differing(x, batch)
+    for rows in sharding.rows(n, ws, "zigzag"):
+        sent = wire.pack(x, batch, diff, rows, axis)
+        got = wire.unpack({"q": sent})["q"]
+        np.testing.assert_array_equal(got, sharding.shard(x, rows, axis))
+        assert got.shape == sent.shape and got.flags.c_contiguous
+
+
+def test_the_ring_s_forward_tiles_give_the_softmax_of_the_whole_block():
+    """Scores.block (tiles of ROWS rows over the keys they see, copies a few at a time) against the softmax of the
+    block's scores formed at once: causal diagonal and hidden blocks, zigzag chunks, a window, softcap and ALiBi."""
+    torch = pytest.importorskip("torch")
+    from gradcheck_cli.ops.attention.distributed import scores as ring_scores
+    gen = torch.Generator().manual_seed(0)
+    cases = [(torch.arange(64, 128), torch.arange(64, 128), True, (-1, 0), None, None),
+             (torch.arange(0, 40), torch.arange(50, 90), True, (-1, 0), None, None),
+             (torch.cat([torch.arange(0, 32), torch.arange(224, 256)]),
+              torch.cat([torch.arange(32, 64), torch.arange(192, 224)]), True, (-1, 0), 30.0,
+              torch.tensor([0.5, 0.25, 0.1, 0.05], dtype=torch.float64)),
+             (torch.arange(0, 100), torch.arange(0, 90), False, (20, 5), None, None)]
+    for q_pos, k_pos, causal, window, cap, slopes in cases:
+        q = torch.randn(300, 4, len(q_pos), 8, dtype=torch.float64, generator=gen)  # several batch steps
+        k, v = (torch.randn(300, 2, len(k_pos), 8, dtype=torch.float64, generator=gen) for _ in "kv")
+        sc = ring_scores.Scores(0.3, causal, window, cap, slopes)
+        s, _ = sc(q, k, q_pos, k_pos)
+        if bool(torch.isinf(s).all()):
+            assert sc.block(q, k, v, q_pos, k_pos) is None
+            continue
+        o, lse = sc.block(q, k, v, q_pos, k_pos)
+        want_lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - torch.where(torch.isfinite(want_lse), want_lse, torch.zeros_like(want_lse))[..., None])
+        torch.testing.assert_close(o, p @ v.repeat_interleave(2, 1), rtol=0, atol=1e-13)
+        torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-13)
 
 
 @given(lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4), ws=st.integers(1, 8),

@@ -278,8 +278,8 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         return out + ([] if drawn is None else drawn.checks(visible)) + flavours.compiled_rows(impl)
 
     copy_bytes = (o.size + k.size + v.size + q.size) * dt.itemsize  # a copy's inputs and output
-    # its scores and weights too, here; on ranks they live there, a block at a time, and each round trip is the cost
-    copy_bytes += copy_bytes if ranks else 3 * a64.size * dt.itemsize
+    if not ranks:  # its scores and weights too, here (on ranks they live there, a tile at a time)
+        copy_bytes += 3 * a64.size * dt.itemsize
     return Problem(
         inputs={**inputs, **extra},
         loss=lambda name, x: np.sum(np.asarray(copies_forward(name, x), dtype=np.float64) * g_out,
@@ -301,6 +301,7 @@ def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = Non
         compute_dtype=None if computes_in == sc.dtype else computes_in,
         analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in names},
         nondeterministic=varies(o, again["o"], sc.nondet_tol),
+        serial=ranks,
         compile_s=flavours.compile_time(impl),
         tangents=None if sc.mode != "jvp" else implementation_tangents(
             inputs, g, a64, moved_forward, user_jvp, interface, [sc.seed, SeedStream.TANGENT_HINTS],

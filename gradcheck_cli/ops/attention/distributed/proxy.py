@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from . import keys, sharding
+from . import keys, sharding, wire
 from .ranks import Ranks
 
 #: The per-rank function of the tool's own ring attention (the scenario names no implementation).
@@ -59,13 +59,15 @@ class Proxy:
         self.index = keys.rows_of(sc)
         if self.jax:
             self.index = [np.concatenate(self.index)]
-        self.n = sc.n_q
+        self.n, self.batch = sc.n_q, sc.batch
         self.axis = 2 if sc.convention.layout == "bhnd" else 1
         self.lse_axis = 2 if sc.convention.lse_layout == "bhn" else 1
         left, right = keys.band_of(sc)
         self.base = {"softmax_scale": float(sc.scale), "causal": right == 0, "window_size": (left, right)}
-        if sc.implementation is None and faults:
-            self.base["fault"] = ",".join(faults)
+        if sc.implementation is None:  # the built-in ring: told the shards' lengths, and the faults to switch on
+            self.base["shard_lengths"] = [len(idx) for idx in self.index]
+            if faults:
+                self.base["fault"] = ",".join(faults)
         self.param_kwargs = tuple(param_kwargs)
         # the fault of the gathering itself: a replicated parameter's gradient as one rank holds it, not summed
         self.summed = "cp-param-not-summed" not in faults
@@ -73,8 +75,10 @@ class Proxy:
 
     def _payloads(self, q, k, v, given: dict, backward: bool, return_lse: bool, grads: dict) -> list:
         out = []
+        qkv = (("q", q), ("k", k), ("v", v))
+        moved = {t: wire.differing(x, self.batch) for t, x in qkv}  # the copies sent as one and their differences
         for idx in self.index:
-            part = {t: sharding.shard(x, idx, self.axis) for t, x in (("q", q), ("k", k), ("v", v))}
+            part = {t: wire.pack(x, self.batch, moved[t], idx, self.axis) for t, x in qkv}
             for name, (x, axis) in grads.items():
                 part[name] = sharding.shard(x, idx, axis)
             out.append({**part, "backward": backward, "return_lse": return_lse,
@@ -105,6 +109,11 @@ class Proxy:
         out = tuple(sharding.gather([a[t] for a in answers], self.index, self.axis, self.n) for t in "qkv")
         return out + tuple(np.sum([a[p] for a in answers], axis=0) if self.summed else answers[0][p]
                            for p in self.param_kwargs)
+
+
+    # the arguments go to the ranks pickled, never to code in this process: nothing to copy or compare (they
+    # get their own arrays, and what comes back is gathered into fresh ones)
+    forward.immutable = backward.immutable = True
 
 
 def _padded(x: np.ndarray, size: int) -> np.ndarray:

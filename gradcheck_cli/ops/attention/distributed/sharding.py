@@ -41,11 +41,12 @@ def shard(x: np.ndarray, index: np.ndarray, axis: int) -> np.ndarray:
 
 
 def gather(parts: list[np.ndarray], indices: list[np.ndarray], axis: int, n: int) -> np.ndarray:
-    """The ranks' ``parts`` put back at their global rows along ``axis`` (the inverse of :func:`shard`)."""
+    """The ranks' ``parts`` put back at their global rows along ``axis`` (the inverse of :func:`shard`; the ranks'
+    rows are every row once)."""
     first = parts[0]
     shape = list(first.shape)
     shape[axis] = n
-    out = np.zeros(shape, dtype=first.dtype)
+    out = np.empty(shape, dtype=first.dtype)
     for part, index in zip(parts, indices):
         sl = [slice(None)] * out.ndim
         sl[axis] = index
