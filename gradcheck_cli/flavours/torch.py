@@ -132,6 +132,8 @@ def wrap(user, count: int, dtype: str, device: str = "cpu", grad_kw: dict | None
         grads = guarded("backward", lambda: torch.autograd.grad(y, wanted, grad_outputs=g, allow_unused=True))
         written_back((grad_y,), (g,))
         names = [f"d{i}" for i in range(count)] + [f"d{k}" for k in kw_leaves]
+        # the inputs autograd gave no gradient (None: not reached from the output): 0 to the checker, named in hints
+        backward.no_gradient = tuple(i for i, gr in enumerate(grads) if gr is None)
         out = tuple(torch.zeros_like(w) if gr is None else gr for w, gr in zip(wanted, grads))
         out = tuple(plain(n, gr, "backward") for n, gr in zip(names, out))
         return out[0] if len(out) == 1 else out

@@ -35,6 +35,20 @@ FAULTS = {f.name: f for f in (
 )}
 
 
+#: Known mistakes of a LayerNorm backward (no CLI switch): candidate causes of a failed gradient check
+#: (``fingerprints``), computed by :func:`backward` on request.
+MISTAKES = {
+    "layernorm-both-feedbacks": "G_x = g / s: drops both feedback terms, -mean(g) and -xhat mean(g xhat)",
+    "layernorm-scale-term-sign": "G_x adds xhat mean(g xhat) instead of subtracting it",
+    "layernorm-no-gamma": "G_x is written for gamma = 1: G_y in place of g = G_y gamma",
+    "layernorm-not-divided-by-s": "G_x is not divided by s (the standard deviation) at the end",
+    "layernorm-dgamma-centred-x": "G_gamma sums G_y (x - mu) instead of G_y xhat (not divided by s)",
+    "layernorm-dgamma-raw-x": "G_gamma sums G_y x instead of G_y xhat",
+    "layernorm-reductions-mean": "G_gamma and G_beta average over the rows instead of summing",
+    "layernorm-dbeta-gamma": "G_beta sums G_y gamma instead of G_y",
+}
+
+
 def forward(x, gamma, beta, eps):
     """y [..., d_model]."""
     mu = np.mean(x, axis=-1, keepdims=True)
@@ -47,14 +61,22 @@ def backward(x, gamma, beta, eps, grad_y, faults: Collection[str] = ()):
     mu = np.mean(x, axis=-1, keepdims=True)
     s = np.sqrt(np.mean((x - mu) ** 2, axis=-1, keepdims=True) + np.asarray(eps, dtype=x.dtype))
     xhat = (x - mu) / s
-    g = grad_y * gamma
+    g = grad_y if "layernorm-no-gamma" in faults else grad_y * gamma
     g_x = g
-    if "layernorm-mean-term" not in faults:
+    both = "layernorm-both-feedbacks" in faults
+    if "layernorm-mean-term" not in faults and not both:
         g_x = g_x - np.mean(g, axis=-1, keepdims=True)
-    if "layernorm-scale-term" not in faults:
-        g_x = g_x - xhat * np.mean(g * xhat, axis=-1, keepdims=True)
+    if "layernorm-scale-term" not in faults and not both:
+        scale_term = xhat * np.mean(g * xhat, axis=-1, keepdims=True)
+        g_x = g_x + scale_term if "layernorm-scale-term-sign" in faults else g_x - scale_term
+    if "layernorm-not-divided-by-s" not in faults:
+        g_x = g_x / s
     d = x.shape[-1]
-    return g_x / s, (grad_y * xhat).reshape(-1, d).sum(axis=0), grad_y.reshape(-1, d).sum(axis=0)
+    seen = {"layernorm-dgamma-centred-x": x - mu, "layernorm-dgamma-raw-x": x}
+    by = next((seen[f] for f in faults if f in seen), xhat)
+    reduce = np.mean if "layernorm-reductions-mean" in faults else np.sum
+    g_beta = grad_y * gamma if "layernorm-dbeta-gamma" in faults else grad_y
+    return g_x, reduce((grad_y * by).reshape(-1, d), axis=0), reduce(g_beta.reshape(-1, d), axis=0)
 
 
 def _shapes(sc) -> dict:
@@ -141,7 +163,8 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         inputs=data, args={"eps": sc.p("eps")}, g=g, forward=forward, backward=backward,
         terms=lambda inputs, args, g: _terms(inputs["x"], inputs["gamma"], args["eps"], g),
         invariants=lambda calls, dtype, y: _invariants(calls()["x"], data, g, sc.p("eps"), dtype, calls.fixed),
-        batched=("x",), rounding=_rounding, structure=_STRUCTURE), faults)
+        batched=("x",), rounding=_rounding, structure=_STRUCTURE,
+        mistakes=user_engine.mistakes(FAULTS, MISTAKES)), faults)
 
 
 #: What a user's implementation provides (``implementation:``).

@@ -27,6 +27,20 @@ FAULTS = {f.name: f for f in (
 )}
 
 
+#: Known mistakes of an RMSNorm backward (no CLI switch): candidate causes of a failed gradient check
+#: (``fingerprints``), computed by :func:`backward` on request.
+MISTAKES = {
+    "rmsnorm-feedback-sign": "G_x adds the feedback term x mean(g x) / r^3 instead of subtracting it",
+    "rmsnorm-feedback-sum": "the feedback term sums g x over the features instead of averaging "
+                            "(-x sum(g x) / r^3: d_model times too large)",
+    "rmsnorm-feedback-no-gamma": "the feedback term uses G_y instead of g = G_y gamma (-x mean(G_y x) / r^3)",
+    "rmsnorm-feedback-r2": "the feedback term divides by r^2 instead of r^3",
+    "rmsnorm-no-gamma": "G_x is written for gamma = 1: G_y in place of g = G_y gamma",
+    "rmsnorm-dgamma-raw-x": "G_gamma sums G_y x instead of G_y x / r (the normalised x)",
+    "rmsnorm-dgamma-mean": "G_gamma averages over the rows instead of summing",
+}
+
+
 def forward(x, gamma, eps):
     """y [..., d_model]."""
     r = np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.asarray(eps, dtype=x.dtype))
@@ -36,11 +50,15 @@ def forward(x, gamma, eps):
 def backward(x, gamma, eps, grad_y, faults: Collection[str] = ()):
     """(G_x, G_gamma) for upstream grad_y [..., d_model]; G_gamma sums every axis but the last."""
     r = np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.asarray(eps, dtype=x.dtype))
-    g = grad_y * gamma
+    g = grad_y if "rmsnorm-no-gamma" in faults else grad_y * gamma
     g_x = g / r
     if "rmsnorm-feedback" not in faults:
-        g_x = g_x - x * np.mean(g * x, axis=-1, keepdims=True) / r**3
-    g_gamma = (grad_y * (x / r)).reshape(-1, x.shape[-1]).sum(axis=0)
+        fed = grad_y if "rmsnorm-feedback-no-gamma" in faults else g
+        reduce = np.sum if "rmsnorm-feedback-sum" in faults else np.mean
+        feedback = x * reduce(fed * x, axis=-1, keepdims=True) / (r**2 if "rmsnorm-feedback-r2" in faults else r**3)
+        g_x = g_x + feedback if "rmsnorm-feedback-sign" in faults else g_x - feedback
+    rows = (grad_y * (x if "rmsnorm-dgamma-raw-x" in faults else x / r)).reshape(-1, x.shape[-1])
+    g_gamma = rows.mean(axis=0) if "rmsnorm-dgamma-mean" in faults else rows.sum(axis=0)
     return g_x, g_gamma
 
 
@@ -127,7 +145,8 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         inputs=data, args={"eps": sc.p("eps")}, g=g, forward=forward, backward=backward,
         terms=lambda inputs, args, g: _terms(inputs["x"], inputs["gamma"], args["eps"], g),
         invariants=lambda calls, dtype, y: user_scale_identity(calls, data, g, sc.p("eps"), dtype),
-        batched=("x",), rounding=_rounding, structure=_STRUCTURE), faults)
+        batched=("x",), rounding=_rounding, structure=_STRUCTURE,
+        mistakes=user_engine.mistakes(FAULTS, MISTAKES)), faults)
 
 
 #: What a user's implementation provides (``implementation:``).

@@ -40,6 +40,28 @@ def _pairs(rotary_dim: int, layout: str) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(0, rotary_dim, 2), np.arange(1, rotary_dim, 2)
 
 
+#: Known mistakes of a RoPE backward (no CLI switch): candidate causes of a failed gradient check
+#: (``fingerprints``), computed by the user engine's backward on request.
+MISTAKES = {
+    "rope-other-pairing": "the backward pairs the features the other way (half <-> interleaved) from the forward",
+    "rope-backward-identity": "G_x = G_y: the rotation is treated as if it had no derivative",
+    "rope-backward-cos-only": "G_x = G_y cos(theta): the sine terms of the inverse rotation are dropped",
+}
+#: The other layout, for ``rope-other-pairing``.
+_OTHER = {"half": "interleaved", "interleaved": "half"}
+
+
+def _backward_cs(grad_y, cos, sin, layout: str, faults: Collection[str] = ()):
+    """G_x for upstream grad_y, with a fault or known mistake on request."""
+    if "rope-backward-identity" in faults:
+        return grad_y.copy()
+    if "rope-backward-cos-only" in faults:
+        return rotate_cs(grad_y, cos, np.zeros_like(sin), layout)
+    if "rope-other-pairing" in faults:
+        layout = _OTHER[layout]
+    return rotate_cs(grad_y, cos, sin, layout, +1.0 if "rope-transpose" in faults else -1.0)
+
+
 def rotate(x, theta, layout: str, sign: float = 1.0):
     """x [..., n, d] with pairs rotated by sign * theta [n, rotary_dim / 2]."""
     return rotate_cs(x, np.cos(theta).astype(x.dtype), np.sin(theta).astype(x.dtype), layout, sign)
@@ -137,7 +159,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
     args = {"cos": np.cos(theta).astype(sc.dtype), "sin": np.sin(theta).astype(sc.dtype)}
 
     def backward_cs(x, cos, sin, grad_y, faults=()):
-        return (rotate_cs(grad_y, cos, sin, layout, +1.0 if "rope-transpose" in faults else -1.0),)
+        return (_backward_cs(grad_y, cos, sin, layout, faults),)
 
     return user_engine.build(sc, user_engine.UserOp(
         inputs=data, args=args, g=g, forward=lambda x, cos, sin: rotate_cs(x, cos, sin, layout), backward=backward_cs,
@@ -145,7 +167,8 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
                                     "x": _rotation_terms(g, a["cos"], a["sin"], layout)},
         invariants=lambda calls, dtype, y: pair_norm_checks(data["x"], y, theta, layout, g, calls()["x"],
                                                              precision=dtype),
-        batched=("x",), rounding=_rounding, structure=_STRUCTURE), faults)
+        batched=("x",), rounding=_rounding, structure=_STRUCTURE,
+        mistakes=user_engine.mistakes(FAULTS, MISTAKES)), faults)
 
 
 def _validate(params: dict, _attention: dict) -> list:

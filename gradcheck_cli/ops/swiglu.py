@@ -27,6 +27,19 @@ FAULTS = {f.name: f for f in (
 )}
 
 
+#: Known mistakes of a SwiGLU backward (no CLI switch): candidate causes of a failed gradient check
+#: (``fingerprints``), computed by :func:`backward` on request.
+MISTAKES = {
+    "silu-derivative-sigmoid": "SiLU'(a) taken as sigmoid(a): drops the a sigmoid(a) (1 - sigmoid(a)) term",
+    "silu-derivative-sigmoid-prime": "SiLU'(a) taken as sigmoid'(a) = sigmoid(a) (1 - sigmoid(a))",
+    "silu-derivative-no-product-rule": "SiLU'(a) taken as a sigmoid(a) (1 - sigmoid(a)): drops the sigmoid(a) term",
+    "swiglu-branches-swapped": "each branch gets its own value instead of the other's: G_a = G_h SiLU'(a) SiLU(a), "
+                               "G_b = G_h b",
+    "swiglu-dx-gate-only": "G_x = G_a W_1^T: drops the linear branch's share G_b W_3^T",
+    "swiglu-dw2-no-gate": "G_W2 = (x W_3)^T G_y: h taken without the gate SiLU(x W_1)",
+}
+
+
 def _sigmoid(a):
     return 0.5 * (1.0 + np.tanh(0.5 * a))  # no overflow for large |a|
 
@@ -52,11 +65,19 @@ def backward(x, w1, w3, w2, grad_y, faults: Collection[str] = ()):
     h = a * s * b
     g_h = grad_y @ w2.T
     g_w2 = _sum_rows(h).T @ _sum_rows(grad_y)
-    silu_prime = 1.0 if "silu-derivative" in faults else s * (1.0 + a * (1.0 - s))
+    if "swiglu-dw2-no-gate" in faults:
+        g_w2 = _sum_rows(b).T @ _sum_rows(grad_y)
+    silu_prime = {"silu-derivative": 1.0, "silu-derivative-sigmoid": s,
+                  "silu-derivative-sigmoid-prime": s * (1.0 - s),
+                  "silu-derivative-no-product-rule": a * s * (1.0 - s)}
+    silu_prime = next((silu_prime[f] for f in faults if f in silu_prime), s * (1.0 + a * (1.0 - s)))
     g_a = g_h * b * silu_prime
     g_b = g_h if "gate-branch" in faults else g_h * (a * s)
+    if "swiglu-branches-swapped" in faults:
+        g_a, g_b = g_h * (a * s) * silu_prime, g_h * b
     xs = _sum_rows(x)
-    return {"x": g_a @ w1.T + g_b @ w3.T, "w1": xs.T @ _sum_rows(g_a), "w3": xs.T @ _sum_rows(g_b), "w2": g_w2}
+    g_x = g_a @ w1.T if "swiglu-dx-gate-only" in faults else g_a @ w1.T + g_b @ w3.T
+    return {"x": g_x, "w1": xs.T @ _sum_rows(g_a), "w3": xs.T @ _sum_rows(g_b), "w2": g_w2}
 
 
 def _shapes(sc) -> dict:
@@ -147,7 +168,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
     return user_engine.build(sc, user_engine.UserOp(
         inputs={t: data[t] for t in order}, args={}, g=g, forward=forward, backward=backward_tuple,
         terms=lambda inputs, args, g: _terms(*inputs.values(), g), invariants=checks, batched=("x",),
-        structure=_STRUCTURE), faults)
+        structure=_STRUCTURE, mistakes=user_engine.mistakes(FAULTS, MISTAKES)), faults)
 
 
 #: What a user's implementation provides (``implementation:``).

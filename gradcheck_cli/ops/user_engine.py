@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import flavours, implementation, precision
+from .. import fingerprints, flavours, implementation, precision
 from ..numeric import SeedStream
 from . import dense
 from .convention import MASKS, MEANING
@@ -72,6 +72,16 @@ class UserOp:
     shown: Mapping[str, Callable[[dict], dict]] = field(default_factory=dict)
     adapt: Callable[[Any, str], Any] | None = None
     alternatives: Mapping[str, Callable[[], np.ndarray]] = field(default_factory=dict)
+    #: the wrong backwards ``backward(..., faults)`` computes on request, by name -> what each gets wrong: the op's
+    #: faults that change gradients and its known mistakes, the candidate causes of a failed gradient check
+    #: (``fingerprints``)
+    mistakes: Mapping[str, str] = field(default_factory=dict)
+
+
+def mistakes(faults: Mapping, known: Mapping[str, str]) -> dict[str, str]:
+    """The candidate causes of an op: its faults that add their change to the gradients (``ADDED``), then its known
+    mistakes (name -> what it gets wrong)."""
+    return {**{name: f.breaks for name, f in faults.items() if f.user == ADDED}, **known}
 
 
 class Calls:
@@ -270,12 +280,32 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
                             rounding_forward=lambda **xs: op.forward(*(xs[t] for t in order), *op.args.values()))
     problem.compute_dtype = None if computes_in == sc.dtype else computes_in
     problem.compile_s = flavours.compile_time(impl)
+    x64, g64 = [op.inputs[t].astype(np.float64) for t in order], op.g.astype(np.float64)
+    candidates = fingerprints.from_backward(
+        op.mistakes, lambda wrong: dict(zip(order, op.backward(*x64, *op.args.values(), g64, wrong))))
+
     def hints(evidence, checks) -> list[str]:
-        if not any(c.name == FORWARD_CHECK and c.verdict == "fail" for c in checks):
-            return []
-        return other_conventions(y, reference["o"]) + convention_hints(checks, y, reference["o"], op.alternatives)
+        out = []
+        if any(c.name == FORWARD_CHECK and c.verdict == "fail" for c in checks):
+            out += other_conventions(y, reference["o"]) + convention_hints(checks, y, reference["o"], op.alternatives)
+        failed = {c.tensor for c in checks if c.kind == "gradient" and c.verdict == "fail"}
+        return out + no_gradient(impl, failed, order) + fingerprints.named(
+            evidence, failed, candidates, dict(zip(order, op.backward(*x64, *op.args.values(), g64, ()))))
     problem.hints = hints
     return problem
+
+
+def no_gradient(impl, failed: set[str], order: tuple[str, ...]) -> list[str]:
+    """The failed tensors autograd returned no gradient for (torch: None from autograd.grad), in those words."""
+    none = [order[i] for i in getattr(getattr(impl, "backward", None), "no_gradient", ()) if i < len(order)]
+    none = [t for t in none if t in failed]
+    if not none:
+        return []
+    which = ", ".join(none)
+    return [f"autograd returned no gradient for {which} (None: the output does not depend on {which} through "
+            "autograd): it is detached somewhere (.detach(), .data, torch.no_grad(), a NumPy round trip, an "
+            "in-place copy into a fresh tensor), or the code computes with another tensor than the one it was given; "
+            "its gradient was taken as 0"]
 
 
 def masked(args: dict, convention, dtype) -> dict:

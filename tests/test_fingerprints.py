@@ -1,0 +1,87 @@
+"""Fingerprints of known mistakes (gradcheck_cli/fingerprints.py): a table of hand-written buggy backwards
+(tests/bugs/dense_bugs.py, written as their authors would, not through the tool's formulas), each of which must fail
+and be named by its cause and by no other; the correct ones pass with no cause named. And the matching rule itself:
+a candidate that explains the failed tensors but not a passing one, or that equals the correct backward, is never
+named."""
+import numpy as np
+import pytest
+import yaml
+
+from gradcheck_cli import checker, fingerprints, scenario
+from gradcheck_cli.diagnose import Evidence
+
+from helpers import ROOT
+
+BUGS_DIR = ROOT / "tests" / "bugs"
+
+
+def _named(hints) -> set[str]:
+    import re
+    return {m for h in hints for m in re.findall(r"`([a-z0-9-]+)`", h)}
+
+
+def _run(cls: str, keys: dict):
+    doc = {"scenarios": [{"name": cls, **keys, "implementation": f"dense_bugs:{cls}_"}]}
+    return checker.run_scenario(scenario.loads(yaml.safe_dump(doc), base_dir=BUGS_DIR)[0])
+
+
+def _table():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("dense_bugs_table", BUGS_DIR / "dense_bugs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.BUGS
+
+
+@pytest.mark.parametrize("cls, cause, keys", _table(), ids=[row[0] for row in _table()])
+def test_each_hand_written_bug_is_named_by_its_cause_and_no_other(cls, cause, keys):
+    result = _run(cls, keys)
+    named = _named(result.hints)
+    if cause is None:
+        assert result.verdict.value == "pass" and not named, result.hints
+        return
+    assert result.verdict.value == "fail"
+    assert named == {cause}, result.hints
+
+
+def _evidence(analytic, numeric, allowed=1e-6):
+    return Evidence(np.asarray(analytic, float), np.asarray(numeric, float), np.full(np.shape(analytic), allowed))
+
+
+def test_a_candidate_is_named_only_when_it_explains_every_checked_tensor():
+    right = {"x": np.array([1.0, 2.0, 3.0]), "w": np.array([4.0, 5.0])}
+    wrong_x = {"x": np.array([1.0, 2.5, 3.0]), "w": right["w"]}
+    wrong_both = {"x": wrong_x["x"], "w": np.array([4.0, 6.0])}
+    evidence = {"x": _evidence(wrong_x["x"], right["x"]), "w": _evidence(right["w"], right["w"])}
+    cands = [fingerprints.Candidate("x-only", "x wrong", lambda: wrong_x),
+             fingerprints.Candidate("both", "x and w wrong", lambda: wrong_both),
+             fingerprints.Candidate("none", "changes nothing", lambda: right)]
+    hints = fingerprints.named(evidence, {"x"}, cands, right)
+    assert _named(hints) == {"x-only"}
+    assert fingerprints.named(evidence, set(), cands, right) == []
+    # the user's forward is what is wrong: its analytic gradient is the correct one; no candidate may claim it
+    evidence = {"x": _evidence(right["x"], wrong_x["x"]), "w": _evidence(right["w"], right["w"])}
+    assert fingerprints.named(evidence, {"x"}, cands, right) == []
+
+
+def test_two_candidates_that_coincide_are_named_together():
+    right = {"x": np.array([1.0, 2.0])}
+    wrong = {"x": np.array([1.0, 3.0])}
+    evidence = {"x": _evidence(wrong["x"], right["x"])}
+    hints = fingerprints.named(evidence, {"x"}, [fingerprints.Candidate("a", "A", lambda: wrong),
+                                                 fingerprints.Candidate("b", "B", lambda: wrong)], right)
+    assert _named(hints) == {"a", "b"} and "one of these" in hints[0]
+
+
+def test_a_tensor_autograd_gave_no_gradient_is_said_in_those_words(tmp_path):
+    torch = pytest.importorskip("torch")
+    del torch
+    from helpers import with_code
+    source = ("import torch\n"
+              "def rms(x, gamma, eps):\n"
+              "    r = torch.sqrt((x * x).mean(-1, keepdim=True) + eps)\n"
+              "    return gamma.detach() * x / r\n")
+    sc = with_code(tmp_path, source, "rms", op="rmsnorm", backend="torch", batch=2, n=3, d_model=8)
+    result = checker.run_scenario(sc)
+    assert result.verdict.value == "fail"
+    assert any("autograd returned no gradient for gamma" in h for h in result.hints), result.hints
