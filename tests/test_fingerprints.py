@@ -85,3 +85,20 @@ def test_a_tensor_autograd_gave_no_gradient_is_said_in_those_words(tmp_path):
     result = checker.run_scenario(sc)
     assert result.verdict.value == "fail"
     assert any("autograd returned no gradient for gamma" in h for h in result.hints), result.hints
+
+
+@pytest.mark.parametrize("config", ["rmsnorm", "layernorm", "swiglu", "rope", "infonce"])
+def test_every_gradient_fault_injected_into_user_code_is_named_by_its_own_name(config):
+    """A fault that adds its change to a user's gradients (``user_engine.ADDED``) makes them exactly that wrong
+    backward: the report must name it, and no other cause, on each example scenario of the op's (float64 and
+    float32 alike)."""
+    from gradcheck_cli.ops import OPS
+    from gradcheck_cli.ops.user_engine import ADDED
+    for sc in scenario.load(ROOT / "examples" / f"{config}.yaml"):
+        faults = [name for name, f in OPS[sc.op].faults.items() if f.user == ADDED and not f.sized]
+        assert faults
+        for fault in faults:
+            result = checker.run_scenario(sc, (fault,))
+            if result.verdict.value != "fail":  # a fault that changes nothing on this scenario (its contract says)
+                continue
+            assert _named(result.hints) == {fault}, (sc.name, fault, result.hints)

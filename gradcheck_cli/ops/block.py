@@ -202,7 +202,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
                                                                         dtype),
         batched=("x", "visible"), structure=_STRUCTURE, shown=projections.SHOWN,
         alternatives=projections.kv_alternatives(sc, lambda kv: Block(dataclasses.replace(sc, kv_map=kv)).forward(
-            *(v.astype(np.float64) for v in data.values())))), faults)
+            *(v.astype(np.float64) for v in data.values()))), mistakes=user_engine.mistakes(FAULTS)), faults)
 
 
 def _validate(params: dict, att: dict) -> list:

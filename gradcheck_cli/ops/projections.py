@@ -210,7 +210,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         terms=lambda inputs, a, g: layer.terms(**inputs, grad_y=g),
         invariants=checks, batched=("x", "m", "visible"), structure=_STRUCTURE, shown=SHOWN,
         alternatives=kv_alternatives(sc, lambda kv: Layer(dataclasses.replace(sc, kv_map=kv)).forward(
-            **{t: v.astype(np.float64) for t, v in data.items()}))), faults)
+            **{t: v.astype(np.float64) for t, v in data.items()})), mistakes=user_engine.mistakes(ALL_FAULTS)), faults)
 
 
 def _invariants(sc, layer, data, faults) -> list:

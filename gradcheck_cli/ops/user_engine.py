@@ -78,10 +78,10 @@ class UserOp:
     mistakes: Mapping[str, str] = field(default_factory=dict)
 
 
-def mistakes(faults: Mapping, known: Mapping[str, str]) -> dict[str, str]:
+def mistakes(faults: Mapping, known: Mapping[str, str] | None = None) -> dict[str, str]:
     """The candidate causes of an op: its faults that add their change to the gradients (``ADDED``), then its known
-    mistakes (name -> what it gets wrong)."""
-    return {**{name: f.breaks for name, f in faults.items() if f.user == ADDED}, **known}
+    mistakes (name -> what it gets wrong). A sized fault (its size set from a clean run) is no candidate."""
+    return {**{name: f.breaks for name, f in faults.items() if f.user == ADDED and not f.sized}, **(known or {})}
 
 
 class Calls:
