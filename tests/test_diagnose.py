@@ -12,7 +12,7 @@ from gradcheck_cli.ops import OPS
 from gradcheck_cli.ops.attention import ENGINE_FAULTS
 from gradcheck_cli.ops.registry import Structure
 
-from helpers import make
+from helpers import make, with_examples
 
 #: A phrase that only the hint of each fault contains.
 HINT_OF = {
@@ -202,3 +202,18 @@ def test_float16_overflow_is_named_not_a_wall_of_nan():
     names = {(c.name, c.tensor) for c in res.checks}
     assert ("output is finite", "o") in names and res.verdict == "fail"
     assert "largest finite 65504" in res.hints[0]
+
+
+def test_the_mask_backward_hint_for_code_does_not_claim_untouched_rows_are_right():
+    """Code whose backward recomputes A without the mask moves the gradients of key rows every query sees too:
+    its hint rests on the fingerprint and says so, never that the rows the mask does not touch are right (a report
+    seen printing that beside 'key rows every query sees: 16 of 16 out of tolerance')."""
+    sc = with_examples(implementation="my_attention:attention", heads_q=2, n_q=6, n_k=6, d_head=4,
+                       mask={"causal": "lower-right"})
+    res = checker.run_scenario(sc, ("mask-backward",))
+    assert res.verdict.value == "fail"
+    said = [h for h in res.hints if "ignores or misapplies the visible set" in h]
+    assert said and not any("does not touch are right" in h for h in said), res.hints
+    k = next(c for c in res.checks if c.name == "gradient k")
+    every = {c["label"]: c for c in k.diagnosis["classes"]}["key rows every query sees"]
+    assert every["out_of_tolerance"] > 0  # the contradiction the old wording made

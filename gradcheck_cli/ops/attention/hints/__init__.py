@@ -197,7 +197,11 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                        "accumulator when the row maximum grows, or a denominator with an epsilon added)")
         if (not leak and alternative != "no mask" and not partial
                 and _mask_backward(sc, context, evidence, failed, broken, sees_all, kv_map)):
-            out.append("the errors sit only where the mask matters (query rows with hidden keys, key rows hidden "
+            # for code, the evidence is the fingerprint, not where the errors sit (A recomputed without the mask
+            # moves every gradient of a row with hidden keys, key rows every query sees among them)
+            out.append("the gradients are exactly the reference's with A recomputed without the mask: the backward "
+                       "ignores or misapplies the visible set" if context is not None else
+                       "the errors sit only where the mask matters (query rows with hidden keys, key rows hidden "
                        "from some queries) while rows the mask does not touch are right: the backward ignores or "
                        "misapplies the visible set (e.g. recomputes A without it)")
         lse_hints = _lse_hints(sc, context, kv_map, failed, broken) if context is not None else []
