@@ -20,22 +20,29 @@ def _named(hints) -> set[str]:
     return {m for h in hints for m in re.findall(r"`([a-z0-9-]+)`", h)}
 
 
-def _run(cls: str, keys: dict):
-    doc = {"scenarios": [{"name": cls, **keys, "implementation": f"dense_bugs:{cls}_"}]}
+#: The modules of hand-written bugs in tests/bugs/.
+TABLES = ("dense_bugs", "infonce_bugs")
+
+
+def _run(module: str, cls: str, keys: dict):
+    doc = {"scenarios": [{"name": cls, **keys, "implementation": f"{module}:{cls}_"}]}
     return checker.run_scenario(scenario.loads(yaml.safe_dump(doc), base_dir=BUGS_DIR)[0])
 
 
 def _table():
     import importlib.util
-    spec = importlib.util.spec_from_file_location("dense_bugs_table", BUGS_DIR / "dense_bugs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.BUGS
+    rows = []
+    for name in TABLES:
+        spec = importlib.util.spec_from_file_location(f"{name}_table", BUGS_DIR / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        rows += [(name, *row) for row in module.BUGS]
+    return rows
 
 
-@pytest.mark.parametrize("cls, cause, keys", _table(), ids=[row[0] for row in _table()])
-def test_each_hand_written_bug_is_named_by_its_cause_and_no_other(cls, cause, keys):
-    result = _run(cls, keys)
+@pytest.mark.parametrize("module, cls, cause, keys", _table(), ids=[row[1] for row in _table()])
+def test_each_hand_written_bug_is_named_by_its_cause_and_no_other(module, cls, cause, keys):
+    result = _run(module, cls, keys)
     named = _named(result.hints)
     if cause is None:
         assert result.verdict.value == "pass" and not named, result.hints

@@ -34,6 +34,18 @@ FAULTS = {f.name: f for f in (
 )}
 
 
+#: Known mistakes of an InfoNCE backward (no CLI switch): candidate causes of a failed gradient check
+#: (``fingerprints``), computed by ``formulas.backward`` on request.
+MISTAKES = {
+    "infonce-tau-once": "the similarities' gradient is the logits' (G_s = G_z): the 1 / tau of z = s / tau dropped",
+    "infonce-dtau-sign": "G_tau = +sum(G_z s) / tau^2: the sign of d(s / tau) / d tau lost",
+    "infonce-cosine-no-projection": "cosine similarity: d(x / |x|) taken as 1 / |x|, without the projection "
+                                    "-u (u . g) / |x| that removes the gradient along x",
+    "infonce-softmax-axis": "the softmax of the backward normalised over the queries (axis 0) instead of the "
+                            "candidates",
+}
+
+
 def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None):
     shapes = _shapes(sc)
     sim, in_batch = sc.p("similarity"), sc.p("in_batch")

@@ -57,12 +57,13 @@ def backward(q, p, n, tau, grad_l, similarity: str, in_batch: bool, faults: Coll
     """Gradients of L = sum(l * grad_l): q, p, n (when given), tau, and the logit gradient z."""
     s = similarities(q, p, n, similarity, in_batch)
     z = s / tau
-    a = np.exp(z - z.max(axis=-1, keepdims=True))
-    a /= a.sum(axis=-1, keepdims=True)
+    axis = 0 if "infonce-softmax-axis" in faults else -1
+    a = np.exp(z - z.max(axis=axis, keepdims=True))
+    a /= a.sum(axis=axis, keepdims=True)
     onehot = np.zeros_like(z)
     onehot[np.arange(q.shape[0]), positives(q.shape[0], in_batch)] = 1.0
     g_z = grad_l[:, None] * ((0.0 if "infonce-normaliser" in faults else a) - onehot)
-    g_s = g_z / tau
+    g_s = g_z if "infonce-tau-once" in faults else g_z / tau
     c = _candidates(p, n, in_batch)
     uq, uc = (_unit(q), _unit(c)) if similarity == "cosine" else (q, c)
     if in_batch:
@@ -70,8 +71,11 @@ def backward(q, p, n, tau, grad_l, similarity: str, in_batch: bool, faults: Coll
     else:
         g_uq, g_uc = np.einsum("bc,bcd->bd", g_s, uc), g_s[..., None] * uq[:, None, :]
     if similarity == "cosine":
-        g_q = (g_uq - uq * np.sum(uq * g_uq, axis=-1, keepdims=True)) / np.linalg.norm(q, axis=-1, keepdims=True)
-        g_c = (g_uc - uc * np.sum(uc * g_uc, axis=-1, keepdims=True)) / np.linalg.norm(c, axis=-1, keepdims=True)
+        keep = 0.0 if "infonce-cosine-no-projection" in faults else 1.0  # the mistake: d(x/|x|) taken as 1/|x|
+        g_q = (g_uq - keep * uq * np.sum(uq * g_uq, axis=-1, keepdims=True)) / np.linalg.norm(q, axis=-1,
+                                                                                               keepdims=True)
+        g_c = (g_uc - keep * uc * np.sum(uc * g_uc, axis=-1, keepdims=True)) / np.linalg.norm(c, axis=-1,
+                                                                                               keepdims=True)
     else:
         g_q, g_c = g_uq, g_uc
     batch = q.shape[0]
@@ -84,7 +88,8 @@ def backward(q, p, n, tau, grad_l, similarity: str, in_batch: bool, faults: Coll
         out["p"] = g_c[:, 0]
         if n is not None:
             out["n"] = g_c[:, 1:]
-    out["tau"] = np.asarray(-np.sum(g_z * s) / tau**2, dtype=q.dtype)
+    out["tau"] = np.asarray((1.0 if "infonce-dtau-sign" in faults else -1.0) * np.sum(g_z * s) / tau**2,
+                            dtype=q.dtype)
     out["z"] = g_z
     return out
 

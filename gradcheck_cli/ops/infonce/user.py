@@ -13,9 +13,9 @@ from .formulas import _terms, backward, forward
 from .inputs import _STRUCTURE, _inputs
 
 
-def _faults():
-    from . import FAULTS  # the package's, defined after this module is imported
-    return FAULTS
+def _mistakes() -> dict:
+    from . import FAULTS, MISTAKES  # the package's, defined after this module is imported
+    return user_engine.mistakes(FAULTS, MISTAKES)
 
 #: The user's implementation's check of the logit gradients' sum, seen from outside (``build_user``).
 CANDIDATES_SUM = "candidate gradients sum to 0"
@@ -162,7 +162,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
     problem = user_engine.build(sc, user_engine.UserOp(
         inputs=data, args=args, g=g, forward=fwd, backward=bwd, terms=terms, invariants=checks,
         batched=() if in_batch else tuple(t for t in ("q", "p", "n") if t in data), structure=_STRUCTURE,
-        adapt=_adapt(engine_order, checked), mistakes=user_engine.mistakes(_faults())), faults)
+        adapt=_adapt(engine_order, checked), mistakes=_mistakes()), faults)
     if "tau" in data:
         problem.step_sizes = {"tau": abs(float(tau))}
     return problem
