@@ -109,3 +109,25 @@ def test_every_gradient_fault_injected_into_user_code_is_named_by_its_own_name(c
             if result.verdict.value != "fail":  # a fault that changes nothing on this scenario (its contract says)
                 continue
             assert _named(result.hints) == {fault}, (sc.name, fault, result.hints)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["attention", "softcap", "alibi", "sinks", "bias", "lse", "relative_bias"])
+def test_every_attention_gradient_fault_in_user_code_gets_a_cause_and_a_fingerprint_names_only_it(config):
+    """Attention's own hints name most of its backward faults by their patterns; where none does, the fingerprint
+    does. Injected into the NumPy examples of each variant: every failing run names a cause, and a fingerprint, when
+    one is given, names the injected fault alone."""
+    from gradcheck_cli.ops import OPS
+    from gradcheck_cli.ops.attention.formulas import _ADDED
+    sc = next(s for s in scenario.load(ROOT / "examples" / f"{config}.yaml") if s.backend == "numpy")
+    tried = 0
+    for fault, f in OPS["attention"].faults.items():
+        if f.user != _ADDED or f.sized:
+            continue
+        result = checker.run_scenario(sc, (fault,))
+        if result.verdict.value != "fail":
+            continue
+        tried += 1
+        assert result.hints, (config, fault)
+        assert _named(result.hints) <= {fault}, (config, fault, result.hints)
+    assert tried

@@ -30,6 +30,7 @@ import numpy as np
 from .... import masks
 from ...registry import Structure
 from ..distributed.hints import rank_hints
+from . import known
 from .context import (
     DROP_MASK,
     Context,
@@ -255,6 +256,8 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                           "-sum over every batch element and every query row (every block of a tiled backward) of "
                           "p_i D_i")
                        + ", with p_i = exp(s_h - LSE_i) the sink's weight and D_i = rowsum(dO * O) (not rowsum(dP))")
+        if not out:  # no pattern named a cause: a known mistake that gives exactly these gradients
+            out.extend(known.named(sc, context, evidence, failed, kv_map))
         return out
 
     return structure, hints

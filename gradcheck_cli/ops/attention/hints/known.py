@@ -1,0 +1,51 @@
+"""Attention's known mistakes as fingerprints (``gradcheck_cli.fingerprints``): the backward faults whose change the
+float64 reference's gradients show (``DIFFERENCE_FAULTS``, the LSE's gradient ignored) and every backward fault of
+the score stages in force (softcap, bias, ALiBi, sinks, dropout, ...), each evaluated on the scenario's own inputs.
+Named only where attention's own hints name no cause: they read patterns of the same mistakes, and one cause is
+said once."""
+from __future__ import annotations
+
+import numpy as np
+
+from .... import fingerprints
+from .. import lse as lse_output
+from .. import stages as score_stages
+from ..args import Args
+from ..formulas import DIFFERENCE_FAULTS, FAULTS, backward
+
+
+def _as_dict(grads) -> dict:
+    return {"q": grads.q, "k": grads.k, "v": grads.v, **dict(grads.params)}
+
+
+def candidates(sc, context, kv_map) -> tuple[list, dict]:
+    """(the candidate wrong backwards, the correct gradients), both as dicts by tensor (float64)."""
+    x = [np.asarray(context.inputs[t], dtype=np.float64) for t in "qkv"]
+    g = np.asarray(context.g, dtype=np.float64)
+    grad_lse = None if context.lse is None else np.asarray(context.lse[2], dtype=np.float64)
+    args = Args(sc.visible, sc.scale, np.asarray(kv_map, dtype=np.intp), tuple(context.stages))
+
+    def computed(faults=(), stages=None):
+        kw = args.but(stages=stages).kw if stages is not None else args.kw
+        return _as_dict(backward(*x, grad_o=g, faults=faults, grad_lse=grad_lse, **kw))
+
+    out = [fingerprints.Candidate(f, FAULTS[f].breaks, lambda f=f: computed((f,))) for f in DIFFERENCE_FAULTS]
+    if grad_lse is not None:
+        out.append(fingerprints.Candidate("lse-grad-ignored", lse_output.FAULTS["lse-grad-ignored"].breaks,
+                                          lambda: computed(("lse-grad-ignored",))))
+    for name, fault in score_stages.FAULTS.items():
+        if fault.forward:
+            continue
+        wrong = score_stages.inject(args.stages, args.visible, [name])[1]
+        if wrong == args.stages:
+            continue
+        out.append(fingerprints.Candidate(name, fault.breaks, lambda wrong=wrong: computed(stages=wrong)))
+    return out, computed()
+
+
+def named(sc, context, evidence, failed: set, kv_map) -> list[str]:
+    """The fingerprint hint of a user's attention, or [] (built-in engines: no context)."""
+    if context is None or context.g is None or not failed:
+        return []
+    found, right = candidates(sc, context, kv_map)
+    return fingerprints.named(evidence, failed, found, right)
