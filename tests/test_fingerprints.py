@@ -21,7 +21,7 @@ def _named(hints) -> set[str]:
 
 
 #: The modules of hand-written bugs in tests/bugs/.
-TABLES = ("dense_bugs", "infonce_bugs")
+TABLES = ("dense_bugs", "infonce_bugs", "projections_bugs")
 
 
 def _run(module: str, cls: str, keys: dict):

@@ -37,6 +37,13 @@ FAULTS = {f.name: f for f in (
           ("gradient x", "gradient m", "gradient w_q", "gradient w_k", "gradient w_v",
            "unseen x rows get zero gradient"), user=user_engine.ADDED),
 )}
+#: Known mistakes of a projection layer's backward (no CLI switch): candidate causes of a failed gradient check
+#: (``fingerprints``), computed by ``Layer.backward`` on request.
+MISTAKES = {
+    "projections-no-v-path": "G_X (or G_M) misses the V path G_V W_V^T of its sum (Q and K counted)",
+    "projections-no-k-path": "G_X (or G_M) misses the K path G_K W_K^T of its sum (Q and V counted)",
+    "projections-dw-mean": "the weight gradients are averaged over the rows (batch x sequence) instead of summed",
+}
 #: The attention faults flow through unchanged (their names mean the same thing here, on a user's implementation
 #: too: ``mask`` shows it every key as visible, the others add their change to the reference gradients).
 ALL_FAULTS = {**FAULTS, **attention.ENGINE_FAULTS}
@@ -92,7 +99,10 @@ class Layer:
         g_q, g_k, g_v = merge(att.q, faults), merge(att.k, faults), merge(att.v, faults)
         grads = {"w_q": _rows(x).T @ _rows(g_q), "w_k": _rows(s).T @ _rows(g_k), "w_v": _rows(s).T @ _rows(g_v),
                  "w_o": _rows(merged).T @ _rows(grad_y)}
-        from_kv = g_k @ w_k.T + g_v @ w_v.T
+        if "projections-dw-mean" in faults:  # averaged over the rows of every batch element instead of summed
+            grads = {t: w / _rows(x).shape[0] for t, w in grads.items()}
+        from_kv = (0 if "projections-no-k-path" in faults else g_k @ w_k.T) + (
+            0 if "projections-no-v-path" in faults else g_v @ w_v.T)
         g_x = g_q @ w_q.T
         if self.cross:
             grads["x"], grads["m"] = g_x, from_kv
@@ -210,7 +220,8 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         terms=lambda inputs, a, g: layer.terms(**inputs, grad_y=g),
         invariants=checks, batched=("x", "m", "visible"), structure=_STRUCTURE, shown=SHOWN,
         alternatives=kv_alternatives(sc, lambda kv: Layer(dataclasses.replace(sc, kv_map=kv)).forward(
-            **{t: v.astype(np.float64) for t, v in data.items()})), mistakes=user_engine.mistakes(ALL_FAULTS)), faults)
+            **{t: v.astype(np.float64) for t, v in data.items()})),
+        mistakes=user_engine.mistakes(ALL_FAULTS, MISTAKES)), faults)
 
 
 def _invariants(sc, layer, data, faults) -> list:
