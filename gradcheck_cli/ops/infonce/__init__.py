@@ -21,10 +21,10 @@ from ... import invariants
 from ...tolerance import INVARIANT_ULPS
 from .. import dense, user_engine
 from ..registry import Fault, Interface, Op, Param, user_code_engines
+from . import user
 from .formulas import _terms, backward, forward, similarities
 from .inputs import _STRUCTURE, _inputs, _shapes
 from .user import CANDIDATES_SUM as CANDIDATES_SUM
-from .user import build_user as build_user
 
 FAULTS = {f.name: f for f in (
     Fault("infonce-normaliser", "G_z = -G onehot(positive): drops the gradient of the softmax denominator "
@@ -44,6 +44,11 @@ MISTAKES = {
     "infonce-softmax-axis": "the softmax of the backward normalised over the queries (axis 0) instead of the "
                             "candidates",
 }
+
+
+def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None):
+    """A user's implementation (``user.build_user``), its faults and known mistakes the candidate causes."""
+    return user.build_user(sc, faults, sizes, mistakes=user_engine.mistakes(FAULTS, MISTAKES))
 
 
 def build(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None):

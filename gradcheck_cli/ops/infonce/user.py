@@ -12,11 +12,6 @@ from .. import user_engine
 from .formulas import _terms, backward, forward
 from .inputs import _STRUCTURE, _inputs
 
-
-def _mistakes() -> dict:
-    from . import FAULTS, MISTAKES  # the package's, defined after this module is imported
-    return user_engine.mistakes(FAULTS, MISTAKES)
-
 #: The user's implementation's check of the logit gradients' sum, seen from outside (``build_user``).
 CANDIDATES_SUM = "candidate gradients sum to 0"
 
@@ -122,10 +117,11 @@ def _adapted(impl, backend: str, where: tuple[int, ...], picks: tuple[int, ...])
     return Adapted()
 
 
-def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None):
+def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None = None, mistakes=None):
     """A user's implementation, through the shared engine (``user_engine``): it is called with (q, p, n, tau)
     always, n [B, 0, dim] without hard negatives and tau a 0-d array; the engine differentiates n only
-    with hard negatives and tau only when learned."""
+    with hard negatives and tau only when learned. ``mistakes``: the candidate causes of a failed check (the
+    package's faults and known mistakes, ``user_engine.mistakes``)."""
     data, g, tau = _inputs(sc)
     sim, in_batch = sc.p("similarity"), sc.p("in_batch")
     dt = np.dtype(sc.dtype)
@@ -162,7 +158,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
     problem = user_engine.build(sc, user_engine.UserOp(
         inputs=data, args=args, g=g, forward=fwd, backward=bwd, terms=terms, invariants=checks,
         batched=() if in_batch else tuple(t for t in ("q", "p", "n") if t in data), structure=_STRUCTURE,
-        adapt=_adapt(engine_order, checked), mistakes=_mistakes()), faults)
+        adapt=_adapt(engine_order, checked), mistakes=mistakes or {}), faults)
     if "tau" in data:
         problem.step_sizes = {"tau": abs(float(tau))}
     return problem
