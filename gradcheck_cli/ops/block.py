@@ -29,6 +29,9 @@ from .registry import Interface, Op, Param, Structure, user_code_engines
 
 #: Every fault of the parts, under its own name (on a user's implementation as on the parts').
 FAULTS = {**attention.ENGINE_FAULTS, **projections.FAULTS, **rope.FAULTS, **rmsnorm.FAULTS, **swiglu.FAULTS}
+#: The known mistakes of the parts its backward computes with theirs (a user's block: candidate causes of a failed
+#: check; each applies to every use of its part, both RMSNorms for rmsnorm's).
+MISTAKES = {**rmsnorm.MISTAKES, **rope.MISTAKES, **swiglu.MISTAKES}
 WEIGHTS = ("w_q", "w_k", "w_v", "w_o", "w1", "w3", "w2")
 #: <G_W, W> = sum(G * SwiGLU) is bounded by the rounding of the terms of the right side only, while the
 #: left side sums G_W, which the backward forms through SwiGLU's two branches: the invariants' ulps are
@@ -202,7 +205,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
                                                                         dtype),
         batched=("x", "visible"), structure=_STRUCTURE, shown=projections.SHOWN,
         alternatives=projections.kv_alternatives(sc, lambda kv: Block(dataclasses.replace(sc, kv_map=kv)).forward(
-            *(v.astype(np.float64) for v in data.values()))), mistakes=user_engine.mistakes(FAULTS)), faults)
+            *(v.astype(np.float64) for v in data.values()))), mistakes=user_engine.mistakes(FAULTS, MISTAKES)), faults)
 
 
 def _validate(params: dict, att: dict) -> list:

@@ -84,8 +84,9 @@ def forward(x, theta, layout):
 
 
 def backward(grad_y, theta, layout, faults: Collection[str] = ()):
-    """G_x: the transpose of the rotation applied to G_y (the opposite angle)."""
-    return rotate(grad_y, theta, layout, +1.0 if "rope-transpose" in faults else -1.0)
+    """G_x: the transpose of the rotation applied to G_y (the opposite angle); a fault or known mistake on request."""
+    return _backward_cs(grad_y, np.cos(theta).astype(grad_y.dtype), np.sin(theta).astype(grad_y.dtype), layout,
+                        faults)
 
 
 def _theta(sc):
