@@ -51,6 +51,24 @@ def test_each_hand_written_bug_is_named_by_its_cause_and_no_other(module, cls, c
     assert named == {cause}, result.hints
 
 
+@pytest.mark.parametrize("module, library", [("torch_bugs", "torch"), ("jax_bugs", "jax")])
+def test_torch_and_jax_bugs_are_named_by_their_cause_and_no_other(module, library):
+    """The same table's rule in the torch flavour (custom autograd Functions, detached statistics) and the JAX
+    flavour (custom_vjp)."""
+    pytest.importorskip(library)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"{module}_table", BUGS_DIR / f"{module}.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    for function, cause, keys in table.BUGS:
+        doc = {"scenarios": [{"name": function, **keys, "implementation": f"{module}:{function}"}]}
+        result = checker.run_scenario(scenario.loads(yaml.safe_dump(doc), base_dir=BUGS_DIR)[0])
+        if cause is None:
+            assert result.verdict.value == "pass" and not _named(result.hints), (function, result.hints)
+        else:
+            assert result.verdict.value == "fail" and _named(result.hints) == {cause}, (function, result.hints)
+
+
 def _evidence(analytic, numeric, allowed=1e-6):
     return Evidence(np.asarray(analytic, float), np.asarray(numeric, float), np.full(np.shape(analytic), allowed))
 
