@@ -43,7 +43,7 @@ from .context import (
     _sink_backward,
     _stage_faults,
 )
-from .patterns import _factor, _gqa, _reference_factor, _scale, _shift_violation, _swapped
+from .patterns import SAME_FACTOR, _factor, _gqa, _reference_factor, _scale, _shift_violation, _swapped
 
 __all__ = ["Context", "diagnosis"]
 
@@ -61,6 +61,40 @@ def _skipped_documents(sc, context: Context) -> list[int]:
 
 #: A packed batch's documents named as classes of rows in the localisation (the first ones).
 DOCUMENT_CLASSES = 8
+
+
+def _factor_hints(sc, factors: dict, against: dict) -> list[str]:
+    """The hints of gradients that are a constant factor c times their finite differences (or the reference's):
+    one per factor, naming every tensor that shares it; -1 is a sign, 1/g on dK and dV the GQA group averaged."""
+    groups: list[tuple[float, list[str]]] = []
+    for t in sorted(factors):
+        c = factors[t]
+        same = next((g for g in groups if abs(g[0] - c) <= SAME_FACTOR * abs(c)), None)
+        if same is None:
+            groups.append((c, [t]))
+        else:
+            same[1].append(t)
+    group = sc.heads_q // sc.heads_kv
+    out = []
+    for c, ts in groups:
+        names = [t.upper() if len(t) == 1 else t for t in ts]  # q -> G_Q; a stage's parameter keeps its name
+        grads = " and ".join(f"G_{n}" for n in names)
+        each = "are both" if len(ts) > 1 else "is"
+        seen = " and ".join(sorted({against[t] for t in ts}))
+        if len(ts) > 1:
+            seen = seen.replace("its finite", "their finite")
+        if set(ts) == {"k", "v"} and group > 1 and abs(c * group - 1) <= SAME_FACTOR:
+            out.append(f"{grads} are both 1/{group} x {seen} everywhere: the {group} query heads of each KV group "
+                       "are averaged into their KV head's gradient instead of summed (GQA)")
+        elif abs(c + 1) <= SAME_FACTOR:
+            out.append(f"{grads} {each} -1 x {seen} everywhere: the sign of d{' and d'.join(names)} is flipped (a "
+                       "difference taken the other way round, or a distance whose sign was lost)")
+        else:
+            alone = " alone" if len(ts) == 1 else ""
+            out.append(f"{grads} {each} {c:.6g} x {seen} everywhere: a constant factor on "
+                       f"d{' and d'.join(names)}{alone} (a scale applied once too often or too rarely, a wrong "
+                       "divisor, or an averaged instead of summed reduction)")
+    return out
 
 
 def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure], Callable]:
@@ -234,17 +268,16 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
         scale_hint = _scale(sc, factors, verdicts)
         if scale_hint:
             out.append(scale_hint)
+        generic = []  # constant factors: said only where no known mistake explains the gradients exactly
         for t in sorted(factors):
             c = factors.get(t)
-            name = t.upper() if len(t) == 1 else t  # q -> G_Q; a stage's parameter keeps its name (relative_bias)
             if c is not None and abs(c) < 1e-12:
                 out.append(f"the gradient of {t} is 0 everywhere while its finite differences are not: {t} gets no "
                            "gradient at all (detached, computed under no_grad or stop_gradient, or not the tensor "
                            "the code was given)")
-            elif c is not None and not (scale_hint and t in "qk"):
-                out.append(f"G_{name} is {c:.6g} x {against[t]} everywhere: a constant factor on "
-                           f"d{name} alone (a scale applied once too often or too rarely, a wrong "
-                           "divisor, or an averaged instead of summed reduction)")
+        shared = {t: c for t, c in factors.items() if c is not None and abs(c) >= 1e-12
+                  and not (scale_hint and t in "qk")}
+        generic += _factor_hints(sc, shared, against)
         gqa = _gqa(sc, evidence, verdicts, kv_map, factors)
         if gqa:
             out.append(gqa)
@@ -256,8 +289,9 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                           "-sum over every batch element and every query row (every block of a tiled backward) of "
                           "p_i D_i")
                        + ", with p_i = exp(s_h - LSE_i) the sink's weight and D_i = rowsum(dO * O) (not rowsum(dP))")
-        if not out:  # no pattern named a cause: a known mistake that gives exactly these gradients
-            out.extend(known.named(sc, context, evidence, failed, kv_map))
+        fingerprint = known.named(sc, context, evidence, failed, kv_map) if not out else []
+        # a known mistake that gives exactly these gradients, where no pattern named a cause; else the factors
+        out.extend(fingerprint or generic)
         return out
 
     return structure, hints

@@ -93,13 +93,20 @@ def _scale(sc, factors, verdicts) -> str | None:
     if c_q is None or c_k is None or verdicts.get("v") != "pass" or abs(c_q - c_k) > SAME_FACTOR * abs(c_q):
         return None
     ratio = (c_q + c_k) / 2
+    cap = sc.p("softcap")
+    if cap and (abs(ratio * cap - 1) < SAME_FACTOR or abs(ratio / cap - 1) < SAME_FACTOR):
+        which = "1/softcap" if abs(ratio * cap - 1) < SAME_FACTOR else "the softcap"
+        return (f"G_Q and G_K are both {ratio:.4g} x their finite differences while G_V is right: it is {which} "
+                f"({ratio:.4g}): the softcap's derivative in the backward, d(c tanh(S / c)) / dS = 1 - tanh^2(S / c), "
+                f"carries no factor of c ({'divided' if which.startswith('1/') else 'multiplied'} by c here)")
     why = ""
     if abs(ratio * sc.scale - 1) < SAME_FACTOR:
         why = f"; it is 1/scale ({1 / sc.scale:.4g}): the backward drops the scale"
     elif abs(ratio / sc.scale - 1) < SAME_FACTOR:
         why = f"; it is the scale ({sc.scale:.4g}): the backward applies it twice"
+    stage = ", or a score stage's derivative (softcap's)" if cap else ""
     return (f"G_Q and G_K are both {ratio:.4g} x their finite differences while G_V is right: the scale factor in "
-            f"the backward (G_Q = scale * G_S K, G_K = scale * G_S^T Q){why}")
+            f"the backward (G_Q = scale * G_S K, G_K = scale * G_S^T Q){stage}{why}")
 
 
 def _gqa(sc, evidence, verdicts, kv_map, factors) -> str | None:
