@@ -161,6 +161,11 @@ ATTENTION_CASES = [
     ("gqa_mean", {"heads_q": 4, "heads_kv": 2}, "are averaged into their KV head's gradient instead of summed",
      " alone"),
     ("gqa_mean", {"heads_q": 8, "heads_kv": 2}, "1/4 x", " alone"),
+    # once no cause at all
+    ("dv_no_transpose", {"heads_q": 4, "heads_kv": 2, "n_q": 7, "n_k": 7, "mask": {"causal": "lower-right"}},
+     "`dv-untransposed`", "a constant factor"),
+    ("mask_bwd_upper_left", {"heads_q": 4, "heads_kv": 2, "n_q": 4, "n_k": 9, "mask": {"causal": "lower-right"}},
+     "`mask-backward-alignment`", "a constant factor"),
 ]
 
 

@@ -46,6 +46,8 @@ MISTAKES = {
     "layernorm-dgamma-raw-x": "G_gamma sums G_y x instead of G_y xhat",
     "layernorm-reductions-mean": "G_gamma and G_beta average over the rows instead of summing",
     "layernorm-dbeta-gamma": "G_beta sums G_y gamma instead of G_y",
+    "layernorm-backward-unbiased-var": "the backward recomputes the variance unbiased (divided by d_model - 1, "
+                                       "np.var(ddof=1) or torch.var's default) where the forward's is biased",
 }
 
 
@@ -59,7 +61,10 @@ def forward(x, gamma, beta, eps):
 def backward(x, gamma, beta, eps, grad_y, faults: Collection[str] = ()):
     """(G_x, G_gamma, G_beta) for upstream grad_y [..., d_model]; G_gamma and G_beta sum every axis but the last."""
     mu = np.mean(x, axis=-1, keepdims=True)
-    s = np.sqrt(np.mean((x - mu) ** 2, axis=-1, keepdims=True) + np.asarray(eps, dtype=x.dtype))
+    var = np.mean((x - mu) ** 2, axis=-1, keepdims=True)
+    if "layernorm-backward-unbiased-var" in faults:
+        var = var * (x.shape[-1] / max(x.shape[-1] - 1, 1))
+    s = np.sqrt(var + np.asarray(eps, dtype=x.dtype))
     xhat = (x - mu) / s
     g = grad_y if "layernorm-no-gamma" in faults else grad_y * gamma
     g_x = g

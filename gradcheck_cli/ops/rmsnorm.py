@@ -38,6 +38,7 @@ MISTAKES = {
     "rmsnorm-no-gamma": "G_x is written for gamma = 1: G_y in place of g = G_y gamma",
     "rmsnorm-dgamma-raw-x": "G_gamma sums G_y x instead of G_y x / r (the normalised x)",
     "rmsnorm-dgamma-mean": "G_gamma averages over the rows instead of summing",
+    "rmsnorm-backward-no-eps": "the backward recomputes r = sqrt(mean(x^2)) without the forward's eps",
 }
 
 
@@ -49,6 +50,7 @@ def forward(x, gamma, eps):
 
 def backward(x, gamma, eps, grad_y, faults: Collection[str] = ()):
     """(G_x, G_gamma) for upstream grad_y [..., d_model]; G_gamma sums every axis but the last."""
+    eps = 0.0 if "rmsnorm-backward-no-eps" in faults else eps
     r = np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.asarray(eps, dtype=x.dtype))
     g = grad_y if "rmsnorm-no-gamma" in faults else grad_y * gamma
     g_x = g / r

@@ -46,6 +46,8 @@ MISTAKES = {
     "rope-other-pairing": "the backward pairs the features the other way (half <-> interleaved) from the forward",
     "rope-backward-identity": "G_x = G_y: the rotation is treated as if it had no derivative",
     "rope-backward-cos-only": "G_x = G_y cos(theta): the sine terms of the inverse rotation are dropped",
+    "rope-passthrough-zero": "partial rotary: the features past rotary_dim, which the forward passes through, get "
+                             "gradient 0 instead of G_y",
 }
 #: The other layout, for ``rope-other-pairing``.
 _OTHER = {"half": "interleaved", "interleaved": "half"}
@@ -59,7 +61,10 @@ def _backward_cs(grad_y, cos, sin, layout: str, faults: Collection[str] = ()):
         return rotate_cs(grad_y, cos, np.zeros_like(sin), layout)
     if "rope-other-pairing" in faults:
         layout = _OTHER[layout]
-    return rotate_cs(grad_y, cos, sin, layout, +1.0 if "rope-transpose" in faults else -1.0)
+    out = rotate_cs(grad_y, cos, sin, layout, +1.0 if "rope-transpose" in faults else -1.0)
+    if "rope-passthrough-zero" in faults:
+        out[..., 2 * cos.shape[-1]:] = 0
+    return out
 
 
 def rotate(x, theta, layout: str, sign: float = 1.0):

@@ -37,6 +37,7 @@ MISTAKES = {
                                "G_b = G_h b",
     "swiglu-dx-gate-only": "G_x = G_a W_1^T: drops the linear branch's share G_b W_3^T",
     "swiglu-dw2-no-gate": "G_W2 = (x W_3)^T G_y: h taken without the gate SiLU(x W_1)",
+    "swiglu-dw1-dw3-swapped": "G_W1 and G_W3 returned in each other's place (the gate and up projections mixed up)",
 }
 
 
@@ -77,7 +78,10 @@ def backward(x, w1, w3, w2, grad_y, faults: Collection[str] = ()):
         g_a, g_b = g_h * (a * s) * silu_prime, g_h * b
     xs = _sum_rows(x)
     g_x = g_a @ w1.T if "swiglu-dx-gate-only" in faults else g_a @ w1.T + g_b @ w3.T
-    return {"x": g_x, "w1": xs.T @ _sum_rows(g_a), "w3": xs.T @ _sum_rows(g_b), "w2": g_w2}
+    g_w1, g_w3 = xs.T @ _sum_rows(g_a), xs.T @ _sum_rows(g_b)
+    if "swiglu-dw1-dw3-swapped" in faults:
+        g_w1, g_w3 = g_w3, g_w1
+    return {"x": g_x, "w1": g_w1, "w3": g_w3, "w2": g_w2}
 
 
 def _shapes(sc) -> dict:

@@ -341,6 +341,49 @@ BUGS = [
     ("RoPECosOnly", "rope-backward-cos-only", ROPE),
 ]
 
+
+# ------------------------------------------------------ from a cold trial by a helper session (its own code, kept)
+class RMSNormBackwardNoEps(RMSNorm):
+    def backward(self, x, gamma, eps, grad_y):
+        r = np.sqrt((x * x).mean(-1, keepdims=True))  # no + eps
+        g = grad_y * gamma
+        dx = g / r - x * (g * x).mean(-1, keepdims=True) / r ** 3
+        return dx, (grad_y * x / r).reshape(-1, x.shape[-1]).sum(0)
+
+
+class LayerNormUnbiasedStd(LayerNorm):
+    def backward(self, x, gamma, beta, eps, grad_y):
+        mu = x.mean(-1, keepdims=True)
+        s = np.sqrt(x.var(-1, ddof=1, keepdims=True) + eps)  # ddof=1 here, biased in the forward
+        xhat = (x - mu) / s
+        g = grad_y * gamma
+        dx = (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True)) / s
+        d = x.shape[-1]
+        return dx, (grad_y * xhat).reshape(-1, d).sum(0), grad_y.reshape(-1, d).sum(0)
+
+
+class SwiGLUDw1Dw3Swapped(SwiGLU):
+    def backward(self, x, w1, w3, w2, grad_y):
+        dx, dw1, dw3, dw2 = super().backward(x, w1, w3, w2, grad_y)
+        return dx, dw3, dw1, dw2  # gate and up mixed up in the return tuple
+
+
+class RoPEPartialDropsRest(RoPE):
+    def backward(self, x, cos, sin, grad_y):
+        dx = np.zeros_like(grad_y)
+        h = cos.shape[-1]
+        dx[..., :2 * h] = _rotate_half(grad_y[..., :2 * h], cos, sin, -1)  # the pass-through features left at 0
+        return dx
+
+
+BUGS += [
+    ("RMSNormBackwardNoEps", "rmsnorm-backward-no-eps", {**RMS, "eps": 0.01}),
+    ("LayerNormUnbiasedStd", "layernorm-backward-unbiased-var", LN),
+    ("SwiGLUDw1Dw3Swapped", "swiglu-dw1-dw3-swapped", {**SWIGLU, "d_ff": 8}),
+    ("RoPEPartialDropsRest", "rope-passthrough-zero", {**ROPE, "rotary_dim": 4}),
+    ("RoPE", None, {**ROPE, "rotary_dim": 4}),
+]
+
 # A scenario names an object: each class's instance, as ``implementation: dense_bugs:<ClassName>_``.
 for _name, _value in list(globals().items()):
     if isinstance(_value, type) and hasattr(_value, "backward"):

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .... import fingerprints
+from .... import fingerprints, masks
 from .. import lse as lse_output
 from .. import stages as score_stages
 from ..args import Args
-from ..formulas import DIFFERENCE_FAULTS, FAULTS, backward
+from ..formulas import DIFFERENCE_FAULTS, FAULTS, attention_weights, backward, sum_groups
 
 
 def _as_dict(grads) -> dict:
@@ -25,14 +25,15 @@ def candidates(sc, context, kv_map) -> tuple[list, dict]:
     grad_lse = None if context.lse is None else np.asarray(context.lse[2], dtype=np.float64)
     args = Args(sc.visible, sc.scale, np.asarray(kv_map, dtype=np.intp), tuple(context.stages))
 
-    def computed(faults=(), stages=None):
-        kw = args.but(stages=stages).kw if stages is not None else args.kw
+    def computed(faults=(), stages=None, visible=None):
+        kw = args.but(**{k: v for k, v in (("stages", stages), ("visible", visible)) if v is not None}).kw
         return _as_dict(backward(*x, grad_o=g, faults=faults, grad_lse=grad_lse, **kw))
 
     out = [fingerprints.Candidate(f, FAULTS[f].breaks, lambda f=f: computed((f,))) for f in DIFFERENCE_FAULTS]
     if grad_lse is not None:
         out.append(fingerprints.Candidate("lse-grad-ignored", lse_output.FAULTS["lse-grad-ignored"].breaks,
                                           lambda: computed(("lse-grad-ignored",))))
+    out += _mistakes(sc, args, x, g, computed)
     for name, fault in score_stages.FAULTS.items():
         if fault.forward:
             continue
@@ -41,6 +42,28 @@ def candidates(sc, context, kv_map) -> tuple[list, dict]:
             continue
         out.append(fingerprints.Candidate(name, fault.breaks, lambda wrong=wrong: computed(stages=wrong)))
     return out, computed()
+
+
+def _mistakes(sc, args, x, g, computed) -> list:
+    """Known mistakes of an attention backward without a CLI switch."""
+    out = []
+    if sc.causal != "none" and sc.visible_source is None and sc.documents is None and sc.n_q != sc.n_k:
+        other = "upper-left" if sc.causal == "lower-right" else "lower-right"
+        alt = masks.build_visible(sc.batch, sc.heads_q, sc.n_q, sc.n_k, causal=other, window=sc.window,
+                                  key_lengths=sc.key_lengths)
+        if alt.any(axis=-1).all():
+            out.append(fingerprints.Candidate(
+                "mask-backward-alignment", f"the backward's causal mask is aligned {other} while the forward's is "
+                f"{sc.causal} (torch.tril, or SDPA's is_causal, in one pass and not the other)",
+                lambda alt=alt: computed(visible=alt)))
+    if sc.n_q == sc.n_k:
+        def untransposed():
+            right = computed()
+            a = attention_weights(*x[:2], **args.kw)
+            return {**right, "v": sum_groups(a @ g, args.kv_map, x[2].shape[-3])}
+        out.append(fingerprints.Candidate("dv-untransposed", "dV = A G_O without the transpose of A (A^T G_O; the "
+                                          "shapes agree when n_q = n_k)", untransposed))
+    return out
 
 
 def named(sc, context, evidence, failed: set, kv_map) -> list[str]:
