@@ -158,7 +158,7 @@ ATTENTION_CASES = [
     ("softcap_over_c", {"softcap": 4.0, "scale": 0.9}, "it is 1/softcap", "scale factor in the backward"),
     ("alibi_slope_abs", {"heads_q": 6, "heads_kv": 3, "alibi": {"slopes": "geometric", "grad": True}},
      "`alibi-slope-grad-sign`", "a constant factor"),
-    ("gqa_mean", {"heads_q": 4, "heads_kv": 2}, "are averaged into their KV head's gradient instead of summed",
+    ("gqa_mean", {"heads_q": 4, "heads_kv": 2}, "averaged into their KV head's gradient instead of summed",
      " alone"),
     ("gqa_mean", {"heads_q": 8, "heads_kv": 2}, "1/4 x", " alone"),
     # once no cause at all
@@ -178,3 +178,24 @@ def test_attention_hints_name_the_cause_where_they_once_misled(obj, keys, said, 
     assert result.verdict.value == "fail"
     text = " | ".join(result.hints)
     assert said in text and unsaid not in text, result.hints
+
+
+@pytest.mark.parametrize("keys, factor, said", [
+    ({}, -1.0, "the sign of the score gradient is flipped"),
+    ({"softcap": 1.5}, -1.0, "the sign of the score gradient is flipped"),
+    ({"dropout": {"p": 0.2}}, 1.25, "it is 1/(1 - p) (p = 0.2)"),
+    ({}, 1 / np.log(2), "exp2 domain"),
+    ({"scale": 0.5}, 2.0, "it is 1/scale"),
+    ({"softcap": 4.0}, 0.25, "it is 1/softcap"),
+    ({}, 3.7, "one common factor on the score gradient"),
+])
+def test_a_common_factor_on_dq_and_dk_is_named_by_what_it_equals(keys, factor, said):
+    """A fresh trial's misleading hints: every factor on G_Q and G_K was called the scale (-1, 1/(1 - p),
+    log2(e) among them). Now the hint says what the factor is, and blames the scale only when it is the scale."""
+    from gradcheck_cli.ops.attention.hints.patterns import _scale
+
+    from helpers import make
+    sc = make(heads_q=2, n_q=4, d_head=4, **keys)
+    hint = _scale(sc, {"q": factor, "k": factor}, {"v": "pass"})
+    assert said in hint, hint
+    assert ("scale factor in the backward" in hint) == (said == "it is 1/scale"), hint

@@ -84,8 +84,9 @@ def _factor_hints(sc, factors: dict, against: dict) -> list[str]:
         if len(ts) > 1:
             seen = seen.replace("its finite", "their finite")
         if set(ts) == {"k", "v"} and group > 1 and abs(c * group - 1) <= SAME_FACTOR:
-            out.append(f"{grads} are both 1/{group} x {seen} everywhere: the {group} query heads of each KV group "
-                       "are averaged into their KV head's gradient instead of summed (GQA)")
+            out.append(f"{grads} are both 1/{group} x {seen} everywhere, 1 over the GQA group size: the {group} query "
+                       "heads of each KV group averaged into their KV head's gradient instead of summed, or another "
+                       f"reduction into dK and dV averaged over {group} parts (query blocks) instead of summed")
         elif abs(c + 1) <= SAME_FACTOR:
             out.append(f"{grads} {each} -1 x {seen} everywhere: the sign of d{' and d'.join(names)} is flipped (a "
                        "difference taken the other way round, or a distance whose sign was lost)")

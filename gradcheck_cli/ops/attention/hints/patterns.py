@@ -99,14 +99,27 @@ def _scale(sc, factors, verdicts) -> str | None:
         return (f"G_Q and G_K are both {ratio:.4g} x their finite differences while G_V is right: it is {which} "
                 f"({ratio:.4g}): the softcap's derivative in the backward, d(c tanh(S / c)) / dS = 1 - tanh^2(S / c), "
                 f"carries no factor of c ({'divided' if which.startswith('1/') else 'multiplied'} by c here)")
-    why = ""
-    if abs(ratio * sc.scale - 1) < SAME_FACTOR:
-        why = f"; it is 1/scale ({1 / sc.scale:.4g}): the backward drops the scale"
-    elif abs(ratio / sc.scale - 1) < SAME_FACTOR:
-        why = f"; it is the scale ({sc.scale:.4g}): the backward applies it twice"
-    stage = ", or a score stage's derivative (softcap's)" if cap else ""
-    return (f"G_Q and G_K are both {ratio:.4g} x their finite differences while G_V is right: the scale factor in "
-            f"the backward (G_Q = scale * G_S K, G_K = scale * G_S^T Q){stage}{why}")
+    head = f"G_Q and G_K are both {ratio:.4g} x their finite differences while G_V is right: "
+    near = lambda c: abs(ratio - c) < SAME_FACTOR * abs(c)  # noqa: E731
+    if near(1 / sc.scale) or near(sc.scale):
+        why = (f"it is 1/scale ({1 / sc.scale:.4g}): the backward drops the scale" if near(1 / sc.scale) else
+               f"it is the scale ({sc.scale:.4g}): the backward applies it twice")
+        return (head + "the scale factor in the backward (G_Q = scale * G_S K, G_K = scale * G_S^T Q); " + why)
+    if near(-1.0):
+        return head + ("the sign of the score gradient is flipped: G_S = A (G_A - rowsum(A G_A)), not "
+                       "A (rowsum(A G_A) - G_A)")
+    drop = sc.p("dropout")
+    p = None if drop is None else dict(drop).get("p")
+    if p and (near(1 / (1 - p)) or near(1 - p)):
+        return head + (f"it is {'1/(1 - p)' if near(1 / (1 - p)) else '1 - p'} (p = {p:g}): the dropout's rescaling "
+                       f"is applied {'once too often' if near(1 / (1 - p)) else 'once too rarely'} on the way to G_S "
+                       "(dP of the kept weights carries 1/(1 - p) once)")
+    if near(1 / np.log(2)) or near(np.log(2)):
+        return head + ("it is log2(e) or ln 2: a backward in the exp2 domain (scores times log2(e)) that does not put "
+                       "the factor back, or puts it back twice")
+    return head + ("one common factor on the score gradient G_S in the backward: where G_S is formed or scaled (the "
+                   "scale, G_Q = scale * G_S K and G_K = scale * G_S^T Q" + (", or a score stage's derivative" if cap
+                                                                            else "") + ", or a normaliser)")
 
 
 def _gqa(sc, evidence, verdicts, kv_map, factors) -> str | None:
