@@ -81,3 +81,77 @@ def named(evidence: Mapping, failed: set[str], candidates: list[Candidate],
 def from_backward(names: Mapping[str, str], backward: Callable[[tuple], Mapping[str, np.ndarray]]) -> list[Candidate]:
     """Candidates from an op's ``backward`` run with one fault or mistake name at a time (name -> what it says)."""
     return [Candidate(name, says, lambda name=name: backward((name,))) for name, says in names.items()]
+
+
+#: A fitted factor this close to 1 is no factor (finite differences' noise).
+NOT_A_FACTOR = 1e-9
+#: Two factors are one within this relative difference.
+SAME_FACTOR = 1e-2
+
+
+def _factor(ev) -> float | None:
+    """c when the analytic gradient is c x the finite differences on every checked element (within the check's
+    tolerance), c not 1; else None."""
+    a, n, allowed = ev.analytic[ev.checked], ev.numeric[ev.checked], ev.allowed[ev.checked]
+    nn = float(n @ n)
+    if not np.isfinite(nn) or nn == 0 or not np.isfinite(a).all():
+        return None
+    c = float(a @ n) / nn
+    if not (np.abs(a - c * n) <= allowed).all() or abs(c - 1) <= NOT_A_FACTOR:
+        return None
+    return c
+
+
+def _within(ev, analytic: np.ndarray, numeric: np.ndarray) -> bool:
+    checked = ev.checked
+    return bool(checked.any() and (np.abs(analytic - numeric)[checked] <= ev.allowed[checked]).all())
+
+
+def patterns(evidence: Mapping, failed: set[str]) -> list[str]:
+    """What the failed gradients are, where no known mistake explains them, for any op: exactly 0 (no gradient), a
+    constant factor times the finite differences (tensors sharing one factor said together), two same-shaped
+    gradients in each other's place, or a square matrix's gradient transposed."""
+    failed = sorted(t for t in failed if t in evidence and evidence[t].checked.all())
+    out, factors, placed = [], {}, set()
+    for a in failed:  # swapped: each one's analytic is the other's finite differences
+        for b in failed:
+            ea, eb = evidence[a], evidence[b]
+            if a < b and ea.analytic.shape == eb.analytic.shape and {a, b}.isdisjoint(placed) and _within(
+                    ea, ea.analytic, eb.numeric) and _within(eb, eb.analytic, ea.numeric):
+                out.append(f"{_label(a)} and {_label(b)} are in each other's place: the analytic {_label(a)} is "
+                           f"the finite differences of {b}, and {_label(b)} those of {a} (the order the backward "
+                           "returns them in, or a mix-up of the two)")
+                placed |= {a, b}
+    for t in failed:
+        ev = evidence[t]
+        if t in placed:
+            continue
+        if ev.analytic.ndim == 2 and ev.analytic.shape[0] == ev.analytic.shape[1] and _within(
+                ev, ev.analytic.T, ev.numeric):
+            out.append(f"{_label(t)} is transposed: it is the finite differences of {t} with rows and columns "
+                       "swapped (x^T G where G^T x belongs, or a weight stored [out, in] read as [in, out])")
+            continue
+        if not np.abs(ev.analytic[ev.checked]).any():
+            out.append(f"{_label(t)} is 0 everywhere while its finite differences are not: {t} gets no gradient at "
+                       "all (detached, stop_gradient, a buffer never written, or not the array the code was given)")
+            continue
+        c = _factor(ev) if ev.checked.sum() > 1 else None  # one element is always some factor of another
+        if c is not None:
+            factors[t] = c
+    groups: list[tuple[float, list[str]]] = []
+    for t, c in factors.items():
+        same = next((g for g in groups if abs(g[0] - c) <= SAME_FACTOR * abs(c)), None)
+        if same is None:
+            groups.append((c, [t]))
+        else:
+            same[1].append(t)
+    for c, ts in groups:
+        names = ", ".join(_label(t) for t in ts)
+        each = "are each" if len(ts) > 1 else "is"
+        if abs(c + 1) <= SAME_FACTOR:
+            out.append(f"{names} {each} -1 x the finite differences everywhere: a sign flipped")
+        else:
+            out.append(f"{names} {each} {c:.6g} x the finite differences everywhere: a constant factor (a scale, "
+                       "temperature or normaliser applied once too often or too rarely, a wrong divisor, or a mean "
+                       "where a sum belongs)")
+    return out

@@ -199,3 +199,22 @@ def test_a_common_factor_on_dq_and_dk_is_named_by_what_it_equals(keys, factor, s
     hint = _scale(sc, {"q": factor, "k": factor}, {"v": "pass"})
     assert said in hint, hint
     assert ("scale factor in the backward" in hint) == (said == "it is 1/scale"), hint
+
+
+def test_what_a_dense_op_s_gradients_are_when_no_known_mistake_explains_them():
+    """A factor (tensors sharing it said together), a swapped pair, a transposed square weight, a zero gradient;
+    a single element is never 'a constant factor' (any two numbers are)."""
+    rng = np.random.default_rng(0)
+    a, b, w = rng.standard_normal((3, 4)), rng.standard_normal((3, 4)), rng.standard_normal((5, 5))
+    ev = {"a": _evidence(0.5 * a, a), "b": _evidence(0.5 * b, b)}
+    assert fingerprints.patterns(ev, {"a", "b"}) == [
+        "da, db are each 0.5 x the finite differences everywhere: a constant factor (a scale, temperature or "
+        "normaliser applied once too often or too rarely, a wrong divisor, or a mean where a sum belongs)"]
+    said = fingerprints.patterns({"a": _evidence(b, a), "b": _evidence(a, b)}, {"a", "b"})
+    assert len(said) == 1 and "in each other's place" in said[0]
+    said = fingerprints.patterns({"w": _evidence(w.T, w)}, {"w"})
+    assert len(said) == 1 and "dw is transposed" in said[0]
+    said = fingerprints.patterns({"a": _evidence(np.zeros_like(a), a)}, {"a"})
+    assert len(said) == 1 and "gets no gradient at all" in said[0]
+    assert fingerprints.patterns({"t": _evidence(np.array([2.0]), np.array([-3.0]))}, {"t"}) == []
+    assert fingerprints.patterns({"a": _evidence(a + 1, a)}, {"a"}) == []  # no pattern: nothing said
