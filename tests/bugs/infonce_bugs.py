@@ -81,6 +81,11 @@ class InfoNCENoNormaliser(InfoNCE):
         return np.zeros_like(z)  # the log-sum-exp treated as a constant
 
 
+class InfoNCEUpstreamIgnored(InfoNCE):
+    def backward(self, q, p, n, tau, grad_l):
+        return super().backward(q, p, n, tau, np.ones_like(grad_l))  # "the loss is a sum": G_l taken as 1
+
+
 IN = {"op": "infonce", "batch": 4, "dim": 8, "hard_negatives": 2, "learn_temperature": True, "temperature": 0.5}
 COS = {**IN, "similarity": "cosine"}
 
@@ -92,6 +97,7 @@ BUGS = [
     ("InfoNCECosineNoProjection", "infonce-cosine-no-projection", COS),
     ("InfoNCESoftmaxAxis", "infonce-softmax-axis", IN),
     ("InfoNCENoNormaliser", "infonce-normaliser", IN),
+    ("InfoNCEUpstreamIgnored", "infonce-upstream-ignored", IN),
 ]
 
 for _name, _value in list(globals().items()):

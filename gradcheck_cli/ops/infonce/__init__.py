@@ -43,6 +43,8 @@ MISTAKES = {
                                     "-u (u . g) / |x| that removes the gradient along x",
     "infonce-softmax-axis": "the softmax of the backward normalised over the queries (axis 0) instead of the "
                             "candidates",
+    "infonce-upstream-ignored": "the backward ignores the upstream gradient of each query's loss (G_z = A - onehot, "
+                                "as if every G_l were 1: right only for a plain sum)",
 }
 
 

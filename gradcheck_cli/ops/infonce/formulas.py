@@ -62,7 +62,8 @@ def backward(q, p, n, tau, grad_l, similarity: str, in_batch: bool, faults: Coll
     a /= a.sum(axis=axis, keepdims=True)
     onehot = np.zeros_like(z)
     onehot[np.arange(q.shape[0]), positives(q.shape[0], in_batch)] = 1.0
-    g_z = grad_l[:, None] * ((0.0 if "infonce-normaliser" in faults else a) - onehot)
+    upstream = np.ones_like(grad_l) if "infonce-upstream-ignored" in faults else grad_l
+    g_z = upstream[:, None] * ((0.0 if "infonce-normaliser" in faults else a) - onehot)
     g_s = g_z if "infonce-tau-once" in faults else g_z / tau
     c = _candidates(p, n, in_batch)
     uq, uc = (_unit(q), _unit(c)) if similarity == "cosine" else (q, c)
