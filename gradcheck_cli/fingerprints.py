@@ -83,15 +83,17 @@ def from_backward(names: Mapping[str, str], backward: Callable[[tuple], Mapping[
     return [Candidate(name, says, lambda name=name: backward((name,))) for name, says in names.items()]
 
 
-#: A fitted factor this close to 1 is no factor (finite differences' noise).
+#: A fitted factor c this close to 1 is no factor (the finite differences' noise).
 NOT_A_FACTOR = 1e-9
 #: Two factors are one within this relative difference.
 SAME_FACTOR = 1e-2
 
 
-def _factor(ev) -> float | None:
+def factor(ev) -> float | None:
     """c when the analytic gradient is c x the finite differences on every checked element (within the check's
-    tolerance), c not 1; else None."""
+    tolerance), c not 1; else None. ``ev``: a ``diagnose.Evidence`` (None: no evidence)."""
+    if ev is None:
+        return None
     a, n, allowed = ev.analytic[ev.checked], ev.numeric[ev.checked], ev.allowed[ev.checked]
     nn = float(n @ n)
     if not np.isfinite(nn) or nn == 0 or not np.isfinite(a).all():
@@ -100,6 +102,19 @@ def _factor(ev) -> float | None:
     if not (np.abs(a - c * n) <= allowed).all() or abs(c - 1) <= NOT_A_FACTOR:
         return None
     return c
+
+
+def grouped(factors: Mapping[str, float]) -> list[tuple[float, list[str]]]:
+    """The tensors by shared factor (within SAME_FACTOR), in name order: [(c, tensors), ...]."""
+    groups: list[tuple[float, list[str]]] = []
+    for t in sorted(factors):
+        c = factors[t]
+        same = next((g for g in groups if abs(g[0] - c) <= SAME_FACTOR * abs(c)), None)
+        if same is None:
+            groups.append((c, [t]))
+        else:
+            same[1].append(t)
+    return groups
 
 
 def _within(ev, analytic: np.ndarray, numeric: np.ndarray) -> bool:
@@ -135,17 +150,10 @@ def patterns(evidence: Mapping, failed: set[str]) -> list[str]:
             out.append(f"{_label(t)} is 0 everywhere while its finite differences are not: {t} gets no gradient at "
                        "all (detached, stop_gradient, a buffer never written, or not the array the code was given)")
             continue
-        c = _factor(ev) if ev.checked.sum() > 1 else None  # one element is always some factor of another
+        c = factor(ev) if ev.checked.sum() > 1 else None  # one element is always some factor of another
         if c is not None:
             factors[t] = c
-    groups: list[tuple[float, list[str]]] = []
-    for t, c in factors.items():
-        same = next((g for g in groups if abs(g[0] - c) <= SAME_FACTOR * abs(c)), None)
-        if same is None:
-            groups.append((c, [t]))
-        else:
-            same[1].append(t)
-    for c, ts in groups:
+    for c, ts in grouped(factors):
         names = ", ".join(_label(t) for t in ts)
         each = "are each" if len(ts) > 1 else "is"
         if abs(c + 1) <= SAME_FACTOR:

@@ -27,7 +27,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .... import masks
+from .... import fingerprints, masks
+from ....fingerprints import SAME_FACTOR, factor
 from ...registry import Structure
 from ..distributed.hints import rank_hints
 from . import known
@@ -43,7 +44,7 @@ from .context import (
     _sink_backward,
     _stage_faults,
 )
-from .patterns import SAME_FACTOR, _factor, _gqa, _reference_factor, _scale, _shift_violation, _swapped
+from .patterns import _gqa, _reference_factor, _scale, _shift_violation, _swapped
 
 __all__ = ["Context", "diagnosis"]
 
@@ -66,17 +67,9 @@ DOCUMENT_CLASSES = 8
 def _factor_hints(sc, factors: dict, against: dict) -> list[str]:
     """The hints of gradients that are a constant factor c times their finite differences (or the reference's):
     one per factor, naming every tensor that shares it; -1 is a sign, 1/g on dK and dV the GQA group averaged."""
-    groups: list[tuple[float, list[str]]] = []
-    for t in sorted(factors):
-        c = factors[t]
-        same = next((g for g in groups if abs(g[0] - c) <= SAME_FACTOR * abs(c)), None)
-        if same is None:
-            groups.append((c, [t]))
-        else:
-            same[1].append(t)
     group = sc.heads_q // sc.heads_kv
     out = []
-    for c, ts in groups:
+    for c, ts in fingerprints.grouped(factors):
         names = [t.upper() if len(t) == 1 else t for t in ts]  # q -> G_Q; a stage's parameter keeps its name
         grads = " and ".join(f"G_{n}" for n in names)
         each = "are both" if len(ts) > 1 else "is"
@@ -255,7 +248,7 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
             shift = _shift_violation(evidence, failed, verdicts, broken, sc.tolerance)
             if shift:
                 out.append(shift)
-        factors = {t: _factor(evidence.get(t)) for t in failed if not (sink_backward and t == "sinks")}
+        factors = {t: factor(evidence.get(t)) for t in failed if not (sink_backward and t == "sinks")}
         against = dict.fromkeys(factors, "its finite differences")
         # a constant factor the float64 reference sees (below the finite differences' tolerance)
         if context is not None:

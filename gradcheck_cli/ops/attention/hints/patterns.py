@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ....fingerprints import SAME_FACTOR
 from ..formulas import backward, repeat_kv
 from ..inputs import seeded_inputs
 from .context import EXPLAINED, Context
@@ -11,12 +12,9 @@ from .context import EXPLAINED, Context
 #: The analytic G_K fails to sum to 0 over the keys when its sum exceeds this many tolerances of G_K's
 #: size and this many times the finite differences' own sum (which a correct G_K matches).
 SHIFT_MARGIN = 10
-#: A fitted factor c this close to 1 is no factor: against finite differences (their noise) and against
-#: the float64 reference (its rounding only).
-NOT_A_FACTOR = 1e-9
+#: A fitted factor c this close to 1 is no factor against the float64 reference (its rounding only; against the
+#: finite differences: ``fingerprints.NOT_A_FACTOR``).
 NOT_A_FACTOR_REFERENCE = 1e-12
-#: Two factors are one (G_Q's and G_K's, or theirs and 1/scale or scale) within this relative difference.
-SAME_FACTOR = 1e-2
 #: GQA: the query heads' weights in a KV head's error are unequal when they spread over more than this
 #: fraction of the largest, and a head is named when its weight exceeds it (a missing or doubled head's
 #: weighs about 1, the others' 0).
@@ -59,21 +57,6 @@ def _shift_violation(evidence, failed, verdicts, broken, tolerance) -> str | Non
     return None
 
 
-def _factor(ev) -> float | None:
-    """c when analytic = c x numeric explains the whole check (what is left is within what it allows) and
-    c is not 1; else None."""
-    if ev is None:
-        return None
-    a, n, allowed = ev.analytic[ev.checked], ev.numeric[ev.checked], ev.allowed[ev.checked]
-    nn = float(n @ n)
-    if not np.isfinite(nn) or nn == 0 or not np.isfinite(a).all():
-        return None
-    c = float(a @ n) / nn
-    if not (np.abs(a - c * n) <= allowed).all() or abs(c - 1) <= NOT_A_FACTOR:
-        return None
-    return c
-
-
 def _reference_factor(context: Context, t: str) -> float | None:
     """c when the implementation's gradient is c x the reference's, up to EXPLAINED of their difference."""
     a, r = context.gradients[t], context.reference_gradients[t]
@@ -93,14 +76,17 @@ def _scale(sc, factors, verdicts) -> str | None:
     if c_q is None or c_k is None or verdicts.get("v") != "pass" or abs(c_q - c_k) > SAME_FACTOR * abs(c_q):
         return None
     ratio = (c_q + c_k) / 2
-    cap = sc.p("softcap")
-    if cap and (abs(ratio * cap - 1) < SAME_FACTOR or abs(ratio / cap - 1) < SAME_FACTOR):
-        which = "1/softcap" if abs(ratio * cap - 1) < SAME_FACTOR else "the softcap"
-        return (f"G_Q and G_K are both {ratio:.4g} x their finite differences while G_V is right: it is {which} "
-                f"({ratio:.4g}): the softcap's derivative in the backward, d(c tanh(S / c)) / dS = 1 - tanh^2(S / c), "
-                f"carries no factor of c ({'divided' if which.startswith('1/') else 'multiplied'} by c here)")
     head = f"G_Q and G_K are both {ratio:.4g} x their finite differences while G_V is right: "
-    near = lambda c: abs(ratio - c) < SAME_FACTOR * abs(c)  # noqa: E731
+
+    def near(c: float) -> bool:
+        return abs(ratio - c) < SAME_FACTOR * abs(c)
+
+    cap = sc.p("softcap")
+    if cap and (near(1 / cap) or near(cap)):
+        over = near(1 / cap)
+        return head + (f"it is {'1/softcap' if over else 'the softcap'} ({ratio:.4g}): the softcap's derivative in "
+                       "the backward, d(c tanh(S / c)) / dS = 1 - tanh^2(S / c), carries no factor of c "
+                       f"({'divided' if over else 'multiplied'} by c here)")
     if near(1 / sc.scale) or near(sc.scale):
         why = (f"it is 1/scale ({1 / sc.scale:.4g}): the backward drops the scale" if near(1 / sc.scale) else
                f"it is the scale ({sc.scale:.4g}): the backward applies it twice")
