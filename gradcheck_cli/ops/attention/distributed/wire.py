@@ -33,34 +33,37 @@ class Packed:
         return x
 
 
-def differing(x: np.ndarray, batch: int) -> np.ndarray | None:
-    """The flat positions of ``x`` [C * B, ...] where its copies differ from the first, or None when the copies are
-    not worth packing (one copy, or many differences)."""
+def differing(x: np.ndarray, batch: int) -> tuple | None:
+    """(the positions of ``x`` [C * B, ...] where its copies differ from the first, as index arrays per axis, and the
+    values there), found once per call for every rank's :func:`pack`; None when the copies are not worth packing (one
+    copy, or many differences)."""
     c = x.shape[0] // batch if batch else 0
     if c < 2 or x.shape[0] != c * batch:
         return None
     copies = x.reshape((c, batch) + x.shape[1:])
     # != is True for NaN against NaN: such an entry travels as a value, and comes back as the same NaN
     at = np.flatnonzero(copies[1:] != copies[:1]) + x[:batch].size
-    return at if at.size <= DENSE * x.size else None
-
-
-def pack(x: np.ndarray, batch: int, at: np.ndarray | None, rows: np.ndarray, axis: int):
-    """Rows ``rows`` along ``axis`` of ``x`` [C * B, ...] (a rank's shard), packed when ``at`` (:func:`differing`)
-    says so; a fresh contiguous array otherwise."""
-    if at is None:
-        return np.ascontiguousarray(np.take(x, rows, axis=axis))
+    if at.size > DENSE * x.size:
+        return None
     where = np.unravel_index(at, x.shape)
+    return where, x[where]
+
+
+def pack(x: np.ndarray, batch: int, moved: tuple | None, rows: np.ndarray, axis: int):
+    """Rows ``rows`` along ``axis`` of ``x`` [C * B, ...] (a rank's shard), packed when ``moved`` (:func:`differing`)
+    says so; a fresh contiguous array otherwise."""
+    if moved is None:
+        return np.ascontiguousarray(np.take(x, rows, axis=axis))
+    where, values = moved
     local = np.full(x.shape[axis], -1, dtype=np.int64)  # global row -> its place on this rank
     local[rows] = np.arange(rows.size)
     mine = local[where[axis]] >= 0
-    shape = list(x.shape)
-    shape[axis] = rows.size
     place = [w[mine] for w in where]
     place[axis] = local[place[axis]]
+    shape = list(x.shape)
+    shape[axis] = rows.size
     first = np.ascontiguousarray(np.take(x[:batch], rows, axis=axis))
-    return Packed(first, x.shape[0] // batch, np.ravel_multi_index(tuple(place), shape),
-                  x[tuple(w[mine] for w in where)])
+    return Packed(first, x.shape[0] // batch, np.ravel_multi_index(tuple(place), shape), values[mine])
 
 
 def unpack(message):
