@@ -137,6 +137,19 @@ def _sinks_alternative(sc, context: Context, kv_map, ref) -> str | None:
     return None
 
 
+def other_alignment(sc) -> tuple[str, np.ndarray] | None:
+    """(the other causal alignment, the scenario's visible set under it) where the two differ and every query row
+    still sees a key (a packed batch: each document aligned on its own); None otherwise."""
+    docs = sc.documents
+    differ = sc.n_q != sc.n_k if docs is None else any(a != b for a, b in zip(*docs.pair))
+    if sc.causal == "none" or sc.visible_source is not None or not differ:
+        return None
+    other = "upper-left" if sc.causal == "lower-right" else "lower-right"
+    alt = masks.build_visible(sc.batch, sc.heads_q, sc.n_q, sc.n_k, causal=other, window=sc.window,
+                              key_lengths=sc.key_lengths, documents=None if docs is None else docs.pair)
+    return (other, alt) if alt.any(axis=-1).all() else None
+
+
 def _alternative(sc, context: Context, kv_map) -> str | None:
     """What the implementation's forward computes instead, when it is exactly one of: attention with the
     mask inverted (a drop mask), without the mask, with the other causal alignment, or with the other
@@ -151,19 +164,17 @@ def _alternative(sc, context: Context, kv_map) -> str | None:
         return DROP_MASK
     if not sc.visible.all() and _matches(o, context.reference(visible=np.ones_like(sc.visible)), ref):
         return "no mask"
-    docs = sc.documents  # a packed batch: each document aligned on its own
-    differ = sc.n_q != sc.n_k if docs is None else any(a != b for a, b in zip(*docs.pair))
-    if sc.causal != "none" and sc.visible_source is None and differ:
-        other = "upper-left" if sc.causal == "lower-right" else "lower-right"
-        alt = masks.build_visible(sc.batch, sc.heads_q, sc.n_q, sc.n_k, causal=other, window=sc.window,
-                                  key_lengths=sc.key_lengths, documents=None if docs is None else docs.pair)
-        if alt.any(axis=-1).all() and _matches(o, context.reference(visible=alt), ref) and docs is not None:
+    docs = sc.documents
+    aligned = other_alignment(sc)
+    if aligned is not None:
+        other, alt = aligned
+        if _matches(o, context.reference(visible=alt), ref) and docs is not None:
             return (f"the forward aligns each document's causal mask {other}, while the scenario's (FlashAttention's "
                     f"varlen convention) is {sc.causal}: in a document with L_q queries and L_k keys query i' sees "
                     f"keys j' <= i' + L_k - L_q; the two differ where L_q != L_k (torch.tril needs the offset "
                     "L_k - L_q)" if sc.causal == "lower-right" else
                     f"the forward aligns each document's causal mask {other}, while the scenario's is {sc.causal}")
-        if alt.any(axis=-1).all() and _matches(o, context.reference(visible=alt), ref):
+        if _matches(o, context.reference(visible=alt), ref):
             rule = {"upper-left": "key j visible to query i when j <= i, as SDPA's is_causal=True and "
                                   "torch.tril do",
                     "lower-right": "key j visible to query i when j <= i + n_k - n_q, the last query seeing every "

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .... import fingerprints, masks
+from .... import fingerprints
 from .. import lse as lse_output
 from .. import stages as score_stages
 from ..args import Args
 from ..formulas import DIFFERENCE_FAULTS, FAULTS, attention_weights, backward, sum_groups
+from .context import other_alignment
 
 
 def _as_dict(grads) -> dict:
@@ -47,15 +48,13 @@ def candidates(sc, context, kv_map) -> tuple[list, dict]:
 def _mistakes(sc, args, x, g, computed) -> list:
     """Known mistakes of an attention backward without a CLI switch."""
     out = []
-    if sc.causal != "none" and sc.visible_source is None and sc.documents is None and sc.n_q != sc.n_k:
-        other = "upper-left" if sc.causal == "lower-right" else "lower-right"
-        alt = masks.build_visible(sc.batch, sc.heads_q, sc.n_q, sc.n_k, causal=other, window=sc.window,
-                                  key_lengths=sc.key_lengths)
-        if alt.any(axis=-1).all():
-            out.append(fingerprints.Candidate(
-                "mask-backward-alignment", f"the backward's causal mask is aligned {other} while the forward's is "
-                f"{sc.causal} (torch.tril, or SDPA's is_causal, in one pass and not the other)",
-                lambda alt=alt: computed(visible=alt)))
+    aligned = other_alignment(sc)
+    if aligned is not None:
+        other, alt = aligned
+        out.append(fingerprints.Candidate(
+            "mask-backward-alignment", f"the backward's causal mask is aligned {other} while the forward's is "
+            f"{sc.causal} (torch.tril, or SDPA's is_causal, in one pass and not the other)",
+            lambda: computed(visible=alt)))
     if sc.n_q == sc.n_k:
         def untransposed():
             right = computed()
