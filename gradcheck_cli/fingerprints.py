@@ -4,7 +4,9 @@ An op lists the mistakes its authors make (its registered faults that change gra
 a CLI switch: ``MISTAKES`` in the op's module), each a wrong backward its built-in ``backward(..., faults)`` computes
 on request. When the user's analytic gradients equal one such wrong backward, evaluated in float64 on the very same
 inputs, to within each check's own tolerance on every element of every checked tensor (the ones that passed too),
-while the finite differences put them out of tolerance, the hint names that mistake and the tensors it explains.
+while the finite differences put them out of tolerance, the hint names that mistake and the tensors it explains. A
+mistake that explains the failed tensors while the others are right is named as made on their path alone (softcap's
+tanh' dropped in dK only).
 
 A candidate is never named when another explains the gradients as well (two mistakes that coincide on this
 scenario are named together), when it changes no failed tensor, or when the correct backward explains them too.
@@ -45,13 +47,14 @@ def _label(t: str) -> str:
 
 def named(evidence: Mapping, failed: set[str], candidates: list[Candidate],
           reference: Mapping[str, np.ndarray]) -> list[str]:
-    """The hint naming the candidate(s) that explain every checked tensor's analytic gradient, failed ones included;
-    [] when none does, or when nothing failed. ``reference``: the correct gradients (float64): a candidate that
-    equals them on a failed tensor explains nothing there (the forward under test may be what is wrong)."""
+    """The hint naming the candidate(s) that explain every checked tensor's analytic gradient, failed ones included
+    (or, where none does, the failed ones while the others are right); [] when none does, or when nothing failed.
+    ``reference``: the correct gradients (float64): a candidate that equals them on a failed tensor explains nothing
+    there (the forward under test may be what is wrong)."""
     failed = {t for t in failed if t in evidence}
     if not failed:
         return []
-    matches = []
+    matches, alone = [], []
     for cand in candidates:
         try:
             wrong = cand.gradients()
@@ -62,20 +65,29 @@ def named(evidence: Mapping, failed: set[str], candidates: list[Candidate],
         fits = {t: _fits(ev, np.asarray(wrong[t], dtype=np.float64)) for t, ev in evidence.items() if t in wrong}
         same = any(_fits(evidence[t], np.asarray(reference[t], dtype=np.float64),
                          np.asarray(wrong[t], dtype=np.float64))[0] for t in failed if t in reference)
-        if not same and all(ok for ok, _ in fits.values()):
-            matches.append((cand, max(worst for _, worst in fits.values())))
+        if same or not all(fits[t][0] for t in failed):
+            continue
+        worst = max(fits[t][1] for t in failed)
+        if all(ok for ok, _ in fits.values()):
+            matches.append((cand, max(w for _, w in fits.values())))
+        else:  # the mistake made on the failed tensors' path alone: the others are right
+            alone.append((cand, worst))
+    tensors = ", ".join(_label(t) for t in sorted(failed))
+    verb = "is" if len(failed) == 1 else "are"
+    where = ""
+    if not matches and alone:
+        matches = alone
+        where = f" in the computation of {tensors} alone (the other gradients are right)"
     if not matches:
         return []
-    tensors = ", ".join(_label(t) for t in sorted(failed))
     worst = max(w for _, w in matches)
     if len(matches) == 1:
         cand = matches[0][0]
-        return [f"{tensors} {'is' if len(failed) == 1 else 'are'} the backward with a known mistake: {cand.says} "
-                f"(`{cand.name}`): no element differs from it by more than {worst:.1g} of the check's tolerance"]
+        return [f"{tensors} {verb} the backward with a known mistake{where}: {cand.says} (`{cand.name}`): no element "
+                f"differs from it by more than {worst:.1g} of the check's tolerance"]
     said = "; or ".join(f"{c.says} (`{c.name}`)" for c, _ in matches)
-    return [f"{tensors} {'is' if len(failed) == 1 else 'are'} the backward with one of these known mistakes (they "
-            f"give the same gradients here; no element differs by more than {worst:.1g} of the check's tolerance): "
-            f"{said}"]
+    return [f"{tensors} {verb} the backward with one of these known mistakes{where} (they give the same gradients "
+            f"here; no element differs by more than {worst:.1g} of the check's tolerance): {said}"]
 
 
 def from_backward(names: Mapping[str, str], backward: Callable[[tuple], Mapping[str, np.ndarray]]) -> list[Candidate]:
@@ -83,10 +95,36 @@ def from_backward(names: Mapping[str, str], backward: Callable[[tuple], Mapping[
     return [Candidate(name, says, lambda name=name: backward((name,))) for name, says in names.items()]
 
 
+def one_batch_element(order: tuple[str, ...], batched: tuple[str, ...], values: Mapping[str, np.ndarray],
+                      backward: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]],
+                      reference: Mapping[str, np.ndarray]) -> list[Candidate]:
+    """Candidates for a parameter's gradient (an input without a batch axis: a weight, gamma) taken from the first or
+    the last batch element alone: an accumulator overwritten instead of added to in a loop over the batch, or a loop
+    that stops after one. ``values``: the inputs and arguments by name (``batched``: those whose axis 0 is the batch,
+    and ``g``, the upstream gradient); ``backward(values)`` the correct gradients on them; the batched inputs keep
+    their ``reference`` gradients."""
+    shared = [t for t in order if t not in batched]
+    size = next((values[t].shape[0] for t in batched if t in values), 0)
+    if not shared or size < 2:
+        return []
+
+    def sliced(b):
+        grads = backward({k: v[b:b + 1] if k in batched or k == "g" else v for k, v in values.items()})
+        return {**reference, **{t: grads[t] for t in shared}}
+
+    which = ", ".join(_label(t) for t in shared)
+    return [Candidate("one-batch-first", f"{which} from batch element 0 alone (a loop over the batch that stops after "
+                                         "one element)", lambda: sliced(0)),
+            Candidate("one-batch-last", f"{which} from the last batch element alone (an accumulator overwritten, "
+                                        "= where += belongs, in a loop over the batch)", lambda: sliced(size - 1))]
+
+
 #: A fitted factor c this close to 1 is no factor (the finite differences' noise).
 NOT_A_FACTOR = 1e-9
 #: Two factors are one within this relative difference.
 SAME_FACTOR = 1e-2
+#: A factor is a size (or 1 over it, or its square root) within this relative difference.
+SIZE_FACTOR = 1e-3
 
 
 def factor(ev) -> float | None:
@@ -122,10 +160,28 @@ def _within(ev, analytic: np.ndarray, numeric: np.ndarray) -> bool:
     return bool(checked.any() and (np.abs(analytic - numeric)[checked] <= ev.allowed[checked]).all())
 
 
-def patterns(evidence: Mapping, failed: set[str]) -> list[str]:
+def sized(c: float, sizes: Mapping[str, int] | None) -> str:
+    """What a factor c is, among the scenario's sizes (name -> size, e.g. "rows (batch x row)" -> 8): " (1 over 8, the
+    rows (batch x row): a mean over them where a sum belongs, or a division by their count too many)" for c = 1/8;
+    '' when it is none of them, 1 over one, or a square root of either."""
+    kinds = ((lambda k: 1 / k, "1 over {k}", "a mean over them where a sum belongs, or a division by their count "
+                                              "too many"),
+             (lambda k: float(k), "{k}", "a sum over them where a mean belongs, or a division by their count missing"),
+             (lambda k: k ** -0.5, "1 / sqrt({k})", "a 1/sqrt(size) scale applied once too often"),
+             (lambda k: k ** 0.5, "sqrt({k})", "a 1/sqrt(size) scale missing"))
+    for value, what, means in kinds:
+        for k in sorted({k for k in (sizes or {}).values() if k > 1}):
+            if abs(c - value(k)) <= SIZE_FACTOR * value(k):
+                names = ", ".join(f"the {name}" for name, n in sizes.items() if n == k)
+                return f" (it is {what.format(k=k)}, {names}: {means})"
+    return ""
+
+
+def patterns(evidence: Mapping, failed: set[str], sizes: Mapping[str, int] | None = None) -> list[str]:
     """What the failed gradients are, where no known mistake explains them, for any op: exactly 0 (no gradient), a
-    constant factor times the finite differences (tensors sharing one factor said together), two same-shaped
-    gradients in each other's place, or a square matrix's gradient transposed."""
+    constant factor times the finite differences (tensors sharing one factor said together, and what the factor is
+    among the scenario's ``sizes``), two same-shaped gradients in each other's place, or a square matrix's gradient
+    transposed."""
     failed = sorted(t for t in failed if t in evidence and evidence[t].checked.all())
     out, factors, placed = [], {}, set()
     for a in failed:  # swapped: each one's analytic is the other's finite differences
@@ -159,7 +215,7 @@ def patterns(evidence: Mapping, failed: set[str]) -> list[str]:
         if abs(c + 1) <= SAME_FACTOR:
             out.append(f"{names} {each} -1 x the finite differences everywhere: a sign flipped")
         else:
-            out.append(f"{names} {each} {c:.6g} x the finite differences everywhere: a constant factor (a scale, "
-                       "temperature or normaliser applied once too often or too rarely, a wrong divisor, or a mean "
-                       "where a sum belongs)")
+            out.append(f"{names} {each} {c:.6g} x the finite differences everywhere{sized(c, sizes)}: a constant "
+                       "factor (a scale, temperature or normaliser applied once too often or too rarely, a wrong "
+                       "divisor, or a mean where a sum belongs)")
     return out

@@ -31,7 +31,19 @@ from .registry import Interface, Op, Param, Structure, user_code_engines
 FAULTS = {**attention.ENGINE_FAULTS, **projections.FAULTS, **rope.FAULTS, **rmsnorm.FAULTS, **swiglu.FAULTS}
 #: The known mistakes of the parts its backward computes with theirs (a user's block: candidate causes of a failed
 #: check; each applies to every use of its part, both RMSNorms for rmsnorm's).
-MISTAKES = {**rmsnorm.MISTAKES, **rope.MISTAKES, **swiglu.MISTAKES}
+MISTAKES = {**rmsnorm.MISTAKES, **rope.MISTAKES, **swiglu.MISTAKES,
+            "block-ffn-input-detached": "the feed-forward half's input h is detached (its norm reads h.detach(), or "
+                                        "a checkpoint gone wrong): h gets G_y by the residual alone",
+            "block-attention-input-detached": "the attention half's input is detached (its norm reads x.detach()): x "
+                                              "gets G_h by the residual alone",
+            "block-ffn-residual-missing": "the backward drops the residual y = h + FFN(h): h gets the feed-forward "
+                                          "path's gradient alone, not G_y as well",
+            "block-attention-residual-missing": "the backward drops the residual h = x + Attn(x): x gets the "
+                                                "attention path's gradient alone, not G_h as well",
+            "block-q-rope-detached": "the rotated Q is detached (no gradient flows back through RoPE to W_Q and the "
+                                     "first norm)",
+            "block-k-rope-detached": "the rotated K is detached (a cached rotated key reused): no gradient flows back "
+                                     "through it to W_K and the first norm"}
 WEIGHTS = ("w_q", "w_k", "w_v", "w_o", "w1", "w3", "w2")
 #: <G_W, W> = sum(G * SwiGLU) is bounded by the rounding of the terms of the right side only, while the
 #: left side sums G_W, which the backward forms through SwiGLU's two branches: the invariants' ulps are
@@ -70,20 +82,25 @@ class Block:
         # y = h + SwiGLU(h2): the residual passes G_y straight to h
         ffn = swiglu.backward(h2, w1, w3, w2, grad_y, faults)
         g_h2_h, g_gamma2 = rmsnorm.backward(h, gamma2, self.eps, ffn["x"], faults)
-        g_h = grad_y + g_h2_h
+        g_h = grad_y if "block-ffn-input-detached" in faults else (
+            g_h2_h if "block-ffn-residual-missing" in faults else grad_y + g_h2_h)
         # h = x + merge(O) W_O: the residual passes G_h straight to x
         g_wo = merged.reshape(-1, merged.shape[-1]).T @ g_h.reshape(-1, g_h.shape[-1])
         g_o = split(g_h @ w_o.T, self.heads_q, faults)
         att = attention.backward(q, k, v, self.visible, self.scale, self.kv_map, g_o, faults)
         g_q = merge(rope.backward(att.q, self.theta, self.layout, faults), faults)
         g_k = merge(rope.backward(att.k, self.theta, self.layout, faults), faults)
+        g_q = g_q * 0 if "block-q-rope-detached" in faults else g_q
+        g_k = g_k * 0 if "block-k-rope-detached" in faults else g_k
         g_v = merge(att.v, faults)
         rows = h1.reshape(-1, h1.shape[-1]).T
         g_h1 = g_q @ w_q.T
         if "shared-input-sum" not in faults:
             g_h1 = g_h1 + g_k @ w_k.T + g_v @ w_v.T
         g_x_norm, g_gamma1 = rmsnorm.backward(x, gamma1, self.eps, g_h1, faults)
-        return {"x": g_h + g_x_norm, "gamma1": g_gamma1,
+        g_x = g_h if "block-attention-input-detached" in faults else (
+            g_x_norm if "block-attention-residual-missing" in faults else g_h + g_x_norm)
+        return {"x": g_x, "gamma1": g_gamma1,
                 "w_q": rows @ g_q.reshape(-1, g_q.shape[-1]), "w_k": rows @ g_k.reshape(-1, g_k.shape[-1]),
                 "w_v": rows @ g_v.reshape(-1, g_v.shape[-1]), "w_o": g_wo, "gamma2": g_gamma2,
                 "w1": ffn["w1"], "w3": ffn["w3"], "w2": ffn["w2"]}

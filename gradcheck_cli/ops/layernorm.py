@@ -48,14 +48,41 @@ MISTAKES = {
     "layernorm-dbeta-gamma": "G_beta sums G_y gamma instead of G_y",
     "layernorm-backward-unbiased-var": "the backward recomputes the variance unbiased (divided by d_model - 1, "
                                        "np.var(ddof=1) or torch.var's default) where the forward's is biased",
+    "layernorm-scale-term-centred": "the scale term takes x - mu where xhat belongs: xhat mean(g (x - mu)), or (x - "
+                                    "mu) mean(g xhat) (one division by s missing)",
+    "layernorm-dbeta-mean": "G_beta averages over the rows instead of summing",
+    "layernorm-dgamma-mean": "G_gamma averages over the rows instead of summing",
+    **{f"layernorm-backward-eps={e:g}": f"the backward recomputes s with a hard-coded eps = {e:g}, not the forward's"
+       for e in (1e-5, 1e-6, 1e-8, 1e-12)},
+}
+
+#: Known mistakes of a LayerNorm forward: (what it gets wrong, y of the forward with it), named when a user's
+#: forward fails against the reference and equals one (``UserOp.forward_mistakes``).
+FORWARD_MISTAKES = {
+    "layernorm-unbiased-var": ("the variance is unbiased (divided by d_model - 1: torch.var's default, "
+                               "np.var(ddof=1)) where LayerNorm's is biased",
+                               lambda x, gamma, beta, eps: _forward(x, gamma, beta, eps, ddof=1)),
+    "layernorm-eps-outside-sqrt": ("eps is added outside the square root: (x - mu) / (sqrt(var) + eps)",
+                                   lambda x, gamma, beta, eps: _forward(x, gamma, beta, eps, outside=True)),
 }
 
 
 def forward(x, gamma, beta, eps):
     """y [..., d_model]."""
+    return _forward(x, gamma, beta, eps)
+
+
+def _forward(x, gamma, beta, eps, ddof: int = 0, outside: bool = False):
     mu = np.mean(x, axis=-1, keepdims=True)
-    s = np.sqrt(np.mean((x - mu) ** 2, axis=-1, keepdims=True) + np.asarray(eps, dtype=x.dtype))
+    var = np.sum((x - mu) ** 2, axis=-1, keepdims=True) / (x.shape[-1] - ddof)
+    eps = np.asarray(eps, dtype=x.dtype)
+    s = np.sqrt(var) + eps if outside else np.sqrt(var + eps)
     return gamma * ((x - mu) / s) + beta
+
+
+def _eps(faults, eps, prefix: str):
+    """The eps the backward uses: the forward's, or a hard-coded one a known mistake names (``prefix``=value)."""
+    return next((float(f[len(prefix):]) for f in faults if f.startswith(prefix)), eps)
 
 
 def backward(x, gamma, beta, eps, grad_y, faults: Collection[str] = ()):
@@ -64,7 +91,7 @@ def backward(x, gamma, beta, eps, grad_y, faults: Collection[str] = ()):
     var = np.mean((x - mu) ** 2, axis=-1, keepdims=True)
     if "layernorm-backward-unbiased-var" in faults:
         var = var * (x.shape[-1] / max(x.shape[-1] - 1, 1))
-    s = np.sqrt(var + np.asarray(eps, dtype=x.dtype))
+    s = np.sqrt(var + np.asarray(_eps(faults, eps, "layernorm-backward-eps="), dtype=x.dtype))
     xhat = (x - mu) / s
     g = grad_y if "layernorm-no-gamma" in faults else grad_y * gamma
     g_x = g
@@ -72,16 +99,19 @@ def backward(x, gamma, beta, eps, grad_y, faults: Collection[str] = ()):
     if "layernorm-mean-term" not in faults and not both:
         g_x = g_x - np.mean(g, axis=-1, keepdims=True)
     if "layernorm-scale-term" not in faults and not both:
-        scale_term = xhat * np.mean(g * xhat, axis=-1, keepdims=True)
+        scale_term = xhat * np.mean(g * (x - mu if "layernorm-scale-term-centred" in faults else xhat), axis=-1,
+                                    keepdims=True)
         g_x = g_x + scale_term if "layernorm-scale-term-sign" in faults else g_x - scale_term
     if "layernorm-not-divided-by-s" not in faults:
         g_x = g_x / s
     d = x.shape[-1]
     seen = {"layernorm-dgamma-centred-x": x - mu, "layernorm-dgamma-raw-x": x}
     by = next((seen[f] for f in faults if f in seen), xhat)
-    reduce = np.mean if "layernorm-reductions-mean" in faults else np.sum
+    mean = "layernorm-reductions-mean" in faults
     g_beta = grad_y * gamma if "layernorm-dbeta-gamma" in faults else grad_y
-    return g_x, reduce((grad_y * by).reshape(-1, d), axis=0), reduce(g_beta.reshape(-1, d), axis=0)
+    g_gamma = (np.mean if mean or "layernorm-dgamma-mean" in faults else np.sum)((grad_y * by).reshape(-1, d), axis=0)
+    g_beta = (np.mean if mean or "layernorm-dbeta-mean" in faults else np.sum)(g_beta.reshape(-1, d), axis=0)
+    return g_x, g_gamma, g_beta
 
 
 def _shapes(sc) -> dict:
@@ -168,7 +198,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         inputs=data, args={"eps": sc.p("eps")}, g=g, forward=forward, backward=backward,
         terms=lambda inputs, args, g: _terms(inputs["x"], inputs["gamma"], args["eps"], g),
         invariants=lambda calls, dtype, y: _invariants(calls()["x"], data, g, sc.p("eps"), dtype, calls.fixed),
-        batched=("x",), rounding=_rounding, structure=_STRUCTURE,
+        batched=("x",), rounding=_rounding, structure=_STRUCTURE, forward_mistakes=FORWARD_MISTAKES,
         mistakes=user_engine.mistakes(FAULTS, MISTAKES)), faults)
 
 

@@ -43,6 +43,12 @@ MISTAKES = {
     "projections-no-v-path": "G_X (or G_M) misses the V path G_V W_V^T of its sum (Q and K counted)",
     "projections-no-k-path": "G_X (or G_M) misses the K path G_K W_K^T of its sum (Q and V counted)",
     "projections-dw-mean": "the weight gradients are averaged over the rows (batch x sequence) instead of summed",
+    "projections-split-reshape": "the backward splits G_O = G_Y W_O^T into heads by a bare reshape [B, n, H*d] -> "
+                                 "[B, H, n, d], without the head/sequence permutation the forward's split has",
+    "projections-merge-reshape": "the backward merges G_Q, G_K, G_V back to [B, n, H*d] by a bare reshape, without "
+                                 "the inverse head/sequence permutation",
+    "projections-v-path-through-wk": "the V path of G_X (or G_M) goes through W_K: G_V W_K^T where G_V W_V^T belongs",
+    "projections-k-path-through-wv": "the K path of G_X (or G_M) goes through W_V: G_K W_V^T where G_K W_K^T belongs",
 }
 #: The attention faults flow through unchanged (their names mean the same thing here, on a user's implementation
 #: too: ``mask`` shows it every key as visible, the others add their change to the reference gradients).
@@ -94,15 +100,19 @@ class Layer:
         k, v = split(s @ w_k, self.heads_kv), split(s @ w_v, self.heads_kv)
         o = attention.forward(q, k, v, self.visible, self.scale, self.kv_map, faults, self.hidden)
         merged = merge(o)
-        g_o = split(grad_y @ w_o.T, self.heads_q, faults)
+        split_faults = (*faults, "head-merge") if "projections-split-reshape" in faults else faults
+        merge_faults = (*faults, "head-merge") if "projections-merge-reshape" in faults else faults
+        g_o = split(grad_y @ w_o.T, self.heads_q, split_faults)
         att = attention.backward(q, k, v, self.visible, self.scale, self.kv_map, g_o, faults)
-        g_q, g_k, g_v = merge(att.q, faults), merge(att.k, faults), merge(att.v, faults)
+        g_q, g_k, g_v = merge(att.q, merge_faults), merge(att.k, merge_faults), merge(att.v, merge_faults)
         grads = {"w_q": _rows(x).T @ _rows(g_q), "w_k": _rows(s).T @ _rows(g_k), "w_v": _rows(s).T @ _rows(g_v),
                  "w_o": _rows(merged).T @ _rows(grad_y)}
         if "projections-dw-mean" in faults:  # averaged over the rows of every batch element instead of summed
             grads = {t: w / _rows(x).shape[0] for t, w in grads.items()}
-        from_kv = (0 if "projections-no-k-path" in faults else g_k @ w_k.T) + (
-            0 if "projections-no-v-path" in faults else g_v @ w_v.T)
+        from_kv = (0 if "projections-no-k-path" in faults else g_k @ (
+            w_v if "projections-k-path-through-wv" in faults else w_k).T) + (
+            0 if "projections-no-v-path" in faults else g_v @ (
+                w_k if "projections-v-path-through-wk" in faults else w_v).T)
         g_x = g_q @ w_q.T
         if self.cross:
             grads["x"], grads["m"] = g_x, from_kv

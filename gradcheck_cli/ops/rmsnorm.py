@@ -39,6 +39,20 @@ MISTAKES = {
     "rmsnorm-dgamma-raw-x": "G_gamma sums G_y x instead of G_y x / r (the normalised x)",
     "rmsnorm-dgamma-mean": "G_gamma averages over the rows instead of summing",
     "rmsnorm-backward-no-eps": "the backward recomputes r = sqrt(mean(x^2)) without the forward's eps",
+    **{f"rmsnorm-backward-eps={e:g}": f"the backward recomputes r with a hard-coded eps = {e:g}, not the forward's"
+       for e in (1e-5, 1e-6, 1e-8, 1e-12)},
+}
+
+#: Known mistakes of an RMSNorm forward: (what it gets wrong, y of the forward with it), named when a user's
+#: forward fails against the reference and equals one (``UserOp.forward_mistakes``).
+FORWARD_MISTAKES = {
+    "rmsnorm-eps-outside-sqrt": ("eps is added outside the square root: x / (sqrt(mean(x^2)) + eps)",
+                                 lambda x, gamma, eps: gamma * x / (np.sqrt(np.mean(x * x, axis=-1, keepdims=True))
+                                                                    + eps)),
+    "rmsnorm-no-eps": ("the forward leaves eps out: x / sqrt(mean(x^2))",
+                       lambda x, gamma, eps: forward(x, gamma, 0.0)),
+    "rmsnorm-gamma-offset": ("the weight is applied as (1 + gamma), Gemma's convention, where the scenario's is gamma",
+                             lambda x, gamma, eps: forward(x, 1.0 + gamma, eps)),
 }
 
 
@@ -50,7 +64,8 @@ def forward(x, gamma, eps):
 
 def backward(x, gamma, eps, grad_y, faults: Collection[str] = ()):
     """(G_x, G_gamma) for upstream grad_y [..., d_model]; G_gamma sums every axis but the last."""
-    eps = 0.0 if "rmsnorm-backward-no-eps" in faults else eps
+    eps = 0.0 if "rmsnorm-backward-no-eps" in faults else next(
+        (float(f[len("rmsnorm-backward-eps="):]) for f in faults if f.startswith("rmsnorm-backward-eps=")), eps)
     r = np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.asarray(eps, dtype=x.dtype))
     g = grad_y if "rmsnorm-no-gamma" in faults else grad_y * gamma
     g_x = g / r
@@ -147,7 +162,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         inputs=data, args={"eps": sc.p("eps")}, g=g, forward=forward, backward=backward,
         terms=lambda inputs, args, g: _terms(inputs["x"], inputs["gamma"], args["eps"], g),
         invariants=lambda calls, dtype, y: user_scale_identity(calls, data, g, sc.p("eps"), dtype),
-        batched=("x",), rounding=_rounding, structure=_STRUCTURE,
+        batched=("x",), rounding=_rounding, structure=_STRUCTURE, forward_mistakes=FORWARD_MISTAKES,
         mistakes=user_engine.mistakes(FAULTS, MISTAKES)), faults)
 
 

@@ -48,6 +48,14 @@ MISTAKES = {
     "rope-backward-cos-only": "G_x = G_y cos(theta): the sine terms of the inverse rotation are dropped",
     "rope-passthrough-zero": "partial rotary: the features past rotary_dim, which the forward passes through, get "
                              "gradient 0 instead of G_y",
+    "rope-sign-first": "the transpose written with one sign wrong, in the first of each pair: G_a = g_a cos - g_b sin "
+                       "(+ g_b sin belongs)",
+    "rope-sign-second": "the transpose written with one sign wrong, in the second of each pair: G_b = g_a sin + g_b "
+                        "cos (- g_a sin belongs)",
+    "rope-pair-outputs-swapped": "the two features of each pair get each other's gradient (G_a and G_b written to "
+                                 "each other's place)",
+    "rope-backward-first-position": "the backward rotates every position by the angles of the first one (cos[0], "
+                                    "sin[0] broadcast: the position index or the cache offset lost)",
 }
 #: The other layout, for ``rope-other-pairing``.
 _OTHER = {"half": "interleaved", "interleaved": "half"}
@@ -61,7 +69,23 @@ def _backward_cs(grad_y, cos, sin, layout: str, faults: Collection[str] = ()):
         return rotate_cs(grad_y, cos, np.zeros_like(sin), layout)
     if "rope-other-pairing" in faults:
         layout = _OTHER[layout]
+    if "rope-backward-first-position" in faults:
+        if not np.any(sin[:1]):  # the first position's angle is 0: this is rope-backward-identity
+            raise ValueError("the first position is not rotated")
+        cos, sin = np.broadcast_to(cos[:1], cos.shape), np.broadcast_to(sin[:1], sin.shape)
     out = rotate_cs(grad_y, cos, sin, layout, +1.0 if "rope-transpose" in faults else -1.0)
+    signs = {"rope-sign-first": 0, "rope-sign-second": 1}
+    wrong = [signs[f] for f in faults if f in signs]
+    if wrong or "rope-pair-outputs-swapped" in faults:
+        first, second = _pairs(2 * cos.shape[-1], layout)
+        a, b = grad_y[..., first], grad_y[..., second]
+        c, s = cos.astype(grad_y.dtype), sin.astype(grad_y.dtype)
+        if wrong == [0]:
+            out[..., first] = a * c - b * s
+        elif wrong == [1]:
+            out[..., second] = a * s + b * c
+        else:
+            out[..., first], out[..., second] = out[..., second].copy(), out[..., first].copy()
     if "rope-passthrough-zero" in faults:
         out[..., 2 * cos.shape[-1]:] = 0
     return out

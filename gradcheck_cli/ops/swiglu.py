@@ -38,6 +38,14 @@ MISTAKES = {
     "swiglu-dx-gate-only": "G_x = G_a W_1^T: drops the linear branch's share G_b W_3^T",
     "swiglu-dw2-no-gate": "G_W2 = (x W_3)^T G_y: h taken without the gate SiLU(x W_1)",
     "swiglu-dw1-dw3-swapped": "G_W1 and G_W3 returned in each other's place (the gate and up projections mixed up)",
+    "silu-derivative-sign": "SiLU'(a) taken as s (1 + a s): the (1 - s) of sigmoid's derivative written as s",
+    "swiglu-up-grad-raw-gate": "G_b = G_h a: the linear branch gets the gate's pre-activation x W_1, not SiLU(x W_1)",
+    "swiglu-gate-grad-no-up": "G_a = G_h SiLU'(a): the gate branch does not get the linear branch's value x W_3",
+    "swiglu-dw2-no-up": "G_W2 = SiLU(x W_1)^T G_y: h taken without the linear branch x W_3",
+    "swiglu-dx-w1-untransposed": "G_x = G_a W_1 + G_b W_3^T: W_1 without its transpose (the shapes agree when "
+                                 "d_model = d_ff)",
+    "swiglu-dx-w3-untransposed": "G_x = G_a W_1^T + G_b W_3: W_3 without its transpose (the shapes agree when "
+                                 "d_model = d_ff)",
 }
 
 
@@ -65,19 +73,21 @@ def backward(x, w1, w3, w2, grad_y, faults: Collection[str] = ()):
     s = _sigmoid(a)
     h = a * s * b
     g_h = grad_y @ w2.T
-    g_w2 = _sum_rows(h).T @ _sum_rows(grad_y)
-    if "swiglu-dw2-no-gate" in faults:
-        g_w2 = _sum_rows(b).T @ _sum_rows(grad_y)
+    h_used = {"swiglu-dw2-no-gate": b, "swiglu-dw2-no-up": a * s}
+    g_w2 = _sum_rows(next((h_used[f] for f in faults if f in h_used), h)).T @ _sum_rows(grad_y)
     silu_prime = {"silu-derivative": 1.0, "silu-derivative-sigmoid": s,
                   "silu-derivative-sigmoid-prime": s * (1.0 - s),
-                  "silu-derivative-no-product-rule": a * s * (1.0 - s)}
+                  "silu-derivative-no-product-rule": a * s * (1.0 - s),
+                  "silu-derivative-sign": s * (1.0 + a * s)}
     silu_prime = next((silu_prime[f] for f in faults if f in silu_prime), s * (1.0 + a * (1.0 - s)))
-    g_a = g_h * b * silu_prime
-    g_b = g_h if "gate-branch" in faults else g_h * (a * s)
+    g_a = g_h * silu_prime if "swiglu-gate-grad-no-up" in faults else g_h * b * silu_prime
+    g_b = g_h if "gate-branch" in faults else g_h * (a if "swiglu-up-grad-raw-gate" in faults else a * s)
     if "swiglu-branches-swapped" in faults:
         g_a, g_b = g_h * (a * s) * silu_prime, g_h * b
     xs = _sum_rows(x)
-    g_x = g_a @ w1.T if "swiglu-dx-gate-only" in faults else g_a @ w1.T + g_b @ w3.T
+    w1_x = w1 if "swiglu-dx-w1-untransposed" in faults else w1.T
+    w3_x = w3 if "swiglu-dx-w3-untransposed" in faults else w3.T
+    g_x = g_a @ w1_x if "swiglu-dx-gate-only" in faults else g_a @ w1_x + g_b @ w3_x
     g_w1, g_w3 = xs.T @ _sum_rows(g_a), xs.T @ _sum_rows(g_b)
     if "swiglu-dw1-dw3-swapped" in faults:
         g_w1, g_w3 = g_w3, g_w1

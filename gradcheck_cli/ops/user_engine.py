@@ -76,6 +76,9 @@ class UserOp:
     #: faults that change gradients and its known mistakes, the candidate causes of a failed gradient check
     #: (``fingerprints``)
     mistakes: Mapping[str, str] = field(default_factory=dict)
+    #: known mistakes of the forward: name -> (what it gets wrong, forward(*inputs, *args) -> y with it), named when
+    #: the user's forward fails against the reference and equals one
+    forward_mistakes: Mapping[str, tuple[str, Callable[..., np.ndarray]]] = field(default_factory=dict)
 
 
 def mistakes(faults: Mapping, known: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -283,18 +286,39 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
     x64, g64 = [op.inputs[t].astype(np.float64) for t in order], op.g.astype(np.float64)
     candidates = fingerprints.from_backward(
         op.mistakes, lambda wrong: dict(zip(order, op.backward(*x64, *op.args.values(), g64, wrong))))
+    candidates += fingerprints.one_batch_element(
+        order, op.batched, {**dict(zip(order, x64)), **op.args, "g": g64},
+        lambda v: dict(zip(order, op.backward(*(v[t] for t in order), *(v[a] for a in op.args), v["g"], ()))),
+        reference)
 
     def hints(evidence, checks) -> list[str]:
         out = []
         if any(c.name == FORWARD_CHECK and c.verdict == "fail" for c in checks):
             out += other_conventions(y, reference["o"]) + convention_hints(checks, y, reference["o"], op.alternatives)
+            out += forward_named(y, reference["o"], {name: (says, lambda f=f: f(*x64, *op.args.values()))
+                                                     for name, (says, f) in op.forward_mistakes.items()})
         failed = {c.tensor for c in checks if c.kind == "gradient" and c.verdict == "fail"}
         none = no_gradient(impl, failed, order)
         named = fingerprints.named(evidence, failed, candidates, reference)  # the correct gradients, float64
         # what the gradients are (a factor, swapped, transposed, 0), where no known mistake or None says more
-        return out + none + (named or ([] if none else fingerprints.patterns(evidence, failed)))
+        return out + none + (named or ([] if none else fingerprints.patterns(evidence, failed, sizes(op))))
     problem.hints = hints
     return problem
+
+
+def sizes(op: UserOp) -> dict[str, int]:
+    """The op's sizes a wrong constant factor may be (``fingerprints.sized``): each named axis of its inputs, and the
+    rows of a batched input (every axis but its last)."""
+    out: dict[str, int] = {}
+    for t, st in (op.structure or {}).items():
+        if t not in op.inputs:
+            continue
+        shape = op.inputs[t].shape
+        for axis, n in zip(st.axes, shape):
+            out.setdefault("batch elements" if axis == "batch" else f"{axis} axis", int(n))
+        if t in op.batched and len(shape) > 2:
+            out.setdefault("rows (" + " x ".join(st.axes[:-1]) + ")", int(np.prod(shape[:-1])))
+    return out
 
 
 def no_gradient(impl, failed: set[str], order: tuple[str, ...]) -> list[str]:
@@ -316,6 +340,20 @@ def masked(args: dict, convention, dtype) -> dict:
     if "visible" not in args or (convention.mask, convention.mask_heads) == ("keep", "per-head"):
         return args
     return {**args, "visible": convention.mask_of(args["visible"], dtype)}
+
+
+def forward_named(y: np.ndarray, reference: np.ndarray, mistakes: Mapping[str, tuple[str, Callable]]) -> list[str]:
+    """The forward's known mistake ``y`` equals (its difference from that output a thousandth of its difference from
+    the reference, or less): name -> (what it gets wrong, its float64 output)."""
+    y = y.astype(np.float64)
+    wrong = float(np.max(np.abs(y - reference), initial=0.0))
+    found = []
+    for name, (says, output) in mistakes.items():
+        other = np.asarray(output(), dtype=np.float64)
+        if other.shape == y.shape and float(np.max(np.abs(y - other), initial=0.0)) <= 1e-3 * wrong:
+            found.append(f"the forward has a known mistake: {says} (`{name}`); its output equals that forward's")
+    return found[:1] if len(found) == 1 else ([f"the forward has one of these known mistakes (they give the same "
+                                               f"output here): {'; or '.join(found)}"] if found else [])
 
 
 def convention_hints(checks, y: np.ndarray, reference: np.ndarray, alternatives: Mapping) -> list[str]:

@@ -245,7 +245,9 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
         w_v = drop.backward_weights(rows)
         w_v = None if w_v is None else w_v.astype(a.dtype, copy=False)
         g_v = np.swapaxes(a if w_v is None else a * w_v, -1, -2) @ grad_o
-        g_a = (grad_o @ np.swapaxes(v_rep, -1, -2)) * drop.weights(rows, dtype=a.dtype)
+        g_a = grad_o @ np.swapaxes(v_rep, -1, -2)
+        if "dropout-dp-unmasked" not in faults:  # a known mistake (hints.known): the keep mask forgotten on dP
+            g_a = g_a * drop.weights(rows, dtype=a.dtype)
         w_s = drop.score_weights(rows)
         a_s = a if w_s is None else a * w_s.astype(a.dtype, copy=False)
     if "softmax-term" in faults:
@@ -253,7 +255,9 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     else:
         g_s = a_s * (g_a - (a * g_a).sum(axis=-1, keepdims=True))
     if grad_lse is not None and "lse-grad-ignored" not in faults:  # dLSE_i / dS_ij = A_ij
-        g_s = g_s + a * np.asarray(grad_lse)[..., None]
+        # known mistakes (hints.known): G_L added without A, to the visible scores or to every one
+        weight = {"lse-grad-no-weights": a > 0, "lse-grad-no-weights-all": 1.0}
+        g_s = g_s + next((weight[f] for f in faults if f in weight), a) * np.asarray(grad_lse)[..., None]
     s = 1.0 if "scale" in faults else scale
     g_raw, params = g_s, {}
     if stages:

@@ -30,9 +30,10 @@ def hint_context(inputs: dict, g, args: Args, results: dict, reference_results: 
     """What the hints may consult about an implementation (``hints.Context``)."""
     x = {t: val.astype(np.float64) for t, val in inputs.items()}
 
-    def reference_output(visible=args.visible, kv_map=args.kv_map, stages=None):
+    def reference_output(visible=args.visible, kv_map=args.kv_map, stages=None, scale=args.scale):
         return forward(x["q"], x["k"], x["v"], **args.but(visible=visible, kv_map=np.asarray(kv_map, dtype=np.intp),
-                                                          stages=args.stages if stages is None else stages).kw)
+                                                          stages=args.stages if stages is None else stages,
+                                                          scale=scale).kw)
 
     return Context(output=np.asarray(results["o"], dtype=np.float64), reference=reference_output,
                    reference_gradients={t: reference_results[t] for t in "qkv"},

@@ -38,13 +38,23 @@ FAULTS = {f.name: f for f in (
 #: (``fingerprints``), computed by ``formulas.backward`` on request.
 MISTAKES = {
     "infonce-tau-once": "the similarities' gradient is the logits' (G_s = G_z): the 1 / tau of z = s / tau dropped",
+    "infonce-tau-times": "the similarities' gradient multiplied by tau where z = s / tau divides by it (G_s = G_z "
+                         "tau)",
+    "infonce-dtau-one-tau": "G_tau = -sum(G_z s) / tau: d(s / tau) / d tau = -s / tau^2 taken with one tau",
     "infonce-dtau-sign": "G_tau = +sum(G_z s) / tau^2: the sign of d(s / tau) / d tau lost",
     "infonce-cosine-no-projection": "cosine similarity: d(x / |x|) taken as 1 / |x|, without the projection "
-                                    "-u (u . g) / |x| that removes the gradient along x",
+                                    "-u (u . g) / |x| that removes the gradient along x (the norm treated as a "
+                                    "constant: detached, stop_gradient)",
     "infonce-softmax-axis": "the softmax of the backward normalised over the queries (axis 0) instead of the "
                             "candidates",
     "infonce-upstream-ignored": "the backward ignores the upstream gradient of each query's loss (G_z = A - onehot, "
                                 "as if every G_l were 1: right only for a plain sum)",
+    "infonce-dtau-no-upstream": "G_tau ignores the upstream gradient of each query's loss (-sum((A - onehot) s) / "
+                                "tau^2, as if every G_l were 1), while G_q and the candidates' take it",
+    "infonce-negatives-order": "in-batch: the hard negatives' gradient unflattened in (k, B) order where the forward "
+                               "flattened them (B, k)",
+    "infonce-candidates-untransposed": "G_C = G_s Q without the transpose of G_s (G_s^T Q; the shapes agree when "
+                                       "every query has as many candidates as there are queries)",
 }
 
 

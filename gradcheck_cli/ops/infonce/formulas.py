@@ -64,11 +64,11 @@ def backward(q, p, n, tau, grad_l, similarity: str, in_batch: bool, faults: Coll
     onehot[np.arange(q.shape[0]), positives(q.shape[0], in_batch)] = 1.0
     upstream = np.ones_like(grad_l) if "infonce-upstream-ignored" in faults else grad_l
     g_z = upstream[:, None] * ((0.0 if "infonce-normaliser" in faults else a) - onehot)
-    g_s = g_z if "infonce-tau-once" in faults else g_z / tau
+    g_s = g_z if "infonce-tau-once" in faults else (g_z * tau if "infonce-tau-times" in faults else g_z / tau)
     c = _candidates(p, n, in_batch)
     uq, uc = (_unit(q), _unit(c)) if similarity == "cosine" else (q, c)
     if in_batch:
-        g_uq, g_uc = g_s @ uc, g_s.T @ uq
+        g_uq, g_uc = g_s @ uc, (g_s if "infonce-candidates-untransposed" in faults else g_s.T) @ uq
     else:
         g_uq, g_uc = np.einsum("bc,bcd->bd", g_s, uc), g_s[..., None] * uq[:, None, :]
     if similarity == "cosine":
@@ -84,12 +84,15 @@ def backward(q, p, n, tau, grad_l, similarity: str, in_batch: bool, faults: Coll
     if in_batch:
         out["p"] = g_c[:batch]
         if n is not None:
-            out["n"] = g_c[batch:].reshape(n.shape)
+            out["n"] = g_c[batch:].reshape(n.shape) if "infonce-negatives-order" not in faults else np.swapaxes(
+                g_c[batch:].reshape(n.shape[1], n.shape[0], n.shape[2]), 0, 1)
     else:
         out["p"] = g_c[:, 0]
         if n is not None:
             out["n"] = g_c[:, 1:]
-    out["tau"] = np.asarray((1.0 if "infonce-dtau-sign" in faults else -1.0) * np.sum(g_z * s) / tau**2,
+    g_zt = (a - onehot) if "infonce-dtau-no-upstream" in faults else g_z
+    out["tau"] = np.asarray((1.0 if "infonce-dtau-sign" in faults else -1.0) * np.sum(g_zt * s)
+                            / (tau if "infonce-dtau-one-tau" in faults else tau**2),
                             dtype=q.dtype)
     out["z"] = g_z
     return out

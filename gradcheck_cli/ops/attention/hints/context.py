@@ -34,7 +34,7 @@ class Context:
     scenario's inputs, the float64 reference of any visible set / KV map on the same inputs, and the
     implementation's forward (for the batch-mixing test). None for the built-in engines."""
     output: np.ndarray                               # O of the implementation, float64
-    reference: Callable[..., np.ndarray]             # reference(visible=..., kv_map=...) -> O, float64
+    reference: Callable[..., np.ndarray]             # reference(visible=, kv_map=, scale=) -> O, float64
     reference_gradients: dict[str, np.ndarray]       # the float64 reference's dq, dk, dv
     gradients: dict[str, np.ndarray]                 # the implementation's, float64
     forward: Callable[..., np.ndarray] | None        # forward(q, k, v, visible[, convention]) -> O of the
@@ -182,6 +182,9 @@ def _alternative(sc, context: Context, kv_map) -> str | None:
             return (f"the forward applies the causal mask aligned {other} ({rule[other]}), while the scenario's is "
                     f"{sc.causal} ({rule[sc.causal]}); with n_q = {sc.n_q} and n_k = {sc.n_k} they differ"
                     + (" (a KV-cache block needs lower-right)" if sc.causal == "lower-right" else ""))
+    scale = _scale_alternative(sc, context, ref)
+    if scale:
+        return scale
     hq, hkv = sc.heads_q, sc.heads_kv
     if 1 < hkv < hq and hq % hkv == 0:
         contiguous = np.arange(hq) // (hq // hkv)
@@ -198,6 +201,17 @@ def _alternative(sc, context: Context, kv_map) -> str | None:
             return (f"the forward maps query heads to KV heads {name}, while the scenario's kv_map is {mine} "
                     f"({list(map(int, kv_map))}): if that is your model's layout, set kv_map: {other_name} in the "
                     "scenario; otherwise repeat_kv and its reduction must follow the model's layout")
+    return None
+
+
+def _scale_alternative(sc, context: Context, ref) -> str | None:
+    """The forward uses 1/sqrt(d_head), or no scale, where the scenario's scale is another (the scale argument
+    ignored)."""
+    for value, said in ((sc.d_head ** -0.5, f"1/sqrt(d_head) = {sc.d_head ** -0.5:.6g}"), (1.0, "1 (no scale)")):
+        if abs(value - sc.scale) > 1e-12 * abs(sc.scale) and _matches(context.output, context.reference(scale=value),
+                                                                       ref):
+            return (f"the forward scales the scores by {said}, not by the scenario's scale {sc.scale:.6g}: the scale "
+                    "argument ignored, or a default taken in its place")
     return None
 
 

@@ -33,8 +33,8 @@ from ...registry import Fault, Param
 from . import alibi, bias, dropout, relative_bias, sinks, softcap
 from .base import ALL, LIMITS, Registration, Stage
 
-__all__ = ["ALL", "FAULTS", "KEYS", "LIMITS", "REGISTERED", "Stage", "apply", "from_scenario", "inject", "jet",
-           "with_slope"]
+__all__ = ["ALL", "FAULTS", "KEYS", "LIMITS", "MISTAKES", "REGISTERED", "Stage", "apply", "from_scenario", "inject",
+           "jet", "with_slope"]
 
 
 #: The stage modules, in the default order of the score path.
@@ -56,6 +56,8 @@ KEYS: dict[str, Param] = {**{r.key: r.param for r in REGISTERED},
 
 #: Every stage fault, by name.
 FAULTS: dict[str, Fault] = {name: f for r in REGISTERED for name, f in r.faults.items()}
+#: Each stage's known mistakes (``Registration.mistakes``), by stage name.
+MISTAKES: dict[str, dict] = {r.key: dict(r.mistakes) for r in REGISTERED}
 
 
 def from_scenario(sc) -> tuple[Stage, ...]:

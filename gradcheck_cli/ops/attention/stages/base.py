@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -119,6 +119,9 @@ class Registration:
     validate: Callable[[dict, dict], list] | None = None  # (key, message, hint) for values wrong together (Op.validate)
     passes: str = ""  # what a user's code is passed, for ``attn-gradcheck ops`` (``softcap=``)
     normaliser: bool = False  # joins the softmax's normaliser (sinks): always last, not in the ``stages:`` order
+    #: known mistakes of the stage's backward (no CLI switch): name -> (what it gets wrong, stage -> the wrong stage
+    #: the backward then uses), candidate causes of a failed check (``hints.known``)
+    mistakes: Mapping[str, tuple[str, Callable]] = field(default_factory=dict)
 
 
 #: What the stages do not cover yet (``attn-gradcheck ops`` lists it; ``gradient_limits`` refuses a scenario that

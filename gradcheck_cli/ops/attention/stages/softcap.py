@@ -99,6 +99,39 @@ class _TanhTimesS(Softcap):
         return s * xp.tanh(s)
 
 
+class _WrongSlope(Softcap):
+    """A known mistake of the backward's tanh' factor (``MISTAKES``): ``slope(t, s, cap)`` in its place."""
+
+    def __init__(self, cap: float, slope):
+        super().__init__(cap)
+        self._wrong = slope
+
+    def slope(self, s, rows=ALL, cols=ALL, xp=np):
+        return self._wrong(xp.tanh(s / self.cap), s, self.cap, xp)
+
+    def bend(self, s, rows=ALL, cols=ALL, xp=np):
+        return None
+
+
+#: Known mistakes of the softcap's backward: name -> (what it gets wrong, the wrong stage).
+MISTAKES = {
+    "softcap-slope-raw-score": ("softcap: the backward's tanh' factor is taken at the raw score, 1 - tanh(S)^2, "
+                                "not at S / c",
+                                lambda st: _WrongSlope(st.cap, lambda t, s, c, xp: 1 - xp.tanh(s) ** 2)),
+    "softcap-slope-not-squared": ("softcap: the backward's tanh' factor written 1 - t, not 1 - t^2 (t = tanh(S / c))",
+                                  lambda st: _WrongSlope(st.cap, lambda t, s, c, xp: 1 - t)),
+    "softcap-slope-of-capped": ("softcap: the backward's tanh' factor is computed from the capped scores (1 - "
+                                "tanh(c tanh(S / c) / c)^2: the saved scores are the capped ones), not the raw",
+                                lambda st: _WrongSlope(st.cap, lambda t, s, c, xp: 1 - xp.tanh(t) ** 2)),
+    "softcap-slope-over-cap": ("softcap: the backward's factor is (1 - t^2) / c: the 1 / c of the inner S / c kept, "
+                               "though the outer c cancels it",
+                               lambda st: _WrongSlope(st.cap, lambda t, s, c, xp: (1 - t * t) / c)),
+    "softcap-slope-capped-value": ("softcap: the backward's factor is 1 - (c t)^2, the capped score squared where "
+                                   "tanh(S / c)^2 belongs", lambda st: _WrongSlope(
+                                       st.cap, lambda t, s, c, xp: 1 - (c * t) ** 2)),
+}
+
+
 def _every_key(visible):
     if callable(visible):
         return lambda rows, cols: np.ones_like(visible(rows, cols))
@@ -139,4 +172,5 @@ REGISTRATION = Registration(
     applies=lambda sc, fault: ("every key is visible to every query: there is no mask for the cap to follow"
                                if fault == "softcap-masked" and sc.visible.all() else None),
     passes="softcap=c",
+    mistakes=MISTAKES,
 )
