@@ -358,3 +358,124 @@ class GqaMean(Correct):
 
 
 gqa_mean = GqaMean()
+
+
+# ------------------------------------------------ the kinds a second cold trial found unnamed, written from scratch
+class Hooked(Base):
+    """Correct, in steps a buggy subclass replaces one at a time."""
+
+    def visible_bwd(self, visible):
+        return visible
+
+    def weights_bwd(self, q, k_rep, visible, scale):
+        return _softmax_masked(_scores(q, k_rep, scale), visible)
+
+    def dv_rep(self, p, q, k_rep, visible, scale, grad_o):
+        return np.einsum("bhij,bhid->bhjd", p, grad_o)
+
+    def dq(self, ds, k_rep, scale):
+        return scale * np.einsum("bhij,bhjd->bhid", ds, k_rep)
+
+    def fold(self, x_rep, kv_map, n_kv):
+        return _gqa_reduce(x_rep, kv_map, n_kv)
+
+    def backward(self, q, k, v, visible, scale, kv_map, grad_o):
+        k_rep, v_rep = k[:, kv_map], v[:, kv_map]
+        visible = self.visible_bwd(visible)
+        p = self.weights_bwd(q, k_rep, visible, scale)
+        dv_rep = self.dv_rep(p, q, k_rep, visible, scale, grad_o)
+        dp = np.einsum("bhid,bhjd->bhij", grad_o, v_rep)
+        ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+        dk_rep = scale * np.einsum("bhij,bhid->bhjd", ds, q)
+        n_kv = k.shape[1]
+        return self.dq(ds, k_rep, scale), self.fold(dk_rep, kv_map, n_kv), self.fold(dv_rep, kv_map, n_kv)
+
+
+def _lower_right(nq, nk, left=None):
+    i, j = np.arange(nq)[:, None] + (nk - nq), np.arange(nk)[None, :]
+    return (j <= i) & (True if left is None else j >= i - left)
+
+
+class MaskBwdCausalOnly(Hooked):
+    def visible_bwd(self, visible):
+        return np.broadcast_to(_lower_right(*visible.shape[-2:]), visible.shape)  # the padding mask not passed on
+
+
+class WindowBwdOffByOne(Hooked):
+    def visible_bwd(self, visible):
+        return np.broadcast_to(_lower_right(*visible.shape[-2:], left=2), visible.shape)  # < where <= belongs
+
+
+class GqaInterleavedFold(Hooked):
+    def fold(self, x_rep, kv_map, n_kv):
+        return _gqa_reduce(x_rep, np.arange(len(kv_map)) % n_kv, n_kv)  # the other repeat layout's reduction
+
+
+class DvUnnormalised(Hooked):
+    def dv_rep(self, p, q, k_rep, visible, scale, grad_o):
+        s = np.where(visible, _scores(q, k_rep, scale), -np.inf)
+        return np.einsum("bhij,bhid->bhjd", np.exp(s - s.max(-1, keepdims=True)), grad_o)  # the row sum forgotten
+
+
+class DqFromScoresTransposed(Hooked):
+    def dq(self, ds, k_rep, scale):
+        return scale * np.einsum("bhji,bhjd->bhid", ds, k_rep)  # dS^T: runs when n_q == n_k
+
+
+class ScaleIgnored(Hooked):
+    def forward(self, q, k, v, visible, scale, kv_map):
+        return super().forward(q, k, v, visible, q.shape[-1] ** -0.5, kv_map)  # the usual default, hard-wired
+
+    def backward(self, q, k, v, visible, scale, kv_map, grad_o):
+        return super().backward(q, k, v, visible, q.shape[-1] ** -0.5, kv_map, grad_o)
+
+
+class SoftcapSlopeAtRaw(SoftcapBase):
+    def backward(self, q, k, v, visible, scale, kv_map, grad_o, *, softcap):
+        self.raw = _scores(q, k[:, kv_map], scale)
+        return super().backward(q, k, v, visible, scale, kv_map, grad_o, softcap=softcap)
+
+    def deriv(self, t):
+        return 1 - np.tanh(self.raw) ** 2  # tanh' at S, not at S / c
+
+
+class LseGradNoWeights(LseBase):
+    def backward(self, q, k, v, visible, scale, kv_map, grad_o, *, grad_lse=None):
+        k_rep, v_rep = k[:, kv_map], v[:, kv_map]
+        p, _ = self._p(q, k_rep, visible, scale)
+        dv_rep = np.einsum("bhij,bhid->bhjd", p, grad_o)
+        dp = np.einsum("bhid,bhjd->bhij", grad_o, v_rep)
+        ds = p * (dp - (p * dp).sum(-1, keepdims=True)) + np.where(visible, grad_lse[..., None], 0.0)  # no P
+        dq = scale * np.einsum("bhij,bhjd->bhid", ds, k_rep)
+        dk_rep = scale * np.einsum("bhij,bhid->bhjd", ds, q)
+        n_kv = k.shape[1]
+        return dq, _gqa_reduce(dk_rep, kv_map, n_kv), _gqa_reduce(dv_rep, kv_map, n_kv)
+
+
+class DropoutDpUnmasked:
+    def forward(self, q, k, v, visible, scale, kv_map, *, keep_mask, dropout_p):
+        p = _softmax_masked(_scores(q, k[:, kv_map], scale), visible)
+        return np.einsum("bhij,bhjd->bhid", p * keep_mask / (1 - dropout_p), v[:, kv_map])
+
+    def backward(self, q, k, v, visible, scale, kv_map, grad_o, *, keep_mask, dropout_p):
+        k_rep, v_rep = k[:, kv_map], v[:, kv_map]
+        p = _softmax_masked(_scores(q, k_rep, scale), visible)
+        dv_rep = np.einsum("bhij,bhid->bhjd", p * keep_mask / (1 - dropout_p), grad_o)
+        dp = np.einsum("bhid,bhjd->bhij", grad_o, v_rep)  # the keep mask forgotten here
+        ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+        dq = scale * np.einsum("bhij,bhjd->bhid", ds, k_rep)
+        dk_rep = scale * np.einsum("bhij,bhid->bhjd", ds, q)
+        n_kv = k.shape[1]
+        return dq, _gqa_reduce(dk_rep, kv_map, n_kv), _gqa_reduce(dv_rep, kv_map, n_kv)
+
+
+hooked = Hooked()
+mask_bwd_causal_only = MaskBwdCausalOnly()
+window_bwd_off_by_one = WindowBwdOffByOne()
+gqa_interleaved_fold = GqaInterleavedFold()
+dv_unnormalised = DvUnnormalised()
+dq_from_scores_transposed = DqFromScoresTransposed()
+scale_ignored = ScaleIgnored()
+softcap_slope_at_raw = SoftcapSlopeAtRaw()
+lse_grad_no_weights = LseGradNoWeights()
+dropout_dp_unmasked = DropoutDpUnmasked()

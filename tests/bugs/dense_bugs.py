@@ -377,11 +377,132 @@ class RoPEPartialDropsRest(RoPE):
 
 
 BUGS += [
-    ("RMSNormBackwardNoEps", "rmsnorm-backward-no-eps", {**RMS, "eps": 0.01}),
+    ("RMSNormBackwardNoEps", ("rmsnorm-backward-no-eps", "rmsnorm-backward-eps-1e-06"), {**RMS, "eps": 0.01}),
     ("LayerNormUnbiasedStd", "layernorm-backward-unbiased-var", LN),
     ("SwiGLUDw1Dw3Swapped", "swiglu-dw1-dw3-swapped", {**SWIGLU, "d_ff": 8}),
     ("RoPEPartialDropsRest", "rope-passthrough-zero", {**ROPE, "rotary_dim": 4}),
     ("RoPE", None, {**ROPE, "rotary_dim": 4}),
+]
+
+# ------------------------------------------------ the kinds a second cold trial found unnamed, written from scratch
+class RMSNormDgammaFirstBatch(RMSNorm):
+    def backward(self, x, gamma, eps, grad_y):
+        dx, _ = super().backward(x, gamma, eps, grad_y)
+        rms = np.sqrt((x ** 2).mean(-1, keepdims=True) + eps)
+        return dx, (grad_y[0] * x[0] / rms[0]).sum(0)  # the batch loop written for B = 1
+
+
+class RMSNormDgammaOverwritten(RMSNorm):
+    def backward(self, x, gamma, eps, grad_y):
+        dx, _ = super().backward(x, gamma, eps, grad_y)
+        rms = np.sqrt((x ** 2).mean(-1, keepdims=True) + eps)
+        for b in range(x.shape[0]):
+            dgamma = (grad_y[b] * x[b] / rms[b]).sum(0)  # = where += belongs
+        return dx, dgamma
+
+
+class RMSNormHardcodedEps(RMSNorm):
+    def backward(self, x, gamma, eps, grad_y):
+        return super().backward(x, gamma, 1e-5, grad_y)  # the backward kernel's own default eps
+
+
+class RMSNormEpsOutsideSqrt(RMSNorm):
+    def forward(self, x, gamma, eps):
+        return gamma * x / (np.sqrt((x ** 2).mean(-1, keepdims=True)) + eps)
+
+
+class LayerNormScaleTermCentred(LayerNorm):
+    def backward(self, x, gamma, beta, eps, grad_y):
+        mu, s, xhat = self.stats(x, eps)
+        g = grad_y * gamma
+        dx = (g - g.mean(-1, keepdims=True) - (x - mu) * (g * xhat).mean(-1, keepdims=True)) / s  # x - mu, not xhat
+        _, dg, db = super().backward(x, gamma, beta, eps, grad_y)
+        return dx, dg, db
+
+
+class LayerNormDbetaMean(LayerNorm):
+    def backward(self, x, gamma, beta, eps, grad_y):
+        dx, dg, _ = super().backward(x, gamma, beta, eps, grad_y)
+        return dx, dg, grad_y.reshape(-1, x.shape[-1]).mean(0)
+
+
+class LayerNormUnbiasedForward(LayerNorm):
+    def forward(self, x, gamma, beta, eps):
+        mu = x.mean(-1, keepdims=True)
+        return gamma * (x - mu) / np.sqrt(x.var(-1, ddof=1, keepdims=True) + eps) + beta  # torch.var's default
+
+
+class SwiGLUUpGradRawGate(SwiGLU):
+    def backward(self, x, w1, w3, w2, grad_y):
+        a, b = x @ w1, x @ w3
+        dh = grad_y @ w2.T
+        da, db = dh * b * self.silu_grad(a), dh * a  # the gate's pre-activation where SiLU(a) belongs
+        x2, d = x.reshape(-1, x.shape[-1]), lambda t: t.reshape(-1, t.shape[-1])
+        return (da @ w1.T + db @ w3.T, x2.T @ d(da), x2.T @ d(db), d(a * _sig(a) * b).T @ d(grad_y))
+
+
+class SwiGLUSiluSignSlip(SwiGLU):
+    def silu_grad(self, a):
+        s = _sig(a)
+        return s * (1 + a * s)  # (1 - s) slipped to s
+
+
+class SwiGLUDw2NoUp(SwiGLU):
+    def backward(self, x, w1, w3, w2, grad_y):
+        dx, dw1, dw3, _ = super().backward(x, w1, w3, w2, grad_y)
+        a = x @ w1
+        d = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+        return dx, dw1, dw3, d(a * _sig(a)).T @ d(grad_y)  # h without the up branch
+
+
+class SwiGLUDxW1Untransposed(SwiGLU):
+    def backward(self, x, w1, w3, w2, grad_y):
+        _, dw1, dw3, dw2 = super().backward(x, w1, w3, w2, grad_y)
+        a, b = x @ w1, x @ w3
+        dh = grad_y @ w2.T
+        da, db = dh * b * self.silu_grad(a), dh * a * _sig(a)
+        return da @ w1 + db @ w3.T, dw1, dw3, dw2  # square weights: w1 where w1.T belongs runs
+
+
+class RoPEOneSign(RoPE):
+    def backward(self, x, cos, sin, grad_y):
+        h = cos.shape[-1]
+        a, b = grad_y[..., :h], grad_y[..., h:2 * h]
+        out = grad_y.copy()
+        out[..., :h], out[..., h:2 * h] = a * cos + b * sin, a * sin + b * cos  # second row: -a sin belongs
+        return out
+
+
+class RoPEHalvesSwapped(RoPE):
+    def backward(self, x, cos, sin, grad_y):
+        h = cos.shape[-1]
+        g = _rotate_half(grad_y, cos, sin, -1)
+        out = g.copy()
+        out[..., :h], out[..., h:2 * h] = g[..., h:2 * h], g[..., :h]  # written back to the wrong halves
+        return out
+
+
+class RoPEFirstPosition(RoPE):
+    def backward(self, x, cos, sin, grad_y):
+        return _rotate_half(grad_y, cos[:1], sin[:1], -1)  # the decode path's single position, reused
+
+
+BUGS += [
+    ("RMSNormDgammaFirstBatch", "one-batch-first", RMS),
+    ("RMSNormDgammaOverwritten", "one-batch-last", RMS),
+    ("RMSNormHardcodedEps", "rmsnorm-backward-eps-1e-05", {**RMS, "eps": 0.01}),
+    ("RMSNormEpsOutsideSqrt", "rmsnorm-eps-outside-sqrt", {**RMS, "eps": 0.01}),
+    ("LayerNormScaleTermCentred", "layernorm-scale-term-centred", LN),
+    ("LayerNormDbetaMean", "layernorm-dbeta-mean", LN),
+    ("LayerNormUnbiasedForward", "layernorm-unbiased-var", LN),
+    ("SwiGLUUpGradRawGate", "swiglu-up-grad-raw-gate", SWIGLU),
+    ("SwiGLUSiluSignSlip", "silu-derivative-sign", SWIGLU),
+    ("SwiGLUDw2NoUp", "swiglu-dw2-no-up", SWIGLU),
+    ("SwiGLUDxW1Untransposed", "swiglu-dx-w1-untransposed", {**SWIGLU, "d_ff": 8}),
+    ("RoPEOneSign", "rope-sign-second", ROPE),
+    ("RoPEHalvesSwapped", "rope-pair-outputs-swapped", ROPE),
+    ("RoPEFirstPosition", "rope-backward-first-position", {**ROPE, "position_offset": 3}),
+    ("RoPE", None, {**ROPE, "position_offset": 3}),
 ]
 
 # A scenario names an object: each class's instance, as ``implementation: dense_bugs:<ClassName>_``.

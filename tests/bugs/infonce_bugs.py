@@ -86,10 +86,52 @@ class InfoNCEUpstreamIgnored(InfoNCE):
         return super().backward(q, p, n, tau, np.ones_like(grad_l))  # "the loss is a sum": G_l taken as 1
 
 
+class InfoNCETimesTau(InfoNCE):
+    def logit_to_sim(self, g_z, tau):
+        return g_z * tau  # d(s / tau) / ds written as tau
+
+
+class InfoNCEDtauOneTau(InfoNCE):
+    def dtau(self, g_z, s, tau):
+        return -np.sum(g_z * s) / tau  # one tau short
+
+
+class InfoNCEDtauNoUpstream(InfoNCE):
+    def backward(self, q, p, n, tau, grad_l):
+        dq, dp, dn, _ = super().backward(q, p, n, tau, grad_l)
+        s, _ = self.sims(q, p, n)
+        g_z = self.softmax(s / tau)
+        g_z[np.arange(len(q)), np.arange(len(q))] -= 1.0  # grad_l forgotten on this path
+        return dq, dp, dn, np.asarray(self.dtau(g_z, s, tau))
+
+
+class InfoNCENegativesOrder(InfoNCE):
+    def backward(self, q, p, n, tau, grad_l):
+        dq, dp, dn, dtau = super().backward(q, p, n, tau, grad_l)
+        flat = dn.reshape(-1, n.shape[-1])
+        return dq, dp, flat.reshape(n.shape[1], n.shape[0], -1).swapaxes(0, 1), dtau  # (k, B) order
+
+
+class InfoNCECandidatesUntransposed(InfoNCE):
+    def backward(self, q, p, n, tau, grad_l):
+        dq, _, dn, dtau = super().backward(q, p, n, tau, grad_l)
+        s, c = self.sims(q, p, n)
+        g_z = self.softmax(s / tau)
+        g_z[np.arange(len(q)), np.arange(len(q))] -= 1.0
+        g_s = g_z * grad_l[:, None] / tau
+        return dq, (g_s @ q)[:len(q)], dn, dtau  # g_s.T belongs; square when there are no hard negatives
+
+
 IN = {"op": "infonce", "batch": 4, "dim": 8, "hard_negatives": 2, "learn_temperature": True, "temperature": 0.5}
 COS = {**IN, "similarity": "cosine"}
 
 BUGS = [
+    ("InfoNCETimesTau", "infonce-tau-times", IN),
+    ("InfoNCEDtauOneTau", "infonce-dtau-one-tau", IN),
+    ("InfoNCEDtauNoUpstream", "infonce-dtau-no-upstream", IN),
+    ("InfoNCENegativesOrder", "infonce-negatives-order", IN),
+    ("InfoNCECandidatesUntransposed", "infonce-candidates-untransposed", {**IN, "hard_negatives": 0}),
+    ("InfoNCE", None, {**IN, "hard_negatives": 0}),
     ("InfoNCE", None, IN),
     ("InfoNCECosine", None, COS),
     ("InfoNCETauOnce", "infonce-tau-once", IN),

@@ -454,10 +454,11 @@ def _mask_backward(sc, context, evidence, failed, broken, sees_all, kv_map) -> b
     every key are right, or the unseen-rows invariant failing with G_Q right where it was checked."""
     if context is not None:
         wrong = [t for t in "qkv" if t in failed or (_unseen_failed(broken) and t in "kv")]
-        if not wrong or context.g is None:
+        if not wrong or context.g is None or sc.visible.all():  # no mask to ignore
             return False
         x = {t: val.astype(np.float64) for t, val in context.inputs.items()}
-        unmasked = backward(x["q"], x["k"], x["v"], sc.visible, sc.scale, kv_map, context.g, ("mask-backward",))
+        unmasked = backward(x["q"], x["k"], x["v"], sc.visible, sc.scale, kv_map, context.g, ("mask-backward",),
+                            stages=tuple(context.stages))
         matched = [t for t in wrong if _matches(context.gradients[t], getattr(unmasked, t),
                                                 context.reference_gradients[t])]
         return bool(matched) and all(t in matched for t in failed)

@@ -157,6 +157,14 @@ def _mistakes(sc, args, x, g, grad_lse, computed) -> list:
                         * args.scale}
             out.append(fingerprints.Candidate("dq-transposed-scores", "dQ = dS^T K: the score gradient transposed "
                                               "(dS K belongs; the shapes agree when n_q = n_k)", dq_transposed))
+
+            def dk_untransposed():
+                grads = backward(*x, grad_o=g, grad_lse=grad_lse, **args.kw)
+                return {**_as_dict(grads), "k": sum_groups(grads.s @ x[0] * args.scale, args.kv_map,
+                                                           x[1].shape[-3])}
+            out.append(fingerprints.Candidate("dk-untransposed-scores", "dK = dS Q: the score gradient without its "
+                                              "transpose (dS^T Q belongs; the shapes agree when n_q = n_k)",
+                                              dk_untransposed))
     if all(st.name not in ("sinks", "dropout") for st in args.stages):
         def unnormalised():
             e, _ = _exp_scores(*x[:2], args.scale, args.kv_map, args.visible, stages=args.stages)

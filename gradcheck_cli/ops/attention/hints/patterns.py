@@ -40,13 +40,14 @@ def _swapped(evidence, failed) -> str | None:
 def _shift_violation(evidence, failed, verdicts, broken, tolerance) -> str | None:
     """Softmax is shift invariant: moving every key by the same vector moves each score row by a
     constant, so the K gradients of a (batch, KV head) sum to zero over the keys. Evidence: the G_S
-    invariant, or the analytic G_K not summing to 0 while the finite differences do and G_V is right."""
+    invariant, or the analytic G_K not summing to 0 while the finite differences do, G_V is right and G_Q is wrong
+    too (G_Q is made of the same G_S: a G_K wrong alone is no row-sum term, e.g. G_S untransposed in dK)."""
     message = ("softmax is shift invariant, so the row-sum term of its backward is missing or wrong: "
                "G_S = A * (G_A - rowsum(A * G_A))")
     if "score-gradient rows sum to 0" in broken:
         return "G_S rows do not sum to 0: " + message
     ev = evidence.get("k")
-    if ev is None or not ({"q", "k"} & failed) or verdicts.get("v") != "pass" or not ev.checked.all():
+    if ev is None or "q" not in failed or verdicts.get("v") != "pass" or not ev.checked.all():
         return None
     total_a = float(np.abs(ev.analytic.sum(axis=-2)).max(initial=0.0))
     total_n = float(np.abs(ev.numeric.sum(axis=-2)).max(initial=0.0))
