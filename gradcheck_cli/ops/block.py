@@ -45,6 +45,19 @@ MISTAKES = {**rmsnorm.MISTAKES, **rope.MISTAKES, **swiglu.MISTAKES,
             "block-k-rope-detached": "the rotated K is detached (a cached rotated key reused): no gradient flows back "
                                      "through it to W_K and the first norm"}
 WEIGHTS = ("w_q", "w_k", "w_v", "w_o", "w1", "w3", "w2")
+#: Known mistakes of a block's forward (``Block.wrong_forward`` computes each): named when a user's forward fails
+#: against the reference and equals one.
+FORWARD_MISTAKES = {
+    "block-ffn-residual-missing-forward": "the feed-forward half has no residual: y = FFN(norm(h)), not h + "
+                                          "FFN(norm(h))",
+    "block-attention-residual-missing-forward": "the attention half has no residual: h = Attn(norm(x)), not x + "
+                                                "Attn(norm(x))",
+    "block-rope-on-v": "RoPE is applied to V as well as to Q and K",
+    "block-no-rope": "RoPE is not applied (Q and K unrotated)",
+    "block-norm2-gamma1": "the second RMSNorm uses gamma1 (gamma2 unused: a copy-paste)",
+    "block-mask-not-passed": "the mask is not passed to the attention inside the block (every key visible: SDPA "
+                             "called without attn_mask or is_causal)",
+}
 #: <G_W, W> = sum(G * SwiGLU) is bounded by the rounding of the terms of the right side only, while the
 #: left side sums G_W, which the backward forms through SwiGLU's two branches: the invariants' ulps are
 #: allowed this many times over for that extra rounding.
@@ -71,6 +84,24 @@ class Block:
         h = x + merge(o) @ w_o
         f = swiglu.forward(rmsnorm.forward(h, gamma2, self.eps), w1, w3, w2)
         return (h + f, f) if parts else h + f
+
+    def wrong_forward(self, mistake: str, x, gamma1, w_q, w_k, w_v, w_o, gamma2, w1, w3, w2):
+        """The forward with one of its known mistakes (``FORWARD_MISTAKES``)."""
+        h1 = rmsnorm.forward(x, gamma1, self.eps)
+        q, k, v = self.attention_in(h1, w_q, w_k, w_v)
+        if mistake == "block-rope-on-v":
+            if v.shape[-1] != q.shape[-1]:
+                raise ValueError("d_value differs from d_head")
+            v = rope.forward(v, self.theta, self.layout)
+        if mistake == "block-no-rope":
+            q, k = split(h1 @ w_q, self.heads_q), split(h1 @ w_k, self.heads_kv)
+        visible = np.ones_like(self.visible) if mistake == "block-mask-not-passed" else self.visible
+        o = attention.forward(q, k, v, visible, self.scale, self.kv_map, (), ~visible)
+        attn = merge(o) @ w_o
+        h = attn if mistake == "block-attention-residual-missing-forward" else x + attn
+        f = swiglu.forward(rmsnorm.forward(h, gamma1 if mistake == "block-norm2-gamma1" else gamma2, self.eps),
+                           w1, w3, w2)
+        return f if mistake == "block-ffn-residual-missing-forward" else h + f
 
     def backward(self, x, gamma1, w_q, w_k, w_v, w_o, gamma2, w1, w3, w2, grad_y, faults: Collection[str] = ()):
         h1 = rmsnorm.forward(x, gamma1, self.eps)
@@ -221,6 +252,9 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         invariants=lambda calls, dtype, y: projections.mask_invariants(sc, "x", data, calls.forward, calls.backward,
                                                                         dtype),
         batched=("x", "visible"), structure=_STRUCTURE, shown=projections.SHOWN,
+        forward_mistakes={name: (says, lambda *v, name=name: block.wrong_forward(name, *v[:len(order)]))
+                          for name, says in FORWARD_MISTAKES.items()
+                          if name != "block-mask-not-passed" or not sc.visible.all()},
         alternatives=projections.kv_alternatives(sc, lambda kv: Block(dataclasses.replace(sc, kv_map=kv)).forward(
             *(v.astype(np.float64) for v in data.values()))), mistakes=user_engine.mistakes(FAULTS, MISTAKES)), faults)
 

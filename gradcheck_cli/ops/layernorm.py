@@ -17,7 +17,7 @@ from collections.abc import Collection
 
 import numpy as np
 
-from .. import invariants
+from .. import fingerprints, invariants
 from ..tolerance import INVARIANT_ULPS, machine_epsilon
 from . import dense, user_engine
 from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
@@ -54,6 +54,11 @@ MISTAKES = {
     "layernorm-dgamma-mean": "G_gamma averages over the rows instead of summing",
     **{f"layernorm-backward-eps-{e:g}": f"the backward recomputes s with a hard-coded eps = {e:g}, not the forward's"
        for e in (1e-5, 1e-6)},
+    "layernorm-backward-no-eps": "the backward recomputes s = sqrt(var) without the forward's eps",
+    "layernorm-scale-term-no-xhat": "the scale term drops its xhat factor: g - mean(g) - mean(g xhat), not g - "
+                                    "mean(g) - xhat mean(g xhat)",
+    **{f"layernorm-rstd-{p}": f"the statistic 1 / s (rstd) is saved for the backward in {p}"
+       for p in fingerprints.SAVED_PRECISIONS},
 }
 
 #: Known mistakes of a LayerNorm forward: (what it gets wrong, y of the forward with it), named when a user's
@@ -91,7 +96,11 @@ def backward(x, gamma, beta, eps, grad_y, faults: Collection[str] = ()):
     var = np.mean((x - mu) ** 2, axis=-1, keepdims=True)
     if "layernorm-backward-unbiased-var" in faults:
         var = var * (x.shape[-1] / max(x.shape[-1] - 1, 1))
-    s = np.sqrt(var + np.asarray(_eps(faults, eps, "layernorm-backward-eps-"), dtype=x.dtype))
+    eps = 0.0 if "layernorm-backward-no-eps" in faults else _eps(faults, eps, "layernorm-backward-eps-")
+    s = np.sqrt(var + np.asarray(eps, dtype=x.dtype))
+    saved = next((f[len("layernorm-rstd-"):] for f in faults if f.startswith("layernorm-rstd-")), None)
+    if saved is not None:
+        s = 1.0 / fingerprints.rounded(1.0 / s, saved)
     xhat = (x - mu) / s
     g = grad_y if "layernorm-no-gamma" in faults else grad_y * gamma
     g_x = g
@@ -99,8 +108,8 @@ def backward(x, gamma, beta, eps, grad_y, faults: Collection[str] = ()):
     if "layernorm-mean-term" not in faults and not both:
         g_x = g_x - np.mean(g, axis=-1, keepdims=True)
     if "layernorm-scale-term" not in faults and not both:
-        scale_term = xhat * np.mean(g * (x - mu if "layernorm-scale-term-centred" in faults else xhat), axis=-1,
-                                    keepdims=True)
+        scale_term = (1.0 if "layernorm-scale-term-no-xhat" in faults else xhat) * np.mean(
+            g * (x - mu if "layernorm-scale-term-centred" in faults else xhat), axis=-1, keepdims=True)
         g_x = g_x + scale_term if "layernorm-scale-term-sign" in faults else g_x - scale_term
     if "layernorm-not-divided-by-s" not in faults:
         g_x = g_x / s

@@ -86,13 +86,16 @@ class Layer:
         self.heads_q, self.heads_kv, self.scale = sc.heads_q, sc.heads_kv, sc.scale
         self.cross = sc.p("source") == "cross"
 
-    def forward(self, x, w_q, w_k, w_v, w_o, m=None, faults: Collection[str] = ()):
-        """y [..., B, n_q, d_model]."""
+    def forward(self, x, w_q, w_k, w_v, w_o, m=None, faults: Collection[str] = (), scale=None, visible=None):
+        """y [..., B, n_q, d_model]; ``scale``, ``visible``: others than the scenario's (a forward's known
+        mistakes); the ``head-merge`` fault in ``faults`` splits and merges the heads by a bare reshape."""
         s = m if self.cross else x
-        q = split(x @ w_q, self.heads_q)
-        k, v = split(s @ w_k, self.heads_kv), split(s @ w_v, self.heads_kv)
-        o = attention.forward(q, k, v, self.visible, self.scale, self.kv_map, faults, self.hidden)
-        return merge(o) @ w_o
+        heads = ("head-merge",) if "head-merge" in faults else ()
+        q = split(x @ w_q, self.heads_q, heads)
+        k, v = split(s @ w_k, self.heads_kv, heads), split(s @ w_v, self.heads_kv, heads)
+        shown = self.visible if visible is None else visible
+        o = attention.forward(q, k, v, shown, self.scale if scale is None else scale, self.kv_map, faults, ~shown)
+        return merge(o, heads) @ w_o
 
     def backward(self, x, w_q, w_k, w_v, w_o, grad_y, m=None, faults: Collection[str] = ()) -> dict:
         s = m if self.cross else x
@@ -227,11 +230,41 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
 
     return user_engine.build(sc, user_engine.UserOp(
         inputs=data, args=args, g=g, forward=forward, backward=backward,
-        terms=lambda inputs, a, g: layer.terms(**inputs, grad_y=g),
+        terms=lambda inputs, a, g: layer.terms(**inputs, grad_y=g), forward_mistakes=forward_mistakes(sc, layer, order),
         invariants=checks, batched=("x", "m", "visible"), structure=_STRUCTURE, shown=SHOWN,
         alternatives=kv_alternatives(sc, lambda kv: Layer(dataclasses.replace(sc, kv_map=kv)).forward(
             **{t: v.astype(np.float64) for t, v in data.items()})),
         mistakes=user_engine.mistakes(ALL_FAULTS, MISTAKES)), faults)
+
+
+def forward_mistakes(sc, layer, order) -> dict:
+    """Known mistakes of an attention layer's forward (``UserOp.forward_mistakes``): name -> (what it gets wrong, its
+    forward on the inputs in ``order`` and the args)."""
+    def with_(values, **kw):
+        return layer.forward(**dict(zip(order, values[:len(order)])), **kw)
+
+    def swapped(values):
+        t = dict(zip(order, values[:len(order)]))
+        if t["w_k"].shape != t["w_v"].shape:
+            raise ValueError("W_K and W_V differ in shape")
+        return layer.forward(**{**t, "w_k": t["w_v"], "w_v": t["w_k"]})
+
+    out = {"projections-heads-reshape": ("the heads are split (and merged) by a bare reshape [B, n, H*d] -> [B, H, n, "
+                                         "d], without swapping the head and sequence axes",
+                                         lambda *v: with_(v, faults=("head-merge",))),
+           "projections-kv-weights-swapped": ("K is projected with W_V and V with W_K (the two weights swapped)",
+                                              lambda *v: swapped(v))}
+    if not sc.visible.all():
+        out["projections-mask-not-passed"] = ("the mask is not passed to the attention inside the layer (every key "
+                                              "visible)", lambda *v: with_(v, visible=np.ones_like(sc.visible)))
+    for name, value, said in (("projections-scale-d-head", sc.d_head ** -0.5, "1/sqrt(d_head)"),
+                              ("projections-scale-d-model", sc.p("d_model") ** -0.5, "1/sqrt(d_model)"),
+                              ("projections-no-scale", 1.0, "1 (no scale)")):
+        if abs(value - sc.scale) > 1e-12 * sc.scale:
+            out[name] = (f"the scores are scaled by {said} = {value:.6g}, not by the scenario's scale {sc.scale:.6g} "
+                         "(the scale argument ignored, or the wrong size under the root)",
+                         lambda *v, value=value: with_(v, scale=value))
+    return out
 
 
 def _invariants(sc, layer, data, faults) -> list:

@@ -11,7 +11,7 @@ from collections.abc import Collection
 
 import numpy as np
 
-from .. import invariants
+from .. import fingerprints, invariants
 from ..tolerance import INVARIANT_ULPS, machine_epsilon
 from . import dense, user_engine
 from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
@@ -41,6 +41,8 @@ MISTAKES = {
     "rmsnorm-backward-no-eps": "the backward recomputes r = sqrt(mean(x^2)) without the forward's eps",
     **{f"rmsnorm-backward-eps-{e:g}": f"the backward recomputes r with a hard-coded eps = {e:g}, not the forward's"
        for e in (1e-5, 1e-6)},
+    **{f"rmsnorm-rstd-{p}": f"the statistic 1 / r (rstd) is saved for the backward in {p}"
+       for p in fingerprints.SAVED_PRECISIONS},
 }
 
 #: Known mistakes of an RMSNorm forward: (what it gets wrong, y of the forward with it), named when a user's
@@ -67,6 +69,9 @@ def backward(x, gamma, eps, grad_y, faults: Collection[str] = ()):
     eps = 0.0 if "rmsnorm-backward-no-eps" in faults else next(
         (float(f[len("rmsnorm-backward-eps-"):]) for f in faults if f.startswith("rmsnorm-backward-eps-")), eps)
     r = np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.asarray(eps, dtype=x.dtype))
+    saved = next((f[len("rmsnorm-rstd-"):] for f in faults if f.startswith("rmsnorm-rstd-")), None)
+    if saved is not None:
+        r = 1.0 / fingerprints.rounded(1.0 / r, saved)
     g = grad_y if "rmsnorm-no-gamma" in faults else grad_y * gamma
     g_x = g / r
     if "rmsnorm-feedback" not in faults:

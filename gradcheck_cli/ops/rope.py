@@ -108,6 +108,18 @@ def rotate_cs(x, cos, sin, layout: str, sign: float = 1.0):
     return out
 
 
+def _concatenated(x, cos, sin, layout: str):
+    """The rotation with its pairs written back as [first of each pair..., second of each pair...] (a known mistake:
+    the same as the rotation in the half layout)."""
+    if layout != "interleaved":
+        raise ValueError("the half layout is written back concatenated already")
+    first, second = _pairs(2 * cos.shape[-1], layout)
+    rotated = rotate_cs(x, cos, sin, layout)
+    out = x.copy()
+    out[..., :2 * cos.shape[-1]] = np.concatenate([rotated[..., first], rotated[..., second]], axis=-1)
+    return out
+
+
 def forward(x, theta, layout):
     return rotate(x, theta, layout, +1.0)
 
@@ -191,13 +203,28 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
     def backward_cs(x, cos, sin, grad_y, faults=()):
         return (_backward_cs(grad_y, cos, sin, layout, faults),)
 
+    zero = angles(sc.p("n"), sc.p("rotary_dim") or sc.p("d_head"), sc.p("base"))
+    forward_mistakes = {
+        "rope-opposite-angle": ("the forward rotates by the opposite angle (rotate_half written cat(x2, -x1), or sin "
+                                "with the wrong sign)", lambda x, cos, sin: rotate_cs(x, cos, sin, layout, -1.0)),
+        "rope-forward-other-pairing": (f"the forward pairs the features the other way ({_OTHER[layout]}) from the "
+                                       f"scenario's layout {layout}: set layout: {_OTHER[layout]} if that is your "
+                                       "model's", lambda x, cos, sin: rotate_cs(x, cos, sin, _OTHER[layout])),
+        "rope-written-concatenated": ("the rotated pairs are written back concatenated [firsts, seconds] instead of "
+                                      "in the layout they were read from (interleaved)",
+                                      lambda x, cos, sin: _concatenated(x, cos, sin, layout)),
+    }
+    if sc.p("position_offset"):
+        forward_mistakes["rope-positions-from-zero"] = (
+            f"the forward's angles are those of positions 0 .. n-1: the position offset ({sc.p('position_offset')}, "
+            "a KV cache's length) lost", lambda x, cos, sin: rotate_cs(x, np.cos(zero), np.sin(zero), layout))
     return user_engine.build(sc, user_engine.UserOp(
         inputs=data, args=args, g=g, forward=lambda x, cos, sin: rotate_cs(x, cos, sin, layout), backward=backward_cs,
         terms=lambda inputs, a, g: {"o": _rotation_terms(inputs["x"], a["cos"], a["sin"], layout),
                                     "x": _rotation_terms(g, a["cos"], a["sin"], layout)},
         invariants=lambda calls, dtype, y: pair_norm_checks(data["x"], y, theta, layout, g, calls()["x"],
                                                              precision=dtype),
-        batched=("x",), rounding=_rounding, structure=_STRUCTURE,
+        batched=("x",), rounding=_rounding, structure=_STRUCTURE, forward_mistakes=forward_mistakes,
         mistakes=user_engine.mistakes(FAULTS, MISTAKES)), faults)
 
 

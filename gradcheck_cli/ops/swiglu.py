@@ -49,6 +49,31 @@ MISTAKES = {
 }
 
 
+def _gelu_tanh(a):
+    return 0.5 * a * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (a + 0.044715 * a ** 3)))
+
+
+def _gelu_erf(a):
+    from math import erf
+    return 0.5 * a * (1.0 + np.vectorize(erf)(a / np.sqrt(2.0)))
+
+
+#: Known mistakes of a SwiGLU forward: (what it gets wrong, y of the forward with it), named when a user's forward
+#: fails against the reference and equals one (``UserOp.forward_mistakes``).
+FORWARD_MISTAKES = {
+    "swiglu-gate-up-swapped": ("the gate and up projections are swapped: SiLU(x W_3) * (x W_1) (w1 and w3 mixed up "
+                               "when loading or in the call)",
+                               lambda x, w1, w3, w2: (silu(x @ w3) * (x @ w1)) @ w2),
+    "swiglu-gelu-tanh": ("the gate uses GELU (tanh approximation) where SwiGLU's is SiLU (GeGLU written)",
+                         lambda x, w1, w3, w2: (_gelu_tanh(x @ w1) * (x @ w3)) @ w2),
+    "swiglu-gelu-erf": ("the gate uses GELU (erf) where SwiGLU's is SiLU (GeGLU written)",
+                        lambda x, w1, w3, w2: (_gelu_erf(x @ w1) * (x @ w3)) @ w2),
+    "swiglu-sigmoid-gate": ("the gate is sigmoid(x W_1), not SiLU(x W_1) = x W_1 sigmoid(x W_1) (GLU written)",
+                            lambda x, w1, w3, w2: (_sigmoid(x @ w1) * (x @ w3)) @ w2),
+    "swiglu-no-up": ("the up branch is missing: SiLU(x W_1) W_2", lambda x, w1, w3, w2: silu(x @ w1) @ w2),
+}
+
+
 def _sigmoid(a):
     return 0.5 * (1.0 + np.tanh(0.5 * a))  # no overflow for large |a|
 
@@ -182,7 +207,8 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
     return user_engine.build(sc, user_engine.UserOp(
         inputs={t: data[t] for t in order}, args={}, g=g, forward=forward, backward=backward_tuple,
         terms=lambda inputs, args, g: _terms(*inputs.values(), g), invariants=checks, batched=("x",),
-        structure=_STRUCTURE, mistakes=user_engine.mistakes(FAULTS, MISTAKES)), faults)
+        structure=_STRUCTURE, forward_mistakes=FORWARD_MISTAKES, mistakes=user_engine.mistakes(FAULTS, MISTAKES)),
+        faults)
 
 
 #: What a user's implementation provides (``implementation:``).

@@ -41,6 +41,10 @@ MISTAKES = {
     "infonce-tau-times": "the similarities' gradient multiplied by tau where z = s / tau divides by it (G_s = G_z "
                          "tau)",
     "infonce-dtau-one-tau": "G_tau = -sum(G_z s) / tau: d(s / tau) / d tau = -s / tau^2 taken with one tau",
+    "infonce-dtau-tau-cubed": "G_tau = -sum(G_z s) / tau^3: divided by tau once too often (-sum(G_z z) / tau^2 with "
+                              "z = s / tau already divided)",
+    "infonce-positive-own-query-only": "in-batch: each positive's gradient comes from its own query alone (G_s[j, j] "
+                                       "q_j), not also from every other query it is a negative for",
     "infonce-dtau-sign": "G_tau = +sum(G_z s) / tau^2: the sign of d(s / tau) / d tau lost",
     "infonce-cosine-no-projection": "cosine similarity: d(x / |x|) taken as 1 / |x|, without the projection "
                                     "-u (u . g) / |x| that removes the gradient along x (the norm treated as a "

@@ -83,6 +83,10 @@ def backward(q, p, n, tau, grad_l, similarity: str, in_batch: bool, faults: Coll
     out = {"q": g_q}
     if in_batch:
         out["p"] = g_c[:batch]
+        if "infonce-positive-own-query-only" in faults:
+            if similarity == "cosine":
+                raise ValueError("the own-query mistake is written for dot similarity")
+            out["p"] = np.diagonal(g_s[..., :batch], axis1=-2, axis2=-1)[..., None] * q
         if n is not None:
             out["n"] = g_c[batch:].reshape(n.shape) if "infonce-negatives-order" not in faults else np.swapaxes(
                 g_c[batch:].reshape(n.shape[1], n.shape[0], n.shape[2]), 0, 1)
@@ -92,7 +96,8 @@ def backward(q, p, n, tau, grad_l, similarity: str, in_batch: bool, faults: Coll
             out["n"] = g_c[:, 1:]
     g_zt = (a - onehot) if "infonce-dtau-no-upstream" in faults else g_z
     out["tau"] = np.asarray((1.0 if "infonce-dtau-sign" in faults else -1.0) * np.sum(g_zt * s)
-                            / (tau if "infonce-dtau-one-tau" in faults else tau**2),
+                            / (tau if "infonce-dtau-one-tau" in faults else (
+                                tau**3 if "infonce-dtau-tau-cubed" in faults else tau**2)),
                             dtype=q.dtype)
     out["z"] = g_z
     return out

@@ -9,7 +9,7 @@ import numpy as np
 from ... import implementation, invariants
 from ...tolerance import INVARIANT_ULPS, machine_epsilon
 from .. import user_engine
-from .formulas import _terms, backward, forward
+from .formulas import _terms, backward, forward, similarities
 from .inputs import _STRUCTURE, _inputs
 
 #: The user's implementation's check of the logit gradients' sum, seen from outside (``build_user``).
@@ -155,8 +155,22 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
     def checks(gradients, dtype, y):
         return _black_box_invariants(data, gradients(), terms(data, args, g), float(tau), sim, in_batch, dtype)
 
+    def negatives_first(*values):
+        x = named(values)
+        if not in_batch or x["n"] is None:
+            raise ValueError("no in-batch hard negatives")
+        z = similarities(x["q"], x["p"], x["n"], sim, in_batch) / x["tau"]
+        batch = x["q"].shape[-2]
+        z = np.concatenate([z[..., batch:], z[..., :batch]], axis=-1)  # [negatives, positives]
+        top = z.max(axis=-1)
+        return top + np.log(np.exp(z - top[..., None]).sum(axis=-1)) - z[..., np.arange(batch), np.arange(batch)]
+
+    forward_mistakes = {"infonce-labels-misplaced": (
+        "the candidates are [hard negatives, positives] while the labels stay arange(B): the loss takes a hard "
+        "negative's logit as each query's positive", negatives_first)}
     problem = user_engine.build(sc, user_engine.UserOp(
         inputs=data, args=args, g=g, forward=fwd, backward=bwd, terms=terms, invariants=checks,
+        forward_mistakes=forward_mistakes,
         batched=() if in_batch else tuple(t for t in ("q", "p", "n") if t in data), structure=_STRUCTURE,
         adapt=_adapt(engine_order, checked), mistakes=mistakes or {}), faults)
     if "tau" in data:
