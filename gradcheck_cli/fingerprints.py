@@ -119,21 +119,6 @@ def one_batch_element(order: tuple[str, ...], batched: tuple[str, ...], values: 
                                         "= where += belongs, in a loop over the batch)", lambda: sliced(size - 1))]
 
 
-def rounded(x: np.ndarray, dtype: str) -> np.ndarray:
-    """``x`` (float64) rounded to ``dtype`` (float32, float16 or bfloat16: round to nearest even) and back: a
-    statistic saved in a lower precision (known mistakes of norms and attention's saved LSE)."""
-    x = np.asarray(x, dtype=np.float64)
-    if dtype != "bfloat16":
-        return x.astype(dtype).astype(np.float64)
-    bits = x.astype(np.float32).view(np.uint32)
-    bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-    return bits.view(np.float32).astype(np.float64)
-
-
-#: The precisions a statistic may be saved in by mistake (``rounded``).
-SAVED_PRECISIONS = ("float32", "bfloat16", "float16")
-
-
 #: A fitted factor c this close to 1 is no factor (the finite differences' noise).
 NOT_A_FACTOR = 1e-9
 #: Two factors are one within this relative difference.

@@ -315,3 +315,18 @@ def unit_direction(seed: int, index: int, shape: tuple[int, ...]) -> np.ndarray:
     """Random unit vector number ``index`` (Frobenius norm 1) of the given shape, float64."""
     u = np.random.default_rng([seed, index]).standard_normal(tuple(shape))
     return u / np.sqrt(np.sum(u * u))
+
+
+def rounded(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x`` (float64) rounded to ``dtype`` (float32, float16 or bfloat16: round to nearest even) and back: a
+    statistic saved in a lower precision (known mistakes of norms and attention's saved LSE)."""
+    x = np.asarray(x, dtype=np.float64)
+    if dtype != "bfloat16":
+        return x.astype(dtype).astype(np.float64)
+    bits = x.astype(np.float32).view(np.uint32)
+    bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return bits.view(np.float32).astype(np.float64)
+
+
+#: The precisions a statistic may be saved in by mistake (``rounded``).
+SAVED_PRECISIONS = ("float32", "bfloat16", "float16")

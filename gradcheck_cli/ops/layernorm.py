@@ -17,7 +17,7 @@ from collections.abc import Collection
 
 import numpy as np
 
-from .. import fingerprints, invariants
+from .. import invariants, numeric
 from ..tolerance import INVARIANT_ULPS, machine_epsilon
 from . import dense, user_engine
 from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
@@ -58,7 +58,7 @@ MISTAKES = {
     "layernorm-scale-term-no-xhat": "the scale term drops its xhat factor: g - mean(g) - mean(g xhat), not g - "
                                     "mean(g) - xhat mean(g xhat)",
     **{f"layernorm-rstd-{p}": f"the statistic 1 / s (rstd) is saved for the backward in {p}"
-       for p in fingerprints.SAVED_PRECISIONS},
+       for p in numeric.SAVED_PRECISIONS},
 }
 
 #: Known mistakes of a LayerNorm forward: (what it gets wrong, y of the forward with it), named when a user's
@@ -100,7 +100,7 @@ def backward(x, gamma, beta, eps, grad_y, faults: Collection[str] = ()):
     s = np.sqrt(var + np.asarray(eps, dtype=x.dtype))
     saved = next((f[len("layernorm-rstd-"):] for f in faults if f.startswith("layernorm-rstd-")), None)
     if saved is not None:
-        s = 1.0 / fingerprints.rounded(1.0 / s, saved)
+        s = 1.0 / numeric.rounded(1.0 / s, saved)
     xhat = (x - mu) / s
     g = grad_y if "layernorm-no-gamma" in faults else grad_y * gamma
     g_x = g

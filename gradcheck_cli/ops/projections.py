@@ -86,11 +86,12 @@ class Layer:
         self.heads_q, self.heads_kv, self.scale = sc.heads_q, sc.heads_kv, sc.scale
         self.cross = sc.p("source") == "cross"
 
-    def forward(self, x, w_q, w_k, w_v, w_o, m=None, faults: Collection[str] = (), scale=None, visible=None):
-        """y [..., B, n_q, d_model]; ``scale``, ``visible``: others than the scenario's (a forward's known
-        mistakes); the ``head-merge`` fault in ``faults`` splits and merges the heads by a bare reshape."""
+    def forward(self, x, w_q, w_k, w_v, w_o, m=None, faults: Collection[str] = (), scale=None, visible=None,
+                reshape: bool = False):
+        """y [..., B, n_q, d_model]; ``scale``, ``visible``: others than the scenario's, ``reshape``: the heads split
+        and merged by a bare reshape (a forward's known mistakes)."""
         s = m if self.cross else x
-        heads = ("head-merge",) if "head-merge" in faults else ()
+        heads = ("head-merge",) if reshape else ()
         q = split(x @ w_q, self.heads_q, heads)
         k, v = split(s @ w_k, self.heads_kv, heads), split(s @ w_v, self.heads_kv, heads)
         shown = self.visible if visible is None else visible
@@ -251,7 +252,7 @@ def forward_mistakes(sc, layer, order) -> dict:
 
     out = {"projections-heads-reshape": ("the heads are split (and merged) by a bare reshape [B, n, H*d] -> [B, H, n, "
                                          "d], without swapping the head and sequence axes",
-                                         lambda *v: with_(v, faults=("head-merge",))),
+                                         lambda *v: with_(v, reshape=True)),
            "projections-kv-weights-swapped": ("K is projected with W_V and V with W_K (the two weights swapped)",
                                               lambda *v: swapped(v))}
     if not sc.visible.all():

@@ -11,7 +11,7 @@ from collections.abc import Collection
 
 import numpy as np
 
-from .. import fingerprints, invariants
+from .. import invariants, numeric
 from ..tolerance import INVARIANT_ULPS, machine_epsilon
 from . import dense, user_engine
 from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
@@ -42,7 +42,7 @@ MISTAKES = {
     **{f"rmsnorm-backward-eps-{e:g}": f"the backward recomputes r with a hard-coded eps = {e:g}, not the forward's"
        for e in (1e-5, 1e-6)},
     **{f"rmsnorm-rstd-{p}": f"the statistic 1 / r (rstd) is saved for the backward in {p}"
-       for p in fingerprints.SAVED_PRECISIONS},
+       for p in numeric.SAVED_PRECISIONS},
 }
 
 #: Known mistakes of an RMSNorm forward: (what it gets wrong, y of the forward with it), named when a user's
@@ -71,7 +71,7 @@ def backward(x, gamma, eps, grad_y, faults: Collection[str] = ()):
     r = np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.asarray(eps, dtype=x.dtype))
     saved = next((f[len("rmsnorm-rstd-"):] for f in faults if f.startswith("rmsnorm-rstd-")), None)
     if saved is not None:
-        r = 1.0 / fingerprints.rounded(1.0 / r, saved)
+        r = 1.0 / numeric.rounded(1.0 / r, saved)
     g = grad_y if "rmsnorm-no-gamma" in faults else grad_y * gamma
     g_x = g / r
     if "rmsnorm-feedback" not in faults:

@@ -12,6 +12,7 @@ from helpers import make
 PHRASES = {
     "precision": "computes internally in about float32",
     "forward-mask": "the forward lets hidden keys reach O",
+    "window-off-by-one": "`mask-forward-window-left+1`",
     "causal-alignment": "causal mask aligned upper-left",
     "kv-layout": "maps query heads to KV heads interleaved",
     "batch-mixing": "mixes batch elements",
@@ -74,7 +75,7 @@ TABLE = [
     ("float32_internal_correct", CACHE, "float64", "precision"),
     # written by an independent review (tests/buggy_attention_more.py)
     ("more:drop_mask_convention", PADDED, "float64", "mask-convention"),
-    ("more:window_one_too_wide", WINDOW, "float64", "forward-mask"),
+    ("more:window_one_too_wide", WINDOW, "float64", "window-off-by-one"),  # named by its fingerprint
     ("more:causal_offset_swapped", CACHE_6x10, "float64", "forward-mask"),
     ("more:tiled_local_mask_index", SQUARE_12, "float64", "forward-mask"),
     ("more:multiplicative_mask", GQA, "float64", "forward-mask"),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ... import numeric
 from ..registry import Fault
 from . import stages as score_stages
 
@@ -236,6 +237,11 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     k_rep, v_rep = repeat_kv(k, kv_map), repeat_kv(v, kv_map)
     a = attention_weights(q, k, visible, scale, kv_map, (*faults, "mask") if "mask-backward" in faults else faults,
                           stages, rows)
+    saved = next((f[len("lse-saved-"):] for f in faults if f.startswith("lse-saved-")), None)
+    a_row = a  # the weights of the row term D_i = rowsum(A G_A) = rowsum(G_O O), a kernel's from O
+    if saved is not None:  # a known mistake (hints.known): A rebuilt from an LSE saved in a lower precision
+        lse = log_sum_exp(q, k, visible, scale, kv_map, stages=stages, rows=rows)
+        a = a * np.exp(lse - numeric.rounded(lse, saved))[..., None]
     drop = score_stages.post(stages) if stages else None
     if drop is None:
         g_v = np.swapaxes(a, -1, -2) @ grad_o
@@ -253,7 +259,7 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     if "softmax-term" in faults:
         g_s = a_s * g_a
     else:
-        g_s = a_s * (g_a - (a * g_a).sum(axis=-1, keepdims=True))
+        g_s = a_s * (g_a - (a_row * g_a).sum(axis=-1, keepdims=True))
     if grad_lse is not None and "lse-grad-ignored" not in faults:  # dLSE_i / dS_ij = A_ij
         # known mistakes (hints.known): G_L added without A, to the visible scores or to every one
         weight = {"lse-grad-no-weights": a > 0, "lse-grad-no-weights-all": 1.0}

@@ -85,10 +85,21 @@ def _factor_hints(sc, factors: dict, against: dict) -> list[str]:
                        "difference taken the other way round, or a distance whose sign was lost)")
         else:
             alone = " alone" if len(ts) == 1 else ""
-            out.append(f"{grads} {each} {c:.6g} x {seen} everywhere: a constant factor on "
+            out.append(f"{grads} {each} {c:.6g} x {seen} everywhere{_what_factor(sc, c)}: a constant factor on "
                        f"d{' and d'.join(names)}{alone} (a scale applied once too often or too rarely, a wrong "
                        "divisor, or an averaged instead of summed reduction)")
     return out
+
+
+def _what_factor(sc, c: float) -> str:
+    """What a factor c on one or more gradients is: the scale (or 1/scale), else among attention's sizes."""
+    for value, said in ((sc.scale, f"the scale {sc.scale:.6g}: applied once too often"),
+                        (1 / sc.scale, f"1/scale: the scale {sc.scale:.6g} missing")):
+        if abs(sc.scale - 1) > fingerprints.SIZE_FACTOR and abs(c - value) <= fingerprints.SIZE_FACTOR * abs(value):
+            return f" (it is {said})"
+    return fingerprints.sized(c, {"batch elements": sc.batch, "query heads": sc.heads_q, "KV heads": sc.heads_kv,
+                                  "query rows (n_q)": sc.n_q, "key rows (n_k)": sc.n_k, "head features (d_head)":
+                                  sc.d_head, "query heads of a KV group": sc.heads_q // sc.heads_kv})
 
 
 def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure], Callable]:
@@ -163,10 +174,16 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                                      context.reference(), context.output)
         alternative = convention or (_alternative(sc, context, kv_map) if context is not None and forward_wrong
                                      else None)
+        # a forward's known mistake, named before what it breaks (hidden keys reaching O through the normaliser,
+        # documents seeing each other across a misplaced boundary)
+        named_forward = known.forward_named(sc, context, kv_map) if (
+            context is not None and forward_wrong and alternative is None) else None
         leak = [name for name in ("attention is 0 off the visible set", "hidden K/V rows do not change O")
                 if name in broken]
         documents = next((c.facts["leaks"] for c in checks if c.name == "documents do not see each other"
                           and c.verdict == "fail" and c.facts.get("leaks")), None)
+        if named_forward:  # said after what it breaks (documents seeing each other, hidden keys reaching O)
+            alternative = named_forward
         if documents:  # a packed batch: say which documents see which (varlen)
             pairs = "; ".join(f"document {d}'s keys reach document {e}'s queries" for d, e in documents[:3])
             out.append(f"the forward lets the documents of the packed batch see each other ({pairs}): keep each "
@@ -190,8 +207,10 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                        + (", while finite differences agree with the backward"
                           if verdicts and all(v == "pass" for v in verdicts.values()) else "")
                        + ": apply the visible set in the forward (hidden keys get weight exactly 0)")
-        elif alternative is not None:
+        elif alternative is not None and alternative != named_forward:
             out.append(alternative)
+        if named_forward:
+            out.append(named_forward)
         mixing = _mixing(sc, context, checks) if context is not None else None
         if mixing:
             out.append(mixing)

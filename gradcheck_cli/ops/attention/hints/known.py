@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .... import fingerprints, masks
+from .... import fingerprints, masks, numeric
 from ...convention import default_kv_map, interleaved_kv_map
 from .. import lse as lse_output
 from .. import stages as score_stages
@@ -45,9 +45,20 @@ def candidates(sc, context, kv_map) -> tuple[list, dict]:
                                           lambda: computed(("lse-grad-ignored",))))
         out += [fingerprints.Candidate(name, says, lambda name=name: computed((name,)))
                 for name, says in LSE_MISTAKES.items()]
+    # a kernel saves its log-sum-exp for the backward whether or not it returns it
+    out += [fingerprints.Candidate(f"lse-saved-{p}", f"the log-sum-exp is saved for the backward in {p}: A = exp(S - "
+                                   "LSE) rebuilt from it", lambda p=p: computed((f"lse-saved-{p}",)))
+            for p in numeric.SAVED_PRECISIONS]
     if score_stages.post(args.stages) is not None:
         out.append(fingerprints.Candidate("dropout-dp-unmasked", DROPOUT_DP_UNMASKED,
                                           lambda: computed(("dropout-dp-unmasked",))))
+    right = computed()
+    if "bias" in right and right["bias"].shape[-3] > 1:
+        out.append(fingerprints.Candidate(
+            "bias-grad-summed-over-heads", "bias: the per-head bias's gradient is summed over the heads too (every "
+            "head gets the sum)", lambda: {**right, "bias": np.broadcast_to(
+                right["bias"].sum(axis=-3, keepdims=True), right["bias"].shape)}))
+    out += _skipped_blocks(sc, args, x, g, grad_lse, right)
     out += _mistakes(sc, args, x, g, grad_lse, computed)
     for name, fault in score_stages.FAULTS.items():
         if fault.forward:
@@ -60,7 +71,41 @@ def candidates(sc, context, kv_map) -> tuple[list, dict]:
         for name, (says, wrong) in score_stages.MISTAKES.get(st.name, {}).items():
             out.append(fingerprints.Candidate(name, says, lambda i=i, wrong=wrong, st=st: computed(
                 stages=args.stages[:i] + (wrong(st),) + args.stages[i + 1:])))
-    return out, computed()
+    return out, right
+
+
+def _skipped_blocks(sc, args, x, g, grad_lse, right) -> list:
+    """Candidates of a backward whose loops skip rows or keys (plain attention): the tail block of the keys or of the
+    queries (a loop range(0, n - B + 1, B)), or the last document of a packed batch."""
+    if args.stages:
+        return []
+    grads = backward(*x, grad_o=g, grad_lse=grad_lse, **args.kw)
+    k_rep = repeat_kv(x[1], args.kv_map)
+
+    def kept(keep_q, keep_k):
+        keep = keep_q[:, None] & keep_k[None, :]
+        g_s = grads.s * keep
+        return {**right, "q": g_s @ k_rep * args.scale,
+                "k": sum_groups(np.swapaxes(g_s, -1, -2) @ x[0] * args.scale, args.kv_map, x[1].shape[-3]),
+                "v": sum_groups(np.swapaxes(grads.a * keep, -1, -2) @ g, args.kv_map, x[2].shape[-3])}
+
+    every_q, every_k = np.ones(sc.n_q, dtype=bool), np.ones(sc.n_k, dtype=bool)
+    out = []
+    for n, axis in ((sc.n_k, "key"), (sc.n_q, "query")):
+        for cut in sorted({n // b * b for b in (2, 4, 8, 16, 32, 64, 128) if 0 < n // b * b < n}):
+            keep = np.arange(n) < cut
+            out.append(fingerprints.Candidate(
+                f"backward-skips-{axis}-tail-{cut}", f"the backward's loop over {axis} blocks skips the tail: "
+                f"{axis}s {cut}..{n - 1} left out (a loop range(0, n - B + 1, B), or n // B blocks, with n = {n} not a "
+                "multiple of the block size B)",
+                lambda keep=keep, axis=axis: kept(keep, every_k) if axis == "query" else kept(every_q, keep)))
+    if sc.documents is not None and len(sc.documents.pair[0]) > 1:
+        lens_q, lens_k = sc.documents.pair
+        keep_q, keep_k = np.arange(sc.n_q) < sum(lens_q[:-1]), np.arange(sc.n_k) < sum(lens_k[:-1])
+        out.append(fingerprints.Candidate("backward-skips-last-document", "the backward's loop over the packed "
+                                          "documents skips the last one (range(n_docs - 1)): its rows and keys get no "
+                                          "gradient", lambda: kept(keep_q, keep_k)))
+    return out
 
 
 #: Known mistakes of the LSE output's gradient (``formulas.backward`` computes each on request).
@@ -74,9 +119,10 @@ DROPOUT_DP_UNMASKED = ("dropout: dP = dO V^T without the keep mask and its 1/(1 
                        "backward's dP forgets it)")
 
 
-def _mask_variants(sc) -> list[tuple[str, str, np.ndarray]]:
-    """(name, what it gets wrong, the visible set) of a backward whose mask loses one of its parts, or whose window
-    is off by one, where the scenario's mask is built from its keys (and every query row still sees a key)."""
+def _mask_variants(sc, which: str = "backward") -> list[tuple[str, str, np.ndarray]]:
+    """(name, what it gets wrong, the visible set) of a ``which`` pass ("backward" or "forward") whose mask loses one
+    of its parts, whose window is off by one, or whose packed documents' boundaries are off by one, where the
+    scenario's mask is built from its keys (and every query row still sees a key)."""
     if sc.visible_source is not None or sc.visible.all():
         return []
     docs = None if sc.documents is None else sc.documents.pair
@@ -88,30 +134,108 @@ def _mask_variants(sc) -> list[tuple[str, str, np.ndarray]]:
     out = []
     parts = sum(x is not None for x in (sc.window, sc.key_lengths, docs)) + (sc.causal != "none")
     if sc.key_lengths is not None and parts > 1:
-        out.append(("mask-backward-no-padding", "the backward's mask drops the key padding (key_lengths): it keeps "
+        out.append((f"mask-{which}-no-padding", f"the {which}'s mask drops the key padding (key_lengths): it keeps "
                                                 "the causal or window part alone", visible(key_lengths=None)))
     if sc.window is not None and parts > 1:
-        out.append(("mask-backward-no-window", "the backward's mask drops the sliding window", visible(window=None)))
+        out.append((f"mask-{which}-no-window", f"the {which}'s mask drops the sliding window", visible(window=None)))
     if sc.causal != "none" and parts > 1:
-        out.append(("mask-backward-no-causal", "the backward's mask drops the causal part (padding or window kept)",
+        out.append((f"mask-{which}-no-causal", f"the {which}'s mask drops the causal part (padding or window kept)",
                     visible(causal="none")))
     if docs is not None:
-        out.append(("mask-backward-no-documents", "the backward lets the documents of the packed batch see each "
-                                                  "other (cu_seqlens not applied in the backward)",
+        out.append((f"mask-{which}-no-documents", f"the {which} lets the documents of the packed batch see each "
+                                                  f"other (cu_seqlens not applied in the {which})",
                     visible(documents=None)))
+        for step in (-1, 1):  # every boundary moved by one (searchsorted's side, an off-by-one in cu_seqlens)
+            moved = tuple(tuple(n + (step if d == 0 else (-step if d == len(ns) - 1 else 0)) for d, n in enumerate(ns))
+                          for ns in docs)
+            if len(docs[0]) > 1 and all(n >= 1 for ns in moved for n in ns):
+                early = "one token early" if step < 0 else "one token late"
+                out.append((f"mask-{which}-documents{step:+d}", f"the {which}'s document boundaries are off by one "
+                                                                f"({early}: cu_seqlens or searchsorted's side)",
+                            visible(documents=moved)))
     if sc.window is not None:
         left, right = sc.window
-        for side, (lo, hi) in (("left", (left, right)), ("right", (left, right))):
+        for side in ("left", "right"):
             for step in (-1, 1):
-                moved = (lo + step, hi) if side == "left" and lo is not None else (
-                    (lo, hi + step) if side == "right" and hi is not None else None)
+                moved = (left + step, right) if side == "left" and left is not None else (
+                    (left, right + step) if side == "right" and right is not None else None)
                 if moved is None or min(m for m in moved if m is not None) < 0:
                     continue
-                out.append((f"mask-backward-window-{side}{step:+d}",
-                            f"the backward's sliding window is off by one: {list(moved)} where the forward's is "
+                out.append((f"mask-{which}-window-{side}{step:+d}",
+                            f"the {which}'s sliding window is off by one: {list(moved)} where the scenario's is "
                             f"{list(sc.window)} (its {side} edge, < where <= belongs or the reverse)",
                             visible(window=moved)))
     return [(n, says, v) for n, says, v in out if v.any(axis=-1).all() and (v != sc.visible).any()]
+
+
+def forward_named(sc, context, kv_map) -> str | None:
+    """What the implementation's forward computes instead, when its O is exactly attention with one of the forward's
+    known mistakes: a stage's (``Registration.forward_mistakes``), a stage left out, a mask part lost or off by one,
+    the mask applied after the softmax without renormalising, a sink's exp not shifted by the row max."""
+    from .context import _matches
+    ref = context.reference()
+    stages = tuple(context.stages)
+    found = []
+    for name, says, output in _forward_candidates(sc, context, kv_map, stages):
+        try:
+            other = output()
+        except (ValueError, ArithmeticError):
+            continue
+        if other is not None and other.shape == context.output.shape and _matches(context.output, other, ref):
+            found.append(f"{says} (`{name}`)")
+    if not found:
+        return None
+    if len(found) == 1:
+        return f"the forward has a known mistake: {found[0]}; its O equals that forward's"
+    return f"the forward has one of these known mistakes (they give the same O here): {'; or '.join(found)}"
+
+
+def _forward_candidates(sc, context, kv_map, stages) -> list:
+    out = []
+    by_key = {r.key: r for r in score_stages.REGISTERED}
+    for i, st in enumerate(stages):
+        reg = by_key.get(st.name)
+        for name, (says, make) in (reg.forward_mistakes.items() if reg else ()):
+            wrong = make(st, sc)
+            if wrong is not None:
+                out.append((name, says, lambda i=i, wrong=wrong: context.reference(
+                    stages=stages[:i] + (wrong,) + stages[i + 1:])))
+        if st.name not in ("sinks", "dropout"):
+            stage = st.name.replace("_", " ")
+            out.append((f"{st.name.replace('_', '-')}-left-out", f"the forward leaves out the {stage} stage (its "
+                        "scores never get it)",
+                        lambda i=i: context.reference(stages=stages[:i] + stages[i + 1:])))
+    out += [(name, says, lambda v=v: context.reference(visible=v)) for name, says, v in _mask_variants(sc, "forward")]
+    x = [np.asarray(context.inputs[t], dtype=np.float64) for t in "qkv"]
+    plain = all(st.name not in ("sinks", "dropout") for st in stages)
+    drop = next((st for st in stages if st.name == "dropout"), None)
+    if drop is not None:
+        rest = tuple(st for st in stages if st.name != "dropout")
+        def kept_only(rescale):
+            return context.reference(visible=sc.visible & np.broadcast_to(drop.keep, sc.visible.shape),
+                                     stages=rest) * rescale
+        for name, rescale, how in (("dropout-as-mask", 1.0, ""), ("dropout-as-mask-rescaled", 1 / (1 - drop.p),
+                                                                 ", then divided by 1 - p")):
+            out.append((name, f"dropout: the dropped entries are masked to -inf before the softmax (the row "
+                              f"renormalised over the kept keys{how}), not zeroed after it",
+                        lambda rescale=rescale: kept_only(rescale)))
+    if plain and not sc.visible.all():
+        def unrenormalised():
+            a = attention_weights(x[0], x[1], None, sc.scale, np.asarray(kv_map), stages=stages)
+            return (a * sc.visible) @ repeat_kv(x[2], np.asarray(kv_map))
+        out.append(("mask-after-softmax", "the mask is applied after the softmax (weights of hidden keys zeroed) "
+                                          "without renormalising each row", unrenormalised))
+    sinks = next((st for st in stages if st.name == "sinks"), None)
+    if sinks is not None and all(st.name != "dropout" for st in stages):
+        def unshifted():
+            rest = tuple(st for st in stages if st.name != "sinks")
+            e, l = _exp_scores(x[0], x[1], sc.scale, np.asarray(kv_map), sc.visible, stages=rest)
+            sink = np.asarray(score_stages.sink_logits(stages), dtype=np.float64)
+            return (e @ repeat_kv(x[2], np.asarray(kv_map))) / (l + np.exp(sink))
+        out.append(("sinks-unshifted", "sinks: the sink's exp(s_h) joins the normaliser without the row max's shift "
+                                       "(exp(s_h), where the other terms are exp(S - m): exp(s_h - m) belongs)",
+                    unshifted))
+    return out
 
 
 def _mistakes(sc, args, x, g, grad_lse, computed) -> list:

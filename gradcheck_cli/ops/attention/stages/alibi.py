@@ -209,6 +209,17 @@ def _applies(sc, fault: str) -> str | None:
 _SLOPE_CAUGHT = ("gradient alibi_slopes", "backward agrees with the reference")
 _ADDED = "adds to the implementation's gradients the change this bug makes to the float64 reference's"
 
+#: Known mistakes of ALiBi's forward: name -> (what it gets wrong, (stage, scenario) -> the wrong stage or None).
+FORWARD_MISTAKES = {
+    "alibi-slopes-exponent-off-by-one": ("ALiBi: the slopes are 2^(-8 h / H) for h = 0 .. H-1, not 2^(-8 (h + 1) / H) "
+                                         "(the exponent off by one)",
+                                         lambda st, sc: st._same(np.asarray(st.slopes) * 2.0 ** (8.0 / sc.heads_q))),
+    "alibi-no-offset": ("ALiBi: the distance is taken without the query offset n_k - n_q (queries aligned with the "
+                        "first keys, not the last)",
+                        lambda st, sc: st._same(st.slopes, offset=False) if st.offset and st.n_q != st.n_k else None),
+}
+
+
 REGISTRATION = Registration(
     key=KEY,
     param=Param("mapping", None, "ALiBi: the scores get m_h d(i, j), slopes m per query head (geometric: the "
@@ -252,4 +263,5 @@ REGISTRATION = Registration(
     validate=validate,
     passes="alibi_slopes= [Hq] (with grad: true a NumPy backward returns their gradient last), and "
            "alibi_form=column for the column form",
+    forward_mistakes=FORWARD_MISTAKES,
 )

@@ -122,6 +122,9 @@ class Registration:
     #: known mistakes of the stage's backward (no CLI switch): name -> (what it gets wrong, stage -> the wrong stage
     #: the backward then uses), candidate causes of a failed check (``hints.known``)
     mistakes: Mapping[str, tuple[str, Callable]] = field(default_factory=dict)
+    #: known mistakes of the stage's forward: name -> (what it gets wrong, (stage, scenario) -> the wrong stage, or
+    #: None where the mistake changes nothing in that scenario), named when a user's O equals that forward's
+    forward_mistakes: Mapping[str, tuple[str, Callable]] = field(default_factory=dict)
 
 
 #: What the stages do not cover yet (``attn-gradcheck ops`` lists it; ``gradient_limits`` refuses a scenario that

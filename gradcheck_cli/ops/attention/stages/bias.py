@@ -197,6 +197,19 @@ _CAUGHT = ("gradient bias", "backward agrees with the reference")
 _ADDED = "adds to the implementation's dbias the change this bug makes to the float64 reference's"
 _SCENARIO = ((KEY, {"grad": True}),)
 
+#: Known mistakes of the bias's forward: name -> (what it gets wrong, (stage, scenario) -> the wrong stage or None).
+FORWARD_MISTAKES = {
+    "bias-inside-scale": ("bias: added inside the scaled product, scale (q k + b), not scale q k + b",
+                          lambda st, sc: None if sc.scale == 1 else Bias(np.asarray(st.bias) * sc.scale, st.grad)),
+    "bias-first-batch": ("bias: a per-batch bias [B, ...] read as bias[:1] (assumed shared by the batch)",
+                         lambda st, sc: None if np.shape(st.bias)[-4] == 1 else Bias(
+                             np.asarray(st.bias)[..., :1, :, :, :], st.grad)),
+    "bias-first-head": ("bias: a per-head bias [.., H, ...] read as bias[:, :1] (assumed shared by the heads)",
+                        lambda st, sc: None if np.shape(st.bias)[-3] == 1 else Bias(
+                            np.asarray(st.bias)[..., :1, :, :], st.grad)),
+}
+
+
 REGISTRATION = Registration(
     key=KEY,
     param=Param("mapping", None, "an additive bias on the scores (after soft-capping, before the mask): shape "
@@ -224,4 +237,5 @@ REGISTRATION = Registration(
     applies=_applies,
     validate=validate,
     passes="attn_bias= [B|1, H|1, n_q, n_k]; a NumPy backward returns dbias last",
+    forward_mistakes=FORWARD_MISTAKES,
 )

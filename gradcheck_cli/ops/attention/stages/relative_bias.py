@@ -193,6 +193,28 @@ def _applies(sc, fault: str) -> str | None:
 
 _ADDED = "adds to the implementation's gradients the change this bug makes to the float64 reference's"
 
+class _Flipped(RelativeBias):
+    """The relative position taken as i - j (context minus memory): the buckets of the opposite direction."""
+
+    def __init__(self, table, **kw):
+        super().__init__(table, **kw)
+        i, j = positions(self.n_q, self.n_k, self.offset, self.documents)
+        self.buckets = bucket(i[:, None] - j[None, :], self.size, self.max_distance, self.bidirectional)
+
+
+#: Known mistakes of the relative bias's forward: name -> (what it gets wrong, (stage, scenario) -> the wrong stage or
+#: None).
+FORWARD_MISTAKES = {
+    "relative-bias-direction-flipped": ("relative bias: the relative position is taken as i - j (query minus key), "
+                                        "not j - i: every bucket of the opposite direction",
+                                        lambda st, sc: st._same(st.table, cls=_Flipped)),
+    "relative-bias-no-offset": ("relative bias: the query positions are 0 .. n_q-1, without the offset n_k - n_q "
+                                "of queries that follow a KV cache",
+                                lambda st, sc: st._same(st.table, offset=False) if st.offset and st.n_q != st.n_k
+                                else None),
+}
+
+
 REGISTRATION = Registration(
     key=KEY,
     param=Param("mapping", None, "T5's relative position bias: the scores get W[bucket(j - i - (n_k - n_q)), h] "
@@ -225,4 +247,5 @@ REGISTRATION = Registration(
     applies=_applies,
     validate=validate,
     passes=f"{KWARG}= [buckets, Hq] (T5's embedding weight); a NumPy backward returns its gradient last",
+    forward_mistakes=FORWARD_MISTAKES,
 )

@@ -132,6 +132,25 @@ MISTAKES = {
 }
 
 
+class _ScaleAfterCap(Softcap):
+    """The cap applied to the unscaled scores, the scale after it: scale c tanh(q k / c)."""
+
+    def __init__(self, cap: float, scale: float):
+        super().__init__(cap)
+        self.scale = scale
+
+    def value(self, s, rows=ALL, cols=ALL, xp=np):
+        return self.scale * self.cap * xp.tanh(s / (self.scale * self.cap))
+
+
+#: Known mistakes of the softcap's forward: name -> (what it gets wrong, (stage, scenario) -> the wrong stage).
+FORWARD_MISTAKES = {
+    "softcap-scale-after-cap": ("softcap: the cap is applied to the unscaled scores and the scale after it (scale c "
+                                "tanh(q k / c)), not c tanh(scale q k / c)",
+                                lambda st, sc: None if sc.scale == 1 else _ScaleAfterCap(st.cap, sc.scale)),
+}
+
+
 def _every_key(visible):
     if callable(visible):
         return lambda rows, cols: np.ones_like(visible(rows, cols))
@@ -173,4 +192,5 @@ REGISTRATION = Registration(
                                if fault == "softcap-masked" and sc.visible.all() else None),
     passes="softcap=c",
     mistakes=MISTAKES,
+    forward_mistakes=FORWARD_MISTAKES,
 )
