@@ -46,6 +46,7 @@ MISTAKES = {
     "layernorm-dgamma-raw-x": "G_gamma sums G_y x instead of G_y xhat",
     "layernorm-reductions-mean": "G_gamma and G_beta average over the rows instead of summing",
     "layernorm-dbeta-gamma": "G_beta sums G_y gamma instead of G_y",
+    "layernorm-dgamma-times-gamma": "G_gamma sums G_y gamma xhat: gamma where G_y alone belongs",
     "layernorm-backward-unbiased-var": "the backward recomputes the variance unbiased (divided by d_model - 1, "
                                        "np.var(ddof=1) or torch.var's default) where the forward's is biased",
     "layernorm-scale-term-centred": "the scale term takes x - mu where xhat belongs: xhat mean(g (x - mu)), or (x - "
@@ -118,7 +119,8 @@ def backward(x, gamma, beta, eps, grad_y, faults: Collection[str] = ()):
     by = next((seen[f] for f in faults if f in seen), xhat)
     mean = "layernorm-reductions-mean" in faults
     g_beta = grad_y * gamma if "layernorm-dbeta-gamma" in faults else grad_y
-    g_gamma = (np.mean if mean or "layernorm-dgamma-mean" in faults else np.sum)((grad_y * by).reshape(-1, d), axis=0)
+    up = grad_y * gamma if "layernorm-dgamma-times-gamma" in faults else grad_y
+    g_gamma = (np.mean if mean or "layernorm-dgamma-mean" in faults else np.sum)((up * by).reshape(-1, d), axis=0)
     g_beta = (np.mean if mean or "layernorm-dbeta-mean" in faults else np.sum)(g_beta.reshape(-1, d), axis=0)
     return g_x, g_gamma, g_beta
 

@@ -38,6 +38,7 @@ MISTAKES = {
     "rmsnorm-no-gamma": "G_x is written for gamma = 1: G_y in place of g = G_y gamma",
     "rmsnorm-dgamma-raw-x": "G_gamma sums G_y x instead of G_y x / r (the normalised x)",
     "rmsnorm-dgamma-mean": "G_gamma averages over the rows instead of summing",
+    "rmsnorm-dgamma-times-gamma": "G_gamma sums g x / r with g = G_y gamma: gamma where G_y alone belongs",
     "rmsnorm-backward-no-eps": "the backward recomputes r = sqrt(mean(x^2)) without the forward's eps",
     **{f"rmsnorm-backward-eps-{e:g}": f"the backward recomputes r with a hard-coded eps = {e:g}, not the forward's"
        for e in (1e-5, 1e-6)},
@@ -79,7 +80,8 @@ def backward(x, gamma, eps, grad_y, faults: Collection[str] = ()):
         reduce = np.sum if "rmsnorm-feedback-sum" in faults else np.mean
         feedback = x * reduce(fed * x, axis=-1, keepdims=True) / (r**2 if "rmsnorm-feedback-r2" in faults else r**3)
         g_x = g_x + feedback if "rmsnorm-feedback-sign" in faults else g_x - feedback
-    rows = (grad_y * (x if "rmsnorm-dgamma-raw-x" in faults else x / r)).reshape(-1, x.shape[-1])
+    up = grad_y * gamma if "rmsnorm-dgamma-times-gamma" in faults else grad_y
+    rows = (up * (x if "rmsnorm-dgamma-raw-x" in faults else x / r)).reshape(-1, x.shape[-1])
     g_gamma = rows.mean(axis=0) if "rmsnorm-dgamma-mean" in faults else rows.sum(axis=0)
     return g_x, g_gamma
 

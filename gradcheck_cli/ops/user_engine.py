@@ -295,8 +295,9 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
         out = []
         if any(c.name == FORWARD_CHECK and c.verdict == "fail" for c in checks):
             out += other_conventions(y, reference["o"]) + convention_hints(checks, y, reference["o"], op.alternatives)
-            out += forward_named(y, reference["o"], {name: (says, lambda f=f: f(*x64, *op.args.values()))
-                                                     for name, (says, f) in op.forward_mistakes.items()})
+            out += forward_named(y, reference["o"], {**{name: (says, lambda f=f: f(*x64, *op.args.values()))
+                                                        for name, (says, f) in op.forward_mistakes.items()},
+                                                     **square_transposed(op, order, x64)})
         failed = {c.tensor for c in checks if c.kind == "gradient" and c.verdict == "fail"}
         none = no_gradient(impl, failed, order)
         named = fingerprints.named(evidence, failed, candidates, reference)  # the correct gradients, float64
@@ -340,6 +341,18 @@ def masked(args: dict, convention, dtype) -> dict:
     if "visible" not in args or (convention.mask, convention.mask_heads) == ("keep", "per-head"):
         return args
     return {**args, "visible": convention.mask_of(args["visible"], dtype)}
+
+
+def square_transposed(op: UserOp, order: tuple[str, ...], x64: list) -> dict:
+    """Forward mistakes of any op with square weights: one of them used transposed (a weight stored [out, in], as
+    nn.Linear keeps it, read as [in, out])."""
+    out = {}
+    for i, t in enumerate(order):
+        if x64[i].ndim == 2 and x64[i].shape[0] == x64[i].shape[1] > 1 and t not in op.batched:
+            out[f"{t.replace('_', '-')}-transposed"] = (
+                f"{t} is used transposed in the forward (a weight stored [out, in] read as [in, out])",
+                lambda i=i: op.forward(*x64[:i], x64[i].T, *x64[i + 1:], *op.args.values()))
+    return out
 
 
 def forward_named(y: np.ndarray, reference: np.ndarray, mistakes: Mapping[str, tuple[str, Callable]]) -> list[str]:

@@ -165,7 +165,17 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         top = z.max(axis=-1)
         return top + np.log(np.exp(z - top[..., None]).sum(axis=-1)) - z[..., np.arange(batch), np.arange(batch)]
 
-    forward_mistakes = {"infonce-labels-misplaced": (
+    def tau_as(power):
+        def output(*values):
+            x = named(values)
+            return forward(x["q"], x["p"], x["n"], np.asarray(x["tau"], dtype=np.float64) ** power, sim, in_batch)
+        return output
+
+    forward_mistakes = {"infonce-no-temperature": ("the logits are not divided by the temperature (tau taken as 1)",
+                                                   tau_as(0)),
+                        "infonce-times-temperature": ("the logits are multiplied by the temperature where z = s / tau "
+                                                      "divides by it", tau_as(-1)),
+                        "infonce-labels-misplaced": (
         "the candidates are [hard negatives, positives] while the labels stay arange(B): the loss takes a hard "
         "negative's logit as each query's positive", negatives_first)}
     problem = user_engine.build(sc, user_engine.UserOp(

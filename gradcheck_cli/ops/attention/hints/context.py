@@ -205,13 +205,15 @@ def _alternative(sc, context: Context, kv_map) -> str | None:
 
 
 def _scale_alternative(sc, context: Context, ref) -> str | None:
-    """The forward uses 1/sqrt(d_head), or no scale, where the scenario's scale is another (the scale argument
-    ignored)."""
-    for value, said in ((sc.d_head ** -0.5, f"1/sqrt(d_head) = {sc.d_head ** -0.5:.6g}"), (1.0, "1 (no scale)")):
+    """The forward uses 1/sqrt(d_head), no scale, or the scale twice, where the scenario's scale is another."""
+    ignored = "the scale argument ignored, or a default taken in its place"
+    for value, said, why in ((sc.d_head ** -0.5, f"1/sqrt(d_head) = {sc.d_head ** -0.5:.6g}", ignored),
+                             (1.0, "1 (no scale)", ignored),
+                             (sc.scale ** 2, f"the scale twice ({sc.scale ** 2:.6g})", "q pre-scaled, and the scores "
+                                                                                     "scaled again")):
         if abs(value - sc.scale) > 1e-12 * abs(sc.scale) and _matches(context.output, context.reference(scale=value),
                                                                        ref):
-            return (f"the forward scales the scores by {said}, not by the scenario's scale {sc.scale:.6g}: the scale "
-                    "argument ignored, or a default taken in its place")
+            return f"the forward scales the scores by {said}, not by the scenario's scale {sc.scale:.6g}: {why}"
     return None
 
 

@@ -141,6 +141,14 @@ def _mask_variants(sc, which: str = "backward") -> list[tuple[str, str, np.ndarr
     if sc.causal != "none" and parts > 1:
         out.append((f"mask-{which}-no-causal", f"the {which}'s mask drops the causal part (padding or window kept)",
                     visible(causal="none")))
+    if sc.causal != "none" and sc.window is None and docs is None:  # the diagonal: < where <= belongs, or the reverse
+        i, j = np.arange(sc.n_q)[:, None], np.arange(sc.n_k)[None, :]
+        shift = sc.n_k - sc.n_q if sc.causal == "lower-right" else 0
+        for step, how in ((-1, "excludes the diagonal (j < i where j <= i belongs)"),
+                          (1, "reaches one key past the diagonal (j <= i + 1)")):
+            out.append((f"mask-{which}-causal{step:+d}", f"the {which}'s causal mask {how}",
+                        masks.build_visible(sc.batch, sc.heads_q, sc.n_q, sc.n_k, key_lengths=sc.key_lengths,
+                                            explicit=j - i <= shift + step)))
     if docs is not None:
         out.append((f"mask-{which}-no-documents", f"the {which} lets the documents of the packed batch see each "
                                                   f"other (cu_seqlens not applied in the {which})",
@@ -266,6 +274,11 @@ def _mistakes(sc, args, x, g, grad_lse, computed) -> list:
             out.append(fingerprints.Candidate(
                 "gqa-backward-head-map", f"the backward sums the query heads' dK, dV into KV heads by the other "
                 f"head map, {layout}, while the forward reads them by the scenario's", regrouped))
+            out.append(fingerprints.Candidate(
+                "gqa-backward-other-map", f"the backward reads K, V and sums dK, dV by the other head map, {layout}, "
+                "while the forward reads them by the scenario's",
+                lambda other_map=other_map: _as_dict(backward(*x, grad_o=g, grad_lse=grad_lse, **args.but(
+                    kv_map=np.asarray(other_map, dtype=np.intp)).kw))))
     plain = not args.stages
     if sc.n_q == sc.n_k:
         def untransposed():
