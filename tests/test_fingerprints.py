@@ -243,3 +243,20 @@ def test_what_a_dense_op_s_gradients_are_when_no_known_mistake_explains_them():
     assert len(said) == 1 and "gets no gradient at all" in said[0]
     assert fingerprints.patterns({"t": _evidence(np.array([2.0]), np.array([-3.0]))}, {"t"}) == []
     assert fingerprints.patterns({"a": _evidence(a + 1, a)}, {"a"}) == []  # no pattern: nothing said
+
+
+def test_rope_failures_are_located_in_the_op_s_language():
+    """Issue 26, item 2: a RoPE backward with one sign wrong in the second row of each pair is located by its
+    feature classes (first vs second feature of each rotated pair) and by the features out of tolerance."""
+    from gradcheck_cli.report.common import class_texts, where_text
+    result = _run("dense_bugs", "RoPEOneSign", {"op": "rope", "batch": 2, "heads": 2, "n": 6, "d_head": 8})
+    check = next(c for c in result.checks if c.name == "gradient x")
+    d = check.diagnosis
+    classes = {c["label"]: c["out_of_tolerance"] for c in d["classes"]}
+    assert classes["first feature of each rotated pair"] == 0 < classes["second feature of each rotated pair"]
+    assert "feature 4-7 of 8" in where_text(d), where_text(d)
+    assert any(line.startswith("second feature of each rotated pair") for line in class_texts(d))
+    # a norm's gamma that is wrong everywhere names no feature range (the whole axis is not news)
+    result = _run("dense_bugs", "RMSNormDgammaMean", {"op": "rmsnorm", "batch": 2, "n": 5, "d_model": 16})
+    d = next(c for c in result.checks if c.name == "gradient gamma").diagnosis
+    assert where_text(d) == "where: 16 of 16 checked elements out of tolerance", where_text(d)

@@ -190,7 +190,7 @@ def _data(sc) -> tuple[dict, np.ndarray]:
     return data, g
 
 
-_STRUCTURE = {"x": Structure(("batch", "row", "feature")), "gamma1": Structure(("feature",)),
+_STRUCTURE = {"x": Structure(("batch", "row", "feature"), heat=("row", "feature")), "gamma1": Structure(("feature",)),
               "gamma2": Structure(("feature",)), **{w: Structure(("d_in", "d_out")) for w in WEIGHTS}}
 
 

@@ -180,7 +180,7 @@ def _invariants(g_x, data, g, eps: float, dtype: str, fixed: dict | None = None)
         "its terms")]
 
 
-_STRUCTURE = {"x": Structure(("batch", "row", "feature")), "gamma": Structure(("feature",)),
+_STRUCTURE = {"x": Structure(("batch", "row", "feature"), heat=("row", "feature")), "gamma": Structure(("feature",)),
               "beta": Structure(("feature",))}
 
 

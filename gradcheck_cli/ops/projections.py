@@ -189,7 +189,8 @@ def _data(sc) -> tuple[dict, np.ndarray]:
     return data, g
 
 
-_STRUCTURE = {"x": Structure(("batch", "query row", "feature")), "m": Structure(("batch", "key row", "feature")),
+_STRUCTURE = {"x": Structure(("batch", "query row", "feature"), heat=("query row", "feature")),
+              "m": Structure(("batch", "key row", "feature")),
               **{w: Structure(("d_in", "d_out")) for w in ("w_q", "w_k", "w_v", "w_o")}}
 
 

@@ -139,7 +139,7 @@ def _terms(x, gamma, eps, grad_y) -> dict[str, np.ndarray]:
             "gamma": 2 * (np.abs(g64 * x64) / r).reshape(-1, d).sum(axis=0)}
 
 
-_STRUCTURE = {"x": Structure(("batch", "row", "feature")), "gamma": Structure(("feature",))}
+_STRUCTURE = {"x": Structure(("batch", "row", "feature"), heat=("row", "feature")), "gamma": Structure(("feature",))}
 
 
 def _rounding(t):

@@ -163,6 +163,22 @@ def pair_norm_checks(x, y, theta, layout, grad_y, grad_x, label: str = "", preci
 _STRUCTURE = {"x": Structure(("batch", "head", "position", "feature"), heat=("head", "position"))}
 
 
+def _structure(sc) -> dict:
+    """The axes of x, and its features as classes: the first and the second of each rotated pair, and the
+    pass-through features past rotary_dim (a sign or a swap in one of the pair's two rows, a pass-through lost)."""
+    shape = _shapes(sc)["x"]
+    rotary = sc.p("rotary_dim") or sc.p("d_head")
+    first, second = _pairs(rotary, sc.p("layout"))
+    classes = {}
+    for label, where in (("first feature of each rotated pair", first), ("second feature of each rotated pair", second),
+                         ("pass-through features (past rotary_dim)", np.arange(rotary, shape[-1]))):
+        if len(where):
+            mask = np.zeros(shape[-1], dtype=bool)
+            mask[where] = True
+            classes[label] = np.broadcast_to(mask, shape)
+    return {"x": Structure(_STRUCTURE["x"].axes, classes, _STRUCTURE["x"].heat)}
+
+
 def _rounding(t):
     return {"x": np.broadcast_to(dense.rss(t, -1)[..., None], t.shape).copy()}  # its position
 
@@ -224,7 +240,7 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
                                     "x": _rotation_terms(g, a["cos"], a["sin"], layout)},
         invariants=lambda calls, dtype, y: pair_norm_checks(data["x"], y, theta, layout, g, calls()["x"],
                                                              precision=dtype),
-        batched=("x",), rounding=_rounding, structure=_STRUCTURE, forward_mistakes=forward_mistakes,
+        batched=("x",), rounding=_rounding, structure=_structure(sc), forward_mistakes=forward_mistakes,
         mistakes=user_engine.mistakes(FAULTS, MISTAKES)), faults)
 
 

@@ -167,7 +167,8 @@ def _terms(x, w1, w3, w2, grad_y) -> dict[str, np.ndarray]:
             "w2": _sum_rows(t_h + h).T @ _sum_rows(agy)}
 
 
-_STRUCTURE = {"x": Structure(("batch", "row", "feature")), "w1": Structure(("d_model", "d_ff")),
+_STRUCTURE = {"x": Structure(("batch", "row", "feature"), heat=("row", "feature")),
+              "w1": Structure(("d_model", "d_ff")),
               "w3": Structure(("d_model", "d_ff")), "w2": Structure(("d_ff", "d_model"))}
 
 

@@ -109,9 +109,10 @@ def power_name(tensor: str) -> str:
 def where_text(d: dict) -> str:
     """The "where:" line of a diagnosis: how many elements are out of tolerance, and along each axis where."""
     where = [f"{d['out_of_tolerance']} of {d['checked']} checked elements out of tolerance"]
+    last = list(d["axes"])[-1:]
     for axis, values in d["axes"].items():
         hit = [i for i, n in enumerate(values["out_of_tolerance"]) if n]
-        if hit:
+        if hit and (axis not in last or len(hit) < len(values["out_of_tolerance"])):  # the features: only a part
             where.append(f"{axis} {ranges(hit)} of {len(values['out_of_tolerance'])}")
     return "where: " + "; ".join(where)
 

@@ -133,8 +133,8 @@ def test_a_hostile_run_and_its_merge_show_every_outside_text_escaped(root, tmp_p
 @pytest.mark.parametrize("width", [80, 160])
 def test_on_a_terminal_every_outside_text_is_escaped(width):
     """A result whose every text came from outside, drawn on a terminal (both layouts), and its controls."""
-    diagnosis = {"checked": 4, "out_of_tolerance": 1, "axes": {"head" + HOSTILE: {"max_abs_error": [1.0],
-                                                                                 "out_of_tolerance": [1]}},
+    diagnosis = {"checked": 4, "out_of_tolerance": 1, "axes": {"head" + HOSTILE: {"max_abs_error": [1.0, 0.0],
+                                                                                 "out_of_tolerance": [1, 0]}},
                  "classes": [{"label": "rows" + HOSTILE, "checked": 4, "out_of_tolerance": 1, "max_abs_error": 1.0}],
                  "heat": None, "worst": [{"index": [0], "analytic": 1.0, "numeric": 2.0}]}
     checks = (Check(kind=Kind.GRADIENT, name="gradient q" + HOSTILE, tensor="q" + HOSTILE, shape=(4,),
