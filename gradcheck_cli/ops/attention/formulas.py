@@ -235,13 +235,18 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     [B, Hq, n_q], the log-sum-exp's, when it is an output: G_S gains A G_L). With score ``stages``, G_S (at the
     softmax's input) is passed back through their derivative to the raw scores."""
     k_rep, v_rep = repeat_kv(k, kv_map), repeat_kv(v, kv_map)
-    a = attention_weights(q, k, visible, scale, kv_map, (*faults, "mask") if "mask-backward" in faults else faults,
+    # known mistakes (hints.known): the backward recomputes A at another scale (unscaled, or scaled twice)
+    a_scale = {"backward-softmax-unscaled": 1.0, "backward-softmax-scaled-twice": scale * scale}
+    a_scale = next((a_scale[f] for f in faults if f in a_scale), scale)
+    a = attention_weights(q, k, visible, a_scale, kv_map, (*faults, "mask") if "mask-backward" in faults else faults,
                           stages, rows)
     saved = next((f[len("lse-saved-"):] for f in faults if f.startswith("lse-saved-")), None)
     a_row = a  # the weights of the row term D_i = rowsum(A G_A) = rowsum(G_O O), a kernel's from O
     if saved is not None:  # a known mistake (hints.known): A rebuilt from an LSE saved in a lower precision
+        saved, d_from_a = saved.removesuffix("-rowsum-of-p"), saved.endswith("-rowsum-of-p")
         lse = log_sum_exp(q, k, visible, scale, kv_map, stages=stages, rows=rows)
         a = a * np.exp(lse - numeric.rounded(lse, saved))[..., None]
+        a_row = a if d_from_a else a_row
     drop = score_stages.post(stages) if stages else None
     if drop is None:
         g_v = np.swapaxes(a, -1, -2) @ grad_o
@@ -252,14 +257,18 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
         w_v = None if w_v is None else w_v.astype(a.dtype, copy=False)
         g_v = np.swapaxes(a if w_v is None else a * w_v, -1, -2) @ grad_o
         g_a = grad_o @ np.swapaxes(v_rep, -1, -2)
-        if "dropout-dp-unmasked" not in faults:  # a known mistake (hints.known): the keep mask forgotten on dP
-            g_a = g_a * drop.weights(rows, dtype=a.dtype)
+        g_a_row = g_a = g_a * drop.weights(rows, dtype=a.dtype)
+        if "dropout-dp-unmasked" in faults or "dropout-dp-unmasked-d-right" in faults:  # known mistakes: the
+            g_a = grad_o @ np.swapaxes(v_rep, -1, -2)  # keep mask forgotten on dP (and on D, or D from dO O)
+            g_a_row = g_a_row if "dropout-dp-unmasked-d-right" in faults else g_a
         w_s = drop.score_weights(rows)
         a_s = a if w_s is None else a * w_s.astype(a.dtype, copy=False)
+    if drop is None:
+        g_a_row = g_a
     if "softmax-term" in faults:
         g_s = a_s * g_a
     else:
-        g_s = a_s * (g_a - (a_row * g_a).sum(axis=-1, keepdims=True))
+        g_s = a_s * (g_a - (a_row * g_a_row).sum(axis=-1, keepdims=True))
     if grad_lse is not None and "lse-grad-ignored" not in faults:  # dLSE_i / dS_ij = A_ij
         # known mistakes (hints.known): G_L added without A, to the visible scores or to every one
         weight = {"lse-grad-no-weights": a > 0, "lse-grad-no-weights-all": 1.0}

@@ -23,6 +23,7 @@ on no other):
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -93,9 +94,14 @@ def _factor_hints(sc, factors: dict, against: dict) -> list[str]:
 
 def _what_factor(sc, c: float) -> str:
     """What a factor c on one or more gradients is: the scale (or 1/scale), else among attention's sizes."""
-    for value, said in ((sc.scale, f"the scale {sc.scale:.6g}: applied once too often"),
-                        (1 / sc.scale, f"1/scale: the scale {sc.scale:.6g} missing")):
-        if abs(sc.scale - 1) > fingerprints.SIZE_FACTOR and abs(c - value) <= fingerprints.SIZE_FACTOR * abs(value):
+    p = dict(sc.p("dropout") or {}).get("p")
+    named = [(sc.scale, f"the scale {sc.scale:.6g}: applied once too often"),
+             (1 / sc.scale, f"1/scale: the scale {sc.scale:.6g} missing")] if abs(sc.scale - 1) > 1e-9 else []
+    if p:
+        named += [(1 - p, f"1 - p (p = {p:g}): the dropout's 1/(1 - p) rescale missing"),
+                  (1 / (1 - p), f"1/(1 - p) (p = {p:g}): the dropout's rescale applied once too often")]
+    for value, said in named:
+        if abs(c - value) <= fingerprints.SIZE_FACTOR * abs(value):
             return f" (it is {said})"
     return fingerprints.sized(c, {"batch elements": sc.batch, "query heads": sc.heads_q, "KV heads": sc.heads_kv,
                                   "query rows (n_q)": sc.n_q, "key rows (n_k)": sc.n_k, "head features (d_head)":
@@ -260,10 +266,16 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
             sink_backward = _stage_faults(sc, context, kv_map, failed)
         if sink_backward:
             out.append(sink_backward)
+        # a known mistake that gives exactly these gradients outranks what their symptoms suggest (a row sum that
+        # is not 0, a factor): said in its place
+        fingerprint = known.named(sc, context, evidence, failed, kv_map) if not sink_backward else []
+        # the faults attention's own hints name by their patterns: their fingerprint is said only where none does
+        patterned = fingerprint and set(re.findall(r"`([^`]+)`", " ".join(fingerprint))) <= known.PATTERNED
+        weak, fingerprint = (fingerprint, []) if patterned else ([], fingerprint)
         swapped = _swapped(evidence, failed)
         if swapped:
             out.append(swapped)
-        elif not lse_hints and "lse" not in (sc.p("outputs") or ()):  # the LSE output is not shift invariant
+        elif not lse_hints and not fingerprint and "lse" not in (sc.p("outputs") or ()):  # not shift invariant
             shift = _shift_violation(evidence, failed, verdicts, broken, sc.tolerance)
             if shift:
                 out.append(shift)
@@ -291,10 +303,10 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
         shared = {t: c for t, c in factors.items() if c is not None and abs(c) >= 1e-12
                   and not (scale_hint and t in "qk")}
         generic += _factor_hints(sc, shared, against)
-        gqa = _gqa(sc, evidence, verdicts, kv_map, factors)
+        gqa = _gqa(sc, evidence, verdicts, kv_map, factors) if not fingerprint else None
         if gqa:
             out.append(gqa)
-        if failed == {"sinks"} and not sink_backward and factors.get("sinks") is None and not out:
+        if failed == {"sinks"} and not sink_backward and factors.get("sinks") is None and not out and not fingerprint:
             lse_on = "lse" in (sc.p("outputs") or ())
             out.append("the sinks' gradient alone is wrong while dQ, dK and dV pass: ds_h = "
                        + ("sum over every batch element and every query row (every block of a tiled backward) of "
@@ -302,9 +314,8 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                           "-sum over every batch element and every query row (every block of a tiled backward) of "
                           "p_i D_i")
                        + ", with p_i = exp(s_h - LSE_i) the sink's weight and D_i = rowsum(dO * O) (not rowsum(dP))")
-        fingerprint = known.named(sc, context, evidence, failed, kv_map) if not out else []
-        # a known mistake that gives exactly these gradients, where no pattern named a cause; else the factors
-        out.extend(fingerprint or generic)
+        # a known mistake that gives exactly these gradients; else the factors
+        out.extend(fingerprint or (weak if not out else []) or generic)
         return out
 
     return structure, hints

@@ -209,6 +209,8 @@ def _scale_alternative(sc, context: Context, ref) -> str | None:
     ignored = "the scale argument ignored, or a default taken in its place"
     for value, said, why in ((sc.d_head ** -0.5, f"1/sqrt(d_head) = {sc.d_head ** -0.5:.6g}", ignored),
                              (1.0, "1 (no scale)", ignored),
+                             (sc.d_value ** -0.5, f"1/sqrt(d_value) = {sc.d_value ** -0.5:.6g}", "the scale taken "
+                                                                                               "from V's width"),
                              (sc.scale ** 2, f"the scale twice ({sc.scale ** 2:.6g})", "q pre-scaled, and the scores "
                                                                                      "scaled again")):
         if abs(value - sc.scale) > 1e-12 * abs(sc.scale) and _matches(context.output, context.reference(scale=value),

@@ -46,12 +46,22 @@ def candidates(sc, context, kv_map) -> tuple[list, dict]:
         out += [fingerprints.Candidate(name, says, lambda name=name: computed((name,)))
                 for name, says in LSE_MISTAKES.items()]
     # a kernel saves its log-sum-exp for the backward whether or not it returns it
-    out += [fingerprints.Candidate(f"lse-saved-{p}", f"the log-sum-exp is saved for the backward in {p}: A = exp(S - "
-                                   "LSE) rebuilt from it", lambda p=p: computed((f"lse-saved-{p}",)))
-            for p in numeric.SAVED_PRECISIONS]
+    out += [fingerprints.Candidate(f"lse-saved-{p}{d}", f"the log-sum-exp is saved for the backward in {p}: A = "
+                                   f"exp(S - LSE) rebuilt from it{said}",
+                                   lambda p=p, d=d: computed((f"lse-saved-{p}{d}",)))
+            for p in numeric.SAVED_PRECISIONS
+            for d, said in (("", " (D from dO O)"), ("-rowsum-of-p", " (D = rowsum(P dP) from it too)"))]
+    out += [fingerprints.Candidate("backward-softmax-unscaled", "the backward recomputes A = softmax(q k^T) without "
+                                   "the scale (dQ and dK still multiplied by it)",
+                                   lambda: computed(("backward-softmax-unscaled",))),
+            fingerprints.Candidate("backward-softmax-scaled-twice", "the backward recomputes A with the scale applied "
+                                   "twice (q pre-scaled, then the scores scaled again)",
+                                   lambda: computed(("backward-softmax-scaled-twice",)))]
     if score_stages.post(args.stages) is not None:
         out.append(fingerprints.Candidate("dropout-dp-unmasked", DROPOUT_DP_UNMASKED,
                                           lambda: computed(("dropout-dp-unmasked",))))
+        out.append(fingerprints.Candidate("dropout-dp-unmasked-d-right", DROPOUT_DP_UNMASKED + ", while D = rowsum(dO "
+                                          "O) is right", lambda: computed(("dropout-dp-unmasked-d-right",))))
     right = computed()
     if "bias" in right and right["bias"].shape[-3] > 1:
         out.append(fingerprints.Candidate(
@@ -107,6 +117,10 @@ def _skipped_blocks(sc, args, x, g, grad_lse, right) -> list:
                                           "gradient", lambda: kept(keep_q, keep_k)))
     return out
 
+
+#: The candidates attention's own hints name by their patterns (hints.__init__): a fingerprint naming only these is
+#: said where no pattern hint names a cause.
+PATTERNED = frozenset((*DIFFERENCE_FAULTS, "lse-grad-ignored"))
 
 #: Known mistakes of the LSE output's gradient (``formulas.backward`` computes each on request).
 LSE_MISTAKES = {

@@ -209,11 +209,22 @@ def _applies(sc, fault: str) -> str | None:
 _SLOPE_CAUGHT = ("gradient alibi_slopes", "backward agrees with the reference")
 _ADDED = "adds to the implementation's gradients the change this bug makes to the float64 reference's"
 
+class _Signed(Alibi):
+    """The distance without its absolute value: -(i - j), as if every key were at or before its query."""
+
+    def distance(self, rows=ALL, cols=ALL) -> np.ndarray:
+        i, j = self._i[rows][:, None], self._j[cols][None, :]
+        return -(i - j).astype(np.float64)
+
+
 #: Known mistakes of ALiBi's forward: name -> (what it gets wrong, (stage, scenario) -> the wrong stage or None).
 FORWARD_MISTAKES = {
     "alibi-slopes-exponent-off-by-one": ("ALiBi: the slopes are 2^(-8 h / H) for h = 0 .. H-1, not 2^(-8 (h + 1) / H) "
                                          "(the exponent off by one)",
                                          lambda st, sc: st._same(np.asarray(st.slopes) * 2.0 ** (8.0 / sc.heads_q))),
+    "alibi-signed-distance": ("ALiBi: the distance is -(i - j) without its absolute value (right only where no "
+                              "key comes after its query, as under a causal mask)",
+                              lambda st, sc: st._same(st.slopes, cls=_Signed) if st.form == "distance" else None),
     "alibi-no-offset": ("ALiBi: the distance is taken without the query offset n_k - n_q (queries aligned with the "
                         "first keys, not the last)",
                         lambda st, sc: st._same(st.slopes, offset=False) if st.offset and st.n_q != st.n_k else None),

@@ -208,6 +208,9 @@ FORWARD_MISTAKES = {
     "relative-bias-direction-flipped": ("relative bias: the relative position is taken as i - j (query minus key), "
                                         "not j - i: every bucket of the opposite direction",
                                         lambda st, sc: st._same(st.table, cls=_Flipped)),
+    "relative-bias-other-direction-mode": ("relative bias: the buckets of the other mode (bidirectional: an "
+                                           "encoder's, or one-way: a decoder's) from the scenario's",
+                                           lambda st, sc: st._same(st.table, bidirectional=not st.bidirectional)),
     "relative-bias-no-offset": ("relative bias: the query positions are 0 .. n_q-1, without the offset n_k - n_q "
                                 "of queries that follow a KV cache",
                                 lambda st, sc: st._same(st.table, offset=False) if st.offset and st.n_q != st.n_k
@@ -248,4 +251,7 @@ REGISTRATION = Registration(
     validate=validate,
     passes=f"{KWARG}= [buckets, Hq] (T5's embedding weight); a NumPy backward returns its gradient last",
     forward_mistakes=FORWARD_MISTAKES,
+    mistakes={"relative-bias-backward-direction-flipped": (
+        "relative bias: the backward recomputes the buckets of i - j, the opposite direction of the forward's j - i",
+        lambda st: st._same(st.table, cls=_Flipped))},
 )
