@@ -24,6 +24,7 @@ from .. import invariants
 from ..tolerance import INVARIANT_ULPS
 from . import attention, dense, projections, rmsnorm, rope, swiglu, user_engine
 from .attention import memory as attention_memory
+from .attention.hints.known import mask_variants
 from .projections import merge, split
 from .registry import Interface, Op, Param, Structure, user_code_engines
 
@@ -40,6 +41,8 @@ MISTAKES = {**rmsnorm.MISTAKES, **rope.MISTAKES, **swiglu.MISTAKES,
                                           "path's gradient alone, not G_y as well",
             "block-attention-residual-missing": "the backward drops the residual h = x + Attn(x): x gets the "
                                                 "attention path's gradient alone, not G_h as well",
+            "block-q-rope-backward-identity": "the backward does not rotate dQ back through RoPE (dK is)",
+            "block-k-rope-backward-identity": "the backward does not rotate dK back through RoPE (dQ is)",
             "block-q-rope-detached": "the rotated Q is detached (no gradient flows back through RoPE to W_Q and the "
                                      "first norm)",
             "block-k-rope-detached": "the rotated K is detached (a cached rotated key reused): no gradient flows back "
@@ -52,6 +55,8 @@ FORWARD_MISTAKES = {
                                           "FFN(norm(h))",
     "block-attention-residual-missing-forward": "the attention half has no residual: h = Attn(norm(x)), not x + "
                                                 "Attn(norm(x))",
+    "block-residual-from-normalised": "the attention residual adds the normalised input: h = RMSNorm(x) + Attn, "
+                                      "not x + Attn",
     "block-rope-on-v": "RoPE is applied to V as well as to Q and K",
     "block-no-rope": "RoPE is not applied (Q and K unrotated)",
     "block-norm2-gamma1": "the second RMSNorm uses gamma1 (gamma2 unused: a copy-paste)",
@@ -85,8 +90,8 @@ class Block:
         f = swiglu.forward(rmsnorm.forward(h, gamma2, self.eps), w1, w3, w2)
         return (h + f, f) if parts else h + f
 
-    def wrong_forward(self, mistake: str, x, gamma1, w_q, w_k, w_v, w_o, gamma2, w1, w3, w2):
-        """The forward with one of its known mistakes (``FORWARD_MISTAKES``)."""
+    def wrong_forward(self, mistake: str, x, gamma1, w_q, w_k, w_v, w_o, gamma2, w1, w3, w2, visible=None):
+        """The forward with one of its known mistakes (``FORWARD_MISTAKES``), or with another ``visible`` set."""
         h1 = rmsnorm.forward(x, gamma1, self.eps)
         q, k, v = self.attention_in(h1, w_q, w_k, w_v)
         if mistake == "block-rope-on-v":
@@ -95,10 +100,12 @@ class Block:
             v = rope.forward(v, self.theta, self.layout)
         if mistake == "block-no-rope":
             q, k = split(h1 @ w_q, self.heads_q), split(h1 @ w_k, self.heads_kv)
-        visible = np.ones_like(self.visible) if mistake == "block-mask-not-passed" else self.visible
+        visible = np.ones_like(self.visible) if mistake == "block-mask-not-passed" else (
+            self.visible if visible is None else visible)
         o = attention.forward(q, k, v, visible, self.scale, self.kv_map, (), ~visible)
         attn = merge(o) @ w_o
-        h = attn if mistake == "block-attention-residual-missing-forward" else x + attn
+        h = attn if mistake == "block-attention-residual-missing-forward" else (
+            h1 if mistake == "block-residual-from-normalised" else x) + attn
         f = swiglu.forward(rmsnorm.forward(h, gamma1 if mistake == "block-norm2-gamma1" else gamma2, self.eps),
                            w1, w3, w2)
         return f if mistake == "block-ffn-residual-missing-forward" else h + f
@@ -119,8 +126,11 @@ class Block:
         g_wo = merged.reshape(-1, merged.shape[-1]).T @ g_h.reshape(-1, g_h.shape[-1])
         g_o = split(g_h @ w_o.T, self.heads_q, faults)
         att = attention.backward(q, k, v, self.visible, self.scale, self.kv_map, g_o, faults)
-        g_q = merge(rope.backward(att.q, self.theta, self.layout, faults), faults)
-        g_k = merge(rope.backward(att.k, self.theta, self.layout, faults), faults)
+        unrotated = ("rope-backward-identity",)
+        g_q = merge(rope.backward(att.q, self.theta, self.layout, (*faults, *unrotated) if
+                                  "block-q-rope-backward-identity" in faults else faults), faults)
+        g_k = merge(rope.backward(att.k, self.theta, self.layout, (*faults, *unrotated) if
+                                  "block-k-rope-backward-identity" in faults else faults), faults)
         g_q = g_q * 0 if "block-q-rope-detached" in faults else g_q
         g_k = g_k * 0 if "block-k-rope-detached" in faults else g_k
         g_v = merge(att.v, faults)
@@ -252,9 +262,12 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         invariants=lambda calls, dtype, y: projections.mask_invariants(sc, "x", data, calls.forward, calls.backward,
                                                                         dtype),
         batched=("x", "visible"), structure=_STRUCTURE, shown=projections.SHOWN,
-        forward_mistakes={name: (says, lambda *v, name=name: block.wrong_forward(name, *v[:len(order)]))
-                          for name, says in FORWARD_MISTAKES.items()
-                          if name != "block-mask-not-passed" or not sc.visible.all()},
+        forward_mistakes={**{name: (says, lambda *v, name=name: block.wrong_forward(name, *v[:len(order)]))
+                             for name, says in FORWARD_MISTAKES.items()
+                             if name != "block-mask-not-passed" or not sc.visible.all()},
+                          **{name: (says, lambda *v, shown=shown: block.wrong_forward("", *v[:len(order)],
+                                                                                      visible=shown))
+                             for name, says, shown in mask_variants(sc, "forward")}},
         alternatives=projections.kv_alternatives(sc, lambda kv: Block(dataclasses.replace(sc, kv_map=kv)).forward(
             *(v.astype(np.float64) for v in data.values()))), mistakes=user_engine.mistakes(FAULTS, MISTAKES)), faults)
 

@@ -55,6 +55,8 @@ MISTAKES = {
     "layernorm-dgamma-mean": "G_gamma averages over the rows instead of summing",
     **{f"layernorm-backward-eps-{e:g}": f"the backward recomputes s with a hard-coded eps = {e:g}, not the forward's"
        for e in (1e-5, 1e-6)},
+    "layernorm-mean-term-no-gamma": "the centring term subtracts mean(G_y) where mean(g), g = G_y gamma, belongs",
+    "layernorm-scale-term-mean-g": "the scale term is xhat mean(g) where xhat mean(g xhat) belongs",
     "layernorm-backward-no-eps": "the backward recomputes s = sqrt(var) without the forward's eps",
     "layernorm-scale-term-no-xhat": "the scale term drops its xhat factor: g - mean(g) - mean(g xhat), not g - "
                                     "mean(g) - xhat mean(g xhat)",
@@ -68,6 +70,8 @@ FORWARD_MISTAKES = {
     "layernorm-unbiased-var": ("the variance is unbiased (divided by d_model - 1: torch.var's default, "
                                "np.var(ddof=1)) where LayerNorm's is biased",
                                lambda x, gamma, beta, eps: _forward(x, gamma, beta, eps, ddof=1)),
+    "layernorm-stats-over-rows": ("the mean and variance are taken over the rows (the sequence axis) where the "
+                                  "features' belong", lambda x, gamma, beta, eps: _over_rows(x, gamma, beta, eps)),
     "layernorm-eps-outside-sqrt": ("eps is added outside the square root: (x - mu) / (sqrt(var) + eps)",
                                    lambda x, gamma, beta, eps: _forward(x, gamma, beta, eps, outside=True)),
 }
@@ -84,6 +88,13 @@ def _forward(x, gamma, beta, eps, ddof: int = 0, outside: bool = False):
     eps = np.asarray(eps, dtype=x.dtype)
     s = np.sqrt(var) + eps if outside else np.sqrt(var + eps)
     return gamma * ((x - mu) / s) + beta
+
+
+def _over_rows(x, gamma, beta, eps):
+    if x.ndim < 2 or x.shape[-2] < 2:
+        raise ValueError("one row")
+    mu = np.mean(x, axis=-2, keepdims=True)
+    return gamma * (x - mu) / np.sqrt(np.mean((x - mu) ** 2, axis=-2, keepdims=True) + eps) + beta
 
 
 def _eps(faults, eps, prefix: str):
@@ -107,10 +118,11 @@ def backward(x, gamma, beta, eps, grad_y, faults: Collection[str] = ()):
     g_x = g
     both = "layernorm-both-feedbacks" in faults
     if "layernorm-mean-term" not in faults and not both:
-        g_x = g_x - np.mean(g, axis=-1, keepdims=True)
+        g_x = g_x - np.mean(grad_y if "layernorm-mean-term-no-gamma" in faults else g, axis=-1, keepdims=True)
     if "layernorm-scale-term" not in faults and not both:
+        inner = {"layernorm-scale-term-centred": x - mu, "layernorm-scale-term-mean-g": 1.0}
         scale_term = (1.0 if "layernorm-scale-term-no-xhat" in faults else xhat) * np.mean(
-            g * (x - mu if "layernorm-scale-term-centred" in faults else xhat), axis=-1, keepdims=True)
+            g * next((inner[f] for f in faults if f in inner), xhat), axis=-1, keepdims=True)
         g_x = g_x + scale_term if "layernorm-scale-term-sign" in faults else g_x - scale_term
     if "layernorm-not-divided-by-s" not in faults:
         g_x = g_x / s

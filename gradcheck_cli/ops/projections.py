@@ -25,6 +25,7 @@ from ..numeric import SeedStream
 from ..tolerance import INVARIANT_ULPS
 from . import attention, dense, user_engine
 from .attention import memory as attention_memory
+from .attention.hints.known import mask_variants
 from .convention import interleaved_kv_map
 from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
 
@@ -87,16 +88,16 @@ class Layer:
         self.cross = sc.p("source") == "cross"
 
     def forward(self, x, w_q, w_k, w_v, w_o, m=None, faults: Collection[str] = (), scale=None, visible=None,
-                reshape: bool = False):
+                reshape: str = ""):
         """y [..., B, n_q, d_model]; ``scale``, ``visible``: others than the scenario's, ``reshape``: the heads split
-        and merged by a bare reshape (a forward's known mistakes)."""
+        ("split"), merged ("merge") or both ("both") by a bare reshape (a forward's known mistakes)."""
         s = m if self.cross else x
-        heads = ("head-merge",) if reshape else ()
-        q = split(x @ w_q, self.heads_q, heads)
-        k, v = split(s @ w_k, self.heads_kv, heads), split(s @ w_v, self.heads_kv, heads)
+        split_by = ("head-merge",) if reshape in ("both", "split") else ()
+        q = split(x @ w_q, self.heads_q, split_by)
+        k, v = split(s @ w_k, self.heads_kv, split_by), split(s @ w_v, self.heads_kv, split_by)
         shown = self.visible if visible is None else visible
         o = attention.forward(q, k, v, shown, self.scale if scale is None else scale, self.kv_map, faults, ~shown)
-        return merge(o, heads) @ w_o
+        return merge(o, ("head-merge",) if reshape in ("both", "merge") else ()) @ w_o
 
     def backward(self, x, w_q, w_k, w_v, w_o, grad_y, m=None, faults: Collection[str] = ()) -> dict:
         s = m if self.cross else x
@@ -251,21 +252,42 @@ def forward_mistakes(sc, layer, order) -> dict:
             raise ValueError("W_K and W_V differ in shape")
         return layer.forward(**{**t, "w_k": t["w_v"], "w_v": t["w_k"]})
 
-    out = {"projections-heads-reshape": ("the heads are split (and merged) by a bare reshape [B, n, H*d] -> [B, H, n, "
+    def copied(values, target, source):
+        t = dict(zip(order, values[:len(order)]))
+        if t[target].shape != t[source].shape:
+            raise ValueError("shapes differ")
+        return layer.forward(**{**t, target: t[source]})
+
+    out = {"projections-heads-reshape": ("the heads are split and merged by a bare reshape [B, n, H*d] -> [B, H, n, "
                                          "d], without swapping the head and sequence axes",
-                                         lambda *v: with_(v, reshape=True)),
+                                         lambda *v: with_(v, reshape="both")),
+           "projections-split-reshape-forward": ("the heads are split by a bare reshape (.view(B, H, n, d) of [B, n, "
+                                                 "H*d], no transpose); merged right",
+                                                 lambda *v: with_(v, reshape="split")),
+           "projections-merge-reshape-forward": ("the heads are merged by a bare reshape of [B, H, n, d] to [B, n, "
+                                                 "H*d] (no transpose back); split right",
+                                                 lambda *v: with_(v, reshape="merge")),
+           **{f"projections-{t.replace('w_', '')}-from-{w.replace('w_', '')}": (
+               f"{t[2:].upper()} is projected with {w.upper().replace('_', '_')} where {t.upper()} belongs (a "
+               "copy-paste of the wrong line)", lambda *v, t=t, w=w: copied(v, t, w))
+              for t in ("w_q", "w_k", "w_v") for w in ("w_q", "w_k", "w_v") if t != w},
            "projections-kv-weights-swapped": ("K is projected with W_V and V with W_K (the two weights swapped)",
                                               lambda *v: swapped(v))}
+    for name, says, shown in mask_variants(sc, "forward"):
+        out[name] = (says, lambda *v, shown=shown: with_(v, visible=shown))
     if not sc.visible.all():
         out["projections-mask-not-passed"] = ("the mask is not passed to the attention inside the layer (every key "
                                               "visible)", lambda *v: with_(v, visible=np.ones_like(sc.visible)))
-    for name, value, said in (("projections-scale-d-head", sc.d_head ** -0.5, "1/sqrt(d_head)"),
-                              ("projections-scale-d-model", sc.p("d_model") ** -0.5, "1/sqrt(d_model)"),
-                              ("projections-no-scale", 1.0, "1 (no scale)")):
+    ignored = "the scale argument ignored, or the wrong size under the root"
+    for name, value, said, why in (
+            ("projections-scale-d-head", sc.d_head ** -0.5, "1/sqrt(d_head)", ignored),
+            ("projections-scale-d-model", sc.p("d_model") ** -0.5, "1/sqrt(d_model)", ignored),
+            ("projections-no-scale", 1.0, "1 (no scale)", ignored),
+            ("projections-scale-twice", sc.scale ** 2, "the scale twice",
+             "q pre-scaled, then the scores scaled again")):
         if abs(value - sc.scale) > 1e-12 * sc.scale:
             out[name] = (f"the scores are scaled by {said} = {value:.6g}, not by the scenario's scale {sc.scale:.6g} "
-                         "(the scale argument ignored, or the wrong size under the root)",
-                         lambda *v, value=value: with_(v, scale=value))
+                         f"({why})", lambda *v, value=value: with_(v, scale=value))
     return out
 
 

@@ -35,6 +35,8 @@ MISTAKES = {
                             "(-x sum(g x) / r^3: d_model times too large)",
     "rmsnorm-feedback-no-gamma": "the feedback term uses G_y instead of g = G_y gamma (-x mean(G_y x) / r^3)",
     "rmsnorm-feedback-r2": "the feedback term divides by r^2 instead of r^3",
+    "rmsnorm-feedback-saved-xhat": "the feedback term is written for x but given the saved xhat = x / r: xhat "
+                                   "mean(g xhat) / r^3 (divided by r^2 too often)",
     "rmsnorm-no-gamma": "G_x is written for gamma = 1: G_y in place of g = G_y gamma",
     "rmsnorm-dgamma-raw-x": "G_gamma sums G_y x instead of G_y x / r (the normalised x)",
     "rmsnorm-dgamma-mean": "G_gamma averages over the rows instead of summing",
@@ -54,6 +56,9 @@ FORWARD_MISTAKES = {
                                                                     + eps)),
     "rmsnorm-no-eps": ("the forward leaves eps out: x / sqrt(mean(x^2))",
                        lambda x, gamma, eps: forward(x, gamma, 0.0)),
+    "rmsnorm-centred-variance": ("r is taken from the centred variance (np.var, jnp.var, torch.var) where the mean "
+                                 "of squares belongs", lambda x, gamma, eps: gamma * x / np.sqrt(
+                                     np.var(x, axis=-1, keepdims=True) + eps)),
     "rmsnorm-gamma-offset": ("the weight is applied as (1 + gamma), Gemma's convention, where the scenario's is gamma",
                              lambda x, gamma, eps: forward(x, 1.0 + gamma, eps)),
 }
@@ -78,7 +83,8 @@ def backward(x, gamma, eps, grad_y, faults: Collection[str] = ()):
     if "rmsnorm-feedback" not in faults:
         fed = grad_y if "rmsnorm-feedback-no-gamma" in faults else g
         reduce = np.sum if "rmsnorm-feedback-sum" in faults else np.mean
-        feedback = x * reduce(fed * x, axis=-1, keepdims=True) / (r**2 if "rmsnorm-feedback-r2" in faults else r**3)
+        power = {"rmsnorm-feedback-r2": 2, "rmsnorm-feedback-saved-xhat": 5}
+        feedback = x * reduce(fed * x, axis=-1, keepdims=True) / r ** next((power[f] for f in faults if f in power), 3)
         g_x = g_x + feedback if "rmsnorm-feedback-sign" in faults else g_x - feedback
     up = grad_y * gamma if "rmsnorm-dgamma-times-gamma" in faults else grad_y
     rows = (up * (x if "rmsnorm-dgamma-raw-x" in faults else x / r)).reshape(-1, x.shape[-1])

@@ -54,6 +54,8 @@ MISTAKES = {
                         "cos (- g_a sin belongs)",
     "rope-pair-outputs-swapped": "the two features of each pair get each other's gradient (G_a and G_b written to "
                                  "each other's place)",
+    "rope-backward-positions-from-zero": "the backward rebuilds its cos/sin table for positions 0 .. n-1: the "
+                                         "position offset the forward's table has is lost",
     "rope-backward-first-position": "the backward rotates every position by the angles of the first one (cos[0], "
                                     "sin[0] broadcast: the position index or the cache offset lost)",
 }
@@ -105,6 +107,29 @@ def rotate_cs(x, cos, sin, layout: str, sign: float = 1.0):
     out = x.copy() if x.flags.writeable else np.array(x)
     out[..., first] = a * cos - b * sin
     out[..., second] = a * sin + b * cos
+    return out
+
+
+def _no_minus(x, cos, sin, layout: str):
+    """The pairs mapped by (a cos + b sin, a sin + b cos): rotate_half without its minus sign."""
+    first, second = _pairs(2 * cos.shape[-1], layout)
+    a, b = x[..., first], x[..., second]
+    out = x.copy()
+    out[..., first], out[..., second] = a * cos + b * sin, a * sin + b * cos
+    return out
+
+
+def _tables_interleaved(x, cos, sin, layout: str):
+    """x cos_full + rotate_half(x) sin_full with the tables expanded by repeating each angle twice (the interleaved
+    layout's expansion) under the half layout's rotate_half."""
+    if layout != "half":
+        raise ValueError("written for the half layout")
+    h = cos.shape[-1]
+    c, s = np.repeat(cos, 2, axis=-1), np.repeat(sin, 2, axis=-1)
+    out = x.copy()
+    a, b = x[..., :h], x[..., h:2 * h]
+    out[..., :h] = a * c[..., :h] - b * s[..., :h]
+    out[..., h:2 * h] = b * c[..., h:] + a * s[..., h:]
     return out
 
 
@@ -216,16 +241,32 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
     g, layout, theta = data.pop("g"), sc.p("layout"), _theta(sc)
     args = {"cos": np.cos(theta).astype(sc.dtype), "sin": np.sin(theta).astype(sc.dtype)}
 
+    zero = angles(sc.p("n"), sc.p("rotary_dim") or sc.p("d_head"), sc.p("base"))
+
     def backward_cs(x, cos, sin, grad_y, faults=()):
+        if "rope-backward-positions-from-zero" in faults:  # a known mistake: the backward's own table, offset lost
+            if not sc.p("position_offset"):
+                raise ValueError("no position offset to lose")
+            cos, sin = np.cos(zero), np.sin(zero)
         return (_backward_cs(grad_y, cos, sin, layout, faults),)
 
-    zero = angles(sc.p("n"), sc.p("rotary_dim") or sc.p("d_head"), sc.p("base"))
+    rotary = sc.p("rotary_dim") or sc.p("d_head")
+    slow = (sc.p("position_offset") + np.arange(sc.p("n")))[:, None] * sc.p("base") ** (
+        -np.arange(rotary // 2) / rotary)
     forward_mistakes = {
         "rope-opposite-angle": ("the forward rotates by the opposite angle (rotate_half written cat(x2, -x1), or sin "
                                 "with the wrong sign)", lambda x, cos, sin: rotate_cs(x, cos, sin, layout, -1.0)),
         "rope-forward-other-pairing": (f"the forward pairs the features the other way ({_OTHER[layout]}) from the "
                                        f"scenario's layout {layout}: set layout: {_OTHER[layout]} if that is your "
                                        "model's", lambda x, cos, sin: rotate_cs(x, cos, sin, _OTHER[layout])),
+        "rope-frequencies-exponent": ("the frequencies are base^(-k / rotary_dim), not base^(-2k / rotary_dim) (the "
+                                      "exponent's step of 2 lost when building the table)",
+                                      lambda x, cos, sin: rotate_cs(x, np.cos(slow), np.sin(slow), layout)),
+        "rope-rotate-half-no-minus": ("rotate_half is written cat(x2, x1) without negating x2: (a cos + b sin, b cos + "
+                                      "a sin), not a rotation", lambda x, cos, sin: _no_minus(x, cos, sin, layout)),
+        "rope-tables-interleaved": ("the half-width cos/sin tables are expanded interleaved (repeat each twice) where "
+                                    "the rotate_half formula needs them concatenated [cos, cos]",
+                                    lambda x, cos, sin: _tables_interleaved(x, cos, sin, layout)),
         "rope-written-concatenated": ("the rotated pairs are written back concatenated [firsts, seconds] instead of "
                                       "in the layout they were read from (interleaved)",
                                       lambda x, cos, sin: _concatenated(x, cos, sin, layout)),

@@ -171,7 +171,24 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
             return forward(x["q"], x["p"], x["n"], np.asarray(x["tau"], dtype=np.float64) ** power, sim, in_batch)
         return output
 
-    forward_mistakes = {"infonce-no-temperature": ("the logits are not divided by the temperature (tau taken as 1)",
+    def half_cosine(normalised: str):
+        def output(*values):
+            x = named(values)
+            if sim != "cosine":
+                raise ValueError("dot similarity")
+            q = x["q"] / np.linalg.norm(x["q"], axis=-1, keepdims=True) if normalised == "q" else x["q"]
+            p, n = x["p"], x["n"]
+            if normalised == "c":
+                p = p / np.linalg.norm(p, axis=-1, keepdims=True)
+                n = None if n is None else n / np.linalg.norm(n, axis=-1, keepdims=True)
+            return forward(q, p, n, x["tau"], "dot", in_batch)
+        return output
+
+    forward_mistakes = {"infonce-candidates-unnormalised": ("cosine similarity: the queries are normalised but not "
+                                                            "the candidates (positives, negatives)", half_cosine("q")),
+                        "infonce-queries-unnormalised": ("cosine similarity: the candidates are normalised but not "
+                                                         "the queries", half_cosine("c")),
+                        "infonce-no-temperature": ("the logits are not divided by the temperature (tau taken as 1)",
                                                    tau_as(0)),
                         "infonce-times-temperature": ("the logits are multiplied by the temperature where z = s / tau "
                                                       "divides by it", tau_as(-1)),

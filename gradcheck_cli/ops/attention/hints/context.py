@@ -369,7 +369,10 @@ def _lse_hints(sc, context: Context, kv_map, failed, broken) -> list[str]:
                        "exp(s_h)), the softmax's normaliser"),
                       (sc.visible, context.stages, sc.scale * sc.scale,
                        "the implementation's log-sum-exp takes the scores scaled twice (the softmax scale applied to "
-                       "already scaled scores)")]
+                       "already scaled scores)"),
+                      (sc.visible, context.stages, 1.0,
+                       "the implementation's log-sum-exp is that of the unscaled scores q k^T, while its softmax's are "
+                       "scaled (the scale left out of the returned statistic)")]
             for visible, stages, scale, says in others:
                 same = visible is sc.visible and stages == context.stages and scale == sc.scale
                 if not same and _matches(mine, log_sum_exp(x["q"], x["k"], visible, scale, kv_map, stages=stages),

@@ -19,6 +19,7 @@ from ..formulas import (
     attention_weights,
     backward,
     repeat_kv,
+    sink_weight,
     sum_groups,
 )
 from .context import other_alignment
@@ -69,6 +70,7 @@ def candidates(sc, context, kv_map) -> tuple[list, dict]:
             "head gets the sum)", lambda: {**right, "bias": np.broadcast_to(
                 right["bias"].sum(axis=-3, keepdims=True), right["bias"].shape)}))
     out += _skipped_blocks(sc, args, x, g, grad_lse, right)
+    out += _params_from_dp(args, x, g, grad_lse, right)
     out += _mistakes(sc, args, x, g, grad_lse, computed)
     for name, fault in score_stages.FAULTS.items():
         if fault.forward:
@@ -82,6 +84,23 @@ def candidates(sc, context, kv_map) -> tuple[list, dict]:
             out.append(fingerprints.Candidate(name, says, lambda i=i, wrong=wrong, st=st: computed(
                 stages=args.stages[:i] + (wrong(st),) + args.stages[i + 1:])))
     return out, right
+
+
+def _params_from_dp(args, x, g, grad_lse, right) -> list:
+    """Candidates of an additive stage's parameter (bias, ALiBi slopes, relative bias table) whose gradient is taken
+    from dP = dO V^T, the gradient of the weights, instead of dS, the gradient at the softmax's input."""
+    out = []
+    grads = backward(*x, grad_o=g, grad_lse=grad_lse, **args.kw)
+    for st in args.stages:
+        if st.param is None or st.param not in right or st.name in ("sinks", "softcap", "dropout"):
+            continue
+        if any(other.name in ("softcap", "dropout") for other in args.stages):
+            break
+        out.append(fingerprints.Candidate(
+            f"{st.name.replace('_', '-')}-grad-from-dp", f"{st.name.replace('_', ' ')}: its parameter's gradient is "
+            "taken from dP = dO V^T (the weights' gradient) where dS, the gradient at the softmax's input, belongs",
+            lambda st=st: {**right, st.param: st.param_grad(grads.ga * args.visible, None)}))
+    return out
 
 
 def _skipped_blocks(sc, args, x, g, grad_lse, right) -> list:
@@ -133,7 +152,7 @@ DROPOUT_DP_UNMASKED = ("dropout: dP = dO V^T without the keep mask and its 1/(1 
                        "backward's dP forgets it)")
 
 
-def _mask_variants(sc, which: str = "backward") -> list[tuple[str, str, np.ndarray]]:
+def mask_variants(sc, which: str = "backward") -> list[tuple[str, str, np.ndarray]]:
     """(name, what it gets wrong, the visible set) of a ``which`` pass ("backward" or "forward") whose mask loses one
     of its parts, whose window is off by one, or whose packed documents' boundaries are off by one, where the
     scenario's mask is built from its keys (and every query row still sees a key)."""
@@ -227,7 +246,7 @@ def _forward_candidates(sc, context, kv_map, stages) -> list:
             out.append((f"{st.name.replace('_', '-')}-left-out", f"the forward leaves out the {stage} stage (its "
                         "scores never get it)",
                         lambda i=i: context.reference(stages=stages[:i] + stages[i + 1:])))
-    out += [(name, says, lambda v=v: context.reference(visible=v)) for name, says, v in _mask_variants(sc, "forward")]
+    out += [(name, says, lambda v=v: context.reference(visible=v)) for name, says, v in mask_variants(sc, "forward")]
     x = [np.asarray(context.inputs[t], dtype=np.float64) for t in "qkv"]
     plain = all(st.name not in ("sinks", "dropout") for st in stages)
     drop = next((st for st in stages if st.name == "dropout"), None)
@@ -254,6 +273,20 @@ def _forward_candidates(sc, context, kv_map, stages) -> list:
             e, l = _exp_scores(x[0], x[1], sc.scale, np.asarray(kv_map), sc.visible, stages=rest)
             sink = np.asarray(score_stages.sink_logits(stages), dtype=np.float64)
             return (e @ repeat_kv(x[2], np.asarray(kv_map))) / (l + np.exp(sink))
+        def misaligned(first: bool):
+            a = attention_weights(x[0], x[1], sc.visible, sc.scale, np.asarray(kv_map), stages=stages)
+            p = sink_weight(x[0], x[1], sc.visible, sc.scale, np.asarray(kv_map), stages=stages)[..., None]
+            v = repeat_kv(x[2], np.asarray(kv_map))
+            if first:  # [sink, keys] sliced [..., :-1]: the sink's weight on V_0, key j's on V_{j+1}
+                return p * v[..., :1, :] + a[..., :-1] @ v[..., 1:, :]
+            return a[..., 1:] @ v[..., :-1, :] + p * v[..., -1:, :]  # [keys, sink] sliced [..., 1:]
+        out += [("sinks-column-sliced-wrong-end", "sinks: the sink's column is concatenated first but the slice after "
+                                                  "the softmax drops the last column (probs[..., :-1]): every weight "
+                                                  "lands on the next V row", lambda: misaligned(True)),
+                ("sinks-column-sliced-wrong-end-last", "sinks: the sink's column is concatenated last but the slice "
+                                                       "after the softmax drops the first column (probs[..., 1:]): "
+                                                       "every weight lands on the previous V row",
+                 lambda: misaligned(False))]
         out.append(("sinks-unshifted", "sinks: the sink's exp(s_h) joins the normaliser without the row max's shift "
                                        "(exp(s_h), where the other terms are exp(S - m): exp(s_h - m) belongs)",
                     unshifted))
@@ -270,7 +303,7 @@ def _mistakes(sc, args, x, g, grad_lse, computed) -> list:
             "mask-backward-alignment", f"the backward's causal mask is aligned {other} while the forward's is "
             f"{sc.causal} (torch.tril, or SDPA's is_causal, in one pass and not the other)",
             lambda: computed(visible=alt)))
-    out += [fingerprints.Candidate(name, says, lambda v=v: computed(visible=v)) for name, says, v in _mask_variants(sc)]
+    out += [fingerprints.Candidate(name, says, lambda v=v: computed(visible=v)) for name, says, v in mask_variants(sc)]
     heads_q, heads_kv = x[0].shape[-3], x[1].shape[-3]
     if 1 < heads_kv < heads_q:
         for layout, other_map in (("contiguous groups (h // group)", default_kv_map(heads_q, heads_kv)),

@@ -202,6 +202,29 @@ class _Flipped(RelativeBias):
         self.buckets = bucket(i[:, None] - j[None, :], self.size, self.max_distance, self.bidirectional)
 
 
+class _FlippedGrad(RelativeBias):
+    """The table's gradient summed into the buckets of i - j (the forward's j - i right)."""
+
+    def param_grad(self, g_out, s, rows=ALL, cols=ALL):
+        right = self.buckets
+        i, j = positions(self.n_q, self.n_k, self.offset, self.documents)
+        self.buckets = bucket(i[:, None] - j[None, :], self.size, self.max_distance, self.bidirectional)
+        try:
+            return super().param_grad(g_out, s, rows, cols)
+        finally:
+            self.buckets = right
+
+
+class _Reshaped(RelativeBias):
+    """The gathered bias [n_q, n_k, H] turned into [H, n_q, n_k] by a reshape, not a transpose (the whole block)."""
+
+    def _block(self, rows=ALL, cols=ALL, xp=np):
+        if rows != ALL or cols != ALL:
+            raise ValueError("the reshape scrambles the whole block")
+        g = np.asarray(self.table)[..., self.buckets, :]  # [..., n_q, n_k, H]
+        return np.expand_dims(g.reshape(g.shape[:-3] + (g.shape[-1], g.shape[-3], g.shape[-2])), -4)
+
+
 #: Known mistakes of the relative bias's forward: name -> (what it gets wrong, (stage, scenario) -> the wrong stage or
 #: None).
 FORWARD_MISTAKES = {
@@ -211,6 +234,9 @@ FORWARD_MISTAKES = {
     "relative-bias-other-direction-mode": ("relative bias: the buckets of the other mode (bidirectional: an "
                                            "encoder's, or one-way: a decoder's) from the scenario's",
                                            lambda st, sc: st._same(st.table, bidirectional=not st.bidirectional)),
+    "relative-bias-reshaped": ("relative bias: the gathered bias [n_q, n_k, H] is made [H, n_q, n_k] by a reshape "
+                               "where a transpose belongs (heads and positions scrambled)",
+                               lambda st, sc: st._same(st.table, cls=_Reshaped) if sc.heads_q > 1 else None),
     "relative-bias-no-offset": ("relative bias: the query positions are 0 .. n_q-1, without the offset n_k - n_q "
                                 "of queries that follow a KV cache",
                                 lambda st, sc: st._same(st.table, offset=False) if st.offset and st.n_q != st.n_k
@@ -253,5 +279,8 @@ REGISTRATION = Registration(
     forward_mistakes=FORWARD_MISTAKES,
     mistakes={"relative-bias-backward-direction-flipped": (
         "relative bias: the backward recomputes the buckets of i - j, the opposite direction of the forward's j - i",
-        lambda st: st._same(st.table, cls=_Flipped))},
+        lambda st: st._same(st.table, cls=_Flipped)),
+              "relative-bias-grad-direction-flipped": (
+        "relative bias: the table's gradient is summed into the buckets of i - j, the opposite direction of the "
+        "forward's j - i", lambda st: st._same(st.table, cls=_FlippedGrad))},
 )
