@@ -318,7 +318,7 @@ def unit_direction(seed: int, index: int, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def rounded(x: np.ndarray, dtype: str) -> np.ndarray:
-    """``x`` (float64) rounded to ``dtype`` (float32, float16 or bfloat16: round to nearest even) and back: a
+    """``x`` (float64) rounded to ``dtype`` (float16 or bfloat16: round to nearest even; or float32) and back: a
     statistic saved in a lower precision (known mistakes of norms and attention's saved LSE)."""
     x = np.asarray(x, dtype=np.float64)
     if dtype != "bfloat16":
@@ -329,4 +329,4 @@ def rounded(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 #: The precisions a statistic may be saved in by mistake (``rounded``).
-SAVED_PRECISIONS = ("float32", "bfloat16", "float16")
+SAVED_PRECISIONS = ("bfloat16", "float16")

@@ -260,3 +260,47 @@ def test_rope_failures_are_located_in_the_op_s_language():
     result = _run("dense_bugs", "RMSNormDgammaMean", {"op": "rmsnorm", "batch": 2, "n": 5, "d_model": 16})
     d = next(c for c in result.checks if c.name == "gradient gamma").diagnosis
     assert where_text(d) == "where: 16 of 16 checked elements out of tolerance", where_text(d)
+
+
+#: A scenario per op on which its known mistakes apply (square SwiGLU weights, an eps no mistake hard-codes, in-batch
+#: InfoNCE with hard negatives and a learned temperature, RoPE at an offset).
+INJECTED = {"rmsnorm": {"batch": 2, "n": 3, "d_model": 8, "eps": 0.01},
+            "layernorm": {"batch": 2, "n": 3, "d_model": 8, "eps": 0.01},
+            "swiglu": {"batch": 2, "n": 3, "d_model": 6, "d_ff": 6},
+            "rope": {"batch": 2, "heads": 2, "n": 4, "d_head": 8, "rotary_dim": 6, "position_offset": 3},
+            "infonce": {"batch": 3, "dim": 4, "hard_negatives": 2, "learn_temperature": True, "temperature": 0.5}}
+#: Mistakes that need their own shapes: every query with as many candidates as there are queries.
+SQUARE = {"infonce-candidates-untransposed": {"hard_negatives": 0}}
+#: Known mistakes the injected implementation cannot show: written into the user engine's own backward (RoPE's table
+#: rebuilt from position 0), or for cosine similarity (InfoNCE's projection) while the injected InfoNCE is dot.
+NOT_INJECTED = {"rope-backward-positions-from-zero", "infonce-cosine-no-projection"}
+
+
+def _injected(op: str) -> list[tuple[str, str, bool]]:
+    from gradcheck_cli.ops import OPS
+    from gradcheck_cli.ops.infonce import MISTAKES as NCE
+    mistakes = NCE if op == "infonce" else __import__(f"gradcheck_cli.ops.{op}", fromlist=["MISTAKES"]).MISTAKES
+    forward = getattr(__import__(f"gradcheck_cli.ops.{op}", fromlist=["x"]), "FORWARD_MISTAKES", {})
+    del OPS
+    return ([(op, m, False) for m in mistakes if m not in NOT_INJECTED]
+            + [(op, m, True) for m in forward if op in ("rmsnorm", "layernorm", "swiglu")])
+
+
+@pytest.mark.parametrize("op", sorted(INJECTED))
+def test_every_known_mistake_injected_into_the_op_s_own_code_is_named_by_its_own_name(op):
+    """Issue 26's table test over every known mistake of the dense ops: the op's own forward and backward with one
+    mistake put in (tests/bugs/injected.py), run as a user's NumPy code. Each that fails is named by its own name (or
+    together with mistakes that give the same gradients here), and each is shown to fail at least once; the same code
+    without a mistake passes with no cause named."""
+    def run(obj, mistake=""):
+        keys = {**INJECTED[op], **SQUARE.get(mistake, {})}
+        doc = {"scenarios": [{"name": "injected", "op": op, **keys, "implementation": f"injected:{obj}"}]}
+        return checker.run_scenario(scenario.loads(yaml.safe_dump(doc), base_dir=BUGS_DIR)[0])
+
+    clean = run(f"{op}__none")
+    assert clean.verdict.value == "pass" and not _named(clean.hints), clean.hints
+    for _, mistake, forward in _injected(op):
+        obj = f"{op}__{'forward__' if forward else ''}{mistake.replace('-', '_').replace('.', '_p_')}"
+        result = run(obj, mistake)
+        assert result.verdict.value == "fail", (obj, [c.name for c in result.checks if c.verdict == "fail"])
+        assert mistake in _named(result.hints), (obj, result.hints)
