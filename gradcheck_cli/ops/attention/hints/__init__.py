@@ -86,14 +86,15 @@ def _factor_hints(sc, factors: dict, against: dict) -> list[str]:
                        "difference taken the other way round, or a distance whose sign was lost)")
         else:
             alone = " alone" if len(ts) == 1 else ""
-            out.append(f"{grads} {each} {c:.6g} x {seen} everywhere{_what_factor(sc, c)}: a constant factor on "
+            out.append(f"{grads} {each} {c:.6g} x {seen} everywhere{_what_factor(sc, c, ts)}: a constant factor on "
                        f"d{' and d'.join(names)}{alone} (a scale applied once too often or too rarely, a wrong "
                        "divisor, or an averaged instead of summed reduction)")
     return out
 
 
-def _what_factor(sc, c: float) -> str:
-    """What a factor c on one or more gradients is: the scale (or 1/scale), else among attention's sizes."""
+def _what_factor(sc, c: float, tensors) -> str:
+    """What a factor c on one or more gradients is: the scale (or 1/scale), dropout's 1 - p; for a stage's parameter
+    (shared by the batch, the rows, the heads: its gradient a sum over them), else among attention's sizes."""
     p = dict(sc.p("dropout") or {}).get("p")
     named = [(sc.scale, f"the scale {sc.scale:.6g}: applied once too often"),
              (1 / sc.scale, f"1/scale: the scale {sc.scale:.6g} missing")] if abs(sc.scale - 1) > 1e-9 else []
@@ -103,6 +104,8 @@ def _what_factor(sc, c: float) -> str:
     for value, said in named:
         if abs(c - value) <= fingerprints.SIZE_FACTOR * abs(value):
             return f" (it is {said})"
+    if any(t in "qkv" for t in tensors):  # q, k, v are not reductions over the batch or the rows
+        return ""
     return fingerprints.sized(c, {"batch elements": sc.batch, "query heads": sc.heads_q, "KV heads": sc.heads_kv,
                                   "query rows (n_q)": sc.n_q, "key rows (n_k)": sc.n_k, "head features (d_head)":
                                   sc.d_head, "query heads of a KV group": sc.heads_q // sc.heads_kv})
@@ -275,7 +278,7 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
         swapped = _swapped(evidence, failed)
         if swapped:
             out.append(swapped)
-        elif not lse_hints and not fingerprint and "lse" not in (sc.p("outputs") or ()):  # not shift invariant
+        elif not lse_hints and not fingerprint and not sink_backward and "lse" not in (sc.p("outputs") or ()):
             shift = _shift_violation(evidence, failed, verdicts, broken, sc.tolerance)
             if shift:
                 out.append(shift)
