@@ -202,6 +202,15 @@ def patterns(evidence: Mapping, failed: set[str], sizes: Mapping[str, int] | Non
             out.append(f"{_label(t)} is transposed: it is the finite differences of {t} with rows and columns "
                        "swapped (x^T G where G^T x belongs, or a weight stored [out, in] read as [in, out])")
             continue
+        if ev.analytic.ndim == 2 and _within(ev, ev.analytic, ev.numeric.T.reshape(ev.analytic.shape)):
+            out.append(f"{_label(t)} is its gradient transposed and then reshaped to {t}'s shape: a reshape (or .view) "
+                       "where a transpose belongs, somewhere on its path")
+            continue
+        if ev.analytic.ndim == 2 and ev.analytic.shape[0] != ev.analytic.shape[1] and _within(
+                ev, ev.analytic.reshape(ev.analytic.shape[::-1]).T, ev.numeric):
+            out.append(f"{_label(t)} is its gradient laid out the other way: a reshape (or .view) where a transpose "
+                       "belongs, somewhere on its path")
+            continue
         if not np.abs(ev.analytic[ev.checked]).any():
             out.append(f"{_label(t)} is 0 everywhere while its finite differences are not: {t} gets no gradient at "
                        "all (detached, stop_gradient, a buffer never written, or not the array the code was given)")

@@ -57,6 +57,8 @@ FORWARD_MISTAKES = {
                                                 "Attn(norm(x))",
     "block-residual-from-normalised": "the attention residual adds the normalised input: h = RMSNorm(x) + Attn, "
                                       "not x + Attn",
+    "block-post-norm": "the block is wired post-norm, norm(x + Attn(x)) then norm(h + FFN(h)), where pre-norm x + "
+                       "Attn(norm(x)) belongs",
     "block-rope-on-v": "RoPE is applied to V as well as to Q and K",
     "block-no-rope": "RoPE is not applied (Q and K unrotated)",
     "block-norm2-gamma1": "the second RMSNorm uses gamma1 (gamma2 unused: a copy-paste)",
@@ -92,6 +94,11 @@ class Block:
 
     def wrong_forward(self, mistake: str, x, gamma1, w_q, w_k, w_v, w_o, gamma2, w1, w3, w2, visible=None):
         """The forward with one of its known mistakes (``FORWARD_MISTAKES``), or with another ``visible`` set."""
+        if mistake == "block-post-norm":  # norm(x + sublayer(x)) for both sublayers
+            q, k, v = self.attention_in(x, w_q, w_k, w_v)
+            o = attention.forward(q, k, v, self.visible, self.scale, self.kv_map, (), self.hidden)
+            h = rmsnorm.forward(x + merge(o) @ w_o, gamma1, self.eps)
+            return rmsnorm.forward(h + swiglu.forward(h, w1, w3, w2), gamma2, self.eps)
         h1 = rmsnorm.forward(x, gamma1, self.eps)
         q, k, v = self.attention_in(h1, w_q, w_k, w_v)
         if mistake == "block-rope-on-v":

@@ -49,6 +49,10 @@ MISTAKES = {
     "projections-merge-reshape": "the backward merges G_Q, G_K, G_V back to [B, n, H*d] by a bare reshape, without "
                                  "the inverse head/sequence permutation",
     "projections-v-path-through-wk": "the V path of G_X (or G_M) goes through W_K: G_V W_K^T where G_V W_V^T belongs",
+    "projections-dwv-from-x": "cross-attention: G_WV taken from the query input x (x^T G_V) where the memory m's "
+                              "(m^T G_V) belongs",
+    "projections-dwk-from-x": "cross-attention: G_WK taken from the query input x (x^T G_K) where the memory m's "
+                              "(m^T G_K) belongs",
     "projections-k-path-through-wv": "the K path of G_X (or G_M) goes through W_V: G_K W_V^T where G_K W_K^T belongs",
 }
 #: The attention faults flow through unchanged (their names mean the same thing here, on a user's implementation
@@ -110,7 +114,11 @@ class Layer:
         g_o = split(grad_y @ w_o.T, self.heads_q, split_faults)
         att = attention.backward(q, k, v, self.visible, self.scale, self.kv_map, g_o, faults)
         g_q, g_k, g_v = merge(att.q, merge_faults), merge(att.k, merge_faults), merge(att.v, merge_faults)
-        grads = {"w_q": _rows(x).T @ _rows(g_q), "w_k": _rows(s).T @ _rows(g_k), "w_v": _rows(s).T @ _rows(g_v),
+        s_k = x if "projections-dwk-from-x" in faults and self.cross else s
+        s_v = x if "projections-dwv-from-x" in faults and self.cross else s
+        if (s_k is x or s_v is x) and self.cross and x.shape != s.shape:
+            raise ValueError("x and m differ in shape")
+        grads = {"w_q": _rows(x).T @ _rows(g_q), "w_k": _rows(s_k).T @ _rows(g_k), "w_v": _rows(s_v).T @ _rows(g_v),
                  "w_o": _rows(merged).T @ _rows(grad_y)}
         if "projections-dw-mean" in faults:  # averaged over the rows of every batch element instead of summed
             grads = {t: w / _rows(x).shape[0] for t, w in grads.items()}

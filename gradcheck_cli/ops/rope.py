@@ -110,6 +110,25 @@ def rotate_cs(x, cos, sin, layout: str, sign: float = 1.0):
     return out
 
 
+def _by_head(x, cos, sin, layout: str):
+    """x [B, H, n, d] rotated with head h's angles taken from position h (the tables aligned with the heads axis)."""
+    heads = x.shape[-3]
+    if heads > cos.shape[0] or heads == 1:
+        raise ValueError("fewer positions than heads")
+    return rotate_cs(x, cos[:heads][:, None, :], sin[:heads][:, None, :], layout)
+
+
+def _last_features(x, cos, sin, layout: str):
+    """Partial rotary applied to the last rotary_dim features (the first ones passed through)."""
+    r, d = 2 * cos.shape[-1], x.shape[-1]
+    if r == d:
+        raise ValueError("every feature is rotated")
+    out = x.copy()
+    out[..., d - r:] = rotate_cs(np.ascontiguousarray(x[..., d - r:]), cos, sin, layout)
+    out[..., :d - r] = x[..., :d - r]
+    return out
+
+
 def _no_minus(x, cos, sin, layout: str):
     """The pairs mapped by (a cos + b sin, a sin + b cos): rotate_half without its minus sign."""
     first, second = _pairs(2 * cos.shape[-1], layout)
@@ -267,6 +286,11 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         "rope-tables-interleaved": ("the half-width cos/sin tables are expanded interleaved (repeat each twice) where "
                                     "the rotate_half formula needs them concatenated [cos, cos]",
                                     lambda x, cos, sin: _tables_interleaved(x, cos, sin, layout)),
+        "rope-angles-by-head": ("the cos/sin tables are broadcast on the wrong axis (unsqueezed at dim 1): head h "
+                                "gets position h's angles at every position",
+                                lambda x, cos, sin: _by_head(x, cos, sin, layout)),
+        "rope-last-features": ("partial rotary: the rotation is applied to the last rotary_dim features instead of "
+                               "the first", lambda x, cos, sin: _last_features(x, cos, sin, layout)),
         "rope-written-concatenated": ("the rotated pairs are written back concatenated [firsts, seconds] instead of "
                                       "in the layout they were read from (interleaved)",
                                       lambda x, cos, sin: _concatenated(x, cos, sin, layout)),

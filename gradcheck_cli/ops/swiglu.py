@@ -38,6 +38,11 @@ MISTAKES = {
     "swiglu-dx-gate-only": "G_x = G_a W_1^T: drops the linear branch's share G_b W_3^T",
     "swiglu-dw2-no-gate": "G_W2 = (x W_3)^T G_y: h taken without the gate SiLU(x W_1)",
     "swiglu-dw1-dw3-swapped": "G_W1 and G_W3 returned in each other's place (the gate and up projections mixed up)",
+    "swiglu-dw1-reshaped": "G_W1 = x^T G_a.reshape(d_ff, -1).T: a reshape where G_a's rows [n, d_ff] were meant (rows "
+                           "and features scrambled)",
+    "swiglu-dw3-reshaped": "G_W3 = x^T G_b.reshape(d_ff, -1).T: a reshape where G_b's rows [n, d_ff] were meant",
+    "silu-derivative-of-up": "SiLU'(a) taken at the up branch b = x W_3: sigmoid(b) (1 + a (1 - sigmoid(b))) where "
+                             "a = x W_1's belongs",
     "silu-derivative-sign": "SiLU'(a) taken as s (1 + a s): the (1 - s) of sigmoid's derivative written as s",
     "swiglu-up-grad-raw-gate": "G_b = G_h a: the linear branch gets the gate's pre-activation x W_1, not SiLU(x W_1)",
     "swiglu-gate-grad-no-up": "G_a = G_h SiLU'(a): the gate branch does not get the linear branch's value x W_3",
@@ -103,7 +108,8 @@ def backward(x, w1, w3, w2, grad_y, faults: Collection[str] = ()):
     silu_prime = {"silu-derivative": 1.0, "silu-derivative-sigmoid": s,
                   "silu-derivative-sigmoid-prime": s * (1.0 - s),
                   "silu-derivative-no-product-rule": a * s * (1.0 - s),
-                  "silu-derivative-sign": s * (1.0 + a * s)}
+                  "silu-derivative-sign": s * (1.0 + a * s),
+                  "silu-derivative-of-up": _sigmoid(b) * (1.0 + a * (1.0 - _sigmoid(b)))}
     silu_prime = next((silu_prime[f] for f in faults if f in silu_prime), s * (1.0 + a * (1.0 - s)))
     g_a = g_h * silu_prime if "swiglu-gate-grad-no-up" in faults else g_h * b * silu_prime
     g_b = g_h if "gate-branch" in faults else g_h * (a if "swiglu-up-grad-raw-gate" in faults else a * s)
@@ -113,7 +119,10 @@ def backward(x, w1, w3, w2, grad_y, faults: Collection[str] = ()):
     w1_x = w1 if "swiglu-dx-w1-untransposed" in faults else w1.T
     w3_x = w3 if "swiglu-dx-w3-untransposed" in faults else w3.T
     g_x = g_a @ w1_x if "swiglu-dx-gate-only" in faults else g_a @ w1_x + g_b @ w3_x
-    g_w1, g_w3 = xs.T @ _sum_rows(g_a), xs.T @ _sum_rows(g_b)
+    def rows(t, name):  # the known mistake: [n, d_ff] read back through a reshape to [d_ff, n]
+        r = _sum_rows(t)
+        return r.reshape(r.shape[-1], -1).T if f"swiglu-{name}-reshaped" in faults else r
+    g_w1, g_w3 = xs.T @ rows(g_a, "dw1"), xs.T @ rows(g_b, "dw3")
     if "swiglu-dw1-dw3-swapped" in faults:
         g_w1, g_w3 = g_w3, g_w1
     return {"x": g_x, "w1": g_w1, "w3": g_w3, "w2": g_w2}

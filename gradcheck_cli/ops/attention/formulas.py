@@ -242,10 +242,20 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
                           stages, rows)
     saved = next((f[len("lse-saved-"):] for f in faults if f.startswith("lse-saved-")), None)
     a_row = a  # the weights of the row term D_i = rowsum(A G_A) = rowsum(G_O O), a kernel's from O
-    if saved is not None:  # a known mistake (hints.known): A rebuilt from an LSE saved in a lower precision
+    if saved is not None:  # a known mistake (hints.known): A rebuilt from a wrong saved LSE (a lower precision,
+        # the row max left out) or over every key (the mask not applied again)
         saved, d_from_a = saved.removesuffix("-rowsum-of-p"), saved.endswith("-rowsum-of-p")
         lse = log_sum_exp(q, k, visible, scale, kv_map, stages=stages, rows=rows)
-        a = a * np.exp(lse - numeric.rounded(lse, saved))[..., None]
+        raw = raw_scores(q[..., rows, :], k, scale, kv_map)
+        s_all = score_stages.apply(stages, raw, rows) if stages else raw
+        if saved == "unmasked":
+            a = np.exp(s_all - lse[..., None])
+        elif saved == "without-max":
+            top = np.max(s_all, axis=-1, initial=-np.inf, where=np.broadcast_to(visible, s_all.shape)[..., rows, :]
+                         if visible is not None else True)
+            a = a * np.exp(top)[..., None]
+        else:
+            a = a * np.exp(lse - numeric.rounded(lse, saved))[..., None]
         a_row = a if d_from_a else a_row
     drop = score_stages.post(stages) if stages else None
     if drop is None:

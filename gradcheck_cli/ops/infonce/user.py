@@ -184,7 +184,27 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
             return forward(q, p, n, x["tau"], "dot", in_batch)
         return output
 
-    forward_mistakes = {"infonce-candidates-unnormalised": ("cosine similarity: the queries are normalised but not "
+    def labels_zero(*values):
+        x = named(values)
+        if not in_batch:
+            raise ValueError("the positive is column 0 already")
+        z = similarities(x["q"], x["p"], x["n"], sim, in_batch) / x["tau"]
+        top = z.max(axis=-1)
+        return top + np.log(np.exp(z - top[..., None]).sum(axis=-1)) - z[..., 0]
+
+    def normalised_over_batch(*values):
+        x = named(values)
+        if sim != "cosine":
+            raise ValueError("dot similarity")
+        unit = lambda t: None if t is None else t / np.linalg.norm(t, axis=0, keepdims=True)  # noqa: E731
+        return forward(unit(x["q"]), unit(x["p"]), unit(x["n"]), x["tau"], "dot", in_batch)
+
+    forward_mistakes = {"infonce-labels-zero": ("the labels are all 0 (column 0 taken as every query's positive) "
+                                                "where query i's positive is column i", labels_zero),
+                        "infonce-normalised-over-batch": ("cosine similarity: the vectors are normalised over the "
+                                                          "batch axis (dim=0), not over their features",
+                                                          normalised_over_batch),
+                        "infonce-candidates-unnormalised": ("cosine similarity: the queries are normalised but not "
                                                             "the candidates (positives, negatives)", half_cosine("q")),
                         "infonce-queries-unnormalised": ("cosine similarity: the candidates are normalised but not "
                                                          "the queries", half_cosine("c")),

@@ -212,7 +212,9 @@ def _scale_alternative(sc, context: Context, ref) -> str | None:
                              (sc.d_value ** -0.5, f"1/sqrt(d_value) = {sc.d_value ** -0.5:.6g}", "the scale taken "
                                                                                                "from V's width"),
                              (sc.scale ** 2, f"the scale twice ({sc.scale ** 2:.6g})", "q pre-scaled, and the scores "
-                                                                                     "scaled again")):
+                                                                                     "scaled again"),
+                             (1 / sc.scale, f"1/scale = {1 / sc.scale:.6g}", "the scores divided by the scale where "
+                                                                           "they are multiplied by it")):
         if abs(value - sc.scale) > 1e-12 * abs(sc.scale) and _matches(context.output, context.reference(scale=value),
                                                                        ref):
             return f"the forward scales the scores by {said}, not by the scenario's scale {sc.scale:.6g}: {why}"

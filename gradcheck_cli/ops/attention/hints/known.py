@@ -52,6 +52,14 @@ def candidates(sc, context, kv_map) -> tuple[list, dict]:
                                    lambda p=p, d=d: computed((f"lse-saved-{p}{d}",)))
             for p in numeric.SAVED_PRECISIONS
             for d, said in (("", " (D from dO O)"), ("-rowsum-of-p", " (D = rowsum(P dP) from it too)"))]
+    out += [fingerprints.Candidate(f"lse-saved-{kind}{d}", f"{says}{said}",
+                                   lambda kind=kind, d=d: computed((f"lse-saved-{kind}{d}",)))
+            for kind, says in (("without-max", "the saved log-sum-exp leaves out the row max (log sum exp(S - m), "
+                                               "not m + log sum exp(S - m)): A = exp(S - LSE) rebuilt from it is "
+                                               "exp(m) times too large"),
+                               ("unmasked", "the backward rebuilds A = exp(S - LSE) from the scores without the mask "
+                                            "(hidden keys get exp(S - LSE) > 0)"))
+            for d, said in (("", " (D from dO O)"), ("-rowsum-of-p", " (D = rowsum(P dP) from it too)"))]
     out += [fingerprints.Candidate("backward-softmax-unscaled", "the backward recomputes A = softmax(q k^T) without "
                                    "the scale (dQ and dK still multiplied by it)",
                                    lambda: computed(("backward-softmax-unscaled",))),
@@ -71,6 +79,7 @@ def candidates(sc, context, kv_map) -> tuple[list, dict]:
                 right["bias"].sum(axis=-3, keepdims=True), right["bias"].shape)}))
     out += _skipped_blocks(sc, args, x, g, grad_lse, right)
     out += _params_from_dp(args, x, g, grad_lse, right)
+    out += _reused(sc, args, x, g, grad_lse, right)
     out += _mistakes(sc, args, x, g, grad_lse, computed)
     for name, fault in score_stages.FAULTS.items():
         if fault.forward:
@@ -84,6 +93,38 @@ def candidates(sc, context, kv_map) -> tuple[list, dict]:
             out.append(fingerprints.Candidate(name, says, lambda i=i, wrong=wrong, st=st: computed(
                 stages=args.stages[:i] + (wrong(st),) + args.stages[i + 1:])))
     return out, right
+
+
+def _reused(sc, args, x, g, grad_lse, right) -> list:
+    """Candidates of a plain backward that takes one tensor for another: dQ from P instead of dS, dV from dS (P
+    overwritten in place), dQ from K read by the other head map, the LSE's gradient indexed by key."""
+    if args.stages:
+        return []
+    grads = backward(*x, grad_o=g, grad_lse=grad_lse, **args.kw)
+    k_rep = repeat_kv(x[1], args.kv_map)
+    out = [fingerprints.Candidate("dq-from-p", "dQ = scale P K: the weights where the score gradient dS belongs",
+                                  lambda: {**right, "q": grads.a @ k_rep * args.scale}),
+           fingerprints.Candidate("dv-from-ds", "dV = dS^T dO: P overwritten in place by dS (p.mul_) before dV reads "
+                                                "it", lambda: {**right, "v": sum_groups(
+                                                    np.swapaxes(grads.s, -1, -2) @ g, args.kv_map, x[2].shape[-3])})]
+    heads_q, heads_kv = x[0].shape[-3], x[1].shape[-3]
+    if 1 < heads_kv < heads_q:
+        for other in (default_kv_map(heads_q, heads_kv), interleaved_kv_map(heads_q, heads_kv)):
+            if tuple(other) != tuple(args.kv_map):
+                out.append(fingerprints.Candidate(
+                    "dq-other-head-map", "dQ = scale dS K with K expanded to the query heads by the other head map "
+                    "(tile for repeat, or the reverse) while the forward's is the scenario's",
+                    lambda other=other: {**right, "q": grads.s @ repeat_kv(x[1], np.asarray(other, dtype=np.intp))
+                                         * args.scale}))
+    if grad_lse is not None and sc.n_q == sc.n_k:
+        def along_keys():
+            g_s = grads.s - grads.a * grad_lse[..., :, None] + grads.a * grad_lse[..., None, :]
+            return {**right, "q": g_s @ k_rep * args.scale, "k": sum_groups(
+                np.swapaxes(g_s, -1, -2) @ x[0] * args.scale, args.kv_map, heads_kv)}
+        out.append(fingerprints.Candidate("lse-grad-along-keys", "the LSE's upstream gradient G_L [B, H, n_q] is "
+                                          "broadcast along the keys (G_L[..., None, :], indexed by key) where each "
+                                          "query row's belongs (G_L[..., :, None]); n_q = n_k hides it", along_keys))
+    return out
 
 
 def _params_from_dp(args, x, g, grad_lse, right) -> list:

@@ -217,6 +217,14 @@ class _Signed(Alibi):
         return -(i - j).astype(np.float64)
 
 
+class _GradColumn(Alibi):
+    """The slopes' gradient from dS times the column index j (BLOOM's form) while the forward uses the distance."""
+
+    def param_grad(self, g_out, s, rows=ALL, cols=ALL):
+        j = self._j[cols][None, :]
+        return _weighted(g_out, np.broadcast_to(j.astype(np.float64), (self._i[rows].shape[0], j.shape[1])))
+
+
 #: Known mistakes of ALiBi's forward: name -> (what it gets wrong, (stage, scenario) -> the wrong stage or None).
 FORWARD_MISTAKES = {
     "alibi-slopes-exponent-off-by-one": ("ALiBi: the slopes are 2^(-8 h / H) for h = 0 .. H-1, not 2^(-8 (h + 1) / H) "
@@ -225,6 +233,12 @@ FORWARD_MISTAKES = {
     "alibi-signed-distance": ("ALiBi: the distance is -(i - j) without its absolute value (right only where no "
                               "key comes after its query, as under a causal mask)",
                               lambda st, sc: st._same(st.slopes, cls=_Signed) if st.form == "distance" else None),
+    "alibi-inside-scale": ("ALiBi: added before the softmax scale, scale (q k + m d), not scale q k + m d",
+                           lambda st, sc: st._same(np.asarray(st.slopes) * sc.scale) if sc.scale != 1 else None),
+    "alibi-slopes-by-kv-head": ("ALiBi: the slopes indexed by KV head (slopes[kv_map]): the query heads of a group "
+                                "share one slope",
+                                lambda st, sc: st._same(np.asarray(st.slopes)[np.asarray(sc.kv_map)])
+                                if sc.heads_kv < sc.heads_q else None),
     "alibi-no-offset": ("ALiBi: the distance is taken without the query offset n_k - n_q (queries aligned with the "
                         "first keys, not the last)",
                         lambda st, sc: st._same(st.slopes, offset=False) if st.offset and st.n_q != st.n_k else None),
@@ -275,4 +289,8 @@ REGISTRATION = Registration(
     passes="alibi_slopes= [Hq] (with grad: true a NumPy backward returns their gradient last), and "
            "alibi_form=column for the column form",
     forward_mistakes=FORWARD_MISTAKES,
+    mistakes={"alibi-grad-column-form": ("ALiBi: the slopes' gradient multiplies dS by the column index j (BLOOM's "
+                                         "form) while the forward uses the distance -|i - j| (they agree only under "
+                                         "a causal mask, up to a constant per row)",
+                                         lambda st: st._same(st.slopes, cls=_GradColumn))},
 )

@@ -204,6 +204,9 @@ FORWARD_MISTAKES = {
     "bias-first-batch": ("bias: a per-batch bias [B, ...] read as bias[:1] (assumed shared by the batch)",
                          lambda st, sc: None if np.shape(st.bias)[-4] == 1 else Bias(
                              np.asarray(st.bias)[..., :1, :, :, :], st.grad)),
+    "bias-transposed": ("bias: added transposed (bias[..., j, i] at score (i, j); n_q = n_k hides it)",
+                        lambda st, sc: Bias(np.swapaxes(np.asarray(st.bias), -1, -2), st.grad)
+                        if np.shape(st.bias)[-1] == np.shape(st.bias)[-2] else None),
     "bias-first-head": ("bias: a per-head bias [.., H, ...] read as bias[:, :1] (assumed shared by the heads)",
                         lambda st, sc: None if np.shape(st.bias)[-3] == 1 else Bias(
                             np.asarray(st.bias)[..., :1, :, :], st.grad)),
