@@ -188,6 +188,12 @@ ATTENTION_CASES = [
                              "mask": {"causal": "lower-right"}}, "`lse-grad-no-weights`", "a constant factor"),
     ("dropout_dp_unmasked", {"heads_q": 4, "heads_kv": 2, "dropout": {"p": 0.2}}, "`dropout-dp-unmasked`",
      "a constant factor"),
+    # from a fourth and a fifth cold trial
+    ("lse_saved_half", {"heads_q": 4, "heads_kv": 2, "mask": {"causal": "lower-right"}},
+     "`lse-saved-float16-rowsum-of-p`", "does not sum to 0"),
+    ("backward_unscaled", {"heads_q": 4, "heads_kv": 2, "scale": 0.4}, "`backward-softmax-unscaled`",
+     "does not sum to 0"),
+    ("scale_divided", {"heads_q": 2, "heads_kv": 2, "scale": 0.4}, "scales the scores by 1/scale", "a constant factor"),
 ]
 
 

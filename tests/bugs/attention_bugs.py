@@ -479,3 +479,30 @@ scale_ignored = ScaleIgnored()
 softcap_slope_at_raw = SoftcapSlopeAtRaw()
 lse_grad_no_weights = LseGradNoWeights()
 dropout_dp_unmasked = DropoutDpUnmasked()
+
+
+# ------------------------------------------------ the kinds a fourth and fifth cold trial found unnamed
+class LseSavedHalf(Hooked):
+    def weights_bwd(self, q, k_rep, visible, scale):
+        s = np.where(visible, _scores(q, k_rep, scale), -np.inf)
+        m = s.max(-1, keepdims=True)
+        lse = (m + np.log(np.exp(s - m).sum(-1, keepdims=True))).astype(np.float16).astype(q.dtype)  # a half buffer
+        return np.exp(s - lse)
+
+
+class BackwardUnscaled(Hooked):
+    def weights_bwd(self, q, k_rep, visible, scale):
+        return _softmax_masked(_scores(q, k_rep, 1.0), visible)  # the recompute forgot the scale
+
+
+class ScaleDivided(Hooked):
+    def forward(self, q, k, v, visible, scale, kv_map):
+        return super().forward(q, k, v, visible, 1.0 / scale, kv_map)
+
+    def backward(self, q, k, v, visible, scale, kv_map, grad_o):
+        return super().backward(q, k, v, visible, 1.0 / scale, kv_map, grad_o)
+
+
+lse_saved_half = LseSavedHalf()
+backward_unscaled = BackwardUnscaled()
+scale_divided = ScaleDivided()
