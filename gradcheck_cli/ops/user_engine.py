@@ -297,7 +297,7 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
             out += other_conventions(y, reference["o"]) + convention_hints(checks, y, reference["o"], op.alternatives)
             out += forward_named(y, reference["o"], {**{name: (says, lambda f=f: f(*x64, *op.args.values()))
                                                         for name, (says, f) in op.forward_mistakes.items()},
-                                                     **square_transposed(op, order, x64)})
+                                                     **square_transposed(op, order, x64), **copied(op, order, x64)})
         failed = {c.tensor for c in checks if c.kind == "gradient" and c.verdict == "fail"}
         none = no_gradient(impl, failed, order)
         named = fingerprints.named(evidence, failed, candidates, reference)  # the correct gradients, float64
@@ -352,6 +352,28 @@ def square_transposed(op: UserOp, order: tuple[str, ...], x64: list) -> dict:
             out[f"{t.replace('_', '-')}-transposed"] = (
                 f"{t} is used transposed in the forward (a weight stored [out, in] read as [in, out])",
                 lambda i=i: op.forward(*x64[:i], x64[i].T, *x64[i + 1:], *op.args.values()))
+    return out
+
+
+def copied(op: UserOp, order: tuple[str, ...], x64: list) -> dict:
+    """Forward mistakes of any op with same-shaped inputs: two of them swapped, or one given another's value (a
+    copy-paste of the wrong name)."""
+    out = {}
+    for i, a in enumerate(order):
+        for j, b in enumerate(order):
+            if i == j or x64[i].shape != x64[j].shape or a in op.batched or b in op.batched:
+                continue
+            values = list(x64)
+            values[i] = x64[j]
+            out[f"{a}-given-{b}".replace("_", "-")] = (
+                f"{a} is given {b}'s value in the forward (a copy-paste of the wrong name; {a} unused)",
+                lambda values=values: op.forward(*values, *op.args.values()))
+            if i < j:
+                swapped = list(x64)
+                swapped[i], swapped[j] = x64[j], x64[i]
+                out[f"{a}-{b}-swapped".replace("_", "-")] = (
+                    f"{a} and {b} are swapped in the forward (each used where the other belongs)",
+                    lambda swapped=swapped: op.forward(*swapped, *op.args.values()))
     return out
 
 

@@ -13,6 +13,7 @@ PHRASES = {
     "precision": "computes internally in about float32",
     "forward-mask": "the forward lets hidden keys reach O",
     "window-off-by-one": "`mask-forward-window-left+1`",
+    "softmax-axis": "`softmax-over-queries`",
     "causal-alignment": "causal mask aligned upper-left",
     "kv-layout": "maps query heads to KV heads interleaved",
     "batch-mixing": "mixes batch elements",
@@ -79,7 +80,7 @@ TABLE = [
     ("more:causal_offset_swapped", CACHE_6x10, "float64", "forward-mask"),
     ("more:tiled_local_mask_index", SQUARE_12, "float64", "forward-mask"),
     ("more:multiplicative_mask", GQA, "float64", "forward-mask"),
-    ("more:softmax_query_axis", PLAIN, "float64", "normalisation"),
+    ("more:softmax_query_axis", PLAIN, "float64", "softmax-axis"),  # named by its fingerprint
     ("more:stale_workspace", GQA, "float64", "nondeterminism"),
     ("more:rowsum_unmasked_p", GQA, "float64", "row-sum"),
     ("more:dk_wrong_kv_head", GQA, "float64", None),

@@ -18,6 +18,7 @@ from ..formulas import (
     _exp_scores,
     attention_weights,
     backward,
+    raw_scores,
     repeat_kv,
     sink_weight,
     sum_groups,
@@ -290,6 +291,26 @@ def _forward_candidates(sc, context, kv_map, stages) -> list:
     out += [(name, says, lambda v=v: context.reference(visible=v)) for name, says, v in mask_variants(sc, "forward")]
     x = [np.asarray(context.inputs[t], dtype=np.float64) for t in "qkv"]
     plain = all(st.name not in ("sinks", "dropout") for st in stages)
+    if plain:
+        def over_queries():
+            s = raw_scores(x[0], x[1], sc.scale, np.asarray(kv_map))
+            s = score_stages.apply(stages, s) if stages else s
+            s = np.where(sc.visible, s, -np.inf)
+            top = np.max(s, axis=-2, keepdims=True, initial=-np.inf, where=sc.visible)
+            e = np.where(sc.visible, np.exp(s - np.where(np.isfinite(top), top, 0.0)), 0.0)
+            total = e.sum(axis=-2, keepdims=True)
+            return np.divide(e, total, out=np.zeros_like(e), where=total > 0) @ repeat_kv(x[2], np.asarray(kv_map))
+        out.append(("softmax-over-queries", "the softmax is normalised over the query axis (axis -2), not over the "
+                                            "keys", over_queries))
+        if sc.n_q == sc.n_k and sc.heads_q == sc.heads_kv:
+            def transposed_scores():
+                s = np.swapaxes(raw_scores(x[0], x[1], sc.scale, np.asarray(kv_map)), -1, -2)
+                s = score_stages.apply(stages, s) if stages else s
+                s = np.where(sc.visible, s, -np.inf)
+                e = np.exp(s - s.max(axis=-1, keepdims=True))
+                return e / e.sum(axis=-1, keepdims=True) @ x[2]
+            out.append(("scores-transposed", "the scores are K Q^T, not Q K^T (q and k swapped; n_q = n_k hides it)",
+                        transposed_scores))
     drop = next((st for st in stages if st.name == "dropout"), None)
     if drop is not None:
         rest = tuple(st for st in stages if st.name != "dropout")
