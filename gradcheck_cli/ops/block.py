@@ -41,6 +41,8 @@ MISTAKES = {**rmsnorm.MISTAKES, **rope.MISTAKES, **swiglu.MISTAKES,
                                           "path's gradient alone, not G_y as well",
             "block-attention-residual-missing": "the backward drops the residual h = x + Attn(x): x gets the "
                                                 "attention path's gradient alone, not G_h as well",
+            "block-norm2-backward-gamma1": "the second RMSNorm's G_x is computed with gamma1 (a copy-paste; its "
+                                           "G_gamma2 is right)",
             "block-q-rope-backward-identity": "the backward does not rotate dQ back through RoPE (dK is)",
             "block-k-rope-backward-identity": "the backward does not rotate dK back through RoPE (dQ is)",
             "block-q-rope-detached": "the rotated Q is detached (no gradient flows back through RoPE to W_Q and the "
@@ -127,6 +129,8 @@ class Block:
         # y = h + SwiGLU(h2): the residual passes G_y straight to h
         ffn = swiglu.backward(h2, w1, w3, w2, grad_y, faults)
         g_h2_h, g_gamma2 = rmsnorm.backward(h, gamma2, self.eps, ffn["x"], faults)
+        if "block-norm2-backward-gamma1" in faults:
+            g_h2_h = rmsnorm.backward(h, gamma1, self.eps, ffn["x"], faults)[0]
         g_h = grad_y if "block-ffn-input-detached" in faults else (
             g_h2_h if "block-ffn-residual-missing" in faults else grad_y + g_h2_h)
         # h = x + merge(O) W_O: the residual passes G_h straight to x

@@ -57,6 +57,8 @@ MISTAKES = {
        for e in (1e-5, 1e-6)},
     "layernorm-mean-term-no-gamma": "the centring term subtracts mean(G_y) where mean(g), g = G_y gamma, belongs",
     "layernorm-scale-term-mean-g": "the scale term is xhat mean(g) where xhat mean(g xhat) belongs",
+    "layernorm-scale-term-no-gamma": "the scale term's mean takes G_y where g = G_y gamma belongs: xhat mean(G_y "
+                                     "xhat)",
     "layernorm-scale-term-uncentred": "the scale term's mean takes the uncentred x / s where xhat = (x - mu) / s "
                                       "belongs: xhat mean(g x / s)",
     "layernorm-backward-no-eps": "the backward recomputes s = sqrt(var) without the forward's eps",
@@ -124,8 +126,9 @@ def backward(x, gamma, beta, eps, grad_y, faults: Collection[str] = ()):
     if "layernorm-scale-term" not in faults and not both:
         inner = {"layernorm-scale-term-centred": x - mu, "layernorm-scale-term-mean-g": 1.0,
                  "layernorm-scale-term-uncentred": x / s}
+        fed = grad_y if "layernorm-scale-term-no-gamma" in faults else g
         scale_term = (1.0 if "layernorm-scale-term-no-xhat" in faults else xhat) * np.mean(
-            g * next((inner[f] for f in faults if f in inner), xhat), axis=-1, keepdims=True)
+            fed * next((inner[f] for f in faults if f in inner), xhat), axis=-1, keepdims=True)
         g_x = g_x + scale_term if "layernorm-scale-term-sign" in faults else g_x - scale_term
     if "layernorm-not-divided-by-s" not in faults:
         g_x = g_x / s

@@ -266,7 +266,15 @@ def forward_mistakes(sc, layer, order) -> dict:
             raise ValueError("shapes differ")
         return layer.forward(**{**t, target: t[source]})
 
-    out = {"projections-heads-reshape": ("the heads are split and merged by a bare reshape [B, n, H*d] -> [B, H, n, "
+    def kv_from_x(values):
+        t = dict(zip(order, values[:len(order)]))
+        if not layer.cross or t["x"].shape != t["m"].shape:
+            raise ValueError("self-attention, or x and m differ in shape")
+        return layer.forward(**{**t, "m": t["x"]})
+
+    out = {"projections-kv-from-x": ("cross-attention: K and V are projected from the query input x instead of the "
+                                     "memory m", lambda *v: kv_from_x(v)),
+           "projections-heads-reshape": ("the heads are split and merged by a bare reshape [B, n, H*d] -> [B, H, n, "
                                          "d], without swapping the head and sequence axes",
                                          lambda *v: with_(v, reshape="both")),
            "projections-split-reshape-forward": ("the heads are split by a bare reshape (.view(B, H, n, d) of [B, n, "

@@ -54,6 +54,8 @@ MISTAKES = {
                         "cos (- g_a sin belongs)",
     "rope-pair-outputs-swapped": "the two features of each pair get each other's gradient (G_a and G_b written to "
                                  "each other's place)",
+    "rope-backward-cos-negated": "the inverse rotation negates cos instead of sin (the gradient rotated by pi - angle: "
+                                 "-1 times the right one)",
     "rope-backward-positions-from-zero": "the backward rebuilds its cos/sin table for positions 0 .. n-1: the "
                                          "position offset the forward's table has is lost",
     "rope-backward-first-position": "the backward rotates every position by the angles of the first one (cos[0], "
@@ -69,6 +71,8 @@ def _backward_cs(grad_y, cos, sin, layout: str, faults: Collection[str] = ()):
         return grad_y.copy()
     if "rope-backward-cos-only" in faults:
         return rotate_cs(grad_y, cos, np.zeros_like(sin), layout)
+    if "rope-backward-cos-negated" in faults:
+        return rotate_cs(grad_y, -cos, sin, layout, +1.0)
     if "rope-other-pairing" in faults:
         layout = _OTHER[layout]
     if "rope-backward-first-position" in faults:

@@ -75,6 +75,8 @@ FORWARD_MISTAKES = {
                         lambda x, w1, w3, w2: (_gelu_erf(x @ w1) * (x @ w3)) @ w2),
     "swiglu-sigmoid-gate": ("the gate is sigmoid(x W_1), not SiLU(x W_1) = x W_1 sigmoid(x W_1) (GLU written)",
                             lambda x, w1, w3, w2: (_sigmoid(x @ w1) * (x @ w3)) @ w2),
+    "swiglu-silu-of-product": ("SiLU is applied to the product (x W_1)(x W_3), not to x W_1 alone",
+                               lambda x, w1, w3, w2: silu((x @ w1) * (x @ w3)) @ w2),
     "swiglu-no-up": ("the up branch is missing: SiLU(x W_1) W_2", lambda x, w1, w3, w2: silu(x @ w1) @ w2),
 }
 

@@ -45,6 +45,12 @@ MISTAKES = {
                               "z = s / tau already divided)",
     "infonce-positive-own-query-only": "in-batch: each positive's gradient comes from its own query alone (G_s[j, j] "
                                        "q_j), not also from every other query it is a negative for",
+    "infonce-upstream-along-candidates": "the upstream gradient G_l [B] broadcast along the candidates (column j "
+                                         "scaled by G_l[j]) where each query row's belongs (G_l[:, None])",
+    "infonce-candidates-no-normalisation": "cosine similarity: the candidates' gradient skips the backward of their "
+                                           "normalisation (d(c / |c|) taken as the identity); the queries' has it",
+    "infonce-queries-no-normalisation": "cosine similarity: the queries' gradient skips the backward of their "
+                                        "normalisation (d(q / |q|) taken as the identity); the candidates' has it",
     "infonce-dtau-sign": "G_tau = +sum(G_z s) / tau^2: the sign of d(s / tau) / d tau lost",
     "infonce-cosine-no-projection": "cosine similarity: d(x / |x|) taken as 1 / |x|, without the projection "
                                     "-u (u . g) / |x| that removes the gradient along x (the norm treated as a "

@@ -63,7 +63,12 @@ def backward(q, p, n, tau, grad_l, similarity: str, in_batch: bool, faults: Coll
     onehot = np.zeros_like(z)
     onehot[np.arange(q.shape[0]), positives(q.shape[0], in_batch)] = 1.0
     upstream = np.ones_like(grad_l) if "infonce-upstream-ignored" in faults else grad_l
-    g_z = upstream[:, None] * ((0.0 if "infonce-normaliser" in faults else a) - onehot)
+    if "infonce-upstream-along-candidates" in faults:
+        if z.shape[-1] != z.shape[-2]:
+            raise ValueError("as many candidates as queries needed")
+        g_z = upstream[None, :] * (a - onehot)
+    else:
+        g_z = upstream[:, None] * ((0.0 if "infonce-normaliser" in faults else a) - onehot)
     g_s = g_z if "infonce-tau-once" in faults else (g_z * tau if "infonce-tau-times" in faults else g_z / tau)
     c = _candidates(p, n, in_batch)
     uq, uc = (_unit(q), _unit(c)) if similarity == "cosine" else (q, c)
@@ -77,6 +82,8 @@ def backward(q, p, n, tau, grad_l, similarity: str, in_batch: bool, faults: Coll
                                                                                                keepdims=True)
         g_c = (g_uc - keep * uc * np.sum(uc * g_uc, axis=-1, keepdims=True)) / np.linalg.norm(c, axis=-1,
                                                                                                keepdims=True)
+        g_q = g_uq if "infonce-queries-no-normalisation" in faults else g_q
+        g_c = g_uc if "infonce-candidates-no-normalisation" in faults else g_c
     else:
         g_q, g_c = g_uq, g_uc
     batch = q.shape[0]

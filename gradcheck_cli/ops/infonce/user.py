@@ -199,7 +199,18 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         unit = lambda t: None if t is None else t / np.linalg.norm(t, axis=0, keepdims=True)  # noqa: E731
         return forward(unit(x["q"]), unit(x["p"]), unit(x["n"]), x["tau"], "dot", in_batch)
 
-    forward_mistakes = {"infonce-labels-zero": ("the labels are all 0 (column 0 taken as every query's positive) "
+    def matrix_norm(*values):
+        x = named(values)
+        if sim != "cosine":
+            raise ValueError("dot similarity")
+        c = np.sqrt(np.sum(x["p"] ** 2) + (0.0 if x["n"] is None else np.sum(x["n"] ** 2)))  # [p; n] as one matrix
+        return forward(x["q"] / np.linalg.norm(x["q"]), x["p"] / c, None if x["n"] is None else x["n"] / c, x["tau"],
+                       "dot", in_batch)
+
+    forward_mistakes = {"infonce-normalised-by-matrix-norm": ("cosine similarity: each matrix divided by its whole "
+                                                              "norm (no axis), not each vector by its own",
+                                                              matrix_norm),
+                        "infonce-labels-zero": ("the labels are all 0 (column 0 taken as every query's positive) "
                                                 "where query i's positive is column i", labels_zero),
                         "infonce-normalised-over-batch": ("cosine similarity: the vectors are normalised over the "
                                                           "batch axis (dim=0), not over their features",

@@ -191,13 +191,16 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                 if name in broken]
         documents = next((c.facts["leaks"] for c in checks if c.name == "documents do not see each other"
                           and c.verdict == "fail" and c.facts.get("leaks")), None)
-        if named_forward:  # said after what it breaks (documents seeing each other, hidden keys reaching O)
+        if named_forward:  # said after the facts it explains (documents seeing each other), in place of the advice;
+            # hidden keys reaching O said too only where the named mistake is the mask's own
             alternative = named_forward
+            leak = leak if "`mask-" in named_forward else []
         if documents:  # a packed batch: say which documents see which (varlen)
             pairs = "; ".join(f"document {d}'s keys reach document {e}'s queries" for d, e in documents[:3])
-            out.append(f"the forward lets the documents of the packed batch see each other ({pairs}): keep each "
-                       "document's queries to its own keys, cu_seqlens_k[d] to cu_seqlens_k[d + 1] (a mask over the "
-                       "packed axis, or a path for short documents that ignores cu_seqlens, does not)")
+            out.append(f"the forward lets the documents of the packed batch see each other ({pairs})" + (
+                "" if named_forward else ": keep each document's queries to its own keys, cu_seqlens_k[d] to "
+                "cu_seqlens_k[d + 1] (a mask over the packed axis, or a path for short documents that ignores "
+                "cu_seqlens, does not)"))
         skipped = _skipped_documents(sc, context) if context is not None and forward_wrong else []
         if skipped:  # whole documents' rows left at 0: the loop over the documents misses them
             out.append(f"the forward leaves every output row of document{'s' if len(skipped) > 1 else ''} "

@@ -375,6 +375,12 @@ def _lse_hints(sc, context: Context, kv_map, failed, broken) -> list[str]:
                       (sc.visible, context.stages, 1.0,
                        "the implementation's log-sum-exp is that of the unscaled scores q k^T, while its softmax's are "
                        "scaled (the scale left out of the returned statistic)")]
+            with np.errstate(over="ignore"):
+                zeros = np.log(np.sum(np.where(sc.visible, np.exp(s), 0.0), axis=-1) + np.sum(~sc.visible, axis=-1))
+            if not sc.visible.all() and _matches(mine, zeros, ref):
+                out.append("the implementation's log-sum-exp takes every hidden score as 0 (where(visible, S, 0)): "
+                           "each hidden key adds exp(0) = 1 to it; hidden scores must be -inf there")
+                others = []
             for visible, stages, scale, says in others:
                 same = visible is sc.visible and stages == context.stages and scale == sc.scale
                 if not same and _matches(mine, log_sum_exp(x["q"], x["k"], visible, scale, kv_map, stages=stages),

@@ -18,6 +18,7 @@ from ..formulas import (
     _exp_scores,
     attention_weights,
     backward,
+    forward,
     raw_scores,
     repeat_kv,
     sink_weight,
@@ -81,6 +82,7 @@ def candidates(sc, context, kv_map) -> tuple[list, dict]:
     out += _skipped_blocks(sc, args, x, g, grad_lse, right)
     out += _params_from_dp(args, x, g, grad_lse, right)
     out += _reused(sc, args, x, g, grad_lse, right)
+    out += _stage_params(args, x, g, grad_lse, right)
     out += _mistakes(sc, args, x, g, grad_lse, computed)
     for name, fault in score_stages.FAULTS.items():
         if fault.forward:
@@ -125,6 +127,39 @@ def _reused(sc, args, x, g, grad_lse, right) -> list:
         out.append(fingerprints.Candidate("lse-grad-along-keys", "the LSE's upstream gradient G_L [B, H, n_q] is "
                                           "broadcast along the keys (G_L[..., None, :], indexed by key) where each "
                                           "query row's belongs (G_L[..., :, None]); n_q = n_k hides it", along_keys))
+    return out
+
+
+def _stage_params(args, x, g, grad_lse, right) -> list:
+    """Candidates of a stage parameter's gradient: a bias after softcap's cap whose gradient also takes the cap's
+    derivative (as if it came before the cap), a sink's gradient from exp(s_h - m_i) without the row's normaliser."""
+    out = []
+    names = [st.name for st in args.stages]
+    raw = raw_scores(x[0], x[1], args.scale, args.kv_map)
+    if "softcap" in names and grad_lse is None:
+        at = names.index("softcap")
+        cap = args.stages[at]
+        after = score_stages.apply(args.stages[:at], raw) if at else raw
+        grads = backward(*x, grad_o=g, **args.kw)
+        for st in args.stages[at + 1:]:
+            if st.param is not None and st.param in right and st.name in ("bias", "alibi", "relative_bias"):
+                out.append(fingerprints.Candidate(
+                    f"{st.name.replace('_', '-')}-grad-through-cap", f"{st.name.replace('_', ' ')}: its gradient is "
+                    "taken after the cap's derivative (1 - t^2), though it is added after the cap (dS at the softmax's "
+                    "input belongs)", lambda st=st: {**right, st.param: st.param_grad(grads.s * cap.slope(after),
+                                                                                       None)}))
+    sinks = next((st for st in args.stages if st.name == "sinks"), None)
+    if sinks is not None and sinks.param in right and "dropout" not in names:
+        rest = tuple(st for st in args.stages if st.name != "sinks")
+        s = score_stages.apply(rest, raw) if rest else raw
+        sink = np.asarray(score_stages.sink_logits(args.stages), dtype=np.float64)[..., 0]  # [Hq, 1]
+        top = np.maximum(np.max(s, axis=-1, initial=-np.inf, where=args.visible), sink)
+        o = forward(*x, **args.kw)
+        d = (g * o).sum(axis=-1)
+        out.append(fingerprints.Candidate(
+            "sinks-grad-unnormalised", "sinks: the sink's gradient takes exp(s_h - m_i), the running max only, as its "
+            "weight: ds_h = -sum exp(s_h - m_i) D_i, missing the division by the row's normaliser l_i",
+            lambda: {**right, sinks.param: -(np.exp(sink - top) * d).reshape((-1,) + d.shape[-2:]).sum(axis=(0, 2))}))
     return out
 
 

@@ -207,6 +207,9 @@ FORWARD_MISTAKES = {
     "bias-transposed": ("bias: added transposed (bias[..., j, i] at score (i, j); n_q = n_k hides it)",
                         lambda st, sc: Bias(np.swapaxes(np.asarray(st.bias), -1, -2), st.grad)
                         if np.shape(st.bias)[-1] == np.shape(st.bias)[-2] else None),
+    "bias-by-kv-head": ("bias: a per-query-head bias indexed by KV head (bias[:, kv_map]), as if it were per KV "
+                        "head", lambda st, sc: Bias(np.asarray(st.bias)[..., np.asarray(sc.kv_map), :, :], st.grad)
+                        if np.shape(st.bias)[-3] == sc.heads_q > sc.heads_kv else None),
     "bias-first-head": ("bias: a per-head bias [.., H, ...] read as bias[:, :1] (assumed shared by the heads)",
                         lambda st, sc: None if np.shape(st.bias)[-3] == 1 else Bias(
                             np.asarray(st.bias)[..., :1, :, :], st.grad)),
