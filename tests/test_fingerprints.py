@@ -277,7 +277,7 @@ INJECTED = {"rmsnorm": {"batch": 2, "n": 3, "d_model": 8, "eps": 0.01},
             "infonce": {"batch": 3, "dim": 4, "hard_negatives": 2, "learn_temperature": True, "temperature": 0.5}}
 #: Mistakes that need their own shapes: every query with as many candidates as there are queries.
 SQUARE = {"infonce-candidates-untransposed": {"hard_negatives": 0},
-          "infonce-upstream-along-candidates": {"hard_negatives": 0}}
+          "infonce-upstream-along-candidates": {"hard_negatives": 0}, "infonce-dq-untransposed": {"hard_negatives": 0}}
 #: Known mistakes the injected implementation cannot show: written into the user engine's own backward (RoPE's table
 #: rebuilt from position 0), or for cosine similarity (InfoNCE's projection) while the injected InfoNCE is dot.
 NOT_INJECTED = {"rope-backward-positions-from-zero", "infonce-cosine-no-projection",

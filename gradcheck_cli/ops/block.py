@@ -62,6 +62,12 @@ FORWARD_MISTAKES = {
     "block-post-norm": "the block is wired post-norm, norm(x + Attn(x)) then norm(h + FFN(h)), where pre-norm x + "
                        "Attn(norm(x)) belongs",
     "block-rope-on-v": "RoPE is applied to V as well as to Q and K",
+    "block-rope-q-only": "RoPE is applied to Q only (K left unrotated)",
+    "block-rope-k-only": "RoPE is applied to K only (Q left unrotated)",
+    "block-ffn-from-x": "the feed-forward half reads RMSNorm(x), the block's input, where RMSNorm(h) belongs (a "
+                        "parallel block's wiring in a sequential one)",
+    "block-ffn-residual-from-normalised": "the feed-forward residual adds the normalised h: y = RMSNorm(h) + FFN, not "
+                                          "h + FFN",
     "block-no-rope": "RoPE is not applied (Q and K unrotated)",
     "block-norm2-gamma1": "the second RMSNorm uses gamma1 (gamma2 unused: a copy-paste)",
     "block-mask-not-passed": "the mask is not passed to the attention inside the block (every key visible: SDPA "
@@ -107,22 +113,29 @@ class Block:
             if v.shape[-1] != q.shape[-1]:
                 raise ValueError("d_value differs from d_head")
             v = rope.forward(v, self.theta, self.layout)
-        if mistake == "block-no-rope":
-            q, k = split(h1 @ w_q, self.heads_q), split(h1 @ w_k, self.heads_kv)
+        if mistake in ("block-no-rope", "block-rope-k-only"):
+            q = split(h1 @ w_q, self.heads_q)
+        if mistake in ("block-no-rope", "block-rope-q-only"):
+            k = split(h1 @ w_k, self.heads_kv)
         visible = np.ones_like(self.visible) if mistake == "block-mask-not-passed" else (
             self.visible if visible is None else visible)
         o = attention.forward(q, k, v, visible, self.scale, self.kv_map, (), ~visible)
         attn = merge(o) @ w_o
         h = attn if mistake == "block-attention-residual-missing-forward" else (
             h1 if mistake == "block-residual-from-normalised" else x) + attn
-        f = swiglu.forward(rmsnorm.forward(h, gamma1 if mistake == "block-norm2-gamma1" else gamma2, self.eps),
-                           w1, w3, w2)
+        h2 = rmsnorm.forward(x if mistake == "block-ffn-from-x" else h,
+                             gamma1 if mistake == "block-norm2-gamma1" else gamma2, self.eps)
+        f = swiglu.forward(h2, w1, w3, w2)
+        if mistake == "block-ffn-residual-from-normalised":
+            return h2 + f
         return f if mistake == "block-ffn-residual-missing-forward" else h + f
 
-    def backward(self, x, gamma1, w_q, w_k, w_v, w_o, gamma2, w1, w3, w2, grad_y, faults: Collection[str] = ()):
+    def backward(self, x, gamma1, w_q, w_k, w_v, w_o, gamma2, w1, w3, w2, grad_y, faults: Collection[str] = (),
+                 visible=None):
+        shown = self.visible if visible is None else visible
         h1 = rmsnorm.forward(x, gamma1, self.eps)
         q, k, v = self.attention_in(h1, w_q, w_k, w_v)
-        o = attention.forward(q, k, v, self.visible, self.scale, self.kv_map, faults, self.hidden)
+        o = attention.forward(q, k, v, shown, self.scale, self.kv_map, faults, ~shown)
         merged = merge(o)
         h = x + merged @ w_o
         h2 = rmsnorm.forward(h, gamma2, self.eps)
@@ -136,7 +149,7 @@ class Block:
         # h = x + merge(O) W_O: the residual passes G_h straight to x
         g_wo = merged.reshape(-1, merged.shape[-1]).T @ g_h.reshape(-1, g_h.shape[-1])
         g_o = split(g_h @ w_o.T, self.heads_q, faults)
-        att = attention.backward(q, k, v, self.visible, self.scale, self.kv_map, g_o, faults)
+        att = attention.backward(q, k, v, shown, self.scale, self.kv_map, g_o, faults)
         unrotated = ("rope-backward-identity",)
         g_q = merge(rope.backward(att.q, self.theta, self.layout, (*faults, *unrotated) if
                                   "block-q-rope-backward-identity" in faults else faults), faults)
@@ -263,8 +276,8 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
     def forward(*values):
         return block.forward(*values[:len(order)])
 
-    def backward(*values):  # (*inputs, *args, grad_y, faults)
-        grads = block.backward(*values[:len(order)], grad_y=values[-2], faults=values[-1])
+    def backward(*values):  # (*inputs, *args, grad_y, faults): args start with the visible set
+        grads = block.backward(*values[:len(order)], grad_y=values[-2], faults=values[-1], visible=values[len(order)])
         return tuple(grads[t] for t in order)
 
     return user_engine.build(sc, user_engine.UserOp(

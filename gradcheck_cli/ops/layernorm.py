@@ -59,6 +59,7 @@ MISTAKES = {
     "layernorm-scale-term-mean-g": "the scale term is xhat mean(g) where xhat mean(g xhat) belongs",
     "layernorm-scale-term-no-gamma": "the scale term's mean takes G_y where g = G_y gamma belongs: xhat mean(G_y "
                                      "xhat)",
+    "layernorm-scale-term-raw-x": "the scale term's mean takes the raw x where xhat belongs: xhat mean(g x)",
     "layernorm-scale-term-uncentred": "the scale term's mean takes the uncentred x / s where xhat = (x - mu) / s "
                                       "belongs: xhat mean(g x / s)",
     "layernorm-backward-no-eps": "the backward recomputes s = sqrt(var) without the forward's eps",
@@ -125,7 +126,7 @@ def backward(x, gamma, beta, eps, grad_y, faults: Collection[str] = ()):
         g_x = g_x - np.mean(grad_y if "layernorm-mean-term-no-gamma" in faults else g, axis=-1, keepdims=True)
     if "layernorm-scale-term" not in faults and not both:
         inner = {"layernorm-scale-term-centred": x - mu, "layernorm-scale-term-mean-g": 1.0,
-                 "layernorm-scale-term-uncentred": x / s}
+                 "layernorm-scale-term-uncentred": x / s, "layernorm-scale-term-raw-x": x}
         fed = grad_y if "layernorm-scale-term-no-gamma" in faults else g
         scale_term = (1.0 if "layernorm-scale-term-no-xhat" in faults else xhat) * np.mean(
             fed * next((inner[f] for f in faults if f in inner), xhat), axis=-1, keepdims=True)

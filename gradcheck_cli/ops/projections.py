@@ -103,16 +103,18 @@ class Layer:
         o = attention.forward(q, k, v, shown, self.scale if scale is None else scale, self.kv_map, faults, ~shown)
         return merge(o, ("head-merge",) if reshape in ("both", "merge") else ()) @ w_o
 
-    def backward(self, x, w_q, w_k, w_v, w_o, grad_y, m=None, faults: Collection[str] = ()) -> dict:
+    def backward(self, x, w_q, w_k, w_v, w_o, grad_y, m=None, faults: Collection[str] = (), visible=None) -> dict:
+        """The gradients; ``visible``: another visible set than the scenario's (a batch element's alone)."""
         s = m if self.cross else x
+        shown = self.visible if visible is None else visible
         q = split(x @ w_q, self.heads_q)
         k, v = split(s @ w_k, self.heads_kv), split(s @ w_v, self.heads_kv)
-        o = attention.forward(q, k, v, self.visible, self.scale, self.kv_map, faults, self.hidden)
+        o = attention.forward(q, k, v, shown, self.scale, self.kv_map, faults, ~shown)
         merged = merge(o)
         split_faults = (*faults, "head-merge") if "projections-split-reshape" in faults else faults
         merge_faults = (*faults, "head-merge") if "projections-merge-reshape" in faults else faults
         g_o = split(grad_y @ w_o.T, self.heads_q, split_faults)
-        att = attention.backward(q, k, v, self.visible, self.scale, self.kv_map, g_o, faults)
+        att = attention.backward(q, k, v, shown, self.scale, self.kv_map, g_o, faults)
         g_q, g_k, g_v = merge(att.q, merge_faults), merge(att.k, merge_faults), merge(att.v, merge_faults)
         s_k = x if "projections-dwk-from-x" in faults and self.cross else s
         s_v = x if "projections-dwv-from-x" in faults and self.cross else s
@@ -232,8 +234,9 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
     def forward(*values):
         return layer.forward(**dict(zip(order, values[:len(order)])))
 
-    def backward(*values):  # (*inputs, *args, grad_y, faults)
-        grads = layer.backward(**dict(zip(order, values[:len(order)])), grad_y=values[-2], faults=values[-1])
+    def backward(*values):  # (*inputs, *args, grad_y, faults): args start with the visible set
+        grads = layer.backward(**dict(zip(order, values[:len(order)])), grad_y=values[-2], faults=values[-1],
+                               visible=values[len(order)])
         return tuple(grads[t] for t in order)
 
     def checks(calls, dtype, y):

@@ -35,6 +35,8 @@ MISTAKES = {
                             "(-x sum(g x) / r^3: d_model times too large)",
     "rmsnorm-feedback-no-gamma": "the feedback term uses G_y instead of g = G_y gamma (-x mean(G_y x) / r^3)",
     "rmsnorm-feedback-r2": "the feedback term divides by r^2 instead of r^3",
+    "rmsnorm-feedback-xhat-mean-all": "the feedback term xhat mean(g xhat) / r takes its mean over the whole tensor, "
+                                      "not per row",
     "rmsnorm-feedback-mean-all": "the feedback term's mean(g x) is taken over the whole tensor, not per row over the "
                                  "features",
     "rmsnorm-feedback-saved-xhat": "the feedback term is written for x but given the saved xhat = x / r: xhat "
@@ -89,6 +91,8 @@ def backward(x, gamma, eps, grad_y, faults: Collection[str] = ()):
         axis = None if "rmsnorm-feedback-mean-all" in faults else -1
         power = next((power[f] for f in faults if f in power), 3)
         feedback = x * reduce(fed * x, axis=axis, keepdims=True) / r ** power
+        if "rmsnorm-feedback-xhat-mean-all" in faults:
+            feedback = (x / r) * np.mean(fed * x / r) / r
         g_x = g_x + feedback if "rmsnorm-feedback-sign" in faults else g_x - feedback
     up = grad_y * gamma if "rmsnorm-dgamma-times-gamma" in faults else grad_y
     rows = (up * (x if "rmsnorm-dgamma-raw-x" in faults else x / r)).reshape(-1, x.shape[-1])

@@ -250,6 +250,10 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
         s_all = score_stages.apply(stages, raw, rows) if stages else raw
         if saved == "unmasked":
             a = np.exp(s_all - lse[..., None])
+        elif saved == "row-max":  # the row max saved where the LSE belongs: A = exp(S - m), unnormalised
+            top = np.max(s_all, axis=-1, initial=-np.inf, where=np.broadcast_to(visible, s_all.shape)[..., rows, :]
+                         if visible is not None else True)
+            a = a * np.exp(lse - top)[..., None]
         elif saved == "without-max":
             top = np.max(s_all, axis=-1, initial=-np.inf, where=np.broadcast_to(visible, s_all.shape)[..., rows, :]
                          if visible is not None else True)

@@ -63,6 +63,8 @@ MISTAKES = {
                                 "tau^2, as if every G_l were 1), while G_q and the candidates' take it",
     "infonce-negatives-order": "in-batch: the hard negatives' gradient unflattened in (k, B) order where the forward "
                                "flattened them (B, k)",
+    "infonce-dq-untransposed": "G_Q = G_s^T C: the logits' gradient transposed (G_s C belongs; the shapes agree when "
+                               "every query has as many candidates as there are queries)",
     "infonce-candidates-untransposed": "G_C = G_s Q without the transpose of G_s (G_s^T Q; the shapes agree when "
                                        "every query has as many candidates as there are queries)",
 }

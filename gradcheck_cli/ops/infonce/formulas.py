@@ -73,7 +73,8 @@ def backward(q, p, n, tau, grad_l, similarity: str, in_batch: bool, faults: Coll
     c = _candidates(p, n, in_batch)
     uq, uc = (_unit(q), _unit(c)) if similarity == "cosine" else (q, c)
     if in_batch:
-        g_uq, g_uc = g_s @ uc, (g_s if "infonce-candidates-untransposed" in faults else g_s.T) @ uq
+        g_uq = (g_s.T if "infonce-dq-untransposed" in faults else g_s) @ uc
+        g_uc = (g_s if "infonce-candidates-untransposed" in faults else g_s.T) @ uq
     else:
         g_uq, g_uc = np.einsum("bc,bcd->bd", g_s, uc), g_s[..., None] * uq[:, None, :]
     if similarity == "cosine":

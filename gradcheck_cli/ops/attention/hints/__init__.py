@@ -198,9 +198,10 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
         if documents:  # a packed batch: say which documents see which (varlen)
             pairs = "; ".join(f"document {d}'s keys reach document {e}'s queries" for d, e in documents[:3])
             out.append(f"the forward lets the documents of the packed batch see each other ({pairs})" + (
-                "" if named_forward else ": keep each document's queries to its own keys, cu_seqlens_k[d] to "
-                "cu_seqlens_k[d + 1] (a mask over the packed axis, or a path for short documents that ignores "
-                "cu_seqlens, does not)"))
+                "" if named_forward else ": each document's queries may see only its own keys, cu_seqlens_k[d] to "
+                "cu_seqlens_k[d + 1]; check how the code maps a token to its document (an off-by-one at the "
+                "boundaries, searchsorted's side, offsets from the other cu_seqlens) and any path that ignores "
+                "cu_seqlens"))
         skipped = _skipped_documents(sc, context) if context is not None and forward_wrong else []
         if skipped:  # whole documents' rows left at 0: the loop over the documents misses them
             out.append(f"the forward leaves every output row of document{'s' if len(skipped) > 1 else ''} "
@@ -251,10 +252,11 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                                                                         else "keep_mask")
                        + ", applies it before the softmax, or rescales the kept weights otherwise than by 1 / (1 - p)")
         elif quiet and shifted:
-            out.append("the attention weights of a row do not sum to 1 (shifting every V row shifts O by as much"
-                       + ("; O rows in the range of visible V rows" if outside else "") + "): the softmax's "
-                       "normalisation is wrong (e.g. an online softmax that does not rescale its running sum and "
-                       "accumulator when the row maximum grows, or a denominator with an epsilon added)")
+            out.append("the attention weights of a row do not sum to 1 over the keys given (shifting every V row does "
+                       "not shift O by as much" + ("; O rows in the range of visible V rows" if outside else "") + "): "
+                       "the softmax's normaliser counts something else than the row's visible keys (keys padded with "
+                       "zeros or taken from elsewhere, an online softmax that does not rescale its running sum or "
+                       "accumulator when the row maximum grows, a denominator with an epsilon added)")
         if (not leak and alternative != "no mask" and not partial
                 and _mask_backward(sc, context, evidence, failed, broken, sees_all, kv_map)):
             # for code, the evidence is the fingerprint, not where the errors sit (A recomputed without the mask
@@ -281,7 +283,8 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
         swapped = _swapped(evidence, failed)
         if swapped:
             out.append(swapped)
-        elif not lse_hints and not fingerprint and not sink_backward and "lse" not in (sc.p("outputs") or ()):
+        elif (not lse_hints and not fingerprint and not sink_backward and not forward_wrong
+              and "lse" not in (sc.p("outputs") or ())):  # a wrong forward's weights need not sum to 1 either
             shift = _shift_violation(evidence, failed, verdicts, broken, sc.tolerance)
             if shift:
                 out.append(shift)

@@ -60,7 +60,9 @@ def candidates(sc, context, kv_map) -> tuple[list, dict]:
                                                "not m + log sum exp(S - m)): A = exp(S - LSE) rebuilt from it is "
                                                "exp(m) times too large"),
                                ("unmasked", "the backward rebuilds A = exp(S - LSE) from the scores without the mask "
-                                            "(hidden keys get exp(S - LSE) > 0)"))
+                                            "(hidden keys get exp(S - LSE) > 0)"),
+                               ("row-max", "the row max m is saved for the backward where the log-sum-exp belongs: A "
+                                           "= exp(S - m) rebuilt from it is unnormalised"))
             for d, said in (("", " (D from dO O)"), ("-rowsum-of-p", " (D = rowsum(P dP) from it too)"))]
     out += [fingerprints.Candidate("backward-softmax-unscaled", "the backward recomputes A = softmax(q k^T) without "
                                    "the scale (dQ and dK still multiplied by it)",
@@ -149,6 +151,11 @@ def _stage_params(args, x, g, grad_lse, right) -> list:
                     "input belongs)", lambda st=st: {**right, st.param: st.param_grad(grads.s * cap.slope(after),
                                                                                        None)}))
     sinks = next((st for st in args.stages if st.name == "sinks"), None)
+    if sinks is not None and sinks.param in right and np.size(right[sinks.param]) > 1:
+        out.append(fingerprints.Candidate(
+            "sinks-grad-summed-over-heads", "sinks: the sinks' gradient is summed over the heads too (every head gets "
+            "the sum) where each head's sink has its own", lambda: {**right, sinks.param: np.broadcast_to(
+                np.sum(right[sinks.param], axis=-1, keepdims=True), np.shape(right[sinks.param]))}))
     if sinks is not None and sinks.param in right and "dropout" not in names:
         rest = tuple(st for st in args.stages if st.name != "sinks")
         s = score_stages.apply(rest, raw) if rest else raw
