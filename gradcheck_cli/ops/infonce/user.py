@@ -192,12 +192,20 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
         top = z.max(axis=-1)
         return top + np.log(np.exp(z - top[..., None]).sum(axis=-1)) - z[..., 0]
 
-    def normalised_over_batch(*values):
-        x = named(values)
-        if sim != "cosine":
-            raise ValueError("dot similarity")
-        unit = lambda t: None if t is None else t / np.linalg.norm(t, axis=0, keepdims=True)  # noqa: E731
-        return forward(unit(x["q"]), unit(x["p"]), unit(x["n"]), x["tau"], "dot", in_batch)
+    def over_batch(joint: bool):
+        def output(*values):
+            x = named(values)
+            if sim != "cosine" or (joint and (not in_batch or x["n"] is None)):
+                raise ValueError("dot similarity, or no candidates to join")
+            q, p, n = x["q"], x["p"], x["n"]
+            if joint:  # the candidates [p; n] normalised as one matrix over its rows
+                norm = np.linalg.norm(np.concatenate([p, n.reshape(-1, n.shape[-1])]), axis=0, keepdims=True)
+                p, n = p / norm, n / norm
+            else:
+                p = p / np.linalg.norm(p, axis=0, keepdims=True)
+                n = None if n is None else n / np.linalg.norm(n, axis=0, keepdims=True)
+            return forward(q / np.linalg.norm(q, axis=0, keepdims=True), p, n, x["tau"], "dot", in_batch)
+        return output
 
     def matrix_norm(*values):
         x = named(values)
@@ -214,7 +222,11 @@ def build_user(sc, faults: Collection[str] = (), sizes: dict[str, float] | None 
                                                 "where query i's positive is column i", labels_zero),
                         "infonce-normalised-over-batch": ("cosine similarity: the vectors are normalised over the "
                                                           "batch axis (dim=0), not over their features",
-                                                          normalised_over_batch),
+                                                          over_batch(False)),
+                        "infonce-normalised-over-batch-joint": ("cosine similarity: the vectors are normalised over "
+                                                                "the batch axis (dim=0), the candidates [p; n] as one "
+                                                                "matrix, not each over its features",
+                                                                over_batch(True)),
                         "infonce-candidates-unnormalised": ("cosine similarity: the queries are normalised but not "
                                                             "the candidates (positives, negatives)", half_cosine("q")),
                         "infonce-queries-unnormalised": ("cosine similarity: the candidates are normalised but not "

@@ -219,7 +219,8 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                        "its output is exactly attention without the mask") + ")"
                        + (", while finite differences agree with the backward"
                           if verdicts and all(v == "pass" for v in verdicts.values()) else "")
-                       + ": apply the visible set in the forward (hidden keys get weight exactly 0)")
+                       + ": hidden keys must get weight exactly 0: the visible set applied to the scores before a "
+                         "softmax over the keys")
         elif alternative is not None and alternative != named_forward:
             out.append(alternative)
         if named_forward:

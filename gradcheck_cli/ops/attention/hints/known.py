@@ -341,7 +341,9 @@ def _forward_candidates(sc, context, kv_map, stages) -> list:
             top = np.max(s, axis=-2, keepdims=True, initial=-np.inf, where=sc.visible)
             e = np.where(sc.visible, np.exp(s - np.where(np.isfinite(top), top, 0.0)), 0.0)
             total = e.sum(axis=-2, keepdims=True)
-            return np.divide(e, total, out=np.zeros_like(e), where=total > 0) @ repeat_kv(x[2], np.asarray(kv_map))
+            # a key no query sees: uniform over the queries, as a finite fill (-1e9) makes it
+            a = np.where(total > 0, e / np.where(total > 0, total, 1.0), 1.0 / sc.n_q)
+            return a @ repeat_kv(x[2], np.asarray(kv_map))
         out.append(("softmax-over-queries", "the softmax is normalised over the query axis (axis -2), not over the "
                                             "keys", over_queries))
         if sc.n_q == sc.n_k and sc.heads_q == sc.heads_kv:

@@ -225,11 +225,24 @@ class _GradColumn(Alibi):
         return _weighted(g_out, np.broadcast_to(j.astype(np.float64), (self._i[rows].shape[0], j.shape[1])))
 
 
+class _GradNoOffset(Alibi):
+    """The slopes' gradient from the distance without the query offset n_k - n_q (the forward's has it)."""
+
+    def param_grad(self, g_out, s, rows=ALL, cols=ALL):
+        i, j = positions(self.n_q, self.n_k, False, self.documents)
+        i, j = i[rows][:, None], j[cols][None, :]
+        d = -np.abs(i - j).astype(np.float64) if self.form == "distance" else np.broadcast_to(
+            j.astype(np.float64), (i.shape[0], j.shape[1]))
+        return _weighted(g_out, d)
+
+
 #: Known mistakes of ALiBi's forward: name -> (what it gets wrong, (stage, scenario) -> the wrong stage or None).
 FORWARD_MISTAKES = {
     "alibi-slopes-exponent-off-by-one": ("ALiBi: the slopes are 2^(-8 h / H) for h = 0 .. H-1, not 2^(-8 (h + 1) / H) "
                                          "(the exponent off by one)",
                                          lambda st, sc: st._same(np.asarray(st.slopes) * 2.0 ** (8.0 / sc.heads_q))),
+    "alibi-sign-flipped": ("ALiBi: the bias is added with the wrong sign (+m |i - j|: far keys favoured)",
+                           lambda st, sc: st._same(-np.asarray(st.slopes))),
     "alibi-signed-distance": ("ALiBi: the distance is -(i - j) without its absolute value (right only where no "
                               "key comes after its query, as under a causal mask)",
                               lambda st, sc: st._same(st.slopes, cls=_Signed) if st.form == "distance" else None),
@@ -292,5 +305,9 @@ REGISTRATION = Registration(
     mistakes={"alibi-grad-column-form": ("ALiBi: the slopes' gradient multiplies dS by the column index j (BLOOM's "
                                          "form) while the forward uses the distance -|i - j| (they agree only under "
                                          "a causal mask, up to a constant per row)",
-                                         lambda st: st._same(st.slopes, cls=_GradColumn))},
+                                         lambda st: st._same(st.slopes, cls=_GradColumn)),
+              "alibi-grad-no-offset": ("ALiBi: the slopes' gradient takes the distance without the query offset n_k - "
+                                       "n_q while the forward's has it",
+                                       lambda st: st._same(st.slopes, cls=_GradNoOffset)
+                                       if st.offset and st.n_q != st.n_k else st)},
 )
