@@ -200,7 +200,8 @@ def patterns(evidence: Mapping, failed: set[str], sizes: Mapping[str, int] | Non
         if ev.analytic.ndim == 2 and ev.analytic.shape[0] == ev.analytic.shape[1] and _within(
                 ev, ev.analytic.T, ev.numeric):
             out.append(f"{_label(t)} is transposed: it is the finite differences of {t} with rows and columns "
-                       "swapped (x^T G where G^T x belongs, or a weight stored [out, in] read as [in, out])")
+                       "swapped (a product's operands in the wrong order, G^T x for x^T G or the reverse, or a weight "
+                       "stored [out, in] read as [in, out])")
             continue
         if ev.analytic.ndim == 2 and _within(ev, ev.analytic, ev.numeric.T.reshape(ev.analytic.shape)):
             out.append(f"{_label(t)} is its gradient transposed and then reshaped to {t}'s shape: a reshape (or .view) "
