@@ -24,7 +24,7 @@ from .. import invariants
 from ..tolerance import INVARIANT_ULPS
 from . import attention, dense, projections, rmsnorm, rope, swiglu, user_engine
 from .attention import memory as attention_memory
-from .attention.hints.known import mask_variants
+from .attention.hints.known_forward import mask_variants
 from .projections import merge, split
 from .registry import Interface, Op, Param, Structure, user_code_engines
 

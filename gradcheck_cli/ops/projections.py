@@ -25,7 +25,7 @@ from ..numeric import SeedStream
 from ..tolerance import INVARIANT_ULPS
 from . import attention, dense, user_engine
 from .attention import memory as attention_memory
-from .attention.hints.known import mask_variants
+from .attention.hints.known_forward import mask_variants
 from .convention import interleaved_kv_map
 from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
 

@@ -32,7 +32,7 @@ from .... import fingerprints, masks
 from ....fingerprints import SAME_FACTOR, factor
 from ...registry import Structure
 from ..distributed.hints import rank_hints
-from . import known
+from . import known, known_forward
 from .context import (
     DROP_MASK,
     Context,
@@ -185,7 +185,7 @@ def diagnosis(sc, context: Context | None = None) -> tuple[dict[str, Structure],
                                      else None)
         # a forward's known mistake, named before what it breaks (hidden keys reaching O through the normaliser,
         # documents seeing each other across a misplaced boundary)
-        named_forward = known.forward_named(sc, context, kv_map) if (
+        named_forward = known_forward.forward_named(sc, context, kv_map) if (
             context is not None and forward_wrong and alternative is None) else None
         leak = [name for name in ("attention is 0 off the visible set", "hidden K/V rows do not change O")
                 if name in broken]
