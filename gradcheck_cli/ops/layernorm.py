@@ -20,7 +20,7 @@ import numpy as np
 from .. import invariants, numeric
 from ..tolerance import INVARIANT_ULPS, machine_epsilon
 from . import dense, user_engine
-from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
+from .registry import Fault, Interface, Op, Param, Structure, named_value, user_code_engines
 
 #: The scale identity (``_invariants``): y(c x) = y(x) up to eps, so <G_x, x> is eps's share alone.
 SCALE_IDENTITY = "<G_x, x> = d eps mean(g xhat) / s^2"
@@ -102,20 +102,16 @@ def _over_rows(x, gamma, beta, eps):
     return gamma * (x - mu) / np.sqrt(np.mean((x - mu) ** 2, axis=-2, keepdims=True) + eps) + beta
 
 
-def _eps(faults, eps, prefix: str):
-    """The eps the backward uses: the forward's, or a hard-coded one a known mistake names (``prefix``=value)."""
-    return next((float(f[len(prefix):]) for f in faults if f.startswith(prefix)), eps)
-
-
 def backward(x, gamma, beta, eps, grad_y, faults: Collection[str] = ()):
     """(G_x, G_gamma, G_beta) for upstream grad_y [..., d_model]; G_gamma and G_beta sum every axis but the last."""
     mu = np.mean(x, axis=-1, keepdims=True)
     var = np.mean((x - mu) ** 2, axis=-1, keepdims=True)
     if "layernorm-backward-unbiased-var" in faults:
         var = var * (x.shape[-1] / max(x.shape[-1] - 1, 1))
-    eps = 0.0 if "layernorm-backward-no-eps" in faults else _eps(faults, eps, "layernorm-backward-eps-")
+    hard_coded = named_value(faults, "layernorm-backward-eps-")
+    eps = 0.0 if "layernorm-backward-no-eps" in faults else (eps if hard_coded is None else float(hard_coded))
     s = np.sqrt(var + np.asarray(eps, dtype=x.dtype))
-    saved = next((f[len("layernorm-rstd-"):] for f in faults if f.startswith("layernorm-rstd-")), None)
+    saved = named_value(faults, "layernorm-rstd-")
     if saved is not None:
         s = 1.0 / numeric.rounded(1.0 / s, saved)
     xhat = (x - mu) / s

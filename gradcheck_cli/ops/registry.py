@@ -9,6 +9,11 @@ from typing import Any
 import numpy as np
 
 
+def named_value(faults, prefix: str) -> str | None:
+    """The value a parametrised fault or known mistake carries in its name (``prefix`` + value, e.g.
+    ``rmsnorm-rstd-float16`` -> ``float16``), or None when none of ``faults`` has the prefix."""
+    return next((f[len(prefix):] for f in faults if f.startswith(prefix)), None)
+
 @dataclass(frozen=True)
 class Fault:
     """A deliberately wrong variant of an op's forward and/or backward (a negative control).

@@ -14,7 +14,7 @@ import numpy as np
 from .. import invariants, numeric
 from ..tolerance import INVARIANT_ULPS, machine_epsilon
 from . import dense, user_engine
-from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
+from .registry import Fault, Interface, Op, Param, Structure, named_value, user_code_engines
 
 #: The scale identity (``_scale_identity``): y(c x) = y(x) up to eps, so <G_x, x> is eps's share alone.
 SCALE_IDENTITY = "<G_x, x> = d eps mean(g xhat) / s^2"
@@ -76,10 +76,10 @@ def forward(x, gamma, eps):
 
 def backward(x, gamma, eps, grad_y, faults: Collection[str] = ()):
     """(G_x, G_gamma) for upstream grad_y [..., d_model]; G_gamma sums every axis but the last."""
-    eps = 0.0 if "rmsnorm-backward-no-eps" in faults else next(
-        (float(f[len("rmsnorm-backward-eps-"):]) for f in faults if f.startswith("rmsnorm-backward-eps-")), eps)
+    hard_coded = named_value(faults, "rmsnorm-backward-eps-")
+    eps = 0.0 if "rmsnorm-backward-no-eps" in faults else (eps if hard_coded is None else float(hard_coded))
     r = np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.asarray(eps, dtype=x.dtype))
-    saved = next((f[len("rmsnorm-rstd-"):] for f in faults if f.startswith("rmsnorm-rstd-")), None)
+    saved = named_value(faults, "rmsnorm-rstd-")
     if saved is not None:
         r = 1.0 / numeric.rounded(1.0 / r, saved)
     g = grad_y if "rmsnorm-no-gamma" in faults else grad_y * gamma

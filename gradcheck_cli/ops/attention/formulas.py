@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ... import numeric
-from ..registry import Fault
+from ..registry import Fault, named_value
 from . import stages as score_stages
 
 #: What a built-in fault does to a user's implementation: the gradient change the bug makes in the
@@ -240,7 +240,7 @@ def backward(q, k, v, visible, scale, kv_map, grad_o, faults: Collection[str] = 
     a_scale = next((a_scale[f] for f in faults if f in a_scale), scale)
     a = attention_weights(q, k, visible, a_scale, kv_map, (*faults, "mask") if "mask-backward" in faults else faults,
                           stages, rows)
-    saved = next((f[len("lse-saved-"):] for f in faults if f.startswith("lse-saved-")), None)
+    saved = named_value(faults, "lse-saved-")
     a_row = a  # the weights of the row term D_i = rowsum(A G_A) = rowsum(G_O O), a kernel's from O
     if saved is not None:  # a known mistake (hints.known): A rebuilt from a wrong saved LSE (a lower precision,
         # the row max left out) or over every key (the mask not applied again)

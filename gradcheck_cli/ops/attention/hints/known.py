@@ -75,17 +75,18 @@ def candidates(sc, context, kv_map) -> tuple[list, dict]:
                                           lambda: computed(("dropout-dp-unmasked",))))
         out.append(fingerprints.Candidate("dropout-dp-unmasked-d-right", DROPOUT_DP_UNMASKED + ", while D = rowsum(dO "
                                           "O) is right", lambda: computed(("dropout-dp-unmasked-d-right",))))
-    right = computed()
+    full = backward(*x, grad_o=g, grad_lse=grad_lse, **args.kw)  # the correct backward, once for every candidate
+    right = _as_dict(full)
     if "bias" in right and right["bias"].shape[-3] > 1:
         out.append(fingerprints.Candidate(
             "bias-grad-summed-over-heads", "bias: the per-head bias's gradient is summed over the heads too (every "
             "head gets the sum)", lambda: {**right, "bias": np.broadcast_to(
                 right["bias"].sum(axis=-3, keepdims=True), right["bias"].shape)}))
-    out += _skipped_blocks(sc, args, x, g, grad_lse, right)
-    out += _params_from_dp(args, x, g, grad_lse, right)
-    out += _reused(sc, args, x, g, grad_lse, right)
-    out += _stage_params(args, x, g, grad_lse, right)
-    out += _mistakes(sc, args, x, g, grad_lse, computed)
+    out += _skipped_blocks(sc, args, x, g, grad_lse, right, full)
+    out += _params_from_dp(args, x, g, grad_lse, right, full)
+    out += _reused(sc, args, x, g, grad_lse, right, full)
+    out += _stage_params(args, x, g, grad_lse, right, full)
+    out += _mistakes(sc, args, x, g, grad_lse, computed, full)
     for name, fault in score_stages.FAULTS.items():
         if fault.forward:
             continue
@@ -100,12 +101,12 @@ def candidates(sc, context, kv_map) -> tuple[list, dict]:
     return out, right
 
 
-def _reused(sc, args, x, g, grad_lse, right) -> list:
+def _reused(sc, args, x, g, grad_lse, right, full) -> list:
     """Candidates of a plain backward that takes one tensor for another: dQ from P instead of dS, dV from dS (P
     overwritten in place), dQ from K read by the other head map, the LSE's gradient indexed by key."""
     if args.stages:
         return []
-    grads = backward(*x, grad_o=g, grad_lse=grad_lse, **args.kw)
+    grads = full
     k_rep = repeat_kv(x[1], args.kv_map)
     out = [fingerprints.Candidate("dq-from-p", "dQ = scale P K: the weights where the score gradient dS belongs",
                                   lambda: {**right, "q": grads.a @ k_rep * args.scale}),
@@ -132,7 +133,7 @@ def _reused(sc, args, x, g, grad_lse, right) -> list:
     return out
 
 
-def _stage_params(args, x, g, grad_lse, right) -> list:
+def _stage_params(args, x, g, grad_lse, right, full) -> list:
     """Candidates of a stage parameter's gradient: a bias after softcap's cap whose gradient also takes the cap's
     derivative (as if it came before the cap), a sink's gradient from exp(s_h - m_i) without the row's normaliser."""
     out = []
@@ -142,7 +143,7 @@ def _stage_params(args, x, g, grad_lse, right) -> list:
         at = names.index("softcap")
         cap = args.stages[at]
         after = score_stages.apply(args.stages[:at], raw) if at else raw
-        grads = backward(*x, grad_o=g, **args.kw)
+        grads = full
         for st in args.stages[at + 1:]:
             if st.param is not None and st.param in right and st.name in ("bias", "alibi", "relative_bias"):
                 out.append(fingerprints.Candidate(
@@ -170,11 +171,11 @@ def _stage_params(args, x, g, grad_lse, right) -> list:
     return out
 
 
-def _params_from_dp(args, x, g, grad_lse, right) -> list:
+def _params_from_dp(args, x, g, grad_lse, right, full) -> list:
     """Candidates of an additive stage's parameter (bias, ALiBi slopes, relative bias table) whose gradient is taken
     from dP = dO V^T, the gradient of the weights, instead of dS, the gradient at the softmax's input."""
     out = []
-    grads = backward(*x, grad_o=g, grad_lse=grad_lse, **args.kw)
+    grads = full
     for st in args.stages:
         if st.param is None or st.param not in right or st.name in ("sinks", "softcap", "dropout"):
             continue
@@ -187,12 +188,12 @@ def _params_from_dp(args, x, g, grad_lse, right) -> list:
     return out
 
 
-def _skipped_blocks(sc, args, x, g, grad_lse, right) -> list:
+def _skipped_blocks(sc, args, x, g, grad_lse, right, full) -> list:
     """Candidates of a backward whose loops skip rows or keys (plain attention): the tail block of the keys or of the
     queries (a loop range(0, n - B + 1, B)), or the last document of a packed batch."""
     if args.stages:
         return []
-    grads = backward(*x, grad_o=g, grad_lse=grad_lse, **args.kw)
+    grads = full
     k_rep = repeat_kv(x[1], args.kv_map)
 
     def kept(keep_q, keep_k):
@@ -236,7 +237,7 @@ DROPOUT_DP_UNMASKED = ("dropout: dP = dO V^T without the keep mask and its 1/(1 
                        "backward's dP forgets it)")
 
 
-def _mistakes(sc, args, x, g, grad_lse, computed) -> list:
+def _mistakes(sc, args, x, g, grad_lse, computed, full) -> list:
     """Known mistakes of an attention backward without a CLI switch."""
     out = []
     aligned = other_alignment(sc)
@@ -272,21 +273,20 @@ def _mistakes(sc, args, x, g, grad_lse, computed) -> list:
     plain = not args.stages
     if sc.n_q == sc.n_k:
         def untransposed():
-            right = computed()
             a = attention_weights(*x[:2], **args.kw)
-            return {**right, "v": sum_groups(a @ g, args.kv_map, x[2].shape[-3])}
+            return {**_as_dict(full), "v": sum_groups(a @ g, args.kv_map, x[2].shape[-3])}
         out.append(fingerprints.Candidate("dv-untransposed", "dV = A G_O without the transpose of A (A^T G_O; the "
                                           "shapes agree when n_q = n_k)", untransposed))
         if plain:
             def dq_transposed():
-                grads = backward(*x, grad_o=g, grad_lse=grad_lse, **args.kw)
+                grads = full
                 return {**_as_dict(grads), "q": np.swapaxes(grads.s, -1, -2) @ repeat_kv(x[1], args.kv_map)
                         * args.scale}
             out.append(fingerprints.Candidate("dq-transposed-scores", "dQ = dS^T K: the score gradient transposed "
                                               "(dS K belongs; the shapes agree when n_q = n_k)", dq_transposed))
 
             def dk_untransposed():
-                grads = backward(*x, grad_o=g, grad_lse=grad_lse, **args.kw)
+                grads = full
                 return {**_as_dict(grads), "k": sum_groups(grads.s @ x[0] * args.scale, args.kv_map,
                                                            x[1].shape[-3])}
             out.append(fingerprints.Candidate("dk-untransposed-scores", "dK = dS Q: the score gradient without its "
