@@ -1,7 +1,7 @@
 """pytest plugin (registered through the ``pytest11`` entry point): every ``*.gradcheck.yaml`` file is
-collected, one test item per scenario; a failing item shows the failed checks with their worst
-elements and the command that reproduces just that scenario. A scenario that names an implementation
-runs in a worker process, as the command runs it.
+collected, one test item per scenario (and one per ``hunt:`` entry: ``attn-gradcheck hunt`` as a test); a failing
+item shows the failed checks with their worst elements and the command that reproduces just that scenario. A
+scenario that names an implementation runs in a worker process, as the command runs it.
 
 An inconclusive scenario (exit code 3 on the command line) fails its item by default, so that a suite gates
 as the command does; ``--gradcheck-inconclusive=skip|xfail`` (or the ini option ``gradcheck_inconclusive``)
@@ -50,12 +50,16 @@ def pytest_collect_file(parent, file_path):
 
 class ScenarioFile(pytest.File):
     def collect(self):
+        from .hunt import entries
         try:
             scenarios = load(self.path)
+            hunts = entries.read(str(self.path))
         except GradcheckError as exc:
             raise self.CollectError(visible(str(exc))) from None
         for sc in scenarios:
             yield ScenarioItem.from_parent(self, name=sc.name, scenario=sc)
+        for entry in hunts:
+            yield HuntItem.from_parent(self, name=entry.name, entry=entry)
 
 
 class ScenarioFailed(Exception):
@@ -102,3 +106,49 @@ class ScenarioItem(pytest.Item):
 
     def reportinfo(self):
         return self.path, self.scenario.line - 1, f"gradcheck: {self.scenario.name}"
+
+
+class HuntItem(pytest.Item):
+    """One ``hunt:`` entry: passes when the hunt finds no failure within its budget; fails with the smallest failing
+    scenario (as a scenario file's text), its failed checks and hints, and the command that repeats the hunt. Writes
+    nothing and keeps no database (a test's hunt is the same every run)."""
+
+    def __init__(self, *, entry, **kwargs):
+        super().__init__(**kwargs)
+        self.entry = entry
+        self.extra_keyword_matches.add("hunt")
+
+    def runtest(self):
+        from . import hunt
+        try:
+            outcome = hunt.execute(hunt.prepare(self.entry.options))
+        except GradcheckError as exc:
+            raise ScenarioFailed(visible(str(exc))) from None
+        found, plan = outcome.hunt, outcome.plan
+        if found.smallest is None and found.first_inconclusive is None:
+            return
+        shown = found.smallest or found.first_inconclusive
+        lines = [f"{found.tried} scenario(s) checked; " + (
+            f"FAILED, shrunk from {found.first.elements} to {found.smallest.elements} input elements:"
+            if found.smallest else f"{found.inconclusive} INCONCLUSIVE, none failed; the smallest:")]
+        lines += hunt.record.scenario_file(plan, found).splitlines() if found.smallest else [shown.scenario.describe()]
+        for c in shown.result.checks:
+            if c.verdict in ("fail", "inconclusive"):
+                lines.append(f"{'FAIL' if c.verdict == 'fail' else c.verdict.upper()} {failure_message(c)}")
+        lines += [f"hint: {h}" for h in shown.result.hints]
+        lines.append("repeat: " + hunt.record.command(plan))
+        policy = _inconclusive_policy(self.config)
+        if found.smallest is None and policy != "fail":
+            reason = visible(f"hunt inconclusive: {found.inconclusive} scenario(s), none failed")
+            if policy == "skip":
+                pytest.skip(reason)
+            pytest.xfail(reason)
+        raise ScenarioFailed("\n".join(map(visible, lines)))
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, ScenarioFailed):
+            return f"{visible(self.entry.name)}:\n{excinfo.value}"
+        return super().repr_failure(excinfo, style)
+
+    def reportinfo(self):
+        return self.path, max(self.entry.line - 1, 0), f"gradcheck: {self.entry.name}"

@@ -51,6 +51,7 @@ def test_each_hand_written_bug_is_named_by_its_cause_and_no_other(module, cls, c
     assert named == ({cause} if isinstance(cause, str) else set(cause)), result.hints
 
 
+@pytest.mark.slow  # ~2 s each (torch's and JAX's imports and compiles); the NumPy tables above run by default
 @pytest.mark.parametrize("module, library", [("torch_bugs", "torch"), ("jax_bugs", "jax")])
 def test_torch_and_jax_bugs_are_named_by_their_cause_and_no_other(module, library):
     """The same table's rule in the torch flavour (custom autograd Functions, detached statistics) and the JAX

@@ -25,8 +25,9 @@ from ..tolerance import INVARIANT_ULPS
 from . import attention, dense, projections, rmsnorm, rope, swiglu, user_engine
 from .attention import memory as attention_memory
 from .attention.hints.known_forward import mask_variants
+from .attention.space import AXES as ATTENTION_AXES
 from .projections import merge, split
-from .registry import Interface, Op, Param, Structure, user_code_engines
+from .registry import HEAD_EDGES, WIDTHS, Axis, Interface, Op, Param, Structure, user_code_engines
 
 #: Every fault of the parts, under its own name (on a user's implementation as on the parts').
 FAULTS = {**attention.ENGINE_FAULTS, **projections.FAULTS, **rope.FAULTS, **rmsnorm.FAULTS, **swiglu.FAULTS}
@@ -328,6 +329,10 @@ INTERFACE = Interface(("numpy", "torch", "jax"), (
     "visible [B, Hq, n, n] (True = key visible), kv_map[h] the KV head of query head h, eps the RMSNorm eps"),
     args=("visible", "cos", "sin", "scale", "kv_map", "eps"), conventions=("mask", "mask_heads"))
 
+#: The space ``attn-gradcheck hunt`` searches: attention's (self-attention: n_k is n_q), the model and hidden widths.
+SPACE = tuple(a for a in ATTENTION_AXES if a.key != "n_k") + (Axis("d_model", low=1, high=256, edges=HEAD_EDGES),
+                          Axis("d_ff", low=1, high=512, edges=WIDTHS))
+
 OP = Op(name="block", summary="pre-norm transformer block (RMSNorm, RoPE attention with projections, SwiGLU, "
                               "residuals): gradients of x and every parameter",
         tensors=("x", "gamma1") + WEIGHTS[:4] + ("gamma2",) + WEIGHTS[4:], faults=FAULTS,
@@ -343,4 +348,4 @@ OP = Op(name="block", summary="pre-norm transformer block (RMSNorm, RoPE attenti
         validate=_validate, shapes=_shapes, memory=_memory,
         describe=lambda sc: f"B={sc.batch} n={sc.n_q} d_model={sc.p('d_model')} d_ff={sc.p('d_ff')} Hq={sc.heads_q} "
                             f"Hkv={sc.heads_kv} d={sc.d_head}/{sc.d_value} {sc.dtype} {sc.mode}",
-        example=EXAMPLE)
+        example=EXAMPLE, space=SPACE)

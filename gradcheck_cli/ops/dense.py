@@ -70,7 +70,8 @@ def problem(sc, inputs: dict[str, np.ndarray], forward: Callable[..., np.ndarray
             work_factor: float = 4.0, structure: dict[str, Structure] | None = None,
             arrays: dict | None = None, step_sizes: dict[str, float] | None = None,
             analytic_rounding: dict[str, np.ndarray] | None = None,
-            rounding_forward: Callable[..., np.ndarray] | None = None) -> Problem:
+            rounding_forward: Callable[..., np.ndarray] | None = None,
+            forward_bound: np.ndarray | None = None) -> Problem:
     """``forward(**inputs) -> out`` (copies broadcast), analytic ``gradients`` of L = sum(out * g).
 
     The noise floor: each output's rounding is measured against the same forward in a wider type
@@ -85,6 +86,10 @@ def problem(sc, inputs: dict[str, np.ndarray], forward: Callable[..., np.ndarray
     it cancels to nothing, e.g. RMSNorm's G_x with d_model = 1).
     rounding_forward: the forward whose rounding is measured, when ``forward`` is a user's implementation
     (which need not run in a wider type): the built-in one, on the same inputs.
+    forward_bound: with ``rounding_forward``, the size of the terms behind each output. A user's forward may
+    round more than the built-in one (InfoNCE's l = lse - z_pos cancels what log1p keeps, and its finite
+    differences then see a flat loss): each output is also charged its distance from the built-in one, up to eps
+    x this bound, so that a wrong forward cannot raise the floor past rounding.
     """
     out = forward(**inputs)
     axes = tuple(range(-out.ndim, 0))
@@ -92,7 +97,11 @@ def problem(sc, inputs: dict[str, np.ndarray], forward: Callable[..., np.ndarray
     eps = float(np.finfo(np.dtype(sc.dtype)).eps)
     measured = rounding_forward or forward
     own = out if rounding_forward is None else rounding_forward(**inputs)
-    terms = np.abs(g).astype(np.float64) * rounding_errors(measured, inputs, own, sc.dtype, magnitude) / eps
+    errors = rounding_errors(measured, inputs, own, sc.dtype, magnitude)
+    if rounding_forward is not None and forward_bound is not None:
+        errors = errors + np.minimum(np.abs(np.asarray(out, np.float64) - np.asarray(own, np.float64)),
+                                     eps * np.asarray(forward_bound, np.float64))
+    terms = np.abs(g).astype(np.float64) * errors / eps
     total = min(RSS_FACTOR * float(rss(terms)), float(terms.sum()))  # never more than the worst case
 
     def loss(name: str, x: np.ndarray) -> np.ndarray:

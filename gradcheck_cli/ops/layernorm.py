@@ -20,7 +20,7 @@ import numpy as np
 from .. import invariants, numeric
 from ..tolerance import INVARIANT_ULPS, machine_epsilon
 from . import dense, user_engine
-from .registry import Fault, Interface, Op, Param, Structure, named_value, user_code_engines
+from .registry import SIZE_EDGES, WIDTHS, Axis, Fault, Interface, Op, Param, Structure, named_value, user_code_engines
 
 #: The scale identity (``_invariants``): y(c x) = y(x) up to eps, so <G_x, x> is eps's share alone.
 SCALE_IDENTITY = "<G_x, x> = d eps mean(g xhat) / s^2"
@@ -245,6 +245,10 @@ def _validate(params: dict, extra: dict) -> list:
 #: A small scenario on which every fault of this op applies (the fault contract's).
 EXAMPLE = {"batch": 2, "n": 4, "d_model": 8, "eps": 0.0}
 
+#: The space ``attn-gradcheck hunt`` searches: rows, width (each side of the powers of 2) and dtype; eps is the code's.
+SPACE = (Axis("dtype", "choice", choices=("float64", "float32")), Axis("batch", low=1, high=4),
+         Axis("n", low=1, high=300, edges=SIZE_EDGES), Axis("d_model", low=1, high=1024, edges=WIDTHS))
+
 OP = Op(name="layernorm", summary="LayerNorm y = gamma * (x - mean) / sqrt(var + eps) + beta: gradients of x, "
                                   "gamma and beta; checks your implementation too",
         tensors=("x", "gamma", "beta"), faults=FAULTS,
@@ -257,4 +261,4 @@ OP = Op(name="layernorm", summary="LayerNorm y = gamma * (x - mean) / sqrt(var +
                             f"{sc.dtype} {sc.mode}",
         backends=("numpy", "torch", "jax"),
         implementation=INTERFACE,
-        example=EXAMPLE)
+        example=EXAMPLE, space=SPACE)

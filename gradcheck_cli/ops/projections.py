@@ -26,8 +26,9 @@ from ..tolerance import INVARIANT_ULPS
 from . import attention, dense, user_engine
 from .attention import memory as attention_memory
 from .attention.hints.known_forward import mask_variants
+from .attention.space import AXES as ATTENTION_AXES
 from .convention import interleaved_kv_map
-from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
+from .registry import HEAD_EDGES, Axis, Fault, Interface, Op, Param, Structure, user_code_engines
 
 FAULTS = {f.name: f for f in (
     Fault("shared-input-sum", "G_X = G_Q W_Q^T only: drops the K and V paths of a shared input "
@@ -393,6 +394,11 @@ INTERFACE = Interface(("numpy", "torch", "jax"), (
     "heads split as [B, n, H*d] -> [B, H, n, d], visible [B, Hq, n_q, n_k] (True = key visible), kv_map[h] the "
     "KV head of query head h"), args=("visible", "scale", "kv_map"), conventions=("mask", "mask_heads"))
 
+#: The space ``attn-gradcheck hunt`` searches: attention's (n_k where the scenario sets it: cross-attention), and the
+#: model width.
+SPACE = tuple(dataclasses.replace(a, when_set=True) if a.key == "n_k" else a for a in ATTENTION_AXES) + (
+    Axis("d_model", low=1, high=256, edges=HEAD_EDGES),)
+
 OP = Op(name="attention-projections",
         summary="attention with Q/K/V/O projections and head split/merge: gradients of x (and m), W_Q, W_K, W_V, W_O",
         tensors=("x", "m", "w_q", "w_k", "w_v", "w_o"), faults=ALL_FAULTS,
@@ -405,4 +411,4 @@ OP = Op(name="attention-projections",
         validate=_validate, shapes=_shapes, memory=_memory,
         describe=lambda sc: f"{sc.p('source')} B={sc.batch} n_q={sc.n_q} n_k={sc.n_k} d_model={sc.p('d_model')} "
                             f"Hq={sc.heads_q} Hkv={sc.heads_kv} d={sc.d_head}/{sc.d_value} {sc.dtype} {sc.mode}",
-        example=EXAMPLE)
+        example=EXAMPLE, space=SPACE)

@@ -215,6 +215,39 @@ class Param:
     fields: tuple[tuple[str, Any], ...] = ()
 
 
+#: Sizes a hunt draws as often as all the others together (``Axis.edges``): the smallest, each side of the block
+#: sizes kernels tile by (16 .. 256), and primes between (the seqlens of FlashAttention's test grids).
+SIZE_EDGES = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 97, 113, 127, 128, 129, 217, 255, 256, 257)
+#: Head dimensions kernels special-case (FlashAttention's 40, 80, 96, 160, 192, 256) and each side of the powers of 2.
+HEAD_EDGES = (1, 2, 3, 4, 8, 15, 16, 17, 31, 32, 33, 40, 63, 64, 65, 80, 96, 127, 128, 129, 160, 192, 255, 256)
+#: Model and hidden widths: the head dimensions' edges, and each side of 512 and 1024.
+WIDTHS = HEAD_EDGES + (257, 511, 512, 513, 1023, 1024)
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One key of the space ``attn-gradcheck hunt`` draws scenarios from (``Op.space``), as data.
+
+    ``key``: a scenario key, dotted for a nested one (``mask.causal``), or ``group`` (attention's query heads per KV
+    head: ``heads_q`` = ``heads_kv`` x group). Its values are an integer range ``low`` .. ``high``, whose ``edges``
+    (block edges, primes, the sizes kernels special-case) are drawn as often as the rest, or ``choices`` (None: the
+    key left out, its default). The simplest value comes first: a failure shrinks towards it.
+    ``kind``: ``int``, ``choice``, ``lengths`` (a padding length per batch element, each in 1 .. ``of``, or none) or
+    ``window`` (a sliding window (left, right), each side in 0 .. ``of`` or None, or none).
+    ``when_set``: the axis varies only where the starting scenario sets the key (a variant, or an input the code
+    may not take), or where ``--space`` names it. ``fixed_by``: keys of the starting scenario that fix this one's
+    value (a mask file fixes the sizes): with one of them set, it keeps the starting value."""
+    key: str
+    kind: str = "int"
+    low: int = 1
+    high: int = 1
+    edges: tuple[int, ...] = ()
+    choices: tuple = ()
+    of: str = ""
+    when_set: bool = False
+    fixed_by: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class Engine:
     """One way of computing an op, imported only when a scenario uses it (as einops resolves its
@@ -301,6 +334,8 @@ class Op:
     #: whether a scenario sets a shared key a fault needs (``Fault.scenario``: ``varlen``), where it is no key of the
     #: op's own (those are set when their value is not None)
     sets: Callable[[Any, str], bool] | None = None
+    #: the space ``attn-gradcheck hunt`` searches (``Axis`` records, drawn in this order); empty: the op has none
+    space: tuple[Axis, ...] = ()
 
     def directional_derivative(self, mode: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
         """(engines, implementation flavours) that compute the derivative ``mode`` checks, for modes jvp and hvp;

@@ -14,7 +14,7 @@ import numpy as np
 from .. import invariants, numeric
 from ..tolerance import INVARIANT_ULPS, machine_epsilon
 from . import dense, user_engine
-from .registry import Fault, Interface, Op, Param, Structure, named_value, user_code_engines
+from .registry import SIZE_EDGES, WIDTHS, Axis, Fault, Interface, Op, Param, Structure, named_value, user_code_engines
 
 #: The scale identity (``_scale_identity``): y(c x) = y(x) up to eps, so <G_x, x> is eps's share alone.
 SCALE_IDENTITY = "<G_x, x> = d eps mean(g xhat) / s^2"
@@ -196,6 +196,10 @@ INTERFACE = Interface(("numpy", "torch", "jax"), (
 #: A small scenario on which every fault of this op applies (the fault contract's).
 EXAMPLE = {"batch": 2, "n": 5, "d_model": 16}
 
+#: The space ``attn-gradcheck hunt`` searches: rows, width (each side of the powers of 2) and dtype; eps is the code's.
+SPACE = (Axis("dtype", "choice", choices=("float64", "float32")), Axis("batch", low=1, high=4),
+         Axis("n", low=1, high=300, edges=SIZE_EDGES), Axis("d_model", low=1, high=1024, edges=WIDTHS))
+
 OP = Op(name="rmsnorm", summary="RMSNorm y = gamma * x / sqrt(mean(x^2) + eps): gradients of x and gamma",
         tensors=("x", "gamma"), faults=FAULTS,
         **user_code_engines("gradcheck_cli.ops.rmsnorm"),
@@ -207,4 +211,4 @@ OP = Op(name="rmsnorm", summary="RMSNorm y = gamma * x / sqrt(mean(x^2) + eps): 
         shapes=_shapes,
         describe=lambda sc: f"B={sc.batch} n={sc.p('n')} d_model={sc.p('d_model')} eps={sc.p('eps'):g} "
                             f"{sc.dtype} {sc.mode}",
-        example=EXAMPLE)
+        example=EXAMPLE, space=SPACE)

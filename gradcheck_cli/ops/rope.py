@@ -17,7 +17,7 @@ import numpy as np
 from .. import invariants
 from ..tolerance import INVARIANT_ULPS, machine_epsilon
 from . import dense, user_engine
-from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
+from .registry import HEAD_EDGES, SIZE_EDGES, Axis, Fault, Interface, Op, Param, Structure, user_code_engines
 
 FAULTS = {f.name: f for f in (
     Fault("rope-transpose", "the backward rotates the gradient forward (by +angle) instead of by the opposite angle",
@@ -333,6 +333,14 @@ INTERFACE = Interface(("numpy", "torch", "jax"), (
 #: A small scenario on which every fault of this op applies (the fault contract's).
 EXAMPLE = {"batch": 2, "heads": 2, "n": 6, "d_head": 8}
 
+#: The space ``attn-gradcheck hunt`` searches: heads, positions, head width (odd ones are refused by the loader), the
+#: rotated part and the position offset where the scenario sets them, and dtype; the layout and base are the code's.
+SPACE = (Axis("dtype", "choice", choices=("float64", "float32")), Axis("batch", low=1, high=4),
+         Axis("heads", low=1, high=8), Axis("n", low=1, high=300, edges=SIZE_EDGES),
+         Axis("d_head", low=2, high=256, edges=HEAD_EDGES), Axis("rotary_dim", low=2, high=256, edges=HEAD_EDGES,
+                                                                  when_set=True),
+         Axis("position_offset", "choice", choices=(0, 1, 7, 2047, 2048, 4095), when_set=True))
+
 OP = Op(name="rope", summary="rotary position embedding at fixed positions: gradient of x",
         tensors=("x",), faults=FAULTS,
         **user_code_engines("gradcheck_cli.ops.rope"),
@@ -350,4 +358,4 @@ OP = Op(name="rope", summary="rotary position embedding at fixed positions: grad
         describe=lambda sc: f"B={sc.batch} H={sc.p('heads')} n={sc.p('n')} d={sc.p('d_head')} "
                             f"rotary={sc.p('rotary_dim') or sc.p('d_head')} {sc.p('layout')} base={sc.p('base'):g} "
                             f"{sc.dtype} {sc.mode}",
-        example=EXAMPLE)
+        example=EXAMPLE, space=SPACE)

@@ -16,7 +16,7 @@ import numpy as np
 from .. import invariants
 from ..tolerance import INVARIANT_ULPS, machine_epsilon
 from . import dense, user_engine
-from .registry import Fault, Interface, Op, Param, Structure, user_code_engines
+from .registry import SIZE_EDGES, WIDTHS, Axis, Fault, Interface, Op, Param, Structure, user_code_engines
 
 FAULTS = {f.name: f for f in (
     Fault("silu-derivative", "G_a = G_h * b: drops SiLU's own derivative SiLU'(x W_1)",
@@ -232,6 +232,11 @@ INTERFACE = Interface(("numpy", "torch", "jax"), (
 #: A small scenario on which every fault of this op applies (the fault contract's).
 EXAMPLE = {"batch": 2, "n": 4, "d_model": 8, "d_ff": 12}
 
+#: The space ``attn-gradcheck hunt`` searches: rows, the model and hidden widths, and dtype.
+SPACE = (Axis("dtype", "choice", choices=("float64", "float32")), Axis("batch", low=1, high=4),
+         Axis("n", low=1, high=300, edges=SIZE_EDGES), Axis("d_model", low=1, high=1024, edges=WIDTHS),
+         Axis("d_ff", low=1, high=1024, edges=WIDTHS))
+
 OP = Op(name="swiglu", summary="SwiGLU (SiLU(x W1) * x W3) W2: gradients of x, W1, W2, W3",
         tensors=("x", "w1", "w3", "w2"), faults=FAULTS,
         **user_code_engines("gradcheck_cli.ops.swiglu"),
@@ -243,4 +248,4 @@ OP = Op(name="swiglu", summary="SwiGLU (SiLU(x W1) * x W3) W2: gradients of x, W
         shapes=_shapes,
         describe=lambda sc: f"B={sc.batch} n={sc.p('n')} d_model={sc.p('d_model')} d_ff={sc.p('d_ff')} "
                             f"{sc.dtype} {sc.mode}",
-        example=EXAMPLE)
+        example=EXAMPLE, space=SPACE)

@@ -280,7 +280,8 @@ def build(sc, op: UserOp, faults: Collection[str] = ()) -> Problem:
     problem = dense.problem(sc, dict(op.inputs), user_forward, grads, op.g, invariants=checks, rounding=op.rounding,
                             structure=op.structure, arrays={"reference_output": reference["o"]},
                             analytic_rounding={t: rule.ulps * rule.eps * terms[t] for t in order},
-                            rounding_forward=lambda **xs: op.forward(*(xs[t] for t in order), *op.args.values()))
+                            rounding_forward=lambda **xs: op.forward(*(xs[t] for t in order), *op.args.values()),
+                            forward_bound=terms.get("o"))
     problem.compute_dtype = None if computes_in == sc.dtype else computes_in
     problem.compile_s = flavours.compile_time(impl)
     x64, g64 = [op.inputs[t].astype(np.float64) for t in order], op.g.astype(np.float64)

@@ -33,10 +33,12 @@ INPUT_SUFFIXES = {".py": "Python module", ".pyi": "Python stub", ".yaml": "YAML 
 
 
 def prepare_outputs(files: dict[str, str | None], folders: dict[str, str | None],
-                    folder_files: dict[str, Sequence[str]] | None = None, inputs: Sequence[str] = ()) -> None:
+                    folder_files: dict[str, Sequence[str]] | None = None, inputs: Sequence[str] = (),
+                    replaceable: Sequence[str] = ()) -> None:
     """Before anything runs: every file a run will write (``files``, and ``folder_files[opt]`` inside
     ``folders[opt]``) is distinct and is none of ``inputs``; folders exist (created if missing) and
-    can be written."""
+    can be written. A file of an input's kind (YAML, ...) is never replaced, but for those in ``replaceable``
+    (what an earlier run of the same command wrote, as a hunt's scenario file)."""
     for opt, p in [*files.items(), *folders.items()]:
         if p is not None and not str(p).strip():
             raise GradcheckError(f"{opt} {p!r}: an empty path; give a file path")
@@ -57,7 +59,7 @@ def prepare_outputs(files: dict[str, str | None], folders: dict[str, str | None]
         if key in targets:
             raise GradcheckError(f"{what} would overwrite {targets[key]} ({p}); give another path")
         if p.suffix.lower() in INPUT_SUFFIXES and p.suffix.lower() != ".npz" and _files.is_regular_or_absent(p) \
-                and p.exists():
+                and p.exists() and str(p) not in replaceable:
             raise GradcheckError(f"{what} would overwrite {p}, a {INPUT_SUFFIXES[p.suffix.lower()]} (perhaps one "
                                  "the run reads); a report never replaces one: give another path")
         targets[key] = what

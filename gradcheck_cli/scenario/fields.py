@@ -38,7 +38,9 @@ LOW_PRECISION = ("float16", "bfloat16")
 NESTED = {"check": CHECK_KEYS, **{key: sub for group in KEY_GROUPS for key, sub in group.nested.items()}}
 #: Nested mappings a scenario replaces as a whole (a packed batch's seqlens_q and seqlens_k go together).
 WHOLE = tuple(key for group in KEY_GROUPS for key in group.whole)
-TOP_KEYS = ("defaults", "scenarios")
+TOP_KEYS = ("defaults", "scenarios", "hunt")
+#: The keys of one ``hunt:`` entry (the pytest plugin runs each as one test; ``attn-gradcheck run`` ignores them).
+HUNT_KEYS = ("select", "budget", "examples", "seed", "space", "max_elements")
 #: The smallest step, in units of the dtype's resolution: a smaller one rounds back to the input.
 MIN_STEP_ULPS = 8
 #: The largest finite-difference step (relative to the inputs' scale) a scenario may ask for.

@@ -87,6 +87,15 @@ def json_schema() -> dict:
             "defaults": {"type": "object", "additionalProperties": False, "properties": defaults},
             "scenarios": {"type": "array", "minItems": 1, "items": {
                 "type": "object", "additionalProperties": False, "required": ["name"], "properties": fields}},
+            "hunt": {"type": "array", "description": "hunts the pytest plugin runs, one test each",
+                     "items": {"type": "object", "additionalProperties": False, "required": ["select"], "properties": {
+                         "select": {"type": "string", "description": "the scenario to start from"},
+                         "budget": {"type": "number", "exclusiveMinimum": 0, "description": "seconds to search"},
+                         "examples": {"type": "integer", "minimum": 1, "description": "most scenarios to check"},
+                         "seed": {"type": "integer", "minimum": 0},
+                         "max_elements": {"type": "integer", "minimum": 1},
+                         "space": {"type": "object", "description": "axis: range ('1..300') or list of values",
+                                   "additionalProperties": {"type": ["string", "number", "array"]}}}}},
         },
     }
 

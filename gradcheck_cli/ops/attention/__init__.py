@@ -18,7 +18,7 @@ package but the shared machinery below ``ops``):
 from __future__ import annotations
 
 from ..registry import Engine, Interface, Op
-from . import lse, scenario_keys, varlen
+from . import lse, scenario_keys, space, varlen
 from . import stages as score_stages
 from .directional import hvp, jvp
 from .distributed import keys as distributed
@@ -125,7 +125,7 @@ OP = Op(name="attention", summary="scaled dot-product attention (A.10): gradient
         shapes=shapes, why_not=why_not, non_finite=non_finite, memory=memory_need,
         backends=("numpy", "torch", "jax"), built_in_backends=("numpy", "torch"),
         dtypes=("float64", "float32", "float16", "bfloat16"), low_precision_backends=("torch", "jax"),
-        implementation=INTERFACE, colouring=True, example=EXAMPLE, tangent_engines=("naive", "tiled"),
+        implementation=INTERFACE, colouring=True, example=EXAMPLE, space=space.AXES, tangent_engines=("naive", "tiled"),
         tangent_flavours=("numpy", "torch", "jax"), second_engines=("naive",), second_flavours=("torch", "jax"),
         variants=tuple((r.key, f"{r.param.help} (your code is passed {r.passes})") for r in score_stages.REGISTERED)
         + ((varlen.KEY, f"{varlen.schema()['description'].split('. Your code')[0]} (your code is passed "

@@ -20,7 +20,7 @@ import numpy as np
 from ... import invariants
 from ...tolerance import INVARIANT_ULPS
 from .. import dense, user_engine
-from ..registry import Fault, Interface, Op, Param, user_code_engines
+from ..registry import Axis, Fault, Interface, Op, Param, user_code_engines
 from . import user
 from .formulas import _terms, backward, forward, similarities
 from .inputs import _STRUCTURE, _inputs, _shapes
@@ -141,6 +141,14 @@ INTERFACE = Interface(("numpy", "torch", "jax"), (
 #: A small scenario on which every fault of this op applies (the fault contract's).
 EXAMPLE = {"batch": 4, "dim": 8}
 
+#: The space ``attn-gradcheck hunt`` searches: the batch (the in-batch negatives), the width, the hard negatives and
+#: temperature where the scenario sets them, and dtype; the similarity is the code's.
+SPACE = (Axis("dtype", "choice", choices=("float64", "float32")),
+         Axis("batch", low=1, high=64, edges=(1, 2, 3, 8, 16, 17)),
+         Axis("dim", low=1, high=256, edges=(1, 2, 3, 8, 16, 17, 64, 128, 256)),
+         Axis("hard_negatives", low=1, high=4, when_set=True),
+         Axis("temperature", "choice", choices=(0.1, 0.05, 0.01, 1.0), when_set=True))
+
 OP = Op(name="infonce", summary="InfoNCE retriever loss with in-batch and hard negatives: gradients of q, p, n "
                                 "(and tau)",
         tensors=("q", "p", "n", "tau"), faults=FAULTS,
@@ -158,5 +166,5 @@ OP = Op(name="infonce", summary="InfoNCE retriever loss with in-batch and hard n
                             f"{'in-batch' if sc.p('in_batch') else 'own'} {sc.p('similarity')} "
                             f"tau={sc.p('temperature'):g}{' learned' if sc.p('learn_temperature') else ''} "
                             f"{sc.dtype} {sc.mode}",
-        example=EXAMPLE)
+        example=EXAMPLE, space=SPACE)
 

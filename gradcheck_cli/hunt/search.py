@@ -1,0 +1,258 @@
+"""The search: hypothesis draws scenarios from the space, each is checked as ``attn-gradcheck run`` checks it (an
+implementation in a worker process of its own), and the first failure is shrunk by hypothesis to the smallest
+scenario that still fails the same check for the same cause. Hypothesis's example database keeps the failure,
+so a rerun of the same hunt starts from it."""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.errors import Flaky, HypothesisException
+
+from .. import checker, tasks
+
+try:
+    BaseExceptionGroup  # noqa: B018 -- Python 3.11 and later
+except NameError:  # pragma: no cover -- 3.10: hypothesis's own dependency provides it
+    from exceptiongroup import BaseExceptionGroup
+from ..result import ScenarioResult
+from ..scenario import Scenario
+from ..workers import _Workers
+from .space import Space
+from .start import Start, candidate, elements, with_values
+
+#: A named cause in a hint: "... a known mistake: ... (`softmax-term`)".
+_CAUSE = re.compile(r"\(`([A-Za-z0-9_.-]+)`\)")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A failing scenario: its keys, the loaded record, its result, its size and what failed (``signature``: the
+    failed checks' names, and the causes its hints name)."""
+    mapping: dict
+    scenario: Scenario
+    result: ScenarioResult
+    elements: int
+    signature: tuple[frozenset, frozenset]
+    values: dict = field(default_factory=dict)  # the draw (axis key: value) it was made from
+
+    def same_failure(self, other: Finding) -> bool:
+        """Whether ``other`` fails as this does: the first check this one failed fails there too, and so does
+        every cause this one's hints name."""
+        failed, causes = self.signature
+        first = next(c.name for c in self.result.checks if c.verdict == "fail")
+        return first in other.signature[0] and causes <= other.signature[1] and bool(failed)
+
+
+@dataclass
+class Hunt:
+    """What a hunt did: scenarios checked (``tried``), drawn but skipped (values the loader refuses together, or
+    over the size limit), inconclusive ones, the values each axis took (``covered``), the first failure and the
+    smallest scenario that fails the same way (``smallest``), each failing scenario's size as shrinking went
+    (``path``), and how it stopped."""
+    start: Start
+    space: Space
+    seed: int
+    tried: int = 0
+    skipped: int = 0
+    inconclusive: int = 0
+    other_failures: int = 0
+    covered: dict = field(default_factory=dict)
+    first: Finding | None = None
+    smallest: Finding | None = None
+    first_inconclusive: Finding | None = None
+    path: list = field(default_factory=list)
+    search_s: float = 0.0
+    shrink_s: float = 0.0
+    stopped: str = ""
+    interrupted: bool = False
+
+    @property
+    def verdict(self) -> str:
+        return "fail" if self.smallest else ("inconclusive" if self.inconclusive else "pass")
+
+
+class _Stop(BaseException):
+    """The time is spent: ends hypothesis's run at once (a BaseException, so it does not count as a failure)."""
+
+
+class _Failed(Exception):
+    """The scenario fails as the first failure did: hypothesis shrinks it."""
+
+
+def run(start: Start, space: Space, *, seed: int = 0, examples: int | None = None, budget_s: float = 120.0,
+        shrink_s: float = 120.0, database: str | None = None, memory_budget: int = checker.DEFAULT_MEMORY_BUDGET,
+        progress: Callable[[Hunt], None] | None = None) -> Hunt:
+    """Hunt for a failure around ``start``: at most ``examples`` scenarios (None: no limit) within ``budget_s``
+    seconds, then at most ``shrink_s`` seconds shrinking the first failure. ``database``: the folder of
+    hypothesis's example database (None: none kept). ``progress(hunt)`` is called after each scenario."""
+    hunt = Hunt(start, space, seed)
+    began = time.monotonic()
+    deadline = [began + budget_s]
+    pool = _Workers(1, os.cpu_count() or 1, [start.scenario]) if start.scenario.implementation else None
+
+    def check(sc: Scenario) -> ScenarioResult:
+        if pool is None:
+            return tasks.one(sc, (), False, memory_budget, None)[0]
+        (outcome,) = pool.map(start.file, [sc], (), False, memory_budget, None)
+        return outcome.result
+
+    def evaluate(values: dict, made: tuple | None = None) -> Finding | None:
+        """Check the scenario a draw describes (``made``: what ``_made`` made of it) and count it; None when it is
+        skipped (refused, or too large)."""
+        mapping, sc, size = made or _made(start, space, values)
+        if sc is None or size > space.max_elements:
+            hunt.skipped += 1
+            return None
+        result = check(sc)
+        hunt.tried += 1
+        for key, value in values.items():
+            hunt.covered.setdefault(key, []).append(value)
+        finding = Finding(mapping, sc, result, size, _signature(result), dict(values))
+        if result.verdict == "fail":
+            if hunt.first is None:
+                hunt.first, hunt.search_s = finding, time.monotonic() - began
+                deadline[0] = time.monotonic() + shrink_s
+            if hunt.first.same_failure(finding):
+                hunt.path.append(size)
+                if hunt.smallest is None or size <= hunt.smallest.elements:
+                    hunt.smallest = finding
+            else:
+                hunt.other_failures += 1
+        elif result.verdict == "inconclusive":
+            hunt.inconclusive += 1
+            if hunt.first_inconclusive is None or size < hunt.first_inconclusive.elements:
+                hunt.first_inconclusive = finding
+        if progress is not None:
+            progress(hunt)
+        return finding
+
+    def probe(values: dict) -> None:
+        if time.monotonic() > deadline[0]:
+            raise _Stop
+        finding = evaluate(values)
+        if finding is None:
+            reject()
+        if hunt.first is not None and hunt.first.same_failure(finding):
+            raise _Failed
+
+    # the seed first: ``seed`` turns the database off in the settings it finds, so the settings come after it
+    test = hypothesis_seed(seed)(given(space.strategy(start))(probe))
+    test = settings(max_examples=examples or 1_000_000, deadline=None, database=_database(database, start, space),
+                    suppress_health_check=list(HealthCheck), report_multiple_bugs=False, verbosity=Verbosity.quiet,
+                    phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink), print_blob=False,
+                    derandomize=False)(test)
+    try:
+        test()
+        hunt.stopped = "examples" if examples else "exhausted"
+    except _Stop:
+        hunt.stopped = "time"
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the hunt so far is reported, its smallest failure written
+        hunt.stopped, hunt.interrupted = "interrupted", True
+    except (_Failed, Flaky):
+        hunt.stopped = "shrunk"
+    except HypothesisException as exc:  # every draw refused (Unsatisfiable): the space holds no valid scenario
+        hunt.stopped = f"hypothesis: {type(exc).__name__}"
+    except BaseExceptionGroup as group:  # hypothesis's failures, several at once
+        if group.subgroup((_Failed, Flaky)) is None:
+            raise
+        hunt.stopped = "shrunk"
+    try:
+        if hunt.smallest is not None and not hunt.interrupted:
+            _ascend(hunt, start, space, evaluate, deadline[0])
+            _polish(hunt, space, evaluate, deadline[0])
+    except KeyboardInterrupt:
+        hunt.interrupted = True
+    finally:
+        if pool is not None:
+            pool.close()
+    end = time.monotonic() - began
+    if hunt.first is None:
+        hunt.search_s = end
+    else:
+        hunt.shrink_s = end - hunt.search_s
+    return hunt
+
+
+#: Most scenarios the ascending search after hypothesis checks (``_ascend``).
+ASCEND_CHECKS = 150
+
+
+def _made(start: Start, space: Space, values: dict) -> tuple:
+    """(mapping, scenario or None when the loader refuses it, input elements) of a draw."""
+    mapping = with_values(start.mapping, space.scenario_values(values, start))
+    sc = candidate(start, mapping)
+    return mapping, sc, elements(sc) if sc is not None else 0
+
+
+def _ascend(hunt: Hunt, start: Start, space: Space, evaluate: Callable, deadline: float) -> None:
+    """The sizes below the smallest failure, in ascending input elements (best first from every size at its lowest;
+    each size grows by one), the other keys as they are: the first that fails the same way is the smallest for
+    those keys. At most ASCEND_CHECKS of them are checked: a failure that needs large sizes keeps hypothesis's."""
+    axes = [a for a in space.axes if a.kind == "int" and isinstance(hunt.smallest.values.get(a.key), int)]
+    base, limit = dict(hunt.smallest.values), hunt.smallest.elements
+    first = tuple(a.low for a in axes)
+    heap, seen, checks, order = [(0, 0, first)], {first}, 0, 0
+    while heap and checks < ASCEND_CHECKS and time.monotonic() < deadline:
+        size, _, vector = heapq.heappop(heap)
+        values = {**base, **{a.key: v for a, v in zip(axes, vector)}}
+        made = _made(start, space, values)
+        size = made[2] if made[1] is not None else size
+        if size >= limit:
+            if made[1] is not None:
+                return
+        elif made[1] is not None:
+            checks += 1
+            if evaluate(values, made) is hunt.smallest:
+                return
+        for i, a in enumerate(axes):
+            if vector[i] < a.high:
+                step = vector[:i] + (vector[i] + 1,) + vector[i + 1:]
+                if step not in seen:
+                    seen.add(step)
+                    order += 1
+                    heapq.heappush(heap, (size, order, step))
+
+
+def _polish(hunt: Hunt, space: Space, evaluate: Callable[[dict], Finding | None], deadline: float) -> None:
+    """After hypothesis: each size of the smallest failure tried at every smaller value, one size at a time, the
+    first that still fails the same way taken, until none does or the time is spent. Hypothesis's shrinker halves
+    and steps; a failure that depends on the drawn values (an overflow at one input) can hide between its steps."""
+    improved = True
+    while improved:
+        improved = False
+        for axis in (a for a in space.axes if a.kind == "int"):
+            current = hunt.smallest.values.get(axis.key)
+            for value in range(axis.low, current if isinstance(current, int) else axis.low):
+                if time.monotonic() > deadline:
+                    return
+                finding = evaluate({**hunt.smallest.values, axis.key: value})
+                if finding is not None and hunt.smallest is finding:
+                    improved = True
+                    break
+            if improved:
+                break
+
+
+def _signature(result: ScenarioResult) -> tuple[frozenset, frozenset]:
+    failed = frozenset(c.name for c in result.checks if c.verdict == "fail")
+    causes = frozenset(m for h in result.hints for m in _CAUSE.findall(h))
+    return failed, causes
+
+
+def _database(folder: str | None, start: Start, space: Space):
+    """Hypothesis's example database for this hunt: a folder of its own under ``folder`` per starting scenario and
+    space (another hunt's failures would be replayed in the wrong space)."""
+    if folder is None:
+        return None
+    what = repr((str(Path(start.file).resolve()), start.scenario.name, space.axes, space.max_elements))
+    return DirectoryBasedExampleDatabase(str(Path(folder) / hashlib.sha256(what.encode()).hexdigest()[:16]))
