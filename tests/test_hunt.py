@@ -190,3 +190,33 @@ def test_what_a_hunt_found_in_a_correct_infonce_is_no_longer_a_false_fail(tmp_pa
     checks = {c.name + (c.tensor or ""): c.verdict for c in outcome.results[0].checks}
     assert outcome.exit_code != ExitCode.FAILED and checks["gradient nn"] != "fail", checks
     assert checks["gradient qq"] == "pass" and checks["gradient pp"] == "pass", checks  # the floor stays low there
+
+
+#: The smallest failing scenario of each edge bug of examples/hunt.yaml in the default space, in input elements, as
+#: benchmarks/hunt/edges.py's brute force found it (large-head-unscaled: nothing fails below 323; its smallest, d_head
+#: 129 with two keys, has 645).
+BRUTE_SMALLEST = {"tail-block-dropped": 3, "large-head-unscaled": 323, "group-of-four-half-summed": 6,
+                  "decode-causal-offset": 5, "unstable-exp": 7}
+
+
+@pytest.mark.slow  # the shipped hunts in the default space: ~40 s together
+@pytest.mark.parametrize("name", sorted(BRUTE_SMALLEST))
+def test_each_shipped_edge_bug_is_found_in_the_default_space_and_shrunk_within_2x(folder, name):
+    outcome = hunt.hunt(hunt.HuntOptions(str(folder / "hunt.yaml"), name, examples=600, budget_s=300, seed=0,
+                                         database=None))
+    assert outcome.exit_code == ExitCode.FAILED, outcome.record["stopped"]
+    assert outcome.hunt.smallest.elements <= 2 * BRUTE_SMALLEST[name], outcome.hunt.smallest.mapping
+
+
+@pytest.mark.slow  # short hunts from correct shipped examples: no finding
+@pytest.mark.parametrize("config, name", [("hunt.yaml", "correct"), ("attention.yaml", "mine"),
+                                          ("rmsnorm.yaml", "my-rmsnorm"), ("infonce.yaml", "my-infonce"),
+                                          ("rope.yaml", "my-rope")])
+def test_short_hunts_from_correct_shipped_examples_find_nothing(tmp_path, root, config, name):
+    for f in (root / "examples").iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    outcome = hunt.hunt(hunt.HuntOptions(str(tmp_path / config), name, examples=30, budget_s=120, seed=1,
+                                         database=None))
+    assert outcome.exit_code in (ExitCode.OK, ExitCode.INCONCLUSIVE), outcome.record["smallest"]
+    assert outcome.hunt.tried > 0
