@@ -85,6 +85,16 @@ def test_the_database_starts_a_rerun_from_the_last_failure(folder, tmp_path):
     assert again.hunt.smallest.elements <= first.hunt.smallest.elements
 
 
+def test_a_sweep_case_is_a_starting_point_and_its_file_name_loses_the_brackets(tmp_path, root):
+    shutil.copy(root / "configs" / "sweep.yaml", tmp_path / "sweep.yaml")
+    name = "causal[n_q=1,mask.causal=upper-left]"
+    outcome = hunt.hunt(hunt.HuntOptions(str(tmp_path / "sweep.yaml"), name, examples=4, database=None,
+                                         space=("dtype=float64", "n_k=1..20", "d_head=1..4")))
+    assert outcome.plan.start.mapping["n_q"] == 1 and outcome.plan.start.mapping["mask"] == {"causal": "upper-left"}
+    assert outcome.exit_code == ExitCode.OK and outcome.hunt.tried == 4
+    assert outcome.plan.out.endswith("hunt-causal_n_q_1_mask.causal_upper-left_.yaml")
+
+
 def test_the_space_declares_its_axes_and_narrows_or_widens_them(folder):
     start = starting_point(str(folder / "hunt.yaml"), "correct")
     space = space_of(start, parse_overrides(("n_k=1..33", "d_head=16,64,160", "mask.causal=none,lower-right")), 100)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 import time
 
@@ -68,8 +67,11 @@ def hunt_command(config, select, budget_s, examples, seed, out, space, max_eleme
     sc = plan.start.scenario
     out_console.print(f"hunting around {visible(sc.name)} ({visible(sc.describe())}) for "
                       + (f"{examples} scenario(s) or " if examples else "") + f"{budget_s:g} s, seed {seed}")
-    with _Status(progress, budget_s) as status:
-        outcome = hunt.execute(plan, status.update)
+    try:
+        with _Status(progress, budget_s) as status:
+            outcome = hunt.execute(plan, status.update)
+    except GradcheckError as exc:
+        raise _fail(exc) from None
     _render(out_console, outcome)
     try:
         hunt.write(outcome)
@@ -79,7 +81,6 @@ def hunt_command(config, select, budget_s, examples, seed, out, space, max_eleme
         raise _stopped_writing(exc, "results") from None
     if outcome.written:
         out_console.print(f"written: {visible(outcome.written)}")
-        out_console.print(f"reproduce: {visible(hunt.record.reproduce(plan))}")
     raise click.exceptions.Exit(outcome.exit_code)
 
 
@@ -92,11 +93,11 @@ def _render(console, outcome: hunt.HuntOutcome) -> None:
         first, smallest = found.first, found.smallest
         console.print(f"FAILED first at {first.elements} input elements ({visible(first.scenario.describe())}); "
                       f"shrunk to {smallest.elements} in {found.shrink_s:.1f} s:")
-        result = dataclasses.replace(smallest.result, name=hunt.record.found_name(plan.start.scenario.name))
-        report.render_scenario(console, result, smallest.scenario.describe(), hunt.record.reproduce(plan))
+        report.render_scenario(console, smallest.result, smallest.scenario.describe(), hunt.record.reproduce(plan))
         return
     covered = hunt.record.json_record(plan, found)["covered"]
-    console.print("covered:")
+    if covered:
+        console.print("covered:")
     for key, span in covered.items():
         drawn = [v for v in span.get("values", ()) if v.startswith("[")]
         text = (f"{span['min']}..{span['max']} ({span['distinct']} distinct)" if "min" in span
@@ -108,8 +109,12 @@ def _render(console, outcome: hunt.HuntOutcome) -> None:
     if found.first_inconclusive is not None:
         f = found.first_inconclusive
         console.print(f"{found.inconclusive} scenario(s) INCONCLUSIVE, none failed; the smallest:")
-        result = dataclasses.replace(f.result, name=hunt.record.found_name(plan.start.scenario.name))
-        report.render_scenario(console, result, f.scenario.describe())
+        report.render_scenario(console, f.result, f.scenario.describe())
+        if found.inconclusive_float32 == found.inconclusive:
+            console.print("every inconclusive scenario was float32, whose finite differences cannot decide every "
+                          "scenario; --space dtype=float64 hunts in float64 only")
+    elif not found.tried:
+        console.print("no scenario was checked within the budget: nothing is decided (INCONCLUSIVE)")
     else:
         console.print("no failure found" + (f" ({found.other_failures} other failure(s))" if found.other_failures
                                              else ""))

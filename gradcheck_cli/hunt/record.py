@@ -2,26 +2,23 @@
 the JSON record of the search (documented in docs/hunt.md "JSON record"; keys are stable within a schema)."""
 from __future__ import annotations
 
-import dataclasses
 import json
-import re
 
 from .. import report
 from ..text import shell_word, visible
 from .plan import HuntPlan
 from .search import Finding, Hunt
-from .start import scenario_text
+from .start import found_name, scenario_text
 
 #: The ``schema`` of the JSON record.
 SCHEMA = "attn-gradcheck-hunt/1"
 #: How the scenario file a hunt writes begins.
 MARK = "# Found by: attn-gradcheck hunt "
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 def default_name(scenario: str) -> str:
-    """``hunt-<name>.yaml``, the name made of letters, digits, '.', '_' and '-' (a sweep case's brackets go)."""
-    return f"hunt-{_UNSAFE.sub('_', scenario)}.yaml"
+    """``hunt-<name>.yaml`` (``start.found_name``)."""
+    return f"{found_name(scenario)}.yaml"
 
 
 def written_by_hunt(path: str) -> bool:
@@ -31,11 +28,6 @@ def written_by_hunt(path: str) -> bool:
             return fh.read(len(MARK)) == MARK.encode()
     except OSError:
         return False
-
-
-def found_name(scenario: str) -> str:
-    """The name of the scenario a hunt writes."""
-    return "hunt-" + _UNSAFE.sub("_", scenario)
 
 
 def command(plan: HuntPlan) -> str:
@@ -112,6 +104,5 @@ def json_record(plan: HuntPlan, hunt: Hunt) -> dict:
         "shrink_path": list(hunt.path),
         "out": plan.out if hunt.smallest else None,
         "reproduce": reproduce(plan) if hunt.smallest else None,
-        "report": report.json_report(plan.out if hunt.smallest else o.config, (), [
-            dataclasses.replace(shown.result, name=found_name(plan.start.scenario.name))]) if shown else None,
+        "report": report.json_report(plan.out if hunt.smallest else o.config, (), [shown.result]) if shown else None,
     }

@@ -19,6 +19,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import Flaky, HypothesisException
 
 from .. import checker, tasks
+from ..errors import GradcheckError
 
 try:
     BaseExceptionGroup  # noqa: B018 -- Python 3.11 and later
@@ -65,6 +66,7 @@ class Hunt:
     tried: int = 0
     skipped: int = 0
     inconclusive: int = 0
+    inconclusive_float32: int = 0
     other_failures: int = 0
     covered: dict = field(default_factory=dict)
     first: Finding | None = None
@@ -78,7 +80,11 @@ class Hunt:
 
     @property
     def verdict(self) -> str:
-        return "fail" if self.smallest else ("inconclusive" if self.inconclusive else "pass")
+        """fail (a failure found), inconclusive (only inconclusive scenarios, or none checked: nothing is decided)
+        or pass."""
+        if self.smallest:
+            return "fail"
+        return "inconclusive" if self.inconclusive or not self.tried else "pass"
 
 
 class _Stop(BaseException):
@@ -130,6 +136,7 @@ def run(start: Start, space: Space, *, seed: int = 0, examples: int | None = Non
                 hunt.other_failures += 1
         elif result.verdict == "inconclusive":
             hunt.inconclusive += 1
+            hunt.inconclusive_float32 += sc.dtype == "float32"
             if hunt.first_inconclusive is None or size < hunt.first_inconclusive.elements:
                 hunt.first_inconclusive = finding
         if progress is not None:
@@ -161,6 +168,10 @@ def run(start: Start, space: Space, *, seed: int = 0, examples: int | None = Non
     except (_Failed, Flaky):
         hunt.stopped = "shrunk"
     except HypothesisException as exc:  # every draw refused (Unsatisfiable): the space holds no valid scenario
+        if hunt.tried == 0 and not hunt.interrupted:
+            raise GradcheckError(f"{start.file}: no scenario drawn around '{start.scenario.name}' could be loaded "
+                                 f"({hunt.skipped} drawn, each refused or over the size limit {space.max_elements}); "
+                                 "widen --space or raise --max-elements") from None
         hunt.stopped = f"hypothesis: {type(exc).__name__}"
     except BaseExceptionGroup as group:  # hypothesis's failures, several at once
         if group.subgroup((_Failed, Flaky)) is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from ..scenario.fields import _merge
 from ..scenario.sweep import _sweep_axes, _sweep_cases
 from ..scenario.yaml_lines import _Doc
 
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 #: Where a value is left out of a candidate (the key's default).
 ABSENT = None
 
@@ -96,11 +98,18 @@ def scenario_text(mapping: dict, name: str, header: str = "") -> str:
     return header + yaml.safe_dump(body, sort_keys=False, default_flow_style=None, width=120)
 
 
+def found_name(scenario: str) -> str:
+    """The name of a scenario a hunt makes from ``scenario``: ``hunt-<name>``, of letters, digits, '.', '_' and '-'
+    only (a sweep case's brackets become '_')."""
+    return "hunt-" + _UNSAFE.sub("_", scenario)
+
+
 def candidate(start: Start, mapping: dict) -> Scenario | None:
     """The scenario ``mapping`` describes, loaded as if it were written beside the starting file (its
     implementation and files found there); None when the loader refuses it (values wrong together)."""
     try:
-        (sc,) = loads(scenario_text(mapping, start.scenario.name), file=start.file, base_dir=start.base_dir)
+        (sc,) = loads(scenario_text(mapping, found_name(start.scenario.name)), file=start.file,
+                      base_dir=start.base_dir)
     except ScenarioError:
         return None
     return sc
