@@ -50,8 +50,10 @@ class Finding:
         """Whether ``other`` fails as this does: the first check this one failed fails there too, and so does
         every cause this one's hints name."""
         failed, causes = self.signature
-        first = next(c.name for c in self.result.checks if c.verdict == "fail")
-        return first in other.signature[0] and causes <= other.signature[1] and bool(failed)
+        first = next((c.name for c in self.result.checks if c.verdict == "fail"), None)
+        if first is None:  # no check named as failed: the same failed checks, exactly
+            return bool(failed) and failed == other.signature[0] and causes <= other.signature[1]
+        return first in other.signature[0] and causes <= other.signature[1]
 
 
 @dataclass
