@@ -121,6 +121,7 @@ def test_the_space_declares_its_axes_and_narrows_or_widens_them(folder):
     (["--select", "*"], "chooses 6 scenarios"),
     (["--select", "nothing-here"], "no scenario is left"),
     (["--out", "/tmp/elsewhere/x.yaml"], "must go in"),
+    (["--max-elements", "2"], "could be loaded"),  # no scenario of the space is that small
 ])
 def test_bad_input_is_one_line_and_exit_2(folder, args, message):
     argv = ["hunt", str(folder / "hunt.yaml"), "--no-database"] + (

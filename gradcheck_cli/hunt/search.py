@@ -161,30 +161,16 @@ def run(start: Start, space: Space, *, seed: int = 0, examples: int | None = Non
                     phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink), print_blob=False,
                     derandomize=False)(test)
     try:
-        test()
-        hunt.stopped = "examples" if examples else "exhausted"
-    except _Stop:
-        hunt.stopped = "time"
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the hunt so far is reported, its smallest failure written
-        hunt.stopped, hunt.interrupted = "interrupted", True
-    except (_Failed, Flaky):
-        hunt.stopped = "shrunk"
-    except HypothesisException as exc:  # every draw refused (Unsatisfiable): the space holds no valid scenario
-        if hunt.tried == 0 and not hunt.interrupted:
+        _search(test, hunt, examples)
+        if hunt.tried == 0 and hunt.stopped.startswith("hypothesis"):
             raise GradcheckError(f"{start.file}: no scenario drawn around '{start.scenario.name}' could be loaded "
                                  f"({hunt.skipped} drawn, each refused or over the size limit {space.max_elements}); "
-                                 "widen --space or raise --max-elements") from None
-        hunt.stopped = f"hypothesis: {type(exc).__name__}"
-    except BaseExceptionGroup as group:  # hypothesis's failures, several at once
-        if group.subgroup((_Failed, Flaky)) is None:
-            raise
-        hunt.stopped = "shrunk"
-    try:
+                                 "widen --space or raise --max-elements")
         if hunt.smallest is not None and not hunt.interrupted:
             _ascend(hunt, start, space, evaluate, deadline[0])
             _polish(hunt, space, evaluate, deadline[0])
-    except KeyboardInterrupt:
-        hunt.interrupted = True
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the hunt so far is reported, its smallest failure written
+        hunt.stopped, hunt.interrupted = "interrupted", True
     finally:
         if pool is not None:
             pool.close()
@@ -194,6 +180,23 @@ def run(start: Start, space: Space, *, seed: int = 0, examples: int | None = Non
     else:
         hunt.shrink_s = end - hunt.search_s
     return hunt
+
+
+def _search(test: Callable[[], None], hunt: Hunt, examples: int | None) -> None:
+    """Run hypothesis's search and shrinking; ``hunt.stopped`` says how it ended."""
+    try:
+        test()
+        hunt.stopped = "examples" if examples else "exhausted"
+    except _Stop:
+        hunt.stopped = "time"
+    except (_Failed, Flaky):
+        hunt.stopped = "shrunk"
+    except HypothesisException as exc:  # every draw refused (Unsatisfiable): the space holds no valid scenario
+        hunt.stopped = f"hypothesis: {type(exc).__name__}"
+    except BaseExceptionGroup as group:  # hypothesis's failures, several at once
+        if group.subgroup((_Failed, Flaky)) is None:
+            raise
+        hunt.stopped = "shrunk"
 
 
 #: Most scenarios the ascending search after hypothesis checks (``_ascend``).
