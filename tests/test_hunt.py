@@ -231,3 +231,23 @@ def test_short_hunts_from_correct_shipped_examples_find_nothing(tmp_path, root, 
                                          database=None))
     assert outcome.exit_code in (ExitCode.OK, ExitCode.INCONCLUSIVE), outcome.record["smallest"]
     assert outcome.hunt.tried > 0
+
+
+def test_a_dtype_the_code_does_not_run_in_is_left_out_with_the_reason(tmp_path, root):
+    """Code that returns float64 whatever it is given does not run in float32: the hunt tries each dtype on the
+    starting scenario first and leaves such a dtype out (the example's ALiBi code did; it was a finding before)."""
+    (tmp_path / "upcast.py").write_text(
+        "import numpy as np\nfrom my_attention import attention as inner\n\n\nclass Upcast:\n"
+        "    def forward(self, q, k, v, visible, scale, kv_map):\n"
+        "        return inner.forward(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), visible,"
+        " scale, kv_map)\n\n"
+        "    def backward(self, q, k, v, visible, scale, kv_map, grad_o):\n"
+        "        return inner.backward(*(x.astype(np.float64) for x in (q, k, v)), visible, scale, kv_map,"
+        " grad_o.astype(np.float64))\n\n\nupcast = Upcast()\n")
+    shutil.copy(root / "examples" / "my_attention.py", tmp_path / "my_attention.py")
+    (tmp_path / "up.yaml").write_text("scenarios:\n  - {name: up, implementation: 'upcast:upcast', n_q: 4, d_head: 4}\n")
+    outcome = hunt.hunt(hunt.HuntOptions(str(tmp_path / "up.yaml"), "up", examples=3, database=None,
+                                         space=("n_q=1..8", "n_k=1..8", "d_head=1..4")))
+    assert outcome.exit_code == ExitCode.OK, outcome.record["smallest"]
+    assert "o of dtype float64, expected float32" in outcome.record["left_out"]["dtype=float32"]
+    assert outcome.record["covered"]["dtype"] == {"values": ['"float64"']}

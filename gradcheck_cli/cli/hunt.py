@@ -106,6 +106,8 @@ def _render(console, outcome: hunt.HuntOutcome) -> None:
         console.print(f"  {key}: {visible(text)}")
     for key, why in plan.space.fixed:
         console.print(f"  {key}: kept ({why})")
+    for value, why in found.left_out.items():
+        console.print(f"  {visible(value)}: left out ({visible(why)})")
     if found.first_inconclusive is not None:
         f = found.first_inconclusive
         console.print(f"{found.inconclusive} scenario(s) INCONCLUSIVE, none failed; the smallest:")

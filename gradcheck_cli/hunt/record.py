@@ -91,6 +91,7 @@ def json_record(plan: HuntPlan, hunt: Hunt) -> dict:
         "max_elements": plan.space.max_elements,
         "space": plan.space.ranges(),
         "fixed": dict(plan.space.fixed),
+        "left_out": dict(hunt.left_out),
         "tried": hunt.tried,
         "skipped": hunt.skipped,
         "inconclusive": hunt.inconclusive,

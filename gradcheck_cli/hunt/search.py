@@ -4,6 +4,7 @@ scenario that still fails the same check for the same cause. Hypothesis's exampl
 so a rerun of the same hunt starts from it."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
 import os
@@ -79,6 +80,7 @@ class Hunt:
     shrink_s: float = 0.0
     stopped: str = ""
     interrupted: bool = False
+    left_out: dict = field(default_factory=dict)  # values of the space the code does not run in, and why
 
     @property
     def verdict(self) -> str:
@@ -154,6 +156,7 @@ def run(start: Start, space: Space, *, seed: int = 0, examples: int | None = Non
         if hunt.first is not None and hunt.first.same_failure(finding):
             raise _Failed
 
+    space = _dtypes_the_code_runs_in(hunt, start, space, check)
     # the seed first: ``seed`` turns the database off in the settings it finds, so the settings come after it
     test = hypothesis_seed(seed)(given(space.strategy(start))(probe))
     test = settings(max_examples=examples or 1_000_000, deadline=None, database=_database(database, start, space),
@@ -180,6 +183,29 @@ def run(start: Start, space: Space, *, seed: int = 0, examples: int | None = Non
     else:
         hunt.shrink_s = end - hunt.search_s
     return hunt
+
+
+def _dtypes_the_code_runs_in(hunt: Hunt, start: Start, space: Space, check: Callable) -> Space:
+    """The space without the dtypes the code does not run in: each dtype of the space other than the starting
+    scenario's is tried on the starting scenario first, and one where the code cannot run (it raises, or returns
+    another dtype: the check 'implementation runs' fails) is left out, with the reason (``hunt.left_out``). Any
+    other failure there keeps it: the hunt will find it."""
+    axes = list(space.axes)
+    for i, axis in enumerate(axes):
+        if axis.key != "dtype":
+            continue
+        kept = []
+        for dtype in axis.choices:
+            if dtype != start.scenario.dtype:
+                sc = candidate(start, with_values(start.mapping, {"dtype": dtype}))
+                result = check(sc) if sc is not None else None
+                failed = [c for c in result.checks if c.verdict == "fail"] if result is not None else []
+                if failed and all(c.name == "implementation runs" for c in failed):
+                    hunt.left_out[f"dtype={dtype}"] = f"the starting scenario does not run in it: {failed[0].detail}"
+                    continue
+            kept.append(dtype)
+        axes[i] = dataclasses.replace(axis, choices=tuple(kept))
+    return dataclasses.replace(space, axes=tuple(axes))
 
 
 def _search(test: Callable[[], None], hunt: Hunt, examples: int | None) -> None:

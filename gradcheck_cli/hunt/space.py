@@ -67,7 +67,7 @@ def space_of(start: Start, overrides: dict[str, str], max_elements: int) -> Spac
             raise GradcheckError(f"--space {key}: op {op.name} has no such axis (its axes: {', '.join(known)})")
     axes, fixed = [], []
     for axis in op.space:
-        fixer = next((k for k in axis.fixed_by if start.get(k) is not None), None)
+        fixer = next((k.removesuffix("[]") for k in axis.fixed_by if _fixes(start, k)), None)
         if fixer is not None:
             if axis.key in overrides:
                 raise GradcheckError(f"--space {axis.key}: the starting scenario's {fixer} fixes it; remove {fixer} "
@@ -82,6 +82,12 @@ def space_of(start: Start, overrides: dict[str, str], max_elements: int) -> Spac
             axis = _override(axis, overrides[axis.key])
         axes.append(axis)
     return Space(tuple(axes), tuple(fixed), max_elements)
+
+
+def _fixes(start: Start, key: str) -> bool:
+    """Whether the starting scenario sets ``key`` (``key[]``: sets it to a list)."""
+    value = start.get(key.removesuffix("[]"))
+    return isinstance(value, list) if key.endswith("[]") else value is not None
 
 
 def parse_overrides(items: tuple[str, ...]) -> dict[str, str]:

@@ -236,7 +236,8 @@ class Axis:
     ``window`` (a sliding window (left, right), each side in 0 .. ``of`` or None, or none).
     ``when_set``: the axis varies only where the starting scenario sets the key (a variant, or an input the code
     may not take), or where ``--space`` names it. ``fixed_by``: keys of the starting scenario that fix this one's
-    value (a mask file fixes the sizes): with one of them set, it keeps the starting value."""
+    value (a mask file fixes the sizes): with one of them set, it keeps the starting value; a key ending in '[]'
+    fixes it only when set to a list (``alibi.slopes[]``: a list of slopes, not a named rule)."""
     key: str
     kind: str = "int"
     low: int = 1

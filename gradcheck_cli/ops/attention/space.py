@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from ..registry import HEAD_EDGES, SIZE_EDGES, Axis
 
-#: Keys that fix the number of query heads (and so the KV heads and the group).
-HEADS_FIXED = ("kv_map", "sinks.values", "bias.shape", "bias.values", "alibi.slopes")
+#: Keys that fix the number of query heads (and so the KV heads and the group); '[]': only a list of values does
+#: (a named layout or slope rule does not).
+HEADS_FIXED = ("kv_map[]", "sinks.values", "bias.shape", "bias.values", "alibi.slopes[]")
 #: Keys that fix the query rows, the keys, or both.
 ROWS_FIXED = ("mask.visible", "varlen", "loss_rows", "bias.shape", "bias.values")
 KEYS_FIXED = ("mask.visible", "varlen", "bias.shape", "bias.values")
