@@ -245,7 +245,8 @@ def test_a_dtype_the_code_does_not_run_in_is_left_out_with_the_reason(tmp_path, 
         "        return inner.backward(*(x.astype(np.float64) for x in (q, k, v)), visible, scale, kv_map,"
         " grad_o.astype(np.float64))\n\n\nupcast = Upcast()\n")
     shutil.copy(root / "examples" / "my_attention.py", tmp_path / "my_attention.py")
-    (tmp_path / "up.yaml").write_text("scenarios:\n  - {name: up, implementation: 'upcast:upcast', n_q: 4, d_head: 4}\n")
+    (tmp_path / "up.yaml").write_text(
+        "scenarios:\n  - {name: up, implementation: 'upcast:upcast', n_q: 4, d_head: 4}\n")
     outcome = hunt.hunt(hunt.HuntOptions(str(tmp_path / "up.yaml"), "up", examples=3, database=None,
                                          space=("n_q=1..8", "n_k=1..8", "d_head=1..4")))
     assert outcome.exit_code == ExitCode.OK, outcome.record["smallest"]
