@@ -58,6 +58,7 @@ def main() -> None:
             data = json.loads(record.read_text()) if record.exists() else {}
             row = {"config": config, "scenario": name, "seed": seed, "exit": run.returncode,
                    "tried": data.get("tried"), "skipped": data.get("skipped"), "inconclusive": data.get("inconclusive"),
+                   "inconclusive_float32": data.get("inconclusive_float32"),
                    "smallest": data.get("smallest"),
                    "error": run.stderr.strip()[-300:] if run.returncode == 2 else None}
             rows.append(row)

@@ -95,6 +95,7 @@ def json_record(plan: HuntPlan, hunt: Hunt) -> dict:
         "tried": hunt.tried,
         "skipped": hunt.skipped,
         "inconclusive": hunt.inconclusive,
+        "inconclusive_float32": hunt.inconclusive_float32,
         "other_failures": hunt.other_failures,
         "covered": _covered(hunt),
         "search_s": round(hunt.search_s, 3),
