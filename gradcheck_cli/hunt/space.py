@@ -157,7 +157,8 @@ def _strategy(axis: Axis, values: dict, start: Start):
         return st.sampled_from(axis.choices)
     if axis.kind == "int":
         sizes = _sizes(axis.low, axis.high)
-        return st.one_of(st.sampled_from(axis.edges), sizes) if axis.edges else sizes
+        edges = [e for e in axis.edges if axis.low <= e <= axis.high]
+        return st.one_of(st.sampled_from(edges), sizes) if edges else sizes
     bound = values.get(axis.of, getattr(start.scenario, axis.of))
     if axis.kind == "lengths":
         batch = values.get("batch", start.scenario.batch)
