@@ -252,3 +252,30 @@ def test_a_dtype_the_code_does_not_run_in_is_left_out_with_the_reason(tmp_path, 
     assert outcome.exit_code == ExitCode.OK, outcome.record["smallest"]
     assert "o of dtype float64, expected float32" in outcome.record["left_out"]["dtype=float32"]
     assert outcome.record["covered"]["dtype"] == {"values": ['"float64"']}
+
+
+def test_every_draw_stays_inside_each_axis_range_and_lists_fit_their_sizes(folder):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    start = starting_point(str(folder / "hunt.yaml"), "correct")
+    space = space_of(start, parse_overrides(("n_k=3..40", "group=1,4", "mask.causal=none,lower-right")), 4096)
+    axes = {a.key: a for a in space.axes}
+
+    @settings(max_examples=60, suppress_health_check=list(HealthCheck), deadline=None)
+    @given(st.data())
+    def check(data):
+        values = data.draw(space.strategy(start))
+        for key, axis in axes.items():
+            v = values[key]
+            if axis.kind == "int":
+                assert axis.low <= v <= axis.high, (key, v)
+            elif axis.kind == "choice":
+                assert v in axis.choices, (key, v)
+        lengths = values["mask.key_lengths"]
+        assert lengths is None or (len(lengths) == values["batch"] and all(1 <= n <= values["n_k"] for n in lengths))
+        window = values["mask.window"]
+        assert window is None or (len(window) == 2 and window != [None, None]
+                                  and all(w is None or 0 <= w <= values["n_k"] for w in window))
+        keys = space.scenario_values(values, start)
+        assert keys["heads_q"] == keys["heads_kv"] * values["group"] and "group" not in keys
+    check()
