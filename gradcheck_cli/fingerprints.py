@@ -127,12 +127,20 @@ SAME_FACTOR = 1e-2
 SIZE_FACTOR = 1e-3
 
 
+#: Elements of a gradient that must stand clear of their tolerance before a constant factor is claimed: with fewer,
+#: any wrong gradient is "a factor" (two keys' dK, one the other's negative, fit every c).
+MIN_FACTOR_ELEMENTS = 4
+
+
 def factor(ev) -> float | None:
     """c when the analytic gradient is c x the finite differences on every checked element (within the check's
-    tolerance), c not 1; else None. ``ev``: a ``diagnose.Evidence`` (None: no evidence)."""
+    tolerance), c not 1, over at least MIN_FACTOR_ELEMENTS elements clear of their tolerance; else None. ``ev``: a
+    ``diagnose.Evidence`` (None: no evidence)."""
     if ev is None:
         return None
     a, n, allowed = ev.analytic[ev.checked], ev.numeric[ev.checked], ev.allowed[ev.checked]
+    if int(np.sum(np.abs(n) > allowed)) < MIN_FACTOR_ELEMENTS:
+        return None
     nn = float(n @ n)
     if not np.isfinite(nn) or nn == 0 or not np.isfinite(a).all():
         return None
