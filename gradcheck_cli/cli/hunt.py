@@ -86,14 +86,26 @@ def hunt_command(config, select, budget_s, examples, seed, out, space, max_eleme
 
 def _render(console, outcome: hunt.HuntOutcome) -> None:
     found, plan = outcome.hunt, outcome.plan
+    if found.start_failed:
+        console.print(f"note: the starting scenario {visible(plan.start.scenario.name)} fails itself ('attn-gradcheck "
+                      "run' shows why); the hunt shrinks the first failure it draws")
     console.print(f"{found.tried} scenario(s) checked in {found.search_s + found.shrink_s:.1f} s"
                   + (f" ({found.skipped} drawn but skipped: refused by the loader or over --max-elements)"
                      if found.skipped else "") + ("; interrupted" if found.interrupted else ""))
     if found.smallest is not None:
         first, smallest = found.first, found.smallest
-        console.print(f"FAILED first at {first.elements} input elements ({visible(first.scenario.describe())}); "
-                      f"shrunk to {smallest.elements} in {found.shrink_s:.1f} s:")
+        console.print(f"FAILED first at {first.elements} input elements after {found.tried_to_first} scenario(s) in "
+                      f"{found.search_s:.1f} s ({visible(first.scenario.describe())}); shrunk to {smallest.elements} "
+                      f"in {found.shrink_s:.1f} s" + (" (its time limit reached)" if found.stopped == "shrink time"
+                                                      else "") + ":")
+        console.print(f"  its keys: {visible(hunt.record.keys_text(smallest))}")
         report.render_scenario(console, smallest.result, smallest.scenario.describe(), hunt.record.reproduce(plan))
+        extra = [h for h in first.result.hints if h not in smallest.result.hints]
+        if extra and first is not smallest:
+            console.print(f"  the first failure ({first.elements} input elements) had these hints too, which its "
+                          "larger shapes allow:")
+            for h in extra:
+                console.print(f"  hint: {visible(h)}")
         return
     covered = hunt.record.json_record(plan, found)["covered"]
     if covered:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import yaml
+
 from .. import report
 from ..text import shell_word, visible
 from .plan import HuntPlan
@@ -50,12 +52,19 @@ def scenario_file(plan: HuntPlan, hunt: Hunt) -> str:
     failed = ", ".join(sorted(smallest.signature[0]))
     header = MARK + visible(command(plan)[len("attn-gradcheck hunt "):]) + "\n" + "".join(
         f"# {visible(line)}\n" for line in (
-        f"after {hunt.tried} scenario(s) in {hunt.search_s:.1f} s; shrunk from {first.elements} to "
-        f"{smallest.elements} input elements in {hunt.shrink_s:.1f} s",
+        f"found after {hunt.tried_to_first} scenario(s) in {hunt.search_s:.1f} s; shrunk from {first.elements} to "
+        f"{smallest.elements} input elements in {hunt.shrink_s:.1f} s ({hunt.tried - hunt.tried_to_first} more "
+        "scenario(s))",
         f"It fails: {failed}",
         f"Reproduce: {reproduce(plan)}",
     ))
     return scenario_text(smallest.mapping, found_name(plan.start.scenario.name), header)
+
+
+def keys_text(f: Finding) -> str:
+    """A failing scenario's keys in one line (YAML's flow style), the name and implementation left out."""
+    keys = {k: v for k, v in f.mapping.items() if k not in ("name", "implementation")}
+    return yaml.safe_dump(keys, default_flow_style=True, sort_keys=False, width=10**6).strip()
 
 
 def _finding(f: Finding | None) -> dict | None:
@@ -71,8 +80,11 @@ def _covered(hunt: Hunt) -> dict:
         numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
         if numbers and len(numbers) == len(values):
             out[key] = {"min": min(numbers), "max": max(numbers), "distinct": len(set(numbers))}
-        else:
-            out[key] = {"values": sorted({"none" if v is None else json.dumps(v) for v in values})}
+        else:  # none (the key left out: its default) first, then numbers by value, then the rest
+            distinct = {json.dumps(v): v for v in values}
+            order = sorted(distinct.items(), key=lambda kv: (kv[1] is not None, not isinstance(kv[1], (int, float)),
+                                                             kv[1] if isinstance(kv[1], (int, float)) else 0, kv[0]))
+            out[key] = {"values": ["none" if v is None else text for text, v in order]}
     return out
 
 
@@ -93,6 +105,8 @@ def json_record(plan: HuntPlan, hunt: Hunt) -> dict:
         "fixed": dict(plan.space.fixed),
         "left_out": dict(hunt.left_out),
         "tried": hunt.tried,
+        "tried_to_first": hunt.tried_to_first if hunt.first else None,
+        "start_failed": hunt.start_failed,
         "skipped": hunt.skipped,
         "inconclusive": hunt.inconclusive,
         "inconclusive_float32": hunt.inconclusive_float32,

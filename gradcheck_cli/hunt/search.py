@@ -4,13 +4,15 @@ scenario that still fails the same check for the same cause. Hypothesis's exampl
 so a rerun of the same hunt starts from it."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import heapq
 import os
 import re
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +36,8 @@ from .start import Start, candidate, elements, with_values
 
 #: A named cause in a hint: "... a known mistake: ... (`softmax-term`)".
 _CAUSE = re.compile(r"\(`([A-Za-z0-9_.-]+)`\)")
+#: A size in a cause's name: ``-96``, ``-0.5``.
+_NUMBER = re.compile(r"-\d+(\.\d+)?(?=-|$)")
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,8 @@ class Hunt:
     stopped: str = ""
     interrupted: bool = False
     left_out: dict = field(default_factory=dict)  # values of the space the code does not run in, and why
+    start_failed: bool = False  # the starting scenario itself fails
+    tried_to_first: int = 0  # scenarios checked up to the first failure, it included
 
     @property
     def verdict(self) -> str:
@@ -130,7 +136,7 @@ def run(start: Start, space: Space, *, seed: int = 0, examples: int | None = Non
         finding = Finding(mapping, sc, result, size, _signature(result), dict(values))
         if result.verdict == "fail":
             if hunt.first is None:
-                hunt.first, hunt.search_s = finding, time.monotonic() - began
+                hunt.first, hunt.search_s, hunt.tried_to_first = finding, time.monotonic() - began, hunt.tried
                 deadline[0] = time.monotonic() + shrink_s
             if hunt.first.same_failure(finding):
                 hunt.path.append(size)
@@ -156,7 +162,7 @@ def run(start: Start, space: Space, *, seed: int = 0, examples: int | None = Non
         if hunt.first is not None and hunt.first.same_failure(finding):
             raise _Failed
 
-    space = _dtypes_the_code_runs_in(hunt, start, space, check)
+    space = _values_the_code_runs_in(hunt, start, space, check)
     # the seed first: ``seed`` turns the database off in the settings it finds, so the settings come after it
     test = hypothesis_seed(seed)(given(space.strategy(start))(probe))
     test = settings(max_examples=examples or 1_000_000, deadline=None, database=_database(database, start, space),
@@ -164,7 +170,8 @@ def run(start: Start, space: Space, *, seed: int = 0, examples: int | None = Non
                     phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink), print_blob=False,
                     derandomize=False)(test)
     try:
-        _search(test, hunt, examples)
+        with _hypothesis_home():
+            _search(test, hunt, examples)
         if hunt.tried == 0 and hunt.stopped.startswith("hypothesis"):
             raise GradcheckError(f"{start.file}: no scenario drawn around '{start.scenario.name}' could be loaded "
                                  f"({hunt.skipped} drawn, each refused or over the size limit {space.max_elements}); "
@@ -172,6 +179,8 @@ def run(start: Start, space: Space, *, seed: int = 0, examples: int | None = Non
         if hunt.smallest is not None and not hunt.interrupted:
             _ascend(hunt, start, space, evaluate, deadline[0])
             _polish(hunt, space, evaluate, deadline[0])
+            if time.monotonic() > deadline[0]:
+                hunt.stopped = "shrink time"
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the hunt so far is reported, its smallest failure written
         hunt.stopped, hunt.interrupted = "interrupted", True
     finally:
@@ -185,27 +194,59 @@ def run(start: Start, space: Space, *, seed: int = 0, examples: int | None = Non
     return hunt
 
 
-def _dtypes_the_code_runs_in(hunt: Hunt, start: Start, space: Space, check: Callable) -> Space:
-    """The space without the dtypes the code does not run in: each dtype of the space other than the starting
-    scenario's is tried on the starting scenario first, and one where the code cannot run (it raises, or returns
-    another dtype: the check 'implementation runs' fails) is left out, with the reason (``hunt.left_out``). Any
-    other failure there keeps it: the hunt will find it."""
+def _values_the_code_runs_in(hunt: Hunt, start: Start, space: Space, check: Callable) -> Space:
+    """The space without the values the code does not run in, each tried on the starting scenario first (the
+    check 'implementation runs' fails there: the code raises, returns another dtype, or does not take a key):
+
+    - a dtype of the space other than the starting scenario's is left out, with the reason (``hunt.left_out``);
+      one ``--space`` named is refused (GradcheckError);
+    - an optional axis ``--space`` turns on (``softcap`` on a scenario without it) is refused.
+
+    Any other failure there keeps the value: the hunt will find it. The starting scenario itself is checked too;
+    ``hunt.start_failed`` says whether it fails."""
+    def cannot_run(values: dict) -> str | None:
+        sc = candidate(start, with_values(start.mapping, space.scenario_values(values, start)))
+        result = check(sc) if sc is not None else None
+        failed = [c for c in result.checks if c.verdict == "fail"] if result is not None else []
+        return failed[0].detail if failed and all(c.name == "implementation runs" for c in failed) else None
+
+    hunt.start_failed = check(start.scenario).verdict == "fail"
     axes = list(space.axes)
     for i, axis in enumerate(axes):
-        if axis.key != "dtype":
-            continue
-        kept = []
-        for dtype in axis.choices:
-            if dtype != start.scenario.dtype:
-                sc = candidate(start, with_values(start.mapping, {"dtype": dtype}))
-                result = check(sc) if sc is not None else None
-                failed = [c for c in result.checks if c.verdict == "fail"] if result is not None else []
-                if failed and all(c.name == "implementation runs" for c in failed):
-                    hunt.left_out[f"dtype={dtype}"] = f"the starting scenario does not run in it: {failed[0].detail}"
+        if axis.key == "dtype":
+            kept = []
+            for dtype in axis.choices:
+                why = cannot_run({"dtype": dtype}) if dtype != start.scenario.dtype else None
+                if why and "dtype" in space.named:
+                    raise GradcheckError(f"--space dtype={dtype}: the code does not run in it (on the starting "
+                                         f"scenario: {why})")
+                if why:
+                    hunt.left_out[f"dtype={dtype}"] = f"the starting scenario does not run in it: {why}"
                     continue
-            kept.append(dtype)
-        axes[i] = dataclasses.replace(axis, choices=tuple(kept))
+                kept.append(dtype)
+            axes[i] = dataclasses.replace(axis, choices=tuple(kept))
+        elif axis.when_set and axis.key in space.named and start.get(axis.key) is None:
+            value = axis.choices[0] if axis.kind == "choice" else axis.low
+            why = cannot_run({axis.key: value})
+            if why:
+                raise GradcheckError(f"--space {axis.key}: the starting scenario has no {axis.key}, and its code does "
+                                     f"not run with one ({axis.key}={value}: {why})")
     return dataclasses.replace(space, axes=tuple(axes))
+
+
+@contextlib.contextmanager
+def _hypothesis_home() -> Iterator[None]:
+    """Hypothesis's own files (a cache of the constants in local modules) in a folder of their own for the hunt,
+    removed after it, not a '.hypothesis' folder in the current one; the home before is restored (a pytest run's
+    own hypothesis tests keep theirs)."""
+    from hypothesis import configuration
+    before = configuration.__dict__.get("__hypothesis_home_directory")
+    with tempfile.TemporaryDirectory(prefix="attn-gradcheck-hunt-") as home:
+        configuration.set_hypothesis_home_dir(home)
+        try:
+            yield
+        finally:
+            configuration.set_hypothesis_home_dir(before)
 
 
 def _search(test: Callable[[], None], hunt: Hunt, examples: int | None) -> None:
@@ -227,6 +268,8 @@ def _search(test: Callable[[], None], hunt: Hunt, examples: int | None) -> None:
 
 #: Most scenarios the ascending search after hypothesis checks (``_ascend``).
 ASCEND_CHECKS = 150
+#: Most scenarios it loads to order them (refused ones included: where most are, it stops sooner).
+ASCEND_LOADS = 3000
 
 
 def _made(start: Start, space: Space, values: dict) -> tuple:
@@ -250,8 +293,8 @@ def _ascend(hunt: Hunt, start: Start, space: Space, evaluate: Callable, deadline
 
     first = tuple(a.low for a in sizes)
     values, m = made(first)
-    heap, seen, order, checks = [(m[2], 0, first, values, m)], {first}, 0, 0
-    while heap and checks < ASCEND_CHECKS and time.monotonic() < deadline:
+    heap, seen, order, checks, loads = [(m[2], 0, first, values, m)], {first}, 0, 0, 1
+    while heap and checks < ASCEND_CHECKS and loads < ASCEND_LOADS and time.monotonic() < deadline:
         size, _, vector, values, m = heapq.heappop(heap)
         if m[1] is not None:
             if size >= limit:
@@ -265,7 +308,10 @@ def _ascend(hunt: Hunt, start: Start, space: Space, evaluate: Callable, deadline
                 seen.add(step)
                 order += 1
                 values_, m_ = made(step)
-                heapq.heappush(heap, (m_[2] if m_[1] is not None else size, order, step, values_, m_))
+                loads += 1
+                # a refused size has no input elements to count: those of its parent, grown as this size grew
+                grown = max(size + 1, -(-size * (vector[i] + 1) // max(vector[i], 1)))
+                heapq.heappush(heap, (m_[2] if m_[1] is not None else grown, order, step, values_, m_))
 
 
 def _polish(hunt: Hunt, space: Space, evaluate: Callable[[dict], Finding | None], deadline: float) -> None:
@@ -289,8 +335,10 @@ def _polish(hunt: Hunt, space: Space, evaluate: Callable[[dict], Finding | None]
 
 
 def _signature(result: ScenarioResult) -> tuple[frozenset, frozenset]:
+    """The failed checks' names and the causes the hints name, a cause's sizes left out (``backward-skips-key-
+    tail-96`` and ``-16`` are one cause: the tail of keys, whatever its length)."""
     failed = frozenset(c.name for c in result.checks if c.verdict == "fail")
-    causes = frozenset(m for h in result.hints for m in _CAUSE.findall(h))
+    causes = frozenset(_NUMBER.sub("", m) for h in result.hints for m in _CAUSE.findall(h))
     return failed, causes
 
 

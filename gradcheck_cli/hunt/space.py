@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from ..errors import GradcheckError
 from ..ops import OPS
 from ..ops.registry import Axis
-from .start import ABSENT, Start
+from .start import ABSENT, Start, refusal, with_values
 
 #: The steps of a size drawn between its edges: log-uniform, so that small sizes (cheap to check) come often.
 _STEPS = 1000
@@ -24,6 +24,7 @@ class Space:
     axes: tuple[Axis, ...]
     fixed: tuple[tuple[str, str], ...]
     max_elements: int
+    named: tuple[str, ...] = ()  # the axes ``--space`` named
 
     def ranges(self) -> dict[str, str]:
         """What each axis covers, in words (``1..300``, ``none, upper-left, lower-right``)."""
@@ -79,9 +80,26 @@ def space_of(start: Start, overrides: dict[str, str], max_elements: int) -> Spac
         if axis.key == "dtype" and start.scenario.dtype not in axis.choices:
             axis = dataclasses.replace(axis, choices=(start.scenario.dtype,))
         if axis.key in overrides:
+            listed = axis.kind == "choice"  # a size given as a list is not checked alone (see _loads_with)
             axis = _override(axis, overrides[axis.key])
+            if listed:
+                _loads_with(start, axis)
         axes.append(axis)
-    return Space(tuple(axes), tuple(fixed), max_elements)
+    return Space(tuple(axes), tuple(fixed), max_elements, tuple(k for k in overrides))
+
+
+def _loads_with(start: Start, axis: Axis) -> None:
+    """Each value ``--space`` lists for an axis, set on the starting scenario, is one the loader takes; else
+    GradcheckError naming the value and the loader's reason (a dtype the backend has not, a mask kind that does
+    not exist, a zero scale). A range's sizes are not: one may be refused with the starting sizes alone."""
+    for value in axis.choices:
+        if value is ABSENT:
+            continue
+        keys = Space((axis,), (), 0).scenario_values({axis.key: value}, start)
+        problem = refusal(start, with_values(start.mapping, keys))
+        if problem is not None:
+            shown = "none" if value is ABSENT else value
+            raise GradcheckError(f"--space {axis.key}={shown}: the starting scenario with it is refused: {problem}")
 
 
 def _fixes(start: Start, key: str) -> bool:
@@ -98,6 +116,9 @@ def parse_overrides(items: tuple[str, ...]) -> dict[str, str]:
         if not eq or not key.strip() or not value.strip():
             raise GradcheckError(f"--space {item}: expected KEY=RANGE, e.g. --space n_k=1..300, "
                                  "--space d_head=16,64,128,160 or --space dtype=float32")
+        if key.strip() in out:
+            raise GradcheckError(f"--space {item}: {key.strip()} is given twice (--space {key.strip()}="
+                                 f"{out[key.strip()]}); give each axis once, a list for several values")
         out[key.strip()] = value.strip()
     return out
 

@@ -115,6 +115,19 @@ def candidate(start: Start, mapping: dict) -> Scenario | None:
     return sc
 
 
+def refusal(start: Start, mapping: dict) -> str | None:
+    """Why the loader refuses the scenario ``mapping`` describes (its message, without the file and line of the
+    text it was given), or None when it takes it."""
+    try:
+        loads(scenario_text(mapping, found_name(start.scenario.name)), file=start.file, base_dir=start.base_dir)
+    except ScenarioError as exc:
+        first = exc.errors[0] if getattr(exc, "errors", None) else exc
+        key = getattr(first, "key", None)
+        key = key.split("].", 1)[-1] if key else None  # scenarios[0].scale -> scale
+        return (f"{key}: " if key else "") + first.message
+    return None
+
+
 def elements(sc: Scenario) -> int:
     """The size of a scenario: the elements of the op's inputs, together (what a hunt shrinks)."""
     shapes = OPS[sc.op].shapes(sc) if OPS[sc.op].shapes else {}
