@@ -75,6 +75,7 @@ def test_a_correct_implementation_gives_no_finding_and_says_what_it_covered(fold
     assert 1 <= covered["n_k"]["min"] <= covered["n_k"]["max"] <= 40
 
 
+@pytest.mark.slow  # two hunts: ~3 s
 def test_the_database_starts_a_rerun_from_the_last_failure(folder, tmp_path):
     db = str(tmp_path / "db")
     first = _hunt(folder, "decode-causal-offset", database=db, budget_s=60, seed=5)

@@ -89,10 +89,13 @@ def fails(impl, size, causal, scale, dtype) -> bool:
     return False
 
 
-def brute(name: str, limit: int, seconds: float) -> dict:
+def brute(name: str, limit: int, seconds: float, start: int = 0, part: tuple[int, int] = (1, 1)) -> dict:
+    """The brute force of one bug over the sizes with ``start`` .. ``limit`` input elements (``part`` (i, n): every
+    n-th size from the i-th, to split the work over processes)."""
     impl = getattr(hunt_edges, name.replace("-", "_"))
     began, checked = time.monotonic(), 0
-    for size in sizes(limit):
+    chosen = [sz for sz in sizes(limit) if sz[0] >= start]
+    for size in chosen[part[0] - 1::part[1]]:
         if time.monotonic() - began > seconds:
             return {"smallest": None, "nothing_fails_below": size[0], "checked": checked,
                     "seconds": round(time.monotonic() - began, 1)}
@@ -132,7 +135,16 @@ def main() -> None:
     parser.add_argument("--brute-seconds", type=float, default=600.0)
     parser.add_argument("--bugs", nargs="+", default=list(BUGS))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--brute-only", metavar="BUG", help="only the brute force of BUG (no hunts)")
+    parser.add_argument("--brute-range", default="0:0", metavar="FROM:TO", help="input elements FROM..TO")
+    parser.add_argument("--part", default="1/1", metavar="I/N", help="every N-th size from the I-th")
     args = parser.parse_args()
+    if args.brute_only:
+        low, high = map(int, args.brute_range.split(":"))
+        i, n = map(int, args.part.split("/"))
+        print(json.dumps({"bug": args.brute_only, "from": low, "to": high, "part": args.part,
+                          "brute": brute(args.brute_only, high, args.brute_seconds, low, (i, n))}))
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
