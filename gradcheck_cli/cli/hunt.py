@@ -9,13 +9,19 @@ import click
 
 from .. import checker, hunt, report
 from ..errors import GradcheckError
-from ..exitcodes import EPILOG, ExitCode
+from ..exitcodes import ExitCode, epilog
 from ..text import visible
 from .commands import _stopped_writing, main
 from .ui import _console, _fail, _unwritten
 
 
-@main.command("hunt", epilog=EPILOG, short_help="Search the scenario space around one scenario for a failure, "
+#: The hunt's exit codes, in its words.
+HUNT_EPILOG = epilog(ExitCode.OK, ExitCode.FAILED, ExitCode.BAD_INPUT, ExitCode.INCONCLUSIVE, ExitCode.INTERRUPTED,
+                     OK="no failure found", FAILED="a failure found, shrunk and written",
+                     INCONCLUSIVE="only inconclusive scenarios (or none checked)")
+
+
+@main.command("hunt", epilog=HUNT_EPILOG, short_help="Search the scenario space around one scenario for a failure, "
                                                 "and shrink it.")
 @click.argument("config", type=click.Path(path_type=str))
 @click.option("--select", "select", required=True, metavar="NAME",
@@ -160,4 +166,4 @@ class _Status:
         self.status.update(text)
 
 
-__all__ = ["hunt_command", "ExitCode"]
+__all__ = ["HUNT_EPILOG", "hunt_command"]
