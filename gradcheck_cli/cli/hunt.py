@@ -14,7 +14,6 @@ from ..text import visible
 from .commands import _stopped_writing, main
 from .ui import _console, _fail, _unwritten
 
-
 #: The hunt's exit codes, in its words.
 HUNT_EPILOG = epilog(ExitCode.OK, ExitCode.FAILED, ExitCode.BAD_INPUT, ExitCode.INCONCLUSIVE, ExitCode.INTERRUPTED,
                      OK="no failure found", FAILED="a failure found, shrunk and written",
