@@ -22,8 +22,8 @@ from ..errors import GradcheckError
 from ..exitcodes import ExitCode
 from ..scenario import read_files
 from . import record, search
+from .found import Finding, Hunt
 from .plan import DEFAULT_DATABASE, DEFAULT_MAX_ELEMENTS, HuntOptions, HuntPlan
-from .search import Finding, Hunt
 from .space import Space, parse_overrides, space_of
 from .start import Start, starting_point
 

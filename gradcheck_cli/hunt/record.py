@@ -8,8 +8,8 @@ import yaml
 
 from .. import report
 from ..text import shell_word, visible
+from .found import Finding, Hunt
 from .plan import HuntPlan
-from .search import Finding, Hunt
 from .start import found_name, scenario_text
 
 #: The ``schema`` of the JSON record.

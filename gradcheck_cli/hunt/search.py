@@ -7,13 +7,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import heapq
 import os
 import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
@@ -31,70 +29,15 @@ except NameError:  # pragma: no cover -- 3.10: hypothesis's own dependency provi
 from ..result import ScenarioResult
 from ..scenario import Scenario
 from ..workers import _Workers
+from . import shrink
+from .found import Finding, Hunt
 from .space import Space
-from .start import Start, candidate, elements, with_values
+from .start import Start, candidate, with_values
 
 #: A named cause in a hint: "... a known mistake: ... (`softmax-term`)".
 _CAUSE = re.compile(r"\(`([A-Za-z0-9_.-]+)`\)")
 #: A size in a cause's name: ``-96``, ``-0.5``.
 _NUMBER = re.compile(r"-\d+(\.\d+)?(?=-|$)")
-
-
-@dataclass(frozen=True)
-class Finding:
-    """A failing scenario: its keys, the loaded record, its result, its size and what failed (``signature``: the
-    failed checks' names, and the causes its hints name)."""
-    mapping: dict
-    scenario: Scenario
-    result: ScenarioResult
-    elements: int
-    signature: tuple[frozenset, frozenset]
-    values: dict = field(default_factory=dict)  # the draw (axis key: value) it was made from
-
-    def same_failure(self, other: Finding) -> bool:
-        """Whether ``other`` fails as this does: the first check this one failed fails there too, and so does
-        every cause this one's hints name."""
-        failed, causes = self.signature
-        first = next((c.name for c in self.result.checks if c.verdict == "fail"), None)
-        if first is None:  # no check named as failed: the same failed checks, exactly
-            return bool(failed) and failed == other.signature[0] and causes <= other.signature[1]
-        return first in other.signature[0] and causes <= other.signature[1]
-
-
-@dataclass
-class Hunt:
-    """What a hunt did: scenarios checked (``tried``), drawn but skipped (values the loader refuses together, or
-    over the size limit), inconclusive ones, the values each axis took (``covered``), the first failure and the
-    smallest scenario that fails the same way (``smallest``), each failing scenario's size as shrinking went
-    (``path``), and how it stopped."""
-    start: Start
-    space: Space
-    seed: int
-    tried: int = 0
-    skipped: int = 0
-    inconclusive: int = 0
-    inconclusive_float32: int = 0
-    other_failures: int = 0
-    covered: dict = field(default_factory=dict)
-    first: Finding | None = None
-    smallest: Finding | None = None
-    first_inconclusive: Finding | None = None
-    path: list = field(default_factory=list)
-    search_s: float = 0.0
-    shrink_s: float = 0.0
-    stopped: str = ""
-    interrupted: bool = False
-    left_out: dict = field(default_factory=dict)  # values of the space the code does not run in, and why
-    start_failed: bool = False  # the starting scenario itself fails
-    tried_to_first: int = 0  # scenarios checked up to the first failure, it included
-
-    @property
-    def verdict(self) -> str:
-        """fail (a failure found), inconclusive (only inconclusive scenarios, or none checked: nothing is decided)
-        or pass."""
-        if self.smallest:
-            return "fail"
-        return "inconclusive" if self.inconclusive or not self.tried else "pass"
 
 
 class _Stop(BaseException):
@@ -125,7 +68,7 @@ def run(start: Start, space: Space, *, seed: int = 0, examples: int | None = Non
     def evaluate(values: dict, made: tuple | None = None) -> Finding | None:
         """Check the scenario a draw describes (``made``: what ``_made`` made of it) and count it; None when it is
         skipped (refused, or too large)."""
-        mapping, sc, size = made or _made(start, space, values)
+        mapping, sc, size = made or shrink.made(start, space, values)
         if sc is None or size > space.max_elements:
             hunt.skipped += 1
             return None
@@ -177,8 +120,8 @@ def run(start: Start, space: Space, *, seed: int = 0, examples: int | None = Non
                                  f"({hunt.skipped} drawn, each refused or over the size limit {space.max_elements}); "
                                  "widen --space or raise --max-elements")
         if hunt.smallest is not None and not hunt.interrupted:
-            _ascend(hunt, start, space, evaluate, deadline[0])
-            _polish(hunt, space, evaluate, deadline[0])
+            shrink.ascend(hunt, start, space, evaluate, deadline[0])
+            shrink.polish(hunt, space, evaluate, deadline[0])
             if time.monotonic() > deadline[0]:
                 hunt.stopped = "shrink time"
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the hunt so far is reported, its smallest failure written
@@ -264,74 +207,6 @@ def _search(test: Callable[[], None], hunt: Hunt, examples: int | None) -> None:
         if group.subgroup((_Failed, Flaky)) is None:
             raise
         hunt.stopped = "shrunk"
-
-
-#: Most scenarios the ascending search after hypothesis checks (``_ascend``).
-ASCEND_CHECKS = 150
-#: Most scenarios it loads to order them (refused ones included: where most are, it stops sooner).
-ASCEND_LOADS = 3000
-
-
-def _made(start: Start, space: Space, values: dict) -> tuple:
-    """(mapping, scenario or None when the loader refuses it, input elements) of a draw."""
-    mapping = with_values(start.mapping, space.scenario_values(values, start))
-    sc = candidate(start, mapping)
-    return mapping, sc, elements(sc) if sc is not None else 0
-
-
-def _ascend(hunt: Hunt, start: Start, space: Space, evaluate: Callable, deadline: float) -> None:
-    """The sizes below the smallest failure, in ascending input elements (best first from every size at its lowest,
-    each size growing by one), the other keys as they are: the first that fails the same way is the smallest for
-    those keys. At most ASCEND_CHECKS are checked: a failure that needs large sizes keeps what hypothesis found.
-    (Varying the choices too, one at a time, spread the checks over nine times as many scenarios and found less.)"""
-    base, limit = dict(hunt.smallest.values), hunt.smallest.elements
-    sizes = [a for a in space.axes if a.kind == "int" and isinstance(base.get(a.key), int)]
-
-    def made(vector: tuple) -> tuple:
-        values = {**base, **{a.key: v for a, v in zip(sizes, vector)}}
-        return values, _made(start, space, values)
-
-    first = tuple(a.low for a in sizes)
-    values, m = made(first)
-    heap, seen, order, checks, loads = [(m[2], 0, first, values, m)], {first}, 0, 0, 1
-    while heap and checks < ASCEND_CHECKS and loads < ASCEND_LOADS and time.monotonic() < deadline:
-        size, _, vector, values, m = heapq.heappop(heap)
-        if m[1] is not None:
-            if size >= limit:
-                return
-            checks += 1
-            if evaluate(values, m) is hunt.smallest:
-                return
-        for i, a in enumerate(sizes):
-            step = vector[:i] + (vector[i] + 1,) + vector[i + 1:]
-            if vector[i] < a.high and step not in seen:
-                seen.add(step)
-                order += 1
-                values_, m_ = made(step)
-                loads += 1
-                # a refused size has no input elements to count: those of its parent, grown as this size grew
-                grown = max(size + 1, -(-size * (vector[i] + 1) // max(vector[i], 1)))
-                heapq.heappush(heap, (m_[2] if m_[1] is not None else grown, order, step, values_, m_))
-
-
-def _polish(hunt: Hunt, space: Space, evaluate: Callable[[dict], Finding | None], deadline: float) -> None:
-    """After hypothesis: each size of the smallest failure tried at every smaller value, one size at a time, the
-    first that still fails the same way taken, until none does or the time is spent. Hypothesis's shrinker halves
-    and steps; a failure that depends on the drawn values (an overflow at one input) can hide between its steps."""
-    improved = True
-    while improved:
-        improved = False
-        for axis in (a for a in space.axes if a.kind == "int"):
-            current = hunt.smallest.values.get(axis.key)
-            for value in range(axis.low, current if isinstance(current, int) else axis.low):
-                if time.monotonic() > deadline:
-                    return
-                finding = evaluate({**hunt.smallest.values, axis.key: value})
-                if finding is not None and hunt.smallest is finding:
-                    improved = True
-                    break
-            if improved:
-                break
 
 
 def _signature(result: ScenarioResult) -> tuple[frozenset, frozenset]:
