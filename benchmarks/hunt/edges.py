@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--bugs", nargs="+", default=list(BUGS))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--brute-only", metavar="BUG", help="only the brute force of BUG (no hunts)")
+    parser.add_argument("--no-brute", action="store_true", help="only the hunts")
     parser.add_argument("--brute-range", default="0:0", metavar="FROM:TO", help="input elements FROM..TO")
     parser.add_argument("--part", default="1/1", metavar="I/N", help="every N-th size from the I-th")
     args = parser.parse_args()
@@ -154,7 +155,8 @@ def main() -> None:
             hunts = [hunt(name, seed, args.budget, folder) for seed in args.seeds]
             largest = max(h["smallest"] or 0 for h in hunts)
             # to the hunts' largest result, or to half of it (enough to decide "within 2x") when that is large
-            b = brute(name, max(largest if largest <= 200 else math.ceil(largest / 2), 1), args.brute_seconds)
+            b = {"smallest": None, "nothing_fails_below": 0} if args.no_brute else brute(
+                name, max(largest if largest <= 200 else math.ceil(largest / 2), 1), args.brute_seconds)
             floor = b["smallest"] or b["nothing_fails_below"]
             row = {"bug": name, "hunts": hunts, "brute": b,
                    "within_2x": all(h["smallest"] is not None and h["smallest"] <= 2 * floor for h in hunts),
