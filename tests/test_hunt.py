@@ -257,7 +257,7 @@ def test_a_dtype_the_code_does_not_run_in_is_left_out_with_the_reason(tmp_path, 
                                          space=("n_q=1..8", "n_k=1..8", "d_head=1..4")))
     assert outcome.exit_code == ExitCode.OK, outcome.record["smallest"]
     assert "o of dtype float64, expected float32" in outcome.record["left_out"]["dtype=float32"]
-    assert outcome.record["covered"]["dtype"] == {"values": ['"float64"']}
+    assert outcome.record["covered"]["dtype"] == {"values": ["float64"]}
 
 
 def test_every_draw_stays_inside_each_axis_range_and_lists_fit_their_sizes(folder):

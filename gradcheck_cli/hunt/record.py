@@ -84,7 +84,8 @@ def _covered(hunt: Hunt) -> dict:
             distinct = {json.dumps(v): v for v in values}
             order = sorted(distinct.items(), key=lambda kv: (kv[1] is not None, not isinstance(kv[1], (int, float)),
                                                              kv[1] if isinstance(kv[1], (int, float)) else 0, kv[0]))
-            out[key] = {"values": ["none" if v is None else text for text, v in order]}
+            out[key] = {"values": ["none" if v is None else text if isinstance(v, list) else str(v)
+                                   for text, v in order]}
     return out
 
 
