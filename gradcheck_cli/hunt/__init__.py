@@ -21,7 +21,7 @@ from .. import report
 from ..errors import GradcheckError
 from ..exitcodes import ExitCode
 from ..scenario import read_files
-from . import record, search
+from . import record
 from .found import Finding, Hunt
 from .plan import DEFAULT_DATABASE, DEFAULT_MAX_ELEMENTS, HuntOptions, HuntPlan
 from .space import Space, parse_overrides, space_of
@@ -56,6 +56,7 @@ def prepare(options: HuntOptions) -> HuntPlan:
 
 def execute(plan: HuntPlan, progress: Callable[[Hunt], None] | None = None) -> HuntOutcome:
     """Run the hunt; writes nothing (see :func:`write`)."""
+    from . import search  # hypothesis is imported when a hunt runs, not with the command line
     o = plan.options
     found = search.run(plan.start, plan.space, seed=o.seed, examples=o.examples, budget_s=o.budget_s,
                        shrink_s=o.shrink_s, database=o.database, memory_budget=o.memory_budget_mib * 2**20,

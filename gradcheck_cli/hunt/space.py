@@ -6,8 +6,6 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from hypothesis import strategies as st
-
 from ..errors import GradcheckError
 from ..ops import OPS
 from ..ops.registry import Axis
@@ -33,6 +31,7 @@ class Space:
     def strategy(self, start: Start):
         """A strategy of {axis key: value}; dependent kinds (padding lengths, windows) read the sizes drawn before
         them, or the starting scenario's."""
+        from hypothesis import strategies as st  # imported when a hunt runs, not with the command line
         axes = self.axes
 
         @st.composite
@@ -174,6 +173,7 @@ def _range_text(axis: Axis) -> str:
 
 
 def _strategy(axis: Axis, values: dict, start: Start):
+    from hypothesis import strategies as st
     if axis.kind == "choice":
         return st.sampled_from(axis.choices)
     if axis.kind == "int":
@@ -190,6 +190,7 @@ def _strategy(axis: Axis, values: dict, start: Start):
 
 def _sizes(low: int, high: int):
     """Integers low..high, log-uniform (small ones often), shrinking towards ``low``."""
+    from hypothesis import strategies as st
     if high <= low:
         return st.just(low)
     ratio = math.log(high / low)
