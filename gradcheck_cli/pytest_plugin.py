@@ -66,6 +66,27 @@ class ScenarioFailed(Exception):
     pass
 
 
+def _check_lines(result, diagnosis: bool) -> list[str]:
+    """A result's checks that did not pass (FAIL or their verdict, and what they say; ``diagnosis``: where and the
+    worst elements too) and its hints, a line each."""
+    lines = []
+    for c in result.checks:
+        if not c.passed:
+            lines.append(f"{'FAIL' if c.verdict == 'fail' else c.verdict.upper()} {failure_message(c)}")
+            lines += diagnosis_lines(c, indent="  ") if diagnosis else []
+    return lines + [f"hint: {h}" for h in result.hints]
+
+
+def _end_inconclusive(config, reason: str) -> None:
+    """An inconclusive item ends as ``--gradcheck-inconclusive`` says: skipped or xfailed here with ``reason``, or
+    (fail, the default) it returns and the caller fails it."""
+    policy = _inconclusive_policy(config)
+    if policy == "skip":
+        pytest.skip(visible(reason))
+    if policy == "xfail":
+        pytest.xfail(visible(reason))
+
+
 class ScenarioItem(pytest.Item):
     def __init__(self, *, scenario, **kwargs):
         super().__init__(**kwargs)
@@ -82,21 +103,12 @@ class ScenarioItem(pytest.Item):
             result = run_scenario(self.scenario)
         if result.passed:
             return
-        lines = []
-        for c in result.checks:
-            if not c.passed:
-                lines.append(f"{'FAIL' if c.verdict == 'fail' else c.verdict.upper()} {failure_message(c)}")
-                lines += diagnosis_lines(c, indent="  ")
-        lines += [f"hint: {h}" for h in result.hints]
+        lines = _check_lines(result, diagnosis=True)
         lines.append("reproduce: " + reproduce_command(str(self.path), self.scenario.name))
-        policy = _inconclusive_policy(self.config)
-        if result.verdict == "inconclusive" and policy != "fail":
+        if result.verdict == "inconclusive":
             undecided = [c for c in result.checks if c.verdict == "inconclusive"]
             names = ", ".join(dict.fromkeys(c.name for c in undecided))
-            reason = visible(f"inconclusive: {names} ({undecided[0].detail[:160]})")
-            if policy == "skip":
-                pytest.skip(reason)
-            pytest.xfail(reason)
+            _end_inconclusive(self.config, f"inconclusive: {names} ({undecided[0].detail[:160]})")
         raise ScenarioFailed("\n".join(map(visible, lines)))
 
     def repr_failure(self, excinfo, style=None):
@@ -132,17 +144,10 @@ class HuntItem(pytest.Item):
             f"FAILED, shrunk from {found.first.elements} to {found.smallest.elements} input elements:"
             if found.smallest else f"{found.inconclusive} INCONCLUSIVE, none failed; the smallest:")]
         lines += hunt.record.scenario_file(plan, found).splitlines() if found.smallest else [shown.scenario.describe()]
-        for c in shown.result.checks:
-            if c.verdict in ("fail", "inconclusive"):
-                lines.append(f"{'FAIL' if c.verdict == 'fail' else c.verdict.upper()} {failure_message(c)}")
-        lines += [f"hint: {h}" for h in shown.result.hints]
+        lines += _check_lines(shown.result, diagnosis=False)
         lines.append("repeat: " + hunt.record.command(plan))
-        policy = _inconclusive_policy(self.config)
-        if found.smallest is None and policy != "fail":
-            reason = visible(f"hunt inconclusive: {found.inconclusive} scenario(s), none failed")
-            if policy == "skip":
-                pytest.skip(reason)
-            pytest.xfail(reason)
+        if found.smallest is None:
+            _end_inconclusive(self.config, f"hunt inconclusive: {found.inconclusive} scenario(s), none failed")
         raise ScenarioFailed("\n".join(map(visible, lines)))
 
     def repr_failure(self, excinfo, style=None):

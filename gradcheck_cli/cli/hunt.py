@@ -73,7 +73,7 @@ def hunt_command(config, select, budget_s, examples, seed, out, space, max_eleme
     out_console.print(f"hunting around {visible(sc.name)} ({visible(sc.describe())}) for "
                       + (f"{examples} scenario(s) or " if examples else "") + f"{budget_s:g} s, seed {seed}")
     try:
-        with _Status(progress, budget_s) as status:
+        with _Status(progress) as status:
             outcome = hunt.execute(plan, status.update)
     except GradcheckError as exc:
         raise _fail(exc) from None
@@ -112,7 +112,7 @@ def _render(console, outcome: hunt.HuntOutcome) -> None:
             for h in extra:
                 console.print(f"  hint: {visible(h)}")
         return
-    covered = hunt.record.json_record(plan, found)["covered"]
+    covered = outcome.record["covered"]
     if covered:
         console.print("covered:")
     for key, span in covered.items():
@@ -142,9 +142,9 @@ def _render(console, outcome: hunt.HuntOutcome) -> None:
 class _Status:
     """One line on stderr (a terminal only) with the scenarios tried and the smallest failure so far."""
 
-    def __init__(self, enabled: bool, budget_s: float):
+    def __init__(self, enabled: bool):
         self.enabled = enabled and sys.stderr.isatty()
-        self.budget_s, self.started = budget_s, time.monotonic()
+        self.started = time.monotonic()
         self.status = None
         self.stack = contextlib.ExitStack()
 
