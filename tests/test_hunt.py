@@ -12,7 +12,7 @@ from gradcheck_cli.cli import main
 from gradcheck_cli.errors import GradcheckError
 from gradcheck_cli.exitcodes import ExitCode
 from gradcheck_cli.hunt import entries
-from gradcheck_cli.hunt.space import parse_overrides, space_of
+from gradcheck_cli.hunt.space import parse_overrides, scenario_values, space_of
 from gradcheck_cli.hunt.start import elements, starting_point
 
 #: A small space around examples/hunt.yaml's start: a hunt in it takes a few seconds.
@@ -282,7 +282,7 @@ def test_every_draw_stays_inside_each_axis_range_and_lists_fit_their_sizes(folde
         window = values["mask.window"]
         assert window is None or (len(window) == 2 and window != [None, None]
                                   and all(w is None or 0 <= w <= values["n_k"] for w in window))
-        keys = space.scenario_values(values, start)
+        keys = scenario_values(values, start)
         assert keys["heads_q"] == keys["heads_kv"] * values["group"] and "group" not in keys
     check()
 

@@ -32,7 +32,7 @@ from ..workers import _Workers
 from . import shrink
 from .found import Finding, Hunt
 from .space import Space
-from .start import Start, candidate, with_values
+from .start import Start
 
 #: A named cause in a hint: "... a known mistake: ... (`softmax-term`)".
 _CAUSE = re.compile(r"\(`([A-Za-z0-9_.-]+)`\)")
@@ -148,7 +148,7 @@ def _values_the_code_runs_in(hunt: Hunt, start: Start, space: Space, check: Call
     Any other failure there keeps the value: the hunt will find it. The starting scenario itself is checked too;
     ``hunt.start_failed`` says whether it fails."""
     def cannot_run(values: dict) -> str | None:
-        sc = candidate(start, with_values(start.mapping, space.scenario_values(values, start)))
+        sc = shrink.made(start, space, values)[1]
         result = check(sc) if sc is not None else None
         failed = [c for c in result.checks if c.verdict == "fail"] if result is not None else []
         return failed[0].detail if failed and all(c.name == "implementation runs" for c in failed) else None

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 from .found import Finding, Hunt
-from .space import Space
+from .space import Space, scenario_values
 from .start import Start, candidate, elements, with_values
 
 #: Most scenarios the ascending search after hypothesis checks (``_ascend``).
@@ -18,7 +18,7 @@ ASCEND_LOADS = 3000
 
 def made(start: Start, space: Space, values: dict) -> tuple:
     """(mapping, scenario or None when the loader refuses it, input elements) of a draw."""
-    mapping = with_values(start.mapping, space.scenario_values(values, start))
+    mapping = with_values(start.mapping, scenario_values(values, start))
     sc = candidate(start, mapping)
     return mapping, sc, elements(sc) if sc is not None else 0
 

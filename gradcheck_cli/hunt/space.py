@@ -42,15 +42,16 @@ class Space:
             return values
         return draw()
 
-    def scenario_values(self, values: dict, start: Start) -> dict:
-        """The scenario keys a draw sets (``group`` becomes ``heads_q``)."""
-        out = dict(values)
-        if "group" in out:
-            heads_kv = out.get("heads_kv", start.scenario.heads_kv)
-            out["heads_q"] = heads_kv * out.pop("group")
-        elif "heads_kv" in out:
-            out["heads_q"] = out["heads_kv"] * max(1, start.scenario.heads_q // max(1, start.scenario.heads_kv))
-        return out
+
+def scenario_values(values: dict, start: Start) -> dict:
+    """The scenario keys a draw sets (``group`` becomes ``heads_q``)."""
+    out = dict(values)
+    if "group" in out:
+        heads_kv = out.get("heads_kv", start.scenario.heads_kv)
+        out["heads_q"] = heads_kv * out.pop("group")
+    elif "heads_kv" in out:
+        out["heads_q"] = out["heads_kv"] * max(1, start.scenario.heads_q // max(1, start.scenario.heads_kv))
+    return out
 
 
 def space_of(start: Start, overrides: dict[str, str], max_elements: int) -> Space:
@@ -94,7 +95,7 @@ def _loads_with(start: Start, axis: Axis) -> None:
     for value in axis.choices:
         if value is ABSENT:
             continue
-        keys = Space((axis,), (), 0).scenario_values({axis.key: value}, start)
+        keys = scenario_values({axis.key: value}, start)
         problem = refusal(start, with_values(start.mapping, keys))
         if problem is not None:
             shown = "none" if value is ABSENT else value
